@@ -1,0 +1,44 @@
+# trainguard: the two commands a fresh clone needs.
+#   make run   installs trainguard into .venv and runs the agent on its built-in default config
+#   make test  installs what the tests need (Debian packages when missing, as root) and runs the suite
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus
+
+.PHONY: run test install install-test deb-test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -e .
+
+install-test: $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+
+run: install
+	$(BIN)/trainguard run
+
+deb-test:
+	@missing=$$(for p in $(DEB_TEST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			echo "installing Debian packages:" $$missing; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+		else \
+			echo "not root: tests needing these Debian packages will skip (or fail under CI=true):" $$missing; \
+		fi; \
+	fi
+
+test: deb-test install-test
+	$(BIN)/ruff check trainguard tests
+	$(BIN)/python -m pytest
+
+lint: install-test
+	$(BIN)/ruff check trainguard tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,185 @@
+"""Shared fixtures. Real components (tmpfs, FUSE, promtool, the agent as a process) are started here.
+
+Under CI=true a test whose real component or privilege is missing fails; elsewhere it skips with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(condition: bool, reason: str) -> None:
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"required for this test under CI=true: {reason}")
+    pytest.skip(reason)
+
+
+def require_root() -> None:
+    require(os.geteuid() == 0, "needs root")
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    require(path is not None, f"needs {name} on PATH")
+    assert path is not None
+    return path
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mount_dev_id(mountpoint: Path) -> str | None:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(mountpoint):
+            return fields[2]
+    return None
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """Mount a size- and inode-limited tmpfs: `tmpfs(size="1m", inodes=100)`."""
+    require_root()
+    mounted: list[Path] = []
+
+    def mount(size: str = "1m", inodes: int = 1000) -> Path:
+        target = tmp_path / f"tmpfs{len(mounted)}"
+        target.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(target)],
+                       check=True, timeout=10)
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "-l", str(target)], check=False, timeout=10)
+
+
+class HungMount:
+    def __init__(self, mountpoint: Path, call_log: Path, proc: subprocess.Popen[bytes]) -> None:
+        self.mountpoint = mountpoint
+        self.call_log = call_log
+        self.proc = proc
+
+    def statfs_calls(self) -> int:
+        return self.call_log.read_text().count("statfs") if self.call_log.exists() else 0
+
+    def abort(self) -> None:
+        """Abort the FUSE connection: every request blocked on it returns ENOTCONN."""
+        dev = mount_dev_id(self.mountpoint)
+        if dev is None:
+            return
+        conns = Path("/sys/fs/fuse/connections")
+        if not any(conns.iterdir()):
+            subprocess.run(["mount", "-t", "fusectl", "fusectl", str(conns)], check=False, timeout=10)
+        abort = conns / dev.split(":")[1] / "abort"
+        if abort.exists():
+            abort.write_text("1")
+
+
+@pytest.fixture
+def hung_mount(tmp_path: Path) -> Iterator[HungMount]:
+    """A FUSE mount whose statfs blocks forever (fusepy over libfuse2)."""
+    require_root()
+    require(Path("/dev/fuse").exists(), "needs /dev/fuse")
+    try:
+        import fuse  # noqa: F401
+    except (ImportError, OSError) as exc:
+        require(False, f"needs fusepy and libfuse2: {exc}")
+    mnt, log = tmp_path / "hung", tmp_path / "statfs-calls.log"
+    mnt.mkdir()
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "hangfs.py"), str(mnt), str(log)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_until(lambda: mount_dev_id(mnt) is not None or proc.poll() is not None, 10, what="FUSE mount")
+    if proc.poll() is not None:
+        raise AssertionError(f"hangfs failed: {proc.stderr.read().decode() if proc.stderr else ''}")
+    hung = HungMount(mnt, log, proc)
+    yield hung
+    hung.abort()
+    subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=10)
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+class AgentProcess:
+    """`trainguard run` as a real subprocess, stderr captured to a file."""
+
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.log = log
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> AgentProcess:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "trainguard", "run", "--config", str(self.config)],
+                                         stdout=out, stderr=out, env=self.env, cwd=REPO)
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_for(self, text: str, timeout: float = 15.0, count: int = 1) -> None:
+        wait_until(lambda: self.output().count(text) >= count or (self.proc and self.proc.poll() is not None),
+                   timeout, what=f"{text!r} in agent output")
+        assert self.output().count(text) >= count, f"agent exited early:\n{self.output()}"
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 10.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def agent_process(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    started: list[AgentProcess] = []
+
+    def make(config: Path, env: dict[str, str] | None = None, log_name: str = "agent.log") -> AgentProcess:
+        agent = AgentProcess(config, tmp_path / log_name, env)
+        started.append(agent)
+        return agent.start()
+
+    yield make
+    for agent in started:
+        agent.stop()
+
+
+def http_get(url: str, timeout: float = 5.0) -> requests.Response:
+    return requests.get(url, timeout=timeout)

@@ -1,0 +1,196 @@
+"""Loading and validating the TOML config. Every error names the file and the key path."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from trainguard.checks.base import CheckSettings
+from trainguard.notifiers.base import NotifierSettings
+from trainguard.registry import DEFAULT_REGISTRY, Registry
+from trainguard.settings import SettingsModel
+
+DEFAULT_CONFIG_PATH = Path("/etc/trainguard/trainguard.toml")
+CONFIG_ENV = "TRAINGUARD_CONFIG"
+
+
+def default_state_dir() -> Path:
+    # systemd's StateDirectory= sets STATE_DIRECTORY; a non-root user can't write /var/lib.
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    if os.geteuid() == 0:
+        return Path("/var/lib/trainguard")
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "trainguard"
+
+
+_LISTEN = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*):(?P<port>\d{1,5})$")
+
+
+class AgentSettings(SettingsModel):
+    node_name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0],
+                           description="Name of this node in alerts; defaults to the short hostname.")
+    state_dir: Path = Field(default_factory=default_state_dir, description="Where incidents and the outbox persist.")
+    listen: str = Field("127.0.0.1:9721", description="HTTP address for /metrics, /healthz and /status; empty: off.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        if value == "":
+            return value
+        match = _LISTEN.match(value)
+        if not match or int(match.group("port")) > 65535:
+            raise ValueError(f"invalid listen address {value!r}: expected HOST:PORT, e.g. '127.0.0.1:9721'")
+        return value
+
+    def listen_address(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentSettings
+    checks: Mapping[str, CheckSettings] = field(default_factory=dict)
+    notifiers: Mapping[str, NotifierSettings] = field(default_factory=dict)
+    source: Path | None = None
+
+    def kind_of_check(self, name: str) -> str:
+        return self.checks[name].type or name
+
+    def kind_of_notifier(self, name: str) -> str:
+        return self.notifiers[name].type or name
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config; secrets come out as '**********'."""
+        return {
+            "source": str(self.source) if self.source else "(built-in default)",
+            "agent": self.agent.model_dump(mode="json"),
+            "checks": {n: {"type": self.kind_of_check(n), **s.model_dump(mode="json", exclude={"type"})}
+                       for n, s in self.checks.items()},
+            "notifiers": {n: {"type": self.kind_of_notifier(n), **s.model_dump(mode="json", exclude={"type"})}
+                          for n, s in self.notifiers.items()},
+        }
+
+
+class ConfigError(Exception):
+    """One or more problems in a config file, each naming the file and key path."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(f"config error in {source}: {p}" for p in problems))
+
+
+def _format_validation_error(prefix: str, exc: ValidationError) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        path = ".".join([prefix] + [str(p) for p in err["loc"]]) if prefix or err["loc"] else "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        problems.append(f"{path.strip('.')}: {msg}")
+    return problems
+
+
+def _validate_table(section: str, raw: Any, base: type, lookup: Any, problems: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{section}: expected a table of named {section}, got {type(raw).__name__}")
+        return out
+    for name, entry in raw.items():
+        where = f"{section}.{name}"
+        if not isinstance(entry, dict):
+            problems.append(f"{where}: expected a table, got {type(entry).__name__}")
+            continue
+        kind = entry.get("type", name)
+        try:
+            cls = lookup(kind)
+        except KeyError as exc:
+            problems.append(f"{where}.type: {exc.args[0]}")
+            continue
+        try:
+            out[name] = cls.Settings.model_validate(entry)
+        except ValidationError as exc:
+            problems.extend(_format_validation_error(where, exc))
+    return out
+
+
+def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_REGISTRY) -> Config:
+    problems: list[str] = []
+    for key in raw:
+        if key not in ("agent", "checks", "notifiers"):
+            problems.append(f"{key}: unknown key (expected agent, checks, notifiers)")
+    agent = None
+    try:
+        agent = AgentSettings.model_validate(raw.get("agent", {}))
+    except ValidationError as exc:
+        problems.extend(_format_validation_error("agent", exc))
+    checks = _validate_table("checks", raw.get("checks", {}), CheckSettings, registry.check_class, problems)
+    notifiers = _validate_table("notifiers", raw.get("notifiers", {}), NotifierSettings,
+                                registry.notifier_class, problems)
+    if problems or agent is None:
+        raise ConfigError(source, problems)
+    return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source))
+
+
+def resolve_config_path(cli_path: str | None) -> tuple[Path, bool]:
+    """The path to read and whether the user named it (a named file that is missing is an error)."""
+    if cli_path:
+        return Path(cli_path), True
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV]), True
+    return DEFAULT_CONFIG_PATH, False
+
+
+def load_config(cli_path: str | None = None, registry: Registry = DEFAULT_REGISTRY) -> Config:
+    path, explicit = resolve_config_path(cli_path)
+    if not path.exists() and not explicit:
+        return default_config(registry)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read file: {exc.strerror or exc}"]) from None
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), [f"not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from None
+    return parse_config(raw, str(path), registry)
+
+
+def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
+    """Useful on any Linux machine: root fs and state dir, host memory, GPUs when NVML loads, console."""
+    agent = AgentSettings()
+    # The daemon creates the state dir before it loads the config; a one-shot `check` may run without it.
+    paths = ["/"] + ([str(agent.state_dir)] if agent.state_dir.is_dir() else [])
+    raw: dict[str, Any] = {
+        "checks": {
+            "disk": {"paths": paths},
+            "memory": {},
+        },
+        "notifiers": {"console": {}},
+    }
+    if "gpu" in registry.checks:
+        from trainguard import nvml
+
+        if nvml.probe() is None:
+            raw["checks"]["gpu"] = {}
+    config = parse_config(raw, "(built-in default)", registry)
+    return Config(agent=agent, checks=config.checks, notifiers=config.notifiers, source=None)

@@ -1,0 +1,60 @@
+"""`trainguard run`: wire the engine, the HTTP endpoint and systemd together; shut down cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+
+from trainguard import __version__
+from trainguard.agent.config import Config
+from trainguard.agent.engine import Engine
+from trainguard.agent.http import HttpEndpoint
+from trainguard.agent.logs import kv
+from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
+
+log = logging.getLogger("trainguard.daemon")
+
+
+def run_daemon(config: Config) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("shutdown requested", extra=kv(signal=signal.Signals(signum).name))
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    log.info("starting", extra=kv(version=__version__, node=config.agent.node_name,
+                                  config=config.source or "(built-in default)", state_dir=config.agent.state_dir))
+    engine = Engine(config)
+    if not engine.store.persistent:
+        log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))
+    endpoint = None
+    if config.agent.listen:
+        host, port = config.agent.listen_address()
+        try:
+            endpoint = HttpEndpoint(engine, host, port)
+            endpoint.start()
+        except OSError as exc:
+            # Checks and alerts matter more than the endpoint: keep running without it.
+            log.error("cannot listen; HTTP endpoint off", extra=kv(address=config.agent.listen, error=exc))
+    systemd = SystemdNotifier()
+    pinger = WatchdogPinger(systemd, engine.healthy)
+    engine.start()
+    systemd.notify("READY=1", f"STATUS=watching {len(engine.checks)} checks")
+    pinger.start()
+    log.info("ready", extra=kv(checks=len(engine.checks), watchdog_s=systemd.watchdog_s))
+    while not stop.wait(1.0):
+        pass
+    t0 = time.monotonic()
+    systemd.notify("STOPPING=1")
+    pinger.stop()
+    if endpoint is not None:
+        endpoint.stop()
+    engine.stop()
+    log.info("stopped", extra=kv(shutdown_s=round(time.monotonic() - t0, 3)))
+    return 0

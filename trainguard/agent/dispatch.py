@@ -1,0 +1,118 @@
+"""Delivers queued events from the SQLite outbox, one worker thread per channel.
+
+A message leaves the outbox only once its channel accepted it, so a restart or an outage loses
+nothing; a slow or failing channel only ever delays itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from trainguard.agent.events import Event
+from trainguard.agent.logs import kv
+from trainguard.agent.store import Store
+from trainguard.notifiers.base import Notifier, NotifierError
+
+log = logging.getLogger("trainguard.dispatch")
+
+MAX_AGE_S = 24 * 3600.0
+BACKOFF_BASE_S = 2.0
+BACKOFF_MAX_S = 600.0
+
+
+class ChannelStats:
+    def __init__(self) -> None:
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+
+
+class Dispatcher:
+    def __init__(self, store: Store, notifiers: Mapping[str, Notifier], clock: Callable[[], float] = time.time,
+                 max_age_s: float = MAX_AGE_S) -> None:
+        self._store = store
+        self._notifiers = dict(notifiers)
+        self._clock = clock
+        self._max_age_s = max_age_s
+        self._wake = {name: threading.Event() for name in self._notifiers}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.stats = {name: ChannelStats() for name in self._notifiers}
+
+    def route(self, event: Event) -> Iterable[str]:
+        return [name for name, n in self._notifiers.items() if n.accepts(event)]
+
+    def start(self) -> None:
+        for name in self._notifiers:
+            thread = threading.Thread(target=self._worker, args=(name,), name=f"notify-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wake(self) -> None:
+        for event in self._wake.values():
+            event.set()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self.wake()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def deliver_pending(self, channel: str) -> float | None:
+        """Send what is due on `channel`, in order. Returns seconds until the next retry, None when empty."""
+        notifier = self._notifiers[channel]
+        stats = self.stats[channel]
+        while not self._stop.is_set():
+            row = self._store.next_outbox(channel)
+            if row is None:
+                return None
+            now = self._clock()
+            if now - row.created > self._max_age_s:
+                log.error("dropping undeliverable notification", extra=kv(
+                    channel=channel, age_s=round(now - row.created), attempts=row.attempts, error=row.last_error))
+                stats.dropped += 1
+                self._store.outbox_done(row.id)
+                continue
+            if row.next_attempt > now:
+                return row.next_attempt - now
+            event = Event.from_dict(row.event)
+            try:
+                notifier.send(event)
+            except NotifierError as exc:
+                stats.failed += 1
+                if exc.permanent:
+                    log.error("notification rejected, not retrying", extra=kv(
+                        channel=channel, incident=event.incident_id, error=str(exc)))
+                    self._store.outbox_done(row.id)
+                    continue
+                delay = exc.retry_after if exc.retry_after is not None else min(
+                    BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** row.attempts) * random.uniform(0.8, 1.2)
+                log.warning("notification failed, will retry", extra=kv(
+                    channel=channel, incident=event.incident_id, attempt=row.attempts + 1,
+                    retry_in_s=round(delay, 1), error=str(exc)))
+                self._store.outbox_retry(row.id, now + delay, str(exc))
+                return delay
+            except Exception as exc:
+                stats.failed += 1
+                log.exception("notifier crashed; will retry", extra=kv(channel=channel))
+                self._store.outbox_retry(row.id, now + BACKOFF_MAX_S, f"{type(exc).__name__}: {exc}")
+                return BACKOFF_MAX_S
+            stats.sent += 1
+            self._store.outbox_done(row.id)
+        return None
+
+    def _worker(self, channel: str) -> None:
+        wake = self._wake[channel]
+        while not self._stop.is_set():
+            wake.clear()
+            try:
+                delay = self.deliver_pending(channel)
+            except Exception:
+                log.exception("outbox worker error", extra=kv(channel=channel))
+                delay = 5.0
+            wake.wait(delay)

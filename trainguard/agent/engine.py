@@ -1,0 +1,250 @@
+"""The engine: schedules every check, feeds results to incidents, and keeps the snapshot that
+/metrics and /status read (they never do I/O themselves)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from trainguard import __version__
+from trainguard.agent.config import Config
+from trainguard.agent.dispatch import Dispatcher
+from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
+from trainguard.agent.logs import kv
+from trainguard.agent.runner import CheckRunner, RunReport
+from trainguard.agent.store import Store
+from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.model import Result, Status
+from trainguard.notifiers.base import Notifier
+from trainguard.registry import DEFAULT_REGISTRY, Registry
+
+log = logging.getLogger("trainguard.engine")
+
+TICK_S = 1.0
+
+
+class BrokenCheck(Check):
+    """Stands in for a check whose constructor failed, so the failure shows up as data."""
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext, error: str) -> None:
+        super().__init__(name, settings, context)
+        self.error = error
+
+    def run(self) -> Sequence[Result]:
+        return [self.result(self.name, Status.UNKNOWN, f"check could not start: {self.error}")]
+
+
+@dataclass
+class CheckState:
+    kind: str
+    interval: float
+    last: RunReport | None = None
+    runs: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    node: str
+    started: float
+    checks: Mapping[str, CheckState]
+    firing: Mapping[Status, int]
+    outbox: Mapping[str, tuple[int, float | None]]
+    delivery: Mapping[str, tuple[int, int, int]]  # sent, failed, dropped
+    agent: Mapping[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry = DEFAULT_REGISTRY,
+        *,
+        store: Store | None = None,
+        notifiers: Mapping[str, Notifier] | None = None,
+        clock: Callable[[], float] = time.time,
+        context_extras: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.node = config.agent.node_name
+        context = CheckContext(config.agent.node_name, config.agent.state_dir, clock, dict(context_extras or {}))
+        self.checks: dict[str, Check] = {}
+        for name, settings in config.checks.items():
+            if settings.enabled:
+                self.checks[name] = self._build_check(registry, config.kind_of_check(name), name, settings, context)
+        self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
+        self._states = {name: CheckState(config.kind_of_check(name), c.settings.interval)
+                        for name, c in self.checks.items()}
+        self.store = store if store is not None else Store(config.agent.state_dir)
+        if notifiers is None:
+            notifiers = {name: registry.notifier_class(config.kind_of_notifier(name))(name, s)
+                         for name, s in config.notifiers.items() if s.enabled}
+        self.notifiers = dict(notifiers)
+        self.dispatcher = Dispatcher(self.store, self.notifiers, clock)
+        self.tracker = IncidentTracker(self.store, self.node, clock)
+        self.stop_event = threading.Event()
+        self._lock = threading.Lock()
+        self._started = clock()
+        self._last_tick = time.monotonic()
+        self._outbox: dict[str, tuple[int, float | None]] = {}
+        self._agent: dict[str, float] = {}
+        self._scheduler: Any = None
+
+    @staticmethod
+    def _build_check(registry: Registry, kind: str, name: str, settings: CheckSettings,
+                     context: CheckContext) -> Check:
+        try:
+            return registry.check_class(kind)(name, settings, context)
+        except Exception as exc:  # noqa: BLE001 - one broken check must not stop the others
+            log.error("check could not start", extra=kv(check=name, error=f"{type(exc).__name__}: {exc}"))
+            return BrokenCheck(name, settings, context, f"{type(exc).__name__}: {exc}")
+
+    # running -------------------------------------------------------------------
+    def run_round(self, ingest: bool = True) -> list[RunReport]:
+        """Run every check once, concurrently; each bounded by its own timeout."""
+        reports: dict[str, RunReport] = {}
+
+        def one(name: str) -> None:
+            reports[name] = self.runners[name].run_once(self.stop_event)
+
+        threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in self.runners]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ordered = [reports[n] for n in self.runners if n in reports]
+        if ingest:
+            for report in ordered:
+                self.ingest(report)
+        return ordered
+
+    def run_check(self, name: str) -> None:
+        """The scheduled job: never raises, whatever the check or the store does."""
+        if self.stop_event.is_set():
+            return
+        try:
+            self.ingest(self.runners[name].run_once(self.stop_event))
+        except Exception:
+            log.exception("ingesting check results failed", extra=kv(check=name))
+
+    def ingest(self, report: RunReport) -> None:
+        if self.stop_event.is_set() and report.outcome == "skipped":
+            return
+        check = self.checks[report.check]
+        with self._lock:
+            state = self._states[report.check]
+            state.last = report
+            state.runs += 1
+            state.timeouts += report.outcome == "timeout"
+            state.errors += report.outcome == "error"
+            state.skipped += report.outcome == "skipped"
+        s = check.settings
+        policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
+        events = self.tracker.observe(report.check, report.results, policy, report.complete, self.dispatcher.route)
+        for event in events:
+            log.info("incident event", extra=kv(event=event.kind.value, check=event.check, subject=event.subject,
+                                                status=event.status.name, incident=event.incident_id))
+        if events:
+            self.dispatcher.wake()
+
+    def tick(self) -> None:
+        """Liveness of the scheduler itself, plus the slow-changing parts of the snapshot."""
+        self._last_tick = time.monotonic()
+        try:
+            outbox = self.store.outbox_stats()
+        except Exception as exc:  # noqa: BLE001 - the tick is the liveness signal: it must not die
+            log.warning("reading outbox stats failed", extra=kv(error=exc))
+            outbox = self._outbox
+        agent = {}
+        try:
+            import psutil
+
+            proc = psutil.Process()
+            times = proc.cpu_times()
+            agent = {"rss": float(proc.memory_info().rss), "cpu": times.user + times.system,
+                     "threads": float(proc.num_threads())}
+        except Exception as exc:  # noqa: BLE001 - self metrics are optional
+            log.debug("self metrics failed", extra=kv(error=exc))
+        with self._lock:
+            self._outbox = outbox
+            self._agent = agent
+
+    def healthy(self, max_age_s: float = 10.0) -> bool:
+        """False when the scheduler stopped making progress: the systemd watchdog then restarts us."""
+        return not self.stop_event.is_set() and time.monotonic() - self._last_tick < max_age_s
+
+    # lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        from apscheduler.executors.pool import ThreadPoolExecutor
+        from apscheduler.schedulers.background import BackgroundScheduler
+        from apscheduler.triggers.interval import IntervalTrigger
+
+        self.dispatcher.start()
+        self.tick()
+        self.run_round()
+        self._scheduler = BackgroundScheduler(
+            executors={"default": ThreadPoolExecutor(max(4, len(self.runners) + 2)), "tick": ThreadPoolExecutor(1)},
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+            timezone="UTC",
+        )
+        from datetime import datetime, timedelta, timezone
+
+        now = datetime.now(timezone.utc)
+        for name, check in self.checks.items():
+            interval = check.settings.interval
+            self._scheduler.add_job(
+                self.run_check, IntervalTrigger(seconds=interval, jitter=check.settings.jitter or None),
+                args=[name], id=f"check:{name}", name=name, next_run_time=now + timedelta(seconds=interval))
+        self._scheduler.add_job(self.tick, IntervalTrigger(seconds=TICK_S), id="tick", executor="tick")
+        self._scheduler.start()
+        log.info("engine started", extra=kv(checks=",".join(self.checks) or "-",
+                                             notifiers=",".join(self.notifiers) or "-"))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)
+        self.dispatcher.stop()
+        self.store.close()
+
+    # read side -----------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            checks = {n: replace(s) for n, s in self._states.items()}
+            outbox = dict(self._outbox)
+            agent = dict(self._agent, start_time=self._started, now=self.clock())
+        delivery = {n: (s.sent, s.failed, s.dropped) for n, s in self.dispatcher.stats.items()}
+        return Snapshot(self.node, self._started, checks, self.tracker.firing_by_status(), outbox, delivery, agent)
+
+    def status(self) -> dict[str, Any]:
+        snap = self.snapshot()
+        return {
+            "node": snap.node,
+            "version": __version__,
+            "pid": os.getpid(),
+            "started": snap.started,
+            "healthy": self.healthy(),
+            "checks": {
+                name: {
+                    "type": st.kind,
+                    "interval_s": st.interval,
+                    "last_run": st.last.started if st.last else None,
+                    "duration_s": round(st.last.duration, 4) if st.last else None,
+                    "outcome": st.last.outcome if st.last else None,
+                    "runs": st.runs,
+                    "timeouts": st.timeouts,
+                    "results": [r.to_dict() for r in st.last.results] if st.last else [],
+                }
+                for name, st in snap.checks.items()
+            },
+            "incidents": [i.to_dict() for i in self.tracker.incidents()],
+            "outbox": {ch: {"queued": n, "oldest": oldest} for ch, (n, oldest) in snap.outbox.items()},
+        }

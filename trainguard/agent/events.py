@@ -1,0 +1,62 @@
+"""Events: the transitions of an incident that notifiers announce and actions respond to."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.model import Status
+
+
+class EventKind(str, enum.Enum):
+    FIRED = "fired"
+    ESCALATED = "escalated"
+    REMINDER = "reminder"
+    RESOLVED = "resolved"
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    incident_id: str
+    check: str
+    subject: str
+    status: Status  # for RESOLVED: the most severe status the incident announced
+    summary: str
+    node: str
+    at: float
+    since: float  # when the condition started
+    previous: Status | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "incident_id": self.incident_id,
+            "check": self.check,
+            "subject": self.subject,
+            "status": self.status.name,
+            "previous": self.previous.name if self.previous is not None else None,
+            "summary": self.summary,
+            "node": self.node,
+            "at": self.at,
+            "since": self.since,
+            "details": self.details,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Event:
+        return cls(
+            kind=EventKind(data["kind"]),
+            incident_id=data["incident_id"],
+            check=data["check"],
+            subject=data["subject"],
+            status=Status[data["status"]],
+            previous=Status[data["previous"]] if data.get("previous") else None,
+            summary=data["summary"],
+            node=data["node"],
+            at=float(data["at"]),
+            since=float(data["since"]),
+            details=dict(data.get("details") or {}),
+        )

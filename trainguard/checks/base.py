@@ -1,0 +1,64 @@
+"""The check interface: a small class with a name, validated settings and `run()` returning results."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field, PositiveInt
+
+from trainguard.model import Result, Sample, Status
+from trainguard.settings import Duration, SettingsModel
+
+
+class CheckSettings(SettingsModel):
+    """Settings every check has: its schedule, its time budget and its incident policy."""
+
+    type: str | None = Field(None, description="Check type; defaults to the table name.")
+    enabled: bool = True
+    interval: Duration = Field(30.0, gt=0, description="Time between runs.")
+    timeout: Duration = Field(10.0, gt=0, description="A run still going after this is reported UNKNOWN.")
+    jitter: Duration = Field(1.0, ge=0, description="Random delay added to each run, to spread load.")
+    fire_after: Duration = Field(0.0, ge=0, description="How long a problem must last before its incident fires.")
+    fire_after_runs: PositiveInt = Field(1, description="How many consecutive bad runs before its incident fires.")
+    repeat_interval: Duration = Field(4 * 3600.0, gt=0, description="Reminder interval while an incident fires.")
+    alert_on_unknown: bool = Field(True, description="Whether UNKNOWN (check broken, mount hung) opens incidents.")
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What the agent hands every check: where it runs and the seams tests drive."""
+
+    node: str
+    state_dir: Path
+    clock: Callable[[], float] = time.time
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Check(ABC):
+    """Subclasses set `Settings` and implement `run()`. They hold no alert state; the agent owns incidents."""
+
+    Settings: ClassVar[type[CheckSettings]] = CheckSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        self.name = name
+        self.settings = settings
+        self.context = context
+
+    @abstractmethod
+    def run(self) -> Sequence[Result]:
+        """Gather, evaluate and summarize. May raise or block: the runner turns that into data."""
+
+    def result(
+        self,
+        subject: str,
+        status: Status,
+        summary: str,
+        details: Mapping[str, Any] | None = None,
+        samples: Sequence[Sample] = (),
+    ) -> Result:
+        return Result(self.name, subject, status, summary, details or {}, tuple(samples))

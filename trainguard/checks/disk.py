@@ -1,0 +1,192 @@
+"""DiskCheck: free bytes and free inodes per path or per real mount, with a time-to-full forecast."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import Field, field_validator, model_validator
+
+from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.checks.forecast import Forecast, SeriesWindow
+from trainguard.checks.levels import Floors
+from trainguard.checks.mounts import (
+    PSEUDO_FSTYPES,
+    PSEUDO_MOUNTPOINTS,
+    Mount,
+    StatfsProbe,
+    Stuck,
+    mount_of,
+    read_mounts,
+    real_mounts,
+)
+from trainguard.model import Result, Sample, Status, worst
+from trainguard.settings import CountLimit, Duration, SizeLimit
+from trainguard.units import Limit, format_bytes, format_duration, parse_count_limit, parse_size_limit
+
+
+class DiskSettings(CheckSettings):
+    paths: list[str] = Field(default_factory=list, description="Paths to watch; empty: every real mount.")
+    exclude_fstypes: list[str] = Field(default_factory=lambda: list(PSEUDO_FSTYPES),
+                                       description="Filesystem types skipped when watching every mount.")
+    exclude_mountpoints: str = Field(PSEUDO_MOUNTPOINTS, description="Regex of mount points skipped likewise.")
+    free_warning: SizeLimit = Field(parse_size_limit("10%"), description="WARNING below this much free space.")
+    free_critical: SizeLimit = Field(parse_size_limit("5%"), description="CRITICAL below this much free space.")
+    inodes_free_warning: CountLimit = Field(parse_count_limit("10%"), description="WARNING below this many free inodes.")
+    inodes_free_critical: CountLimit = Field(parse_count_limit("5%"), description="CRITICAL below this many free inodes.")
+    forecast_horizon: Duration = Field(6 * 3600.0, ge=0, description="WARNING when full is predicted within this; 0: off.")
+    forecast_samples: int = Field(30, ge=3, description="Recent samples the growth trend is fitted on.")
+    forecast_min_span: Duration = Field(300.0, ge=0, description="Samples must span at least this before forecasting.")
+    mount_timeout: Duration = Field(5.0, gt=0, description="statvfs slower than this marks the mount not responding.")
+
+    @field_validator("paths")
+    @classmethod
+    def _absolute(cls, paths: list[str]) -> list[str]:
+        for p in paths:
+            if not p.startswith("/"):
+                raise ValueError(f"path {p!r} is not absolute")
+        return paths
+
+    @field_validator("exclude_mountpoints")
+    @classmethod
+    def _regex(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"invalid regex {value!r}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _mount_timeout_fits(self) -> DiskSettings:
+        if self.mount_timeout >= self.timeout:
+            raise ValueError(f"mount_timeout ({self.mount_timeout:g}s) must be shorter than timeout ({self.timeout:g}s)")
+        return self
+
+
+@dataclass(frozen=True)
+class Usage:
+    path: str
+    device: str
+    fstype: str
+    size: int
+    avail: int
+    files: int
+    files_free: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Status
+    reasons: tuple[str, ...]
+
+
+def gather(path: str, st: os.statvfs_result, mount: Mount | None) -> Usage:
+    return Usage(path, mount.device if mount else "", mount.fstype if mount else "",
+                 st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize, st.f_files, st.f_favail)
+
+
+def _pct(part: float, total: float) -> str:
+    return f"{100.0 * part / total:.1f}%" if total else "n/a"
+
+
+def _floor_text(limit: Limit, in_bytes: bool) -> str:
+    if limit.percent:
+        return str(limit)
+    return format_bytes(limit.value) if in_bytes else f"{limit.value:g}"
+
+
+def evaluate(u: Usage, s: DiskSettings, bytes_fc: Forecast | None, inodes_fc: Forecast | None) -> Verdict:
+    statuses, reasons = [Status.OK], []
+    status, floor = Floors(s.free_warning, s.free_critical).evaluate(u.avail, u.size)
+    if floor is not None:
+        statuses.append(status)
+        reasons.append(f"{format_bytes(u.avail)} free ({_pct(u.avail, u.size)}), below the "
+                       f"{_floor_text(floor, True)} {status.label} threshold")
+    if u.files > 0:  # btrfs and many network filesystems report no inode limit
+        status, floor = Floors(s.inodes_free_warning, s.inodes_free_critical).evaluate(u.files_free, u.files)
+        if floor is not None:
+            statuses.append(status)
+            reasons.append(f"{u.files_free} inodes free ({_pct(u.files_free, u.files)}), below the "
+                           f"{_floor_text(floor, False)} {status.label} threshold")
+    if s.forecast_horizon > 0 and worst(statuses) is Status.OK:
+        for what, fc in (("space", bytes_fc), ("inodes", inodes_fc)):
+            if fc is not None and fc.within(s.forecast_horizon) and fc.seconds_to_limit is not None:
+                statuses.append(Status.WARNING)
+                reasons.append(f"{what} predicted full in {format_duration(fc.seconds_to_limit)} at the current rate")
+    return Verdict(worst(statuses), tuple(reasons))
+
+
+def summarize(u: Usage, v: Verdict) -> str:
+    if v.reasons:
+        return f"{u.path}: " + "; ".join(v.reasons)
+    inodes = f", {u.files_free} inodes free ({_pct(u.files_free, u.files)})" if u.files else ""
+    return f"{u.path}: {format_bytes(u.avail)} free of {format_bytes(u.size)} ({_pct(u.avail, u.size)}){inodes}"
+
+
+class DiskCheck(Check):
+    Settings = DiskSettings
+    settings: DiskSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.probe = StatfsProbe(clock=context.clock)
+        self._bytes: dict[str, SeriesWindow] = {}
+        self._inodes: dict[str, SeriesWindow] = {}
+
+    def _targets(self) -> list[tuple[str, Mount | None]]:
+        mounts = read_mounts()
+        if self.settings.paths:
+            return [(p, mount_of(p, mounts)) for p in self.settings.paths]
+        visible = real_mounts(mounts, self.settings.exclude_fstypes, self.settings.exclude_mountpoints)
+        return [(m.mountpoint, m) for m in visible]
+
+    def _window(self, table: dict[str, SeriesWindow], path: str) -> SeriesWindow:
+        if path not in table:
+            table[path] = SeriesWindow(self.settings.forecast_samples, min_points=5,
+                                       min_span_s=self.settings.forecast_min_span)
+        return table[path]
+
+    def run(self) -> Sequence[Result]:
+        return [self._one(path, mount) for path, mount in self._targets()]
+
+    def _one(self, path: str, mount: Mount | None) -> Result:
+        labels = {"path": path, "device": mount.device if mount else "", "fstype": mount.fstype if mount else ""}
+        error = Sample("trainguard_filesystem_device_error", 1, labels,
+                       "1 if the filesystem could not be read (statvfs failed or hung).")
+        outcome = self.probe.stat(path, self.settings.mount_timeout)
+        now = self.context.clock()
+        if isinstance(outcome, Stuck):
+            return self.result(path, Status.UNKNOWN,
+                               f"{path}: mount not responding (statvfs blocked for {format_duration(now - outcome.since)})",
+                               {"stuck_since": outcome.since, **labels}, [error])
+        if isinstance(outcome, OSError):
+            return self.result(path, Status.UNKNOWN, f"{path}: cannot stat: {outcome.strerror or outcome}",
+                               {"errno": outcome.errno, **labels}, [error])
+        usage = gather(path, outcome, mount)
+        bw, iw = self._window(self._bytes, path), self._window(self._inodes, path)
+        bw.add(now, usage.avail)
+        iw.add(now, usage.files_free)
+        bytes_fc = bw.forecast_down_to(0)
+        inodes_fc = iw.forecast_down_to(0) if usage.files else None
+        verdict = evaluate(usage, self.settings, bytes_fc, inodes_fc)
+        samples = [
+            Sample("trainguard_filesystem_size_bytes", usage.size, labels, "Filesystem size in bytes."),
+            Sample("trainguard_filesystem_avail_bytes", usage.avail, labels,
+                   "Bytes available to unprivileged users."),
+            Sample("trainguard_filesystem_files", usage.files, labels, "Inodes in the filesystem."),
+            Sample("trainguard_filesystem_files_free", usage.files_free, labels,
+                   "Inodes available to unprivileged users."),
+            Sample("trainguard_filesystem_device_error", 0, labels,
+                   "1 if the filesystem could not be read (statvfs failed or hung)."),
+        ]
+        details = {**labels, "size_bytes": usage.size, "avail_bytes": usage.avail, "files": usage.files,
+                   "files_free": usage.files_free}
+        for resource, fc in (("bytes", bytes_fc), ("inodes", inodes_fc)):
+            if fc is not None and fc.seconds_to_limit is not None:
+                samples.append(Sample("trainguard_filesystem_time_to_full_seconds", fc.seconds_to_limit,
+                                      {**labels, "resource": resource},
+                                      "Forecast time until full at the current robust growth trend."))
+                details[f"{resource}_time_to_full_s"] = round(fc.seconds_to_limit)
+        return self.result(path, verdict.status, summarize(usage, verdict), details, samples)

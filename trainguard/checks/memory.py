@@ -1,0 +1,97 @@
+"""MemoryCheck: host available memory and swap against thresholds, top consumers in the details."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+from pydantic import Field
+
+from trainguard.checks.base import Check, CheckSettings
+from trainguard.checks.levels import Floors
+from trainguard.model import Result, Sample, Status, worst
+from trainguard.settings import SizeLimit
+from trainguard.units import Limit, format_bytes, parse_size_limit
+
+
+class MemorySettings(CheckSettings):
+    available_warning: SizeLimit = Field(parse_size_limit("10%"), description="WARNING below this much available memory.")
+    available_critical: SizeLimit = Field(parse_size_limit("5%"), description="CRITICAL below this much available memory.")
+    swap_free_warning: SizeLimit | None = Field(parse_size_limit("20%"), description="WARNING below this much free swap.")
+    swap_free_critical: SizeLimit | None = Field(parse_size_limit("5%"), description="CRITICAL below this much free swap.")
+    top: int = Field(5, ge=0, le=50, description="How many of the largest processes to list in the details.")
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    total: int
+    available: int
+    swap_total: int
+    swap_free: int
+
+
+def gather() -> MemoryUsage:
+    vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+    return MemoryUsage(vm.total, vm.available, sw.total, sw.free)
+
+
+def top_consumers(n: int) -> list[dict[str, Any]]:
+    if n == 0:
+        return []
+    procs = []
+    for p in psutil.process_iter(["pid", "username", "name", "cmdline", "memory_info"]):
+        mi = p.info.get("memory_info")
+        if mi is None:
+            continue
+        cmd = " ".join(p.info.get("cmdline") or []) or p.info.get("name") or "?"
+        procs.append({"pid": p.info["pid"], "user": p.info.get("username"), "rss_bytes": mi.rss, "command": cmd[:200]})
+    procs.sort(key=lambda d: d["rss_bytes"], reverse=True)
+    return procs[:n]
+
+
+def _floor_text(floor: Limit) -> str:
+    return str(floor) if floor.percent else format_bytes(floor.value)
+
+
+def evaluate(u: MemoryUsage, s: MemorySettings) -> tuple[Status, list[str]]:
+    statuses, reasons = [Status.OK], []
+    status, floor = Floors(s.available_warning, s.available_critical).evaluate(u.available, u.total)
+    if floor is not None:
+        statuses.append(status)
+        reasons.append(f"{format_bytes(u.available)} available of {format_bytes(u.total)}, "
+                       f"below the {_floor_text(floor)} {status.label} threshold")
+    if u.swap_total > 0:
+        status, floor = Floors(s.swap_free_warning, s.swap_free_critical).evaluate(u.swap_free, u.swap_total)
+        if floor is not None:
+            statuses.append(status)
+            reasons.append(f"swap {format_bytes(u.swap_free)} free of {format_bytes(u.swap_total)}, "
+                           f"below the {_floor_text(floor)} {status.label} threshold")
+    return worst(statuses), reasons
+
+
+def summarize(u: MemoryUsage, reasons: list[str], top: list[dict[str, Any]]) -> str:
+    if not reasons:
+        return f"{format_bytes(u.available)} of {format_bytes(u.total)} available"
+    largest = f"; largest: pid {top[0]['pid']} ({top[0]['user']}) {format_bytes(top[0]['rss_bytes'])}" if top else ""
+    return "; ".join(reasons) + largest
+
+
+class MemoryCheck(Check):
+    Settings = MemorySettings
+    settings: MemorySettings
+
+    def run(self) -> Sequence[Result]:
+        u = gather()
+        status, reasons = evaluate(u, self.settings)
+        top = top_consumers(self.settings.top)
+        samples = [
+            Sample("trainguard_memory_total_bytes", u.total, {}, "Host memory in bytes."),
+            Sample("trainguard_memory_available_bytes", u.available, {}, "Host memory available for new work."),
+            Sample("trainguard_swap_total_bytes", u.swap_total, {}, "Swap space in bytes."),
+            Sample("trainguard_swap_free_bytes", u.swap_free, {}, "Free swap in bytes."),
+        ]
+        details = {"total_bytes": u.total, "available_bytes": u.available, "swap_total_bytes": u.swap_total,
+                   "swap_free_bytes": u.swap_free, "top": top}
+        return [self.result("host", status, summarize(u, reasons, top), details, samples)]

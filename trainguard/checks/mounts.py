@@ -1,0 +1,115 @@
+"""Mount table and a statvfs that can't hang the agent.
+
+statvfs on a dead NFS or FUSE mount blocks uninterruptibly. Each call runs in a daemon thread
+with a timeout; a mount whose call is still blocked is "stuck" and gets no further call until
+the blocked one returns, so blocked threads never pile up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PSEUDO_FSTYPES = (
+    "autofs", "binfmt_misc", "bpf", "cgroup", "cgroup2", "configfs", "debugfs", "devpts", "devtmpfs", "efivarfs",
+    "fusectl", "hugetlbfs", "mqueue", "nsfs", "proc", "pstore", "rpc_pipefs", "securityfs", "selinuxfs",
+    "squashfs", "sysfs", "tracefs", "iso9660", "ramfs", "fuse.gvfsd-fuse", "fuse.portal", "erofs",
+)
+PSEUDO_MOUNTPOINTS = r"^/(dev|proc|sys|run/credentials|run/user/\d+/doc|var/lib/docker/.+|snap/.+)($|/)"
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+@dataclass(frozen=True)
+class Mount:
+    mountpoint: str
+    device: str
+    fstype: str
+    dev_id: str  # major:minor
+
+
+def read_mounts(mountinfo: Path = Path("/proc/self/mountinfo")) -> list[Mount]:
+    mounts = []
+    for line in mountinfo.read_text(encoding="utf-8", errors="replace").splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 2:
+            continue
+        mounts.append(Mount(_unescape(fields[4]), _unescape(tail[1]), tail[0], fields[2]))
+    return mounts
+
+
+def real_mounts(mounts: list[Mount], exclude_fstypes: tuple[str, ...] | list[str] = PSEUDO_FSTYPES,
+                exclude_mountpoints: str = PSEUDO_MOUNTPOINTS) -> list[Mount]:
+    pattern = re.compile(exclude_mountpoints) if exclude_mountpoints else None
+    seen: dict[str, Mount] = {}
+    for m in mounts:
+        if m.fstype in exclude_fstypes or (pattern and pattern.search(m.mountpoint)):
+            continue
+        seen[m.mountpoint] = m  # the last mount on a mount point is the visible one
+    return list(seen.values())
+
+
+def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
+    """The mount a path lives on (longest mount point prefix; symlinks not resolved to avoid touching it)."""
+    best: Mount | None = None
+    path = os.path.normpath(path)
+    for m in mounts:
+        mp = m.mountpoint
+        if path == mp or path.startswith(mp.rstrip("/") + "/"):
+            if best is None or len(mp) >= len(best.mountpoint):
+                best = m
+    return best
+
+
+@dataclass(frozen=True)
+class Stuck:
+    since: float
+
+
+class StatfsProbe:
+    def __init__(self, statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._statvfs = statvfs
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stuck: dict[str, tuple[threading.Event, float]] = {}
+
+    def stuck_paths(self) -> list[str]:
+        with self._lock:
+            return [p for p, (done, _) in self._stuck.items() if not done.is_set()]
+
+    def stat(self, path: str, timeout: float) -> os.statvfs_result | OSError | Stuck:
+        with self._lock:
+            if path in self._stuck:
+                done, since = self._stuck[path]
+                if not done.is_set():
+                    return Stuck(since)
+                del self._stuck[path]
+        done = threading.Event()
+        box: list[os.statvfs_result | OSError] = []
+
+        def call() -> None:
+            try:
+                box.append(self._statvfs(path))
+            except OSError as exc:
+                box.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name=f"statvfs:{path}", daemon=True).start()
+        if done.wait(timeout):
+            return box[0]
+        since = self._clock()
+        with self._lock:
+            self._stuck[path] = (done, since)
+        return Stuck(since)

@@ -1,0 +1,146 @@
+"""The `trainguard` command: run, check, status, validate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from trainguard import __version__
+from trainguard.agent.config import Config, ConfigError, default_state_dir, load_config
+from trainguard.agent.logs import setup_logging
+from trainguard.model import worst
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainguard", description="Per-node watchdog for GPU training runs.")
+    parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--config", "-c", metavar="PATH",
+                       help="config file (default: $TRAINGUARD_CONFIG or /etc/trainguard/trainguard.toml; "
+                            "built-in defaults when that file does not exist)")
+        p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override agent.log_level")
+        return p
+
+    with_config(sub.add_parser("run", help="run the agent in the foreground",
+                               description="Run the agent in the foreground until SIGTERM or SIGINT."))
+    p = with_config(sub.add_parser(
+        "check", help="run every check once and exit with the Nagios code of the worst status",
+        description="Run one round of every check and print the results. Exit code: 0 OK, 1 WARNING, "
+                    "2 CRITICAL, 3 UNKNOWN, for the most severe status (OK < UNKNOWN < WARNING < CRITICAL). "
+                    "Usable as a SLURM HealthCheckProgram or job prolog."))
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p = with_config(sub.add_parser("status", help="show a running agent's incidents and last results",
+                                   description="Ask a running agent's /status endpoint and print a table."))
+    p.add_argument("--url", help="agent base URL (default: from the config's agent.listen)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    with_config(sub.add_parser("validate", help="check a config file and print the effective config",
+                               description="Validate a config file and print the effective config (secrets redacted)."))
+    return parser
+
+
+def _load(args: argparse.Namespace) -> Config:
+    if args.command == "run":
+        try:
+            default_state_dir().mkdir(parents=True, exist_ok=True, mode=0o750)
+        except OSError:
+            pass  # a configured state_dir may be elsewhere; the store reports real problems
+    config = load_config(args.config)
+    setup_logging(args.log_level or config.agent.log_level)
+    return config
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
+
+
+def cmd_check(config: Config, as_json: bool) -> int:
+    from trainguard.agent.engine import Engine
+    from trainguard.agent.store import Store
+
+    engine = Engine(config, store=Store(None), notifiers={})
+    reports = engine.run_round(ingest=False)
+    results = [r for report in reports for r in report.results]
+    overall = worst(r.status for r in results)
+    if as_json:
+        print(json.dumps({"node": config.agent.node_name, "status": overall.name,
+                          "results": [r.to_dict() for r in results]}, indent=1))
+    else:
+        rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
+        rows += [[r.status.name, r.check, r.subject, r.summary]
+                 for r in sorted(results, key=lambda r: (-r.status.severity, r.check, r.subject))]
+        print(_table(rows))
+        print(f"\n{config.agent.node_name}: {overall.name}")
+    return int(overall)
+
+
+def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
+    import requests
+
+    if url is None:
+        if not config.agent.listen:
+            print("trainguard: agent.listen is empty; pass --url", file=sys.stderr)
+            return 3
+        host, port = config.agent.listen_address()
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    try:
+        resp = requests.get(url.rstrip("/") + "/status", timeout=5)
+        resp.raise_for_status()
+        data: dict[str, Any] = resp.json()
+    except (requests.RequestException, ValueError) as exc:
+        print(f"trainguard: cannot reach the agent at {url}: {exc}", file=sys.stderr)
+        return 3
+    if as_json:
+        print(json.dumps(data, indent=1))
+        return 0
+    print(f"node {data['node']}  version {data['version']}  pid {data['pid']}  "
+          f"healthy {'yes' if data['healthy'] else 'NO'}")
+    incidents = data.get("incidents", [])
+    print(f"\nincidents ({sum(1 for i in incidents if i['firing'])} firing, "
+          f"{sum(1 for i in incidents if not i['firing'])} pending)")
+    if incidents:
+        rows = [["STATE", "STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
+        rows += [["firing" if i["firing"] else "pending", i["status"], i["check"], i["subject"], i["summary"]]
+                 for i in incidents]
+        print(_table(rows))
+    rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
+    for name, chk in data.get("checks", {}).items():
+        for r in chk.get("results", []):
+            rows.append([r["status"], name, r["subject"], r["summary"]])
+    print("\nlast results")
+    print(_table(rows))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = _load(args)
+    except ConfigError as exc:
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.command == "validate":
+        print(json.dumps(config.to_dict(), indent=2))
+        print(f"config OK: {config.source or '(built-in default)'}", file=sys.stderr)
+        return 0
+    if args.command == "check":
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
+        return cmd_check(config, args.json)
+    if args.command == "status":
+        return cmd_status(config, args.url, args.json)
+    from trainguard.agent.daemon import run_daemon
+
+    return run_daemon(config)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

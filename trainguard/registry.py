@@ -1,0 +1,47 @@
+"""The explicit tables of check and notifier types. A new one is one module plus one line here.
+
+Entries are import paths so a type's heavy dependencies load only when it is configured.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+CHECKS: Mapping[str, str] = {
+    "disk": "trainguard.checks.disk:DiskCheck",
+    "memory": "trainguard.checks.memory:MemoryCheck",
+}
+
+NOTIFIERS: Mapping[str, str] = {
+    "console": "trainguard.notifiers.console:ConsoleNotifier",
+}
+
+
+def _load(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Registry:
+    checks: Mapping[str, str | type] = field(default_factory=lambda: dict(CHECKS))
+    notifiers: Mapping[str, str | type] = field(default_factory=lambda: dict(NOTIFIERS))
+
+    def check_class(self, kind: str) -> Any:
+        return self._resolve(self.checks, kind, "check")
+
+    def notifier_class(self, kind: str) -> Any:
+        return self._resolve(self.notifiers, kind, "notifier")
+
+    @staticmethod
+    def _resolve(table: Mapping[str, str | type], kind: str, what: str) -> Any:
+        if kind not in table:
+            raise KeyError(f"unknown {what} type {kind!r} (known: {', '.join(sorted(table))})")
+        entry = table[kind]
+        return _load(entry) if isinstance(entry, str) else entry
+
+
+DEFAULT_REGISTRY = Registry()

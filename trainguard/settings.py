@@ -1,0 +1,76 @@
+"""Validated field types and the base model shared by every settings class.
+
+Durations, sizes and limits are parsed once at load time so checks only ever see numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, PlainValidator, SecretStr, model_validator
+
+from trainguard.model import Status
+from trainguard.units import Limit, parse_count_limit, parse_duration, parse_size, parse_size_limit
+
+Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda s: f"{s:g}s", return_type=str)]
+Size = Annotated[int, BeforeValidator(parse_size)]
+SizeLimit = Annotated[Limit, PlainValidator(parse_size_limit), PlainSerializer(str, return_type=str)]
+CountLimit = Annotated[Limit, PlainValidator(parse_count_limit), PlainSerializer(str, return_type=str)]
+
+
+def _parse_status(value: object) -> Status:
+    if isinstance(value, Status):
+        return value
+    if isinstance(value, str):
+        return Status.parse(value)
+    raise ValueError(f"invalid status {value!r}: expected one of ok, unknown, warning, critical")
+
+
+StatusName = Annotated[Status, PlainValidator(_parse_status), PlainSerializer(lambda s: s.label, return_type=str)]
+
+
+def _is_secret(annotation: Any) -> bool:
+    if annotation is SecretStr:
+        return True
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return SecretStr in typing.get_args(annotation)
+    return False
+
+
+class SettingsModel(BaseModel):
+    """Frozen, strict settings: an unknown key is an error, never silently ignored.
+
+    Every `SecretStr` field `x` may instead be given as `x_file` (path to a file holding it) or `x_env`
+    (name of an environment variable), so secrets need not sit in a world-readable config file.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_secret_indirection(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, info in cls.model_fields.items():
+            if not _is_secret(info.annotation):
+                continue
+            sources = [k for k in (name, f"{name}_file", f"{name}_env") if k in data]
+            if len(sources) > 1:
+                raise ValueError(f"{name}: give only one of {', '.join(sources)}")
+            if f"{name}_file" in data:
+                path = Path(str(data.pop(f"{name}_file")))
+                try:
+                    data[name] = path.read_text(encoding="utf-8").strip()
+                except OSError as exc:
+                    raise ValueError(f"{name}_file: cannot read {path}: {exc.strerror or exc}") from None
+            elif f"{name}_env" in data:
+                var = str(data.pop(f"{name}_env"))
+                if var not in os.environ:
+                    raise ValueError(f"{name}_env: environment variable {var} is not set")
+                data[name] = os.environ[var]
+        return data
