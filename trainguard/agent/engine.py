@@ -209,9 +209,12 @@ class Engine:
                                              notifiers=",".join(self.notifiers) or "-"))
 
     def stop(self) -> None:
+        if self.stop_event.is_set():
+            return
         self.stop_event.set()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
+            self._scheduler = None
         self.dispatcher.stop()
         self.store.close()
 

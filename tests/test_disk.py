@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HungMount, wait_until
+from trainguard.checks.base import CheckContext
+from trainguard.checks.disk import DiskCheck, DiskSettings, Usage, evaluate, summarize
+from trainguard.checks.forecast import Forecast
+from trainguard.checks.mounts import StatfsProbe, Stuck, mount_of, read_mounts, real_mounts
+from trainguard.model import Status
+
+GiB = 2**30
+
+
+def usage(avail: int = 50 * GiB, size: int = 100 * GiB, files: int = 1000, files_free: int = 900) -> Usage:
+    return Usage("/scratch", "/dev/sda1", "ext4", size, avail, files, files_free)
+
+
+def settings(**kw: object) -> DiskSettings:
+    return DiskSettings.model_validate(kw)
+
+
+# evaluate: thresholds as data -------------------------------------------------------------
+@pytest.mark.parametrize(("avail", "expected"), [(50, Status.OK), (9, Status.WARNING), (4, Status.CRITICAL)])
+def test_percent_thresholds(avail: int, expected: Status) -> None:
+    assert evaluate(usage(avail * GiB), settings(), None, None).status is expected
+
+
+def test_absolute_thresholds_and_summary() -> None:
+    s = settings(free_warning="60GiB", free_critical="1GiB")
+    v = evaluate(usage(), s, None, None)
+    assert v.status is Status.WARNING
+    assert summarize(usage(), v) == "/scratch: 50.0 GiB free (50.0%), below the 60.0 GiB warning threshold"
+
+
+def test_inodes_separately_from_bytes() -> None:
+    v = evaluate(usage(files=1000, files_free=30), settings(), None, None)
+    assert v.status is Status.CRITICAL
+    assert v.reasons == ("30 inodes free (3.0%), below the 5% critical threshold",)
+
+
+def test_no_inode_limit_is_not_an_alarm() -> None:
+    assert evaluate(usage(files=0, files_free=0), settings(), None, None).status is Status.OK
+
+
+def test_forecast_warns_before_thresholds() -> None:
+    soon, late = Forecast(-1000.0, 2 * 3600), Forecast(-1.0, 48 * 3600)
+    v = evaluate(usage(), settings(forecast_horizon="6h"), soon, None)
+    assert v.status is Status.WARNING
+    assert v.reasons == ("space predicted full in 2h00m at the current rate",)
+    assert evaluate(usage(), settings(), late, None).status is Status.OK
+    assert evaluate(usage(), settings(forecast_horizon=0), soon, None).status is Status.OK
+
+
+# mounts -------------------------------------------------------------------------------------
+def test_mount_table_excludes_pseudo_filesystems() -> None:
+    mounts = read_mounts()
+    assert any(m.mountpoint == "/" for m in mounts)
+    real = real_mounts(mounts)
+    assert all(m.fstype not in ("proc", "sysfs", "cgroup", "devpts") for m in real)
+    assert not any(m.mountpoint.startswith("/proc") for m in real)
+    assert mount_of("/", mounts) is not None
+
+
+def test_mountinfo_escapes(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text("36 35 98:0 / /mnt/my\\040disk rw,noatime master:1 - ext3 /dev/root rw,errors=continue\n"
+                    "garbage line\n")
+    [m] = read_mounts(info)
+    assert m.mountpoint == "/mnt/my disk"
+    assert (m.fstype, m.device, m.dev_id) == ("ext3", "/dev/root", "98:0")
+
+
+def test_probe_never_stacks_calls_on_a_stuck_path() -> None:
+    release, calls = threading.Event(), []
+
+    def slow_statvfs(path: str) -> os.statvfs_result:
+        calls.append(path)
+        release.wait()
+        return os.statvfs("/")
+
+    probe = StatfsProbe(statvfs=slow_statvfs)
+    first = probe.stat("/nfs", 0.1)
+    assert isinstance(first, Stuck)
+    assert isinstance(probe.stat("/nfs", 0.1), Stuck)
+    assert calls == ["/nfs"]
+    release.set()
+    wait_until(lambda: probe.stuck_paths() == [], 2)
+    assert isinstance(probe.stat("/nfs", 1), os.statvfs_result)
+    assert calls == ["/nfs", "/nfs"]
+
+
+# real filesystems ---------------------------------------------------------------------------
+def _check(paths: list[str], clock: Callable[[], float] = time.time, **kw: object) -> DiskCheck:
+    s = DiskSettings.model_validate({"paths": paths, **kw})
+    return DiskCheck("disk", s, CheckContext("node1", Path("/tmp"), clock))
+
+
+def test_tmpfs_filled_past_byte_thresholds(tmpfs: Callable[..., Path]) -> None:
+    mnt = tmpfs(size="4m", inodes=1000)
+    check = _check([str(mnt)])
+    [ok] = check.run()
+    assert ok.status is Status.OK
+    assert ok.details["fstype"] == "tmpfs"
+    (mnt / "blob").write_bytes(b"\0" * int(3.7 * 2**20))  # >90% used: WARNING
+    [warn] = check.run()
+    assert warn.status is Status.WARNING, warn.summary
+    with (mnt / "blob").open("ab") as f:
+        f.write(b"\0" * int(0.2 * 2**20))  # >95% used: CRITICAL
+    [crit] = check.run()
+    assert crit.status is Status.CRITICAL
+    assert crit.summary.startswith(f"{mnt}: ") and "critical threshold" in crit.summary
+    names = {s.name for s in crit.samples}
+    assert {"trainguard_filesystem_avail_bytes", "trainguard_filesystem_files_free"} <= names
+
+
+def test_tmpfs_filled_past_inode_thresholds(tmpfs: Callable[..., Path]) -> None:
+    mnt = tmpfs(size="64m", inodes=100)
+    check = _check([str(mnt)])
+    for i in range(92):
+        (mnt / f"f{i}").touch()
+    [warn] = check.run()
+    assert warn.status is Status.WARNING
+    assert "inodes free" in warn.summary and "space" not in warn.summary
+    for i in range(92, 97):
+        (mnt / f"f{i}").touch()
+    [crit] = check.run()
+    assert crit.status is Status.CRITICAL
+    assert crit.details["avail_bytes"] > 60 * 2**20  # bytes are fine: inodes alone are CRITICAL
+
+
+def test_time_to_full_from_real_growth(tmpfs: Callable[..., Path]) -> None:
+    mnt = tmpfs(size="16m", inodes=1000)
+    now = [1000.0]
+    check = _check([str(mnt)], clock=lambda: now[0], forecast_horizon="6h", forecast_min_span="5m")
+    for i in range(8):  # 1 MiB every 10 minutes: 16 MiB fills in under 3 hours
+        (mnt / f"ckpt{i}").write_bytes(b"\0" * 2**20)
+        [result] = check.run()
+        now[0] += 600
+    assert result.status is Status.WARNING
+    assert "space predicted full in" in result.summary
+    ttf = [s for s in result.samples if s.name == "trainguard_filesystem_time_to_full_seconds"
+           and s.labels["resource"] == "bytes"]
+    assert ttf and 0 < ttf[0].value < 6 * 3600
+
+
+def test_missing_path_is_unknown_with_reason(tmp_path: Path) -> None:
+    [result] = _check([str(tmp_path / "nope")]).run()
+    assert result.status is Status.UNKNOWN
+    assert result.summary.endswith("cannot stat: No such file or directory")
+
+
+def test_hung_fuse_mount(hung_mount: HungMount) -> None:
+    check = _check([str(hung_mount.mountpoint), "/"], mount_timeout="0.5s", timeout="3s")
+    t0 = time.monotonic()
+    results = {r.subject: r for r in check.run()}
+    assert time.monotonic() - t0 < 2.0
+    hung = results[str(hung_mount.mountpoint)]
+    assert hung.status is Status.UNKNOWN
+    assert "mount not responding" in hung.summary
+    assert results["/"].status is not Status.UNKNOWN
+    for _ in range(3):
+        again = {r.subject: r for r in check.run()}
+        assert "mount not responding" in again[str(hung_mount.mountpoint)].summary
+    assert hung_mount.statfs_calls() == 1
+    assert check.probe.stuck_paths() == [str(hung_mount.mountpoint)]
+    hung_mount.abort()
+    wait_until(lambda: check.probe.stuck_paths() == [], 5, what="blocked statvfs thread to return")

@@ -1,0 +1,223 @@
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.conftest import HungMount, require_tool, wait_until
+from trainguard.agent.config import parse_config
+from trainguard.agent.engine import Engine
+from trainguard.agent.events import Event
+from trainguard.agent.http import HttpEndpoint
+from trainguard.agent.store import Store
+from trainguard.checks.base import Check, CheckSettings
+from trainguard.model import Result, Sample, Status
+from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
+from trainguard.registry import CHECKS, NOTIFIERS, Registry
+
+
+class Wedged(Check):
+    """Blocks forever, as a check stuck inside the kernel would."""
+
+    forever = threading.Event()
+
+    def run(self) -> Sequence[Result]:
+        self.forever.wait()
+        return []
+
+
+class Flaky(Check):
+    """Reports whatever status the test sets."""
+
+    status = Status.OK
+
+    def run(self) -> Sequence[Result]:
+        return [self.result("thing", self.status, f"thing is {self.status.name}",
+                            samples=[Sample("trainguard_test_value", 1.5, {"thing": "a"}, "A test value.")])]
+
+
+class Recording(Notifier):
+    def __init__(self, name: str, settings: NotifierSettings) -> None:
+        super().__init__(name, settings)
+        self.events: list[Event] = []
+        self.failures: list[NotifierError] = []
+
+    def send(self, event: Event) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+        self.events.append(event)
+
+
+REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky},
+                    notifiers={**NOTIFIERS, "recording": Recording})
+
+
+def make_engine(tmp_path: Path, checks: dict[str, Any], notifiers: dict[str, Any] | None = None) -> Engine:
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1"}, "checks": checks,
+           "notifiers": notifiers or {"recording": {}}}
+    return Engine(parse_config(raw, "test.toml", REGISTRY), REGISTRY)
+
+
+@pytest.fixture
+def running() -> Iterator[list[Any]]:
+    """Collects engines and endpoints to stop after the test."""
+    items: list[Any] = []
+    yield items
+    for item in reversed(items):
+        item.stop()
+
+
+def serve(engine: Engine, running: list[Any]) -> str:
+    endpoint = HttpEndpoint(engine, "127.0.0.1", 0)
+    endpoint.start()
+    running.append(endpoint)
+    return f"http://127.0.0.1:{endpoint.address[1]}"
+
+
+def test_stuck_mount_does_not_stall_the_agent(tmp_path: Path, hung_mount: HungMount, running: list[Any]) -> None:
+    engine = make_engine(tmp_path, {
+        "nfs": {"type": "disk", "paths": [str(hung_mount.mountpoint)], "interval": "1s", "jitter": 0,
+                "mount_timeout": "0.5s", "timeout": "2s"},
+        "memory": {"interval": "1s", "jitter": 0},
+    })
+    running.append(engine)
+    url = serve(engine, running)
+    engine.start()
+    memory_runs = engine.snapshot().checks["memory"].runs
+    time.sleep(4.2)
+    snap = engine.snapshot()
+    assert snap.checks["memory"].runs - memory_runs >= 3  # cadence kept beside the stuck mount
+    assert snap.checks["nfs"].runs >= 4
+    last = snap.checks["nfs"].last
+    assert last is not None and last.outcome == "ok"  # the disk check itself returns on time
+    [result] = last.results
+    assert result.status is Status.UNKNOWN and "mount not responding" in result.summary
+    t0 = time.monotonic()
+    metrics = requests.get(url + "/metrics", timeout=5)
+    assert metrics.status_code == 200 and time.monotonic() - t0 < 1
+    assert f'trainguard_check_status{{check="nfs",subject="{hung_mount.mountpoint}"}} 3.0' in metrics.text
+    assert hung_mount.statfs_calls() == 1
+    assert requests.get(url + "/healthz", timeout=5).status_code == 200
+
+
+def test_wedged_check_times_out_and_never_blocks_others_or_shutdown(tmp_path: Path, running: list[Any]) -> None:
+    engine = make_engine(tmp_path, {
+        "wedged": {"interval": "1s", "timeout": "0.5s", "jitter": 0},
+        "flaky": {"interval": "1s", "jitter": 0},
+    })
+    running.append(engine)
+    engine.start()
+    time.sleep(3.2)
+    snap = engine.snapshot()
+    wedged = snap.checks["wedged"]
+    assert wedged.timeouts == 1 and wedged.skipped >= 2
+    assert wedged.last is not None and "previous run still blocked" in wedged.last.results[0].summary
+    assert snap.checks["flaky"].runs >= 4
+    assert engine.healthy()
+    t0 = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - t0 < 3
+    assert not engine.healthy()
+
+
+def test_incident_flow_to_notifier(tmp_path: Path, running: list[Any]) -> None:
+    engine = make_engine(tmp_path, {"flaky": {"fire_after_runs": 2}})
+    running.append(engine)
+    notifier = engine.notifiers["recording"]
+    assert isinstance(notifier, Recording)
+    engine.dispatcher.start()
+    Flaky.status = Status.CRITICAL
+    engine.run_round()
+    assert notifier.events == []
+    engine.run_round()
+    wait_until(lambda: len(notifier.events) == 1, 5)
+    assert notifier.events[0].kind.value == "fired" and notifier.events[0].node == "node1"
+    Flaky.status = Status.OK
+    engine.run_round()
+    wait_until(lambda: len(notifier.events) == 2, 5)
+    assert notifier.events[1].kind.value == "resolved"
+
+
+def test_transient_failures_retry_permanent_ones_drop(tmp_path: Path, running: list[Any]) -> None:
+    engine = make_engine(tmp_path, {"flaky": {}})
+    running.append(engine)
+    notifier = engine.notifiers["recording"]
+    assert isinstance(notifier, Recording)
+    notifier.failures = [NotifierError("503 from upstream", retry_after=0.1)]
+    engine.dispatcher.start()
+    Flaky.status = Status.WARNING
+    engine.run_round()
+    wait_until(lambda: len(notifier.events) == 1, 5)
+    assert engine.dispatcher.stats["recording"].failed == 1
+    notifier.failures = [NotifierError("invalid_payload", permanent=True)]
+    Flaky.status = Status.OK
+    engine.run_round()
+    wait_until(lambda: engine.dispatcher.stats["recording"].failed == 2, 5)
+    assert engine.store.outbox_stats() == {}
+    assert len(notifier.events) == 1
+
+
+def test_console_notifier_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], running: list[Any]) -> None:
+    engine = make_engine(tmp_path, {"flaky": {}}, {"console": {}})
+    running.append(engine)
+    Flaky.status = Status.CRITICAL
+    engine.run_round()
+    engine.dispatcher.deliver_pending("console")
+    err = capsys.readouterr().err
+    assert "event=fired status=CRITICAL node=node1 check=flaky subject=thing" in err
+    assert 'summary="thing is CRITICAL"' in err
+
+
+def test_broken_check_constructor_becomes_unknown(tmp_path: Path) -> None:
+    class Exploding(Check):
+        def __init__(self, *a: Any) -> None:
+            raise OSError("no such device")
+
+        def run(self) -> Sequence[Result]:
+            return []
+
+    registry = Registry(checks={"exploding": Exploding}, notifiers={})
+    engine = Engine(parse_config({"agent": {"state_dir": str(tmp_path)}, "checks": {"exploding": {}}}, "t", registry),
+                    registry, store=Store(None))
+    [report] = engine.run_round(ingest=False)
+    assert report.results[0].status is Status.UNKNOWN
+    assert report.results[0].summary == "check could not start: OSError: no such device"
+
+
+def test_http_endpoints_and_promtool(tmp_path: Path, running: list[Any]) -> None:
+    promtool = require_tool("promtool")
+    engine = make_engine(tmp_path, {"flaky": {}, "wedged": {"timeout": "0.2s"},
+                                    "disk": {"paths": ["/", str(tmp_path / "missing")]}, "memory": {}})
+    running.append(engine)
+    url = serve(engine, running)
+    Flaky.status = Status.WARNING
+    engine.run_round()
+    engine.tick()
+    metrics = requests.get(url + "/metrics", timeout=5)
+    assert metrics.status_code == 200
+    text = metrics.text
+    for needle in ('trainguard_check_status{check="flaky",subject="thing"} 1.0',
+                   'trainguard_check_timeouts_total{check="wedged"} 1.0',
+                   'trainguard_incidents_firing{severity="unknown"} 2.0',
+                   'trainguard_check_duration_seconds{check="disk"}',
+                   'trainguard_check_last_run_timestamp_seconds{check="memory"}',
+                   'trainguard_test_value{thing="a"} 1.5',
+                   'trainguard_filesystem_avail_bytes{device=',
+                   "trainguard_memory_available_bytes "):
+        assert needle in text, needle
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert lint.returncode == 0 and lint.stdout.strip() == "" and lint.stderr.strip() == "", lint.stdout + lint.stderr
+
+    status = requests.get(url + "/status", timeout=5).json()
+    assert status["node"] == "node1"
+    assert {i["check"] for i in status["incidents"]} == {"flaky", "wedged", "disk"}
+    assert status["checks"]["flaky"]["results"][0]["summary"] == "thing is WARNING"
+    assert requests.get(url + "/healthz", timeout=5).text == "ok\n"
+    assert requests.post(url + "/metrics", timeout=5).status_code == 405
+    assert requests.get(url + "/nope", timeout=5).status_code == 404

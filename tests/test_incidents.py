@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainguard.agent.events import Event, EventKind
+from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
+from trainguard.agent.store import Store
+from trainguard.model import Result, Status
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def r(status: Status, subject: str = "/scratch", summary: str = "s") -> Result:
+    return Result("disk", subject, status, summary)
+
+
+class Harness:
+    def __init__(self, store: Store, policy: IncidentPolicy | None = None) -> None:
+        self.clock = Clock()
+        self.store = store
+        self.tracker = IncidentTracker(store, "node1", self.clock)
+        self.policy = policy or IncidentPolicy()
+
+    def feed(self, *results: Result, complete: bool = True, advance: float = 30.0) -> list[Event]:
+        self.clock.now += advance
+        return self.tracker.observe("disk", list(results), self.policy, complete, lambda e: ["console"])
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness(Store(None))
+
+
+def kinds(events: list[Event]) -> list[str]:
+    return [e.kind.value for e in events]
+
+
+def test_fires_once_then_resolves(h: Harness) -> None:
+    assert kinds(h.feed(r(Status.OK))) == []
+    fired = h.feed(r(Status.WARNING, summary="3 GiB free"))
+    assert kinds(fired) == ["fired"]
+    assert fired[0].status is Status.WARNING
+    assert fired[0].summary == "3 GiB free"
+    assert kinds(h.feed(r(Status.WARNING))) == []
+    resolved = h.feed(r(Status.OK, summary="40 GiB free"))
+    assert kinds(resolved) == ["resolved"]
+    assert resolved[0].incident_id == fired[0].incident_id
+    assert resolved[0].status is Status.WARNING
+    assert h.tracker.incidents() == []
+
+
+def test_hysteresis_by_runs() -> None:
+    h = Harness(Store(None), IncidentPolicy(fire_after_runs=3))
+    assert kinds(h.feed(r(Status.CRITICAL))) == []
+    assert kinds(h.feed(r(Status.CRITICAL))) == []
+    assert kinds(h.feed(r(Status.CRITICAL))) == ["fired"]
+
+
+def test_hysteresis_by_duration_and_flap_resets() -> None:
+    h = Harness(Store(None), IncidentPolicy(fire_after=120))
+    assert kinds(h.feed(r(Status.WARNING), advance=0)) == []
+    assert kinds(h.feed(r(Status.WARNING), advance=60)) == []
+    assert kinds(h.feed(r(Status.OK), advance=30)) == []  # pending incident dropped silently
+    assert kinds(h.feed(r(Status.WARNING), advance=30)) == []
+    assert kinds(h.feed(r(Status.WARNING), advance=119)) == []
+    assert kinds(h.feed(r(Status.WARNING), advance=1)) == ["fired"]
+
+
+def test_escalation_and_no_repeat_after_deescalation(h: Harness) -> None:
+    assert kinds(h.feed(r(Status.WARNING))) == ["fired"]
+    escalated = h.feed(r(Status.CRITICAL))
+    assert kinds(escalated) == ["escalated"]
+    assert escalated[0].previous is Status.WARNING
+    assert kinds(h.feed(r(Status.WARNING))) == []  # calmer: no event
+    assert kinds(h.feed(r(Status.CRITICAL))) == []  # back to what was already announced
+    assert kinds(h.feed(r(Status.OK))) == ["resolved"]
+
+
+def test_unknown_escalates_to_warning(h: Harness) -> None:
+    assert kinds(h.feed(r(Status.UNKNOWN))) == ["fired"]
+    assert kinds(h.feed(r(Status.WARNING))) == ["escalated"]
+
+
+def test_unknown_can_be_ignored() -> None:
+    h = Harness(Store(None), IncidentPolicy(alert_on_unknown=False))
+    assert kinds(h.feed(r(Status.UNKNOWN))) == []
+    assert h.tracker.incidents() == []
+
+
+def test_reminder_after_repeat_interval() -> None:
+    h = Harness(Store(None), IncidentPolicy(repeat_interval=3600))
+    assert kinds(h.feed(r(Status.CRITICAL))) == ["fired"]
+    assert kinds(h.feed(r(Status.CRITICAL), advance=3000)) == []
+    assert kinds(h.feed(r(Status.CRITICAL), advance=600)) == ["reminder"]
+    assert kinds(h.feed(r(Status.CRITICAL), advance=600)) == []
+
+
+def test_subjects_are_independent(h: Harness) -> None:
+    events = h.feed(r(Status.WARNING, "/a"), r(Status.CRITICAL, "/b"), r(Status.OK, "/c"))
+    assert sorted((e.subject, e.kind.value) for e in events) == [("/a", "fired"), ("/b", "fired")]
+    assert h.tracker.firing_by_status() == {Status.UNKNOWN: 0, Status.WARNING: 1, Status.CRITICAL: 1}
+
+
+def test_vanished_subject_resolves_only_after_a_complete_run(h: Harness) -> None:
+    h.feed(r(Status.WARNING, "/mnt/usb"))
+    assert kinds(h.feed(Result("disk", "disk", Status.UNKNOWN, "timed out"), complete=False)) == ["fired"]
+    assert [i.subject for i in h.tracker.incidents() if i.firing] == ["/mnt/usb", "disk"]
+    resolved = h.feed(r(Status.OK, "/"))
+    assert sorted(e.subject for e in resolved) == ["/mnt/usb", "disk"]
+    assert all(e.kind is EventKind.RESOLVED for e in resolved)
+
+
+def test_restart_keeps_firing_incident_without_refiring(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    first = Harness(store)
+    fired = first.feed(r(Status.CRITICAL))
+    store.close()
+
+    store2 = Store(tmp_path)
+    second = Harness(store2)
+    second.clock.now = first.clock.now
+    [incident] = second.tracker.incidents()
+    assert incident.firing and incident.id == fired[0].incident_id
+    assert kinds(second.feed(r(Status.CRITICAL))) == []
+    resolved = second.feed(r(Status.OK))
+    assert kinds(resolved) == ["resolved"]
+    assert resolved[0].incident_id == fired[0].incident_id
+
+
+def test_events_are_queued_with_the_state_change(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    h = Harness(store)
+    h.feed(r(Status.WARNING))
+    row = store.next_outbox("console")
+    assert row is not None
+    assert row.event["kind"] == "fired"
+    assert Event.from_dict(row.event).status is Status.WARNING

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainguard.agent.runner import CheckRunner
+from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.model import Result, Status
+
+CTX = CheckContext("node1", Path("/tmp"))
+
+
+class Blocking(Check):
+    """Blocks until released, like statvfs on a dead mount."""
+
+    def __init__(self, name: str = "blocking", timeout: float = 0.3) -> None:
+        super().__init__(name, CheckSettings(timeout=timeout), CTX)
+        self.release = threading.Event()
+        self.calls = 0
+
+    def run(self) -> Sequence[Result]:
+        self.calls += 1
+        self.release.wait()
+        return [self.result("x", Status.OK, "fine")]
+
+
+class Raising(Check):
+    def run(self) -> Sequence[Result]:
+        raise RuntimeError("nvml exploded")
+
+
+class WrongType(Check):
+    def run(self) -> Sequence[Result]:
+        return ["not a result"]  # type: ignore[list-item]
+
+
+def test_exception_becomes_unknown() -> None:
+    report = CheckRunner(Raising("gpu", CheckSettings(), CTX)).run_once()
+    assert report.outcome == "error"
+    [result] = report.results
+    assert result.status is Status.UNKNOWN
+    assert result.subject == "gpu"
+    assert result.summary == "check failed: RuntimeError: nvml exploded"
+
+
+def test_wrong_return_type_becomes_unknown() -> None:
+    report = CheckRunner(WrongType("w", CheckSettings(), CTX)).run_once()
+    assert report.outcome == "error"
+    assert "not Result" in report.results[0].summary
+
+
+def test_timeout_then_skip_until_the_blocked_run_returns() -> None:
+    check = Blocking()
+    runner = CheckRunner(check)
+    t0 = time.monotonic()
+    report = runner.run_once()
+    assert time.monotonic() - t0 < 1.0
+    assert report.outcome == "timeout"
+    assert report.results[0].summary == "timed out after 0.3s"
+    for _ in range(3):
+        skipped = runner.run_once()
+        assert skipped.outcome == "skipped"
+        assert skipped.results[0].status is Status.UNKNOWN
+        assert "previous run still blocked" in skipped.results[0].summary
+    assert check.calls == 1  # no second run piled up behind the blocked one
+    check.release.set()
+    time.sleep(0.05)
+    ok = runner.run_once()
+    assert ok.outcome == "ok"
+    assert ok.results[0].summary == "fine"
+    assert check.calls == 2
+
+
+def test_stop_event_cuts_the_wait_short() -> None:
+    check = Blocking(timeout=30)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    t0 = time.monotonic()
+    report = CheckRunner(check).run_once(stop)
+    assert time.monotonic() - t0 < 2.0
+    assert report.outcome == "skipped"
+    check.release.set()
