@@ -16,7 +16,7 @@ from trainguard.agent.engine import Engine
 from trainguard.agent.events import Event
 from trainguard.agent.http import HttpEndpoint
 from trainguard.agent.store import Store
-from trainguard.checks.base import Check, CheckSettings
+from trainguard.checks.base import Check
 from trainguard.model import Result, Sample, Status
 from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
 from trainguard.registry import CHECKS, NOTIFIERS, Registry

@@ -5,7 +5,14 @@ import pytest
 from trainguard.checks.forecast import SeriesWindow, theil_sen_slope
 from trainguard.model import Status, worst
 from trainguard.units import (
-    Limit, format_bytes, format_duration, parse_count, parse_count_limit, parse_duration, parse_size, parse_size_limit,
+    Limit,
+    format_bytes,
+    format_duration,
+    parse_count,
+    parse_count_limit,
+    parse_duration,
+    parse_size,
+    parse_size_limit,
 )
 
 

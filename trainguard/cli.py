@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -47,13 +46,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Config:
+    # One-shot commands print results on stdout; their logs only matter when something is wrong.
+    setup_logging(args.log_level or ("info" if args.command == "run" else "warning"))
     if args.command == "run":
         try:
             default_state_dir().mkdir(parents=True, exist_ok=True, mode=0o750)
         except OSError:
             pass  # a configured state_dir may be elsewhere; the store reports real problems
     config = load_config(args.config)
-    setup_logging(args.log_level or config.agent.log_level)
+    if args.command == "run" and not args.log_level:
+        setup_logging(config.agent.log_level)
     return config
 
 
@@ -133,7 +135,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"config OK: {config.source or '(built-in default)'}", file=sys.stderr)
         return 0
     if args.command == "check":
-        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
         return cmd_check(config, args.json)
     if args.command == "status":
         return cmd_status(config, args.url, args.json)

@@ -13,6 +13,7 @@ from typing import Any
 CHECKS: Mapping[str, str] = {
     "disk": "trainguard.checks.disk:DiskCheck",
     "memory": "trainguard.checks.memory:MemoryCheck",
+    "gpu": "trainguard.checks.gpu:GpuCheck",
 }
 
 NOTIFIERS: Mapping[str, str] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -18,10 +19,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from trainguard.agent.logs import kv
 from trainguard.checks.base import CheckSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.registry import DEFAULT_REGISTRY, Registry
 from trainguard.settings import SettingsModel
+
+log = logging.getLogger("trainguard.config")
 
 DEFAULT_CONFIG_PATH = Path("/etc/trainguard/trainguard.toml")
 CONFIG_ENV = "TRAINGUARD_CONFIG"
@@ -190,7 +194,10 @@ def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
     if "gpu" in registry.checks:
         from trainguard import nvml
 
-        if nvml.probe() is None:
+        reason = nvml.probe()
+        if reason is None:
             raw["checks"]["gpu"] = {}
+        else:
+            log.info("GPU checks off", extra=kv(reason=reason))
     config = parse_config(raw, "(built-in default)", registry)
     return Config(agent=agent, checks=config.checks, notifiers=config.notifiers, source=None)

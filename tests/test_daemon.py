@@ -1,0 +1,199 @@
+"""The agent as users run it: a real `trainguard run` process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import REPO, AgentProcess, free_port, wait_until
+from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
+
+
+def write_config(tmp_path: Path, port: int, critical: bool = True, interval: str = "1s") -> Path:
+    path = tmp_path / "trainguard.toml"
+    path.write_text(f"""
+[agent]
+node_name = "testnode"
+state_dir = "{tmp_path}/state"
+listen = "127.0.0.1:{port}"
+
+[checks.scratch]
+type = "disk"
+paths = ["{tmp_path}"]
+interval = "{interval}"
+jitter = 0
+free_critical = "{'100%' if critical else '0%'}"
+free_warning = "0%"
+inodes_free_warning = "0%"
+inodes_free_critical = "0%"
+
+[checks.memory]
+interval = "{interval}"
+available_warning = "0%"
+available_critical = "0%"
+swap_free_warning = "0%"
+swap_free_critical = "0%"
+
+[notifiers.console]
+""")
+    return path
+
+
+def test_sigterm_shuts_down_cleanly(tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    port = free_port()
+    agent = agent_process(write_config(tmp_path, port))
+    agent.wait_for("msg=ready")
+    assert requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+    t0 = time.monotonic()
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(timeout=5) == 0
+    assert time.monotonic() - t0 < 5
+    out = agent.output()
+    assert "msg=stopped" in out and "signal=SIGTERM" in out
+    assert (tmp_path / "state" / "state.db").exists()
+
+
+def test_sd_notify_ready_watchdog_stopping(tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.2)
+    messages: list[str] = []
+    done = threading.Event()
+
+    def collect() -> None:
+        while not done.is_set():
+            try:
+                messages.append(sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    threading.Thread(target=collect, daemon=True).start()
+    agent = agent_process(write_config(tmp_path, free_port()),
+                          env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "1000000"})
+    wait_until(lambda: any("READY=1" in m for m in messages), 15, what="READY=1")
+    wait_until(lambda: sum("WATCHDOG=1" in m for m in messages) >= 3, 10, what="watchdog pings")
+    agent.signal(signal.SIGTERM)
+    agent.wait(timeout=5)
+    wait_until(lambda: any("STOPPING=1" in m for m in messages), 2, what="STOPPING=1")
+    done.set()
+    sock.close()
+    ready_at = next(i for i, m in enumerate(messages) if "READY=1" in m)
+    assert all("WATCHDOG=1" not in m for m in messages[:ready_at])
+
+
+def test_watchdog_withholds_pings_when_engine_is_wedged(tmp_path: Path) -> None:
+    sock_path = tmp_path / "n.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.1)
+    healthy = [True]
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "200000"})
+    assert notifier.watchdog_s == 0.2
+    pinger = WatchdogPinger(notifier, lambda: healthy[0])
+    pinger.start()
+    sock.settimeout(2.0)
+    assert sock.recv(100) == b"WATCHDOG=1"
+    sock.settimeout(0.15)
+    healthy[0] = False
+    time.sleep(0.15)
+    while True:  # drain pings sent before the flip
+        try:
+            sock.recv(100)
+        except TimeoutError:
+            break
+    with pytest.raises(TimeoutError):
+        for _ in range(4):
+            sock.recv(100)
+    pinger.stop()
+    sock.close()
+
+
+def test_watchdog_pid_mismatch_disables_watchdog() -> None:
+    assert SystemdNotifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_s is None
+    assert SystemdNotifier({}).notify("READY=1") is False
+
+
+def test_sigkill_restart_keeps_incident_and_does_not_renotify(
+        tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    port = free_port()
+    config = write_config(tmp_path, port)
+    first = agent_process(config, log_name="first.log")
+    first.wait_for("event=fired")
+    [fired_line] = [line for line in first.output().splitlines() if "event=fired" in line and "trainguard.alert" in line]
+    incident_id = re.search(r"incident=(\w+)", fired_line).group(1)  # type: ignore[union-attr]
+    first.signal(signal.SIGKILL)
+    first.wait()
+
+    second = agent_process(config, log_name="second.log")
+    second.wait_for("msg=ready")
+    wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["scratch"]["runs"] >= 3,
+               10, what="three runs after restart")
+    status = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
+    [incident] = [i for i in status["incidents"] if i["check"] == "scratch"]
+    assert incident["firing"] and incident["id"] == incident_id and incident["status"] == "CRITICAL"
+    assert "event=fired" not in second.output()
+
+
+def test_status_command_against_a_running_agent(tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    port = free_port()
+    config = write_config(tmp_path, port)
+    agent_process(config).wait_for("event=fired")
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "status", "--config", str(config)],
+                          capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "node testnode" in proc.stdout
+    assert "incidents (1 firing, 0 pending)" in proc.stdout
+    assert re.search(r"firing\s+CRITICAL\s+scratch", proc.stdout)
+    unreachable = subprocess.run([sys.executable, "-m", "trainguard", "status", "--url", f"http://127.0.0.1:{free_port()}"],
+                                 capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert unreachable.returncode == 3 and "cannot reach the agent" in unreachable.stderr
+
+
+def _check_cmd(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainguard", "check", "--config", str(config), *extra],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_check_command_exit_codes_and_table(tmp_path: Path) -> None:
+    crit = _check_cmd(write_config(tmp_path, 0, critical=True))
+    assert crit.returncode == 2, crit.stderr
+    lines = crit.stdout.splitlines()
+    assert lines[0].split() == ["STATUS", "CHECK", "SUBJECT", "SUMMARY"]
+    assert lines[1].startswith("CRITICAL") and "scratch" in lines[1] and "critical threshold" in lines[1]
+    assert lines[-1] == "testnode: CRITICAL"
+
+    ok = _check_cmd(write_config(tmp_path, 0, critical=False), "--json")
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(ok.stdout)
+    assert data["status"] == "OK"
+    assert {r["check"] for r in data["results"]} == {"scratch", "memory"}
+
+
+def test_check_unknown_when_path_missing(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f"[agent]\nstate_dir = '{tmp_path}'\n[checks.d]\ntype = 'disk'\npaths = ['{tmp_path}/gone']\n")
+    proc = _check_cmd(config)
+    assert proc.returncode == 3
+    assert "cannot stat" in proc.stdout
+
+
+def test_default_config_runs_without_a_file(tmp_path: Path) -> None:
+    env = {**os.environ, "STATE_DIRECTORY": str(tmp_path), "TRAINGUARD_CONFIG": ""}
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "check", "--json"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env=env)
+    assert proc.returncode in (0, 1, 2), proc.stderr
+    subjects = {(r["check"], r["subject"]) for r in json.loads(proc.stdout)["results"]}
+    assert {("disk", "/"), ("disk", str(tmp_path)), ("memory", "host")} <= subjects

@@ -1,0 +1,150 @@
+"""The one gateway to NVML (module `pynvml` from nvidia-ml-py).
+
+Init once, re-init after a driver reload, and map every NVMLError to an outcome a check can report:
+not supported -> the value is omitted; GPU lost -> `lost`; library or driver missing -> NvmlUnavailableError.
+Tests hand in a scripted module with the same function names and error classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, TypeVar
+
+from trainguard.agent.logs import kv
+
+log = logging.getLogger("trainguard.nvml")
+T = TypeVar("T")
+
+_UNAVAILABLE = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_FunctionNotFound",
+                "NVMLError_NoPermission")
+_MAX_SANE_BYTES = 1 << 44  # 16 TiB: anything larger is a binding/driver version-skew artefact
+
+
+class NvmlUnavailableError(Exception):
+    """NVML can't be used on this node (no driver, no library, no permission)."""
+
+
+@dataclass(frozen=True)
+class GpuState:
+    index: int
+    uuid: str
+    name: str
+    bus_id: str
+    lost: bool = False
+    memory_total: int | None = None
+    memory_used: int | None = None
+    temperature_c: int | None = None
+    error: str | None = None
+
+
+def normalize_bus_id(bus_id: str | bytes) -> str:
+    """`00000000:3B:00.0` (NVML) and `PCI:0000:3b:00` (kernel) both become `0000:3b:00`."""
+    text = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
+    text = text.strip().lower().removeprefix("pci:")
+    domain, _, rest = text.partition(":")
+    rest = rest.split(".")[0]
+    return f"{int(domain, 16):04x}:{rest}" if rest else text
+
+
+class Nvml:
+    def __init__(self, lib: ModuleType | Any | None = None) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        self._initialized = False
+
+    def _module(self) -> Any:
+        if self._lib is None:
+            import pynvml
+
+            self._lib = pynvml
+        return self._lib
+
+    def _is(self, exc: BaseException, *names: str) -> bool:
+        lib = self._module()
+        return any(isinstance(exc, cls) for cls in (getattr(lib, n, None) for n in names) if isinstance(cls, type))
+
+    def ensure(self) -> Any:
+        """Initialise once; NvmlUnavailableError with the reason when NVML can't be used here."""
+        lib = self._module()
+        with self._lock:
+            if self._initialized:
+                return lib
+            try:
+                lib.nvmlInit()
+            except lib.NVMLError as exc:
+                raise NvmlUnavailableError(f"NVML not available: {exc}") from None
+            except OSError as exc:
+                raise NvmlUnavailableError(f"NVML not available: {exc}") from None
+            self._initialized = True
+            return lib
+
+    def reset(self) -> None:
+        """Forget the session, e.g. after the driver was reloaded; the next call initialises again."""
+        with self._lock:
+            if self._initialized:
+                try:
+                    self._module().nvmlShutdown()
+                except Exception as exc:  # noqa: BLE001 - shutdown of a dead session is best effort
+                    log.debug("nvmlShutdown failed", extra=kv(error=exc))
+            self._initialized = False
+
+    def _optional(self, call: Callable[[], T]) -> T | None:
+        try:
+            return call()
+        except self._module().NVMLError as exc:
+            if self._is(exc, "NVMLError_NotSupported"):
+                return None
+            raise
+
+    def gpus(self) -> list[GpuState]:
+        lib = self.ensure()
+        try:
+            count = lib.nvmlDeviceGetCount()
+        except lib.NVMLError as exc:
+            if self._is(exc, "NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"):
+                self.reset()
+            if self._is(exc, *_UNAVAILABLE):
+                raise NvmlUnavailableError(f"NVML not available: {exc}") from None
+            raise
+        return [self._gpu(lib, i) for i in range(count)]
+
+    def _gpu(self, lib: Any, index: int) -> GpuState:
+        uuid = name = bus = ""
+        try:
+            handle = lib.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(lib.nvmlDeviceGetUUID(handle))
+            name = _text(lib.nvmlDeviceGetName(handle))
+            bus = normalize_bus_id(lib.nvmlDeviceGetPciInfo(handle).busId)
+            mem = self._optional(lambda: lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2))
+            temp = self._optional(lambda: lib.nvmlDeviceGetTemperature(handle, lib.NVML_TEMPERATURE_GPU))
+        except lib.NVMLError as exc:
+            if self._is(exc, "NVMLError_GpuIsLost", "NVMLError_ResetRequired"):
+                return GpuState(index, uuid, name, bus, lost=True, error=str(exc))
+            return GpuState(index, uuid, name, bus, error=f"{type(exc).__name__}: {exc}")
+        total = used = None
+        if mem is not None and 0 < mem.total < _MAX_SANE_BYTES and 0 <= mem.used <= mem.total:
+            total, used = int(mem.total), int(mem.used)
+        temperature = int(temp) if temp is not None and 0 <= temp < 200 else None
+        return GpuState(index, uuid, name, bus, memory_total=total, memory_used=used, temperature_c=temperature)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def probe() -> str | None:
+    """None when NVML works on this node, else the reason it doesn't."""
+    nvml = Nvml()
+    try:
+        nvml.ensure()
+    except NvmlUnavailableError as exc:
+        return str(exc)
+    except ImportError as exc:
+        return f"NVML not available: {exc}"
+    finally:
+        nvml.reset()
+    return None
