@@ -14,6 +14,30 @@ CHECKS: Mapping[str, str] = {
     "disk": "trainguard.checks.disk:DiskCheck",
     "memory": "trainguard.checks.memory:MemoryCheck",
     "gpu": "trainguard.checks.gpu:GpuCheck",
+    "job_liveness": "trainguard.checks.jobs:JobLivenessCheck",
+    "job_switch": "trainguard.checks.jobs:SwitchCheck",
+    "job_timelimit": "trainguard.checks.jobs:TimeLimitCheck",
+}
+
+ACTIONS: Mapping[str, str] = {
+    "signal": "trainguard.actions.signal:SignalAction",
+    "switch": "trainguard.actions.switch:SwitchAction",
+    "drain": "trainguard.actions.slurmctl:DrainAction",
+    "resume": "trainguard.actions.slurmctl:ResumeAction",
+    "requeue": "trainguard.actions.slurmctl:RequeueAction",
+    "array": "trainguard.actions.slurmctl:ArrayPendingAction",
+    "exec": "trainguard.actions.exec:ExecAction",
+}
+
+# Named actions every config has; `[actions.NAME]` adds more or redefines these.
+BUILTIN_ACTIONS: Mapping[str, Mapping[str, str]] = {
+    "signal": {"type": "signal"},
+    "save": {"type": "switch", "switch": "save"},
+    "stop": {"type": "switch", "switch": "stop"},
+    "drain": {"type": "drain"},
+    "resume": {"type": "resume"},
+    "requeue": {"type": "requeue"},
+    "hold-array": {"type": "array", "mode": "hold"},
 }
 
 NOTIFIERS: Mapping[str, str] = {
@@ -30,12 +54,16 @@ def _load(path: str) -> Any:
 class Registry:
     checks: Mapping[str, str | type] = field(default_factory=lambda: dict(CHECKS))
     notifiers: Mapping[str, str | type] = field(default_factory=lambda: dict(NOTIFIERS))
+    actions: Mapping[str, str | type] = field(default_factory=lambda: dict(ACTIONS))
 
     def check_class(self, kind: str) -> Any:
         return self._resolve(self.checks, kind, "check")
 
     def notifier_class(self, kind: str) -> Any:
         return self._resolve(self.notifiers, kind, "notifier")
+
+    def action_class(self, kind: str) -> Any:
+        return self._resolve(self.actions, kind, "action")
 
     @staticmethod
     def _resolve(table: Mapping[str, str | type], kind: str, what: str) -> Any:

@@ -19,10 +19,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from trainguard.actions.base import ActionSettings
 from trainguard.agent.logs import kv
 from trainguard.checks.base import CheckSettings
+from trainguard.jobs.catalog import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
-from trainguard.registry import DEFAULT_REGISTRY, Registry
+from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 from trainguard.settings import SettingsModel
 
 log = logging.getLogger("trainguard.config")
@@ -71,12 +73,17 @@ class Config:
     checks: Mapping[str, CheckSettings] = field(default_factory=dict)
     notifiers: Mapping[str, NotifierSettings] = field(default_factory=dict)
     source: Path | None = None
+    jobs: JobsSettings = field(default_factory=JobsSettings)
+    actions: Mapping[str, ActionSettings] = field(default_factory=dict)
 
     def kind_of_check(self, name: str) -> str:
         return self.checks[name].type or name
 
     def kind_of_notifier(self, name: str) -> str:
         return self.notifiers[name].type or name
+
+    def kind_of_action(self, name: str) -> str:
+        return self.actions[name].type or name
 
     def to_dict(self) -> dict[str, Any]:
         """The effective config; secrets come out as '**********'."""
@@ -87,6 +94,9 @@ class Config:
                        for n, s in self.checks.items()},
             "notifiers": {n: {"type": self.kind_of_notifier(n), **s.model_dump(mode="json", exclude={"type"})}
                           for n, s in self.notifiers.items()},
+            "jobs": self.jobs.model_dump(mode="json"),
+            "actions": {n: {"type": self.kind_of_action(n), **s.model_dump(mode="json", exclude={"type"})}
+                        for n, s in self.actions.items()},
         }
 
 
@@ -138,8 +148,8 @@ def _validate_table(section: str, raw: Any, base: type, lookup: Any, problems: l
 def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_REGISTRY) -> Config:
     problems: list[str] = []
     for key in raw:
-        if key not in ("agent", "checks", "notifiers"):
-            problems.append(f"{key}: unknown key (expected agent, checks, notifiers)")
+        if key not in ("agent", "checks", "notifiers", "jobs", "actions"):
+            problems.append(f"{key}: unknown key (expected agent, checks, notifiers, jobs, actions)")
     agent = None
     try:
         agent = AgentSettings.model_validate(raw.get("agent", {}))
@@ -148,9 +158,24 @@ def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_
     checks = _validate_table("checks", raw.get("checks", {}), CheckSettings, registry.check_class, problems)
     notifiers = _validate_table("notifiers", raw.get("notifiers", {}), NotifierSettings,
                                 registry.notifier_class, problems)
+    jobs = JobsSettings()
+    try:
+        jobs = JobsSettings.model_validate(raw.get("jobs", {}))
+    except ValidationError as exc:
+        problems.extend(_format_validation_error("jobs", exc))
+    raw_actions = raw.get("actions", {})
+    merged = {**{k: dict(v) for k, v in BUILTIN_ACTIONS.items()}, **raw_actions} if isinstance(raw_actions, dict) \
+        else raw_actions
+    actions = _validate_table("actions", merged, ActionSettings, registry.action_class, problems)
+    for name, settings in checks.items():
+        for level in ("warning", "critical"):
+            for action in getattr(settings.actions, level):
+                if action not in merged:
+                    problems.append(f"checks.{name}.actions.{level}: unknown action {action!r} "
+                                    f"(defined: {', '.join(sorted(merged))})")
     if problems or agent is None:
         raise ConfigError(source, problems)
-    return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source))
+    return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source), jobs=jobs, actions=actions)
 
 
 def resolve_config_path(cli_path: str | None) -> tuple[Path, bool]:
@@ -200,4 +225,5 @@ def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
         else:
             log.info("GPU checks off", extra=kv(reason=reason))
     config = parse_config(raw, "(built-in default)", registry)
-    return Config(agent=agent, checks=config.checks, notifiers=config.notifiers, source=None)
+    return Config(agent=agent, checks=config.checks, notifiers=config.notifiers, source=None, jobs=config.jobs,
+                  actions=config.actions)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard import __version__
+from trainguard.agent.actions import ActionRunner
 from trainguard.agent.config import Config
 from trainguard.agent.dispatch import Dispatcher
 from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
@@ -19,6 +20,7 @@ from trainguard.agent.logs import kv
 from trainguard.agent.runner import CheckRunner, RunReport
 from trainguard.agent.store import Store
 from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.jobs.catalog import JobCatalog
 from trainguard.model import Result, Status
 from trainguard.notifiers.base import Notifier
 from trainguard.registry import DEFAULT_REGISTRY, Registry
@@ -75,7 +77,10 @@ class Engine:
         self.config = config
         self.clock = clock
         self.node = config.agent.node_name
-        context = CheckContext(config.agent.node_name, config.agent.state_dir, clock, dict(context_extras or {}))
+        jobs = config.jobs
+        self.catalog = JobCatalog(jobs, self.node, clock) if jobs.sources or jobs.processes else None
+        context = CheckContext(config.agent.node_name, config.agent.state_dir, clock, dict(context_extras or {}),
+                               self.catalog)
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
             if settings.enabled:
@@ -90,6 +95,7 @@ class Engine:
         self.notifiers = dict(notifiers)
         self.dispatcher = Dispatcher(self.store, self.notifiers, clock)
         self.tracker = IncidentTracker(self.store, self.node, clock)
+        self.actions = ActionRunner(config, registry, self.catalog, self.tracker, clock)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
         self._started = clock()
@@ -152,6 +158,7 @@ class Engine:
         for event in events:
             log.info("incident event", extra=kv(event=event.kind.value, check=event.check, subject=event.subject,
                                                 status=event.status.name, incident=event.incident_id))
+            self.actions.handle(event, s.actions)
         if events:
             self.dispatcher.wake()
 
@@ -249,5 +256,7 @@ class Engine:
                 for name, st in snap.checks.items()
             },
             "incidents": [i.to_dict() for i in self.tracker.incidents()],
+            "jobs": {"sources": self.catalog.sources, "errors": view.errors, "jobs": [j.to_dict() for j in view.on_node()]}
+            if self.catalog and (view := self.catalog.cached()) else None,
             "outbox": {ch: {"queued": n, "oldest": oldest} for ch, (n, oldest) in snap.outbox.items()},
         }

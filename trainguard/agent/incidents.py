@@ -42,6 +42,7 @@ class Incident:
     announced: Status | None = None  # most severe status announced so far
     last_notified: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    actions: list[dict[str, Any]] = field(default_factory=list)  # what was done about it, with outcomes
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -83,6 +84,21 @@ class IncidentTracker:
     def incidents(self) -> list[Incident]:
         with self._lock:
             return [Incident(**vars(i)) for i in self._incidents.values()]
+
+    def actions_done(self, check: str, subject: str) -> set[str]:
+        with self._lock:
+            incident = self._incidents.get((check, subject))
+            return {a["action"] for a in incident.actions} if incident else set()
+
+    def record_action(self, check: str, subject: str, record: dict[str, Any]) -> None:
+        """Attach an action's outcome to its incident (dropped if the incident resolved meanwhile)."""
+        with self._lock:
+            current = self._incidents.get((check, subject))
+            if current is None:
+                return
+            updated = Incident(**{**vars(current), "actions": [*current.actions, record]})
+            self._store.save([updated.to_dict()])
+            self._incidents[(check, subject)] = updated
 
     def firing_by_status(self) -> dict[Status, int]:
         counts = {Status.UNKNOWN: 0, Status.WARNING: 0, Status.CRITICAL: 0}

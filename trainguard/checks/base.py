@@ -11,8 +11,19 @@ from typing import Any, ClassVar
 
 from pydantic import Field, PositiveInt
 
+from trainguard.jobs.catalog import JobCatalog
 from trainguard.model import Result, Sample, Status
 from trainguard.settings import Duration, SettingsModel
+
+
+class ActionBinding(SettingsModel):
+    """Which named actions run when an incident of this check fires at (or escalates to) a status."""
+
+    warning: list[str] = Field(default_factory=list)
+    critical: list[str] = Field(default_factory=list)
+
+    def for_status(self, status: Status) -> list[str]:
+        return {Status.WARNING: self.warning, Status.CRITICAL: self.critical}.get(status, [])
 
 
 class CheckSettings(SettingsModel):
@@ -27,6 +38,8 @@ class CheckSettings(SettingsModel):
     fire_after_runs: PositiveInt = Field(1, description="How many consecutive bad runs before its incident fires.")
     repeat_interval: Duration = Field(4 * 3600.0, gt=0, description="Reminder interval while an incident fires.")
     alert_on_unknown: bool = Field(True, description="Whether UNKNOWN (check broken, mount hung) opens incidents.")
+    actions: ActionBinding = Field(default_factory=ActionBinding,
+                                   description="Named actions run when an incident fires or escalates.")
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,7 @@ class CheckContext:
     state_dir: Path
     clock: Callable[[], float] = time.time
     extras: Mapping[str, Any] = field(default_factory=dict)
+    jobs: JobCatalog | None = None
 
 
 class Check(ABC):

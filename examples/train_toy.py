@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""A pure-Python toy trainer that behaves like a real one for trainguard's tests and demos.
+
+It logs steps, writes checkpoints, resumes from the last one, uses trainguard.trainer, and can
+simulate faults: --fault hang|leak|crash|slow|nan [--fault-at STEP].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from trainguard.trainer import Trainer  # noqa: E402
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, loss: float) -> Path:
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"ckpt-{step:06d}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step, "loss": loss, "time": time.time()}))
+    os.replace(tmp, path)
+    print(f"checkpoint saved step={step} path={path}", flush=True)
+    return path
+
+
+def last_checkpoint(ckpt_dir: Path) -> int:
+    ckpts = sorted(ckpt_dir.glob("ckpt-*.json")) if ckpt_dir.is_dir() else []
+    return json.loads(ckpts[-1].read_text())["step"] + 1 if ckpts else 0
+
+
+def stuck_in_allreduce(seconds: float) -> None:
+    """Where a hung run sits: a collective waiting for a dead rank."""
+    time.sleep(seconds)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--step-time", type=float, default=0.2)
+    p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"))
+    p.add_argument("--ckpt-every", type=int, default=0, help="periodic checkpoints; 0: only on request")
+    p.add_argument("--fault", choices=["hang", "leak", "crash", "slow", "nan"])
+    p.add_argument("--fault-at", type=int, default=10)
+    p.add_argument("--leak-mb-per-step", type=float, default=10.0)
+    args = p.parse_args()
+
+    trainer = Trainer().install()
+    start = last_checkpoint(args.ckpt_dir)
+    print(f"training start step={start} pid={os.getpid()} slurm_job={os.environ.get('SLURM_JOB_ID', '-')}", flush=True)
+    leaked: list[bytearray] = []
+    loss = 4.0
+    for step in range(start, args.steps):
+        faulty = args.fault is not None and step >= args.fault_at
+        if faulty and args.fault == "hang":
+            print(f"step {step}: entering allreduce", flush=True)
+            stuck_in_allreduce(10**6)
+        if faulty and args.fault == "crash":
+            raise RuntimeError(f"simulated crash at step {step}")
+        time.sleep(args.step_time * (10 if faulty and args.fault == "slow" else 1))
+        if faulty and args.fault == "leak":
+            leaked.append(bytearray(int(args.leak_mb_per_step * 2**20)))
+        loss = math.nan if faulty and args.fault == "nan" else loss * 0.99 + random.uniform(-0.01, 0.01)
+        print(f"step {step} loss={loss:.4f}", flush=True)
+        trainer.heartbeat(step, loss=loss)
+        if args.ckpt_every and step % args.ckpt_every == 0:
+            save_checkpoint(args.ckpt_dir, step, loss)
+        if trainer.should_stop():
+            save_checkpoint(args.ckpt_dir, step, loss)
+            print(f"stop requested ({trainer.last_signal or 'switch'}): exiting cleanly at step {step}", flush=True)
+            return 0
+        if trainer.should_save():
+            save_checkpoint(args.ckpt_dir, step, loss)
+            trainer.saved()
+    save_checkpoint(args.ckpt_dir, args.steps - 1, loss)
+    print("training finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The action interface: named, configured responses to incident events, acting on jobs or the node."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field
+
+from trainguard.agent.events import Event
+from trainguard.jobs.model import Job
+from trainguard.jobs.slurm import SlurmClient
+from trainguard.settings import Duration, SettingsModel
+
+
+class ActionSettings(SettingsModel):
+    type: str | None = Field(None, description="Action type; defaults to the table name.")
+    timeout: Duration = Field(30.0, gt=0, description="An action still running after this is reported as failed.")
+    dry_run: bool = Field(False, description="Log what would be done instead of doing it.")
+    repeat: bool = Field(False, description="Run again on escalations and reminders, not only once per incident.")
+
+
+class ActionError(Exception):
+    """The action could not do what it was asked; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class ActionContext:
+    event: Event
+    jobs: tuple[Job, ...]  # the jobs this incident concerns
+    node: str  # this node's SLURM name
+    slurm: SlurmClient
+    clock: Callable[[], float]
+
+
+class Action(ABC):
+    Settings: ClassVar[type[ActionSettings]] = ActionSettings
+    needs_jobs: ClassVar[bool] = True
+
+    def __init__(self, name: str, settings: ActionSettings) -> None:
+        self.name = name
+        self.settings = settings
+
+    @abstractmethod
+    def plan(self, ctx: ActionContext) -> str:
+        """What `run` would do, in words (the audit line, and all a dry run does)."""
+
+    @abstractmethod
+    def run(self, ctx: ActionContext) -> str:
+        """Do it; return what was done, or raise ActionError."""
+
+
+def slurm_jobs(ctx: ActionContext) -> list[Job]:
+    return [j for j in ctx.jobs if j.source == "slurm" and j.job_id]

@@ -1,0 +1,104 @@
+"""Send a signal to the job: through scancel for SLURM jobs (every rank on every node), directly for process jobs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
+from trainguard.agent.logs import kv
+from trainguard.jobs.model import Job, ProcessRef
+from trainguard.settings import Duration
+
+log = logging.getLogger("trainguard.actions.signal")
+
+
+def _signal_name(value: str) -> str:
+    name = value.strip().upper().removeprefix("SIG")
+    try:
+        signal.Signals[f"SIG{name}"]
+    except KeyError:
+        raise ValueError(f"unknown signal {value!r}") from None
+    return name
+
+
+class SignalSettings(ActionSettings):
+    signal: str = Field("USR1", description="Signal to send (SLURM convention: USR1 = save and exit).")
+    slurm_mode: Literal["full", "batch"] = Field("full", description="scancel --full (every step) or --batch.")
+    then: str | None = Field(None, description="Process jobs: a second signal if still alive after `grace`.")
+    grace: Duration = Field(30.0, ge=0, description="Process jobs: wait before `then`.")
+
+    @field_validator("signal", "then")
+    @classmethod
+    def _valid_signal(cls, value: str | None) -> str | None:
+        return _signal_name(value) if value else value
+
+
+def signal_process(ref: ProcessRef, signame: str) -> str:
+    """Signal one process, refusing pid 1, the agent itself, and any pid whose identity changed."""
+    if ref.pid in (0, 1) or ref.pid == os.getpid():
+        raise ActionError(f"refusing to signal pid {ref.pid}")
+    if not ref.matches():
+        raise ActionError(f"pid {ref.pid} is no longer the job's process (exited or recycled): not signalled")
+    try:
+        os.kill(ref.pid, signal.Signals[f"SIG{signame}"])
+    except ProcessLookupError:
+        raise ActionError(f"pid {ref.pid} exited before the signal") from None
+    except PermissionError:
+        raise ActionError(f"no permission to signal pid {ref.pid} (CAP_KILL missing?)") from None
+    return f"SIG{signame} -> pid {ref.pid}"
+
+
+class SignalAction(Action):
+    Settings = SignalSettings
+    settings: SignalSettings
+
+    def plan(self, ctx: ActionContext) -> str:
+        return f"send SIG{self.settings.signal} to " + (", ".join(j.label() for j in ctx.jobs) or "no job")
+
+    def run(self, ctx: ActionContext) -> str:
+        if not ctx.jobs:
+            raise ActionError("no job to signal")
+        done, errors = [], []
+        for job in ctx.jobs:
+            try:
+                done.append(self._one(job, ctx))
+            except ActionError as exc:
+                errors.append(f"{job.label()}: {exc}")
+        if errors and not done:
+            raise ActionError("; ".join(errors))
+        return "; ".join(done + errors)
+
+    def _one(self, job: Job, ctx: ActionContext) -> str:
+        s = self.settings
+        if job.source == "slurm" and job.job_id:
+            from trainguard.jobs.slurm import SlurmError
+
+            try:
+                ctx.slurm.signal(job.job_id, s.signal, s.slurm_mode)
+            except SlurmError as exc:
+                raise ActionError(str(exc)) from None
+            return f"scancel --signal={s.signal} --{s.slurm_mode} {job.job_id}"
+        if not job.processes:
+            raise ActionError("job has no running process")
+        sent = [signal_process(ref, s.signal) for ref in job.processes]
+        if s.then:
+            timer = threading.Timer(s.grace, self._escalate, args=(job,))
+            timer.daemon = True
+            timer.start()
+        return ", ".join(sent)
+
+    def _escalate(self, job: Job) -> None:
+        assert self.settings.then is not None
+        for ref in job.processes:
+            if ref.matches():
+                try:
+                    result = signal_process(ref, self.settings.then)
+                    log.warning("escalated signal", extra=kv(action=self.name, job=job.key, result=result))
+                except ActionError as exc:
+                    log.warning("escalation failed", extra=kv(action=self.name, job=job.key, error=str(exc)))

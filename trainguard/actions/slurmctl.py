@@ -1,0 +1,98 @@
+"""Cluster actions through scontrol: drain and resume this node, requeue the job, hold or cancel pending array tasks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
+from trainguard.jobs.slurm import SlurmError
+
+DRAIN_TAG = "trainguard:"
+
+
+def drain_reason(summary: str) -> str:
+    # scontrol passes the reason verbatim; keep it one short line.
+    text = " ".join(summary.split()).replace('"', "'")
+    return f"{DRAIN_TAG} {text}"[:200]
+
+
+def _slurm(call: str, fn: object, *args: str) -> None:
+    try:
+        fn(*args)  # type: ignore[operator]
+    except SlurmError as exc:
+        raise ActionError(f"{call}: {exc}") from None
+
+
+class DrainAction(Action):
+    needs_jobs = False
+
+    def plan(self, ctx: ActionContext) -> str:
+        return f"drain node {ctx.node} reason={drain_reason(ctx.event.summary)!r}"
+
+    def run(self, ctx: ActionContext) -> str:
+        reason = drain_reason(ctx.event.summary)
+        _slurm("drain", ctx.slurm.drain, ctx.node, reason)
+        return f"drained {ctx.node}: {reason}"
+
+
+class ResumeAction(Action):
+    """Lifts only drains trainguard set: an administrator's drain is never undone."""
+
+    needs_jobs = False
+
+    def plan(self, ctx: ActionContext) -> str:
+        return f"resume node {ctx.node} if its drain reason starts with {DRAIN_TAG!r}"
+
+    def run(self, ctx: ActionContext) -> str:
+        try:
+            state, reason = ctx.slurm.node_state(ctx.node)
+        except SlurmError as exc:
+            raise ActionError(f"resume: {exc}") from None
+        if "DRAIN" not in state:
+            return f"{ctx.node} is not drained ({state})"
+        if not reason.startswith(DRAIN_TAG):
+            return f"{ctx.node} drained by someone else ({reason!r}): left alone"
+        _slurm("resume", ctx.slurm.resume, ctx.node)
+        return f"resumed {ctx.node} (was: {reason})"
+
+
+class RequeueAction(Action):
+    def plan(self, ctx: ActionContext) -> str:
+        return "requeue " + (", ".join(j.label() for j in slurm_jobs(ctx)) or "no SLURM job")
+
+    def run(self, ctx: ActionContext) -> str:
+        jobs = slurm_jobs(ctx)
+        if not jobs:
+            raise ActionError("no SLURM job to requeue")
+        for job in jobs:
+            assert job.job_id
+            _slurm("requeue", ctx.slurm.requeue, job.job_id)
+        return "requeued " + ", ".join(j.job_id or "" for j in jobs)
+
+
+class ArraySettings(ActionSettings):
+    mode: Literal["hold", "cancel"] = Field("hold", description="Hold the pending tasks of the array, or cancel them.")
+
+
+class ArrayPendingAction(Action):
+    """Stops a job array from burning through its remaining tasks."""
+
+    Settings = ArraySettings
+    settings: ArraySettings
+
+    def plan(self, ctx: ActionContext) -> str:
+        arrays = sorted({j.array_job_id for j in slurm_jobs(ctx) if j.array_job_id})
+        return f"{self.settings.mode} pending tasks of array " + (", ".join(arrays) or "(none)")
+
+    def run(self, ctx: ActionContext) -> str:
+        arrays = sorted({j.array_job_id for j in slurm_jobs(ctx) if j.array_job_id})
+        if not arrays:
+            return "not an array job: nothing pending to stop"
+        for array in arrays:
+            if self.settings.mode == "hold":
+                _slurm("hold", ctx.slurm.hold, array)
+            else:
+                _slurm("cancel", ctx.slurm.cancel_pending, array)
+        return f"{self.settings.mode} pending tasks of array {', '.join(arrays)}"

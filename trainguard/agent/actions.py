@@ -1,0 +1,110 @@
+"""Runs the named actions bound to a check when its incidents fire or escalate.
+
+Each action runs in its own daemon thread with a timeout, logs an audit line, and its outcome is
+recorded on the incident. An action runs at most once per incident unless it sets `repeat`.
+Actions of one incident run in the order configured (save before drain before requeue).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainguard.actions.base import Action, ActionContext, ActionError
+from trainguard.agent.config import Config
+from trainguard.agent.events import Event, EventKind
+from trainguard.agent.incidents import IncidentTracker
+from trainguard.agent.logs import kv
+from trainguard.checks.base import ActionBinding
+from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.model import Job
+from trainguard.jobs.slurm import SlurmClient
+from trainguard.registry import Registry
+
+log = logging.getLogger("trainguard.actions")
+
+
+class ActionRunner:
+    def __init__(self, config: Config, registry: Registry, catalog: JobCatalog | None, tracker: IncidentTracker,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.actions: dict[str, Action] = {
+            name: registry.action_class(config.kind_of_action(name))(name, settings)
+            for name, settings in config.actions.items()}
+        self.catalog = catalog
+        self.slurm = catalog.slurm if catalog else SlurmClient(config.jobs.slurm_timeout, config.jobs.slurm_bin_dir)
+        self.node = catalog.node if catalog else (config.jobs.slurm_node or config.agent.node_name)
+        self.tracker = tracker
+        self.clock = clock
+        self.threads: list[threading.Thread] = []
+
+    def handle(self, event: Event, binding: ActionBinding) -> threading.Thread | None:
+        if event.kind is EventKind.RESOLVED:
+            return None
+        names = binding.for_status(event.status)
+        done = self.tracker.actions_done(event.check, event.subject)
+        names = [n for n in names if n in self.actions and (self.actions[n].settings.repeat or n not in done)]
+        if event.kind is EventKind.REMINDER:
+            names = [n for n in names if self.actions[n].settings.repeat]
+        if not names:
+            return None
+        thread = threading.Thread(target=self._run_all, args=(event, names), name=f"actions-{event.incident_id}",
+                                  daemon=True)
+        self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+        thread.start()
+        return thread
+
+    def jobs_for(self, event: Event) -> tuple[Job, ...]:
+        """The incident's own job when it names one, else every job running on this node."""
+        if self.catalog is None:
+            return ()
+        view = self.catalog.view()
+        key = event.details.get("job_key")
+        if key:
+            job = view.by_key(str(key))
+            return (job,) if job else ()
+        return tuple(view.on_node())
+
+    def _run_all(self, event: Event, names: list[str]) -> None:
+        try:
+            jobs = self.jobs_for(event)
+        except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
+            log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
+            jobs = ()
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock)
+        for name in names:
+            record = self.run_one(self.actions[name], ctx)
+            self.tracker.record_action(event.check, event.subject, record)
+
+    def run_one(self, action: Action, ctx: ActionContext) -> dict[str, Any]:
+        started = self.clock()
+        plan = action.plan(ctx)
+        if action.settings.dry_run:
+            outcome, detail = "dry_run", f"would {plan}"
+        else:
+            box: dict[str, str] = {}
+            done = threading.Event()
+
+            def target() -> None:
+                try:
+                    box["detail"] = action.run(ctx)
+                    box["outcome"] = "ok"
+                except ActionError as exc:
+                    box["detail"], box["outcome"] = str(exc), "failed"
+                except Exception as exc:  # noqa: BLE001 - a buggy action must not take others down
+                    box["detail"], box["outcome"] = f"{type(exc).__name__}: {exc}", "failed"
+                finally:
+                    done.set()
+
+            threading.Thread(target=target, name=f"action-{action.name}", daemon=True).start()
+            if done.wait(action.settings.timeout):
+                outcome, detail = box["outcome"], box["detail"]
+            else:
+                outcome, detail = "timeout", f"still running after {action.settings.timeout:g}s: {plan}"
+        level = logging.WARNING if outcome in ("ok", "dry_run") else logging.ERROR
+        log.log(level, "action", extra=kv(action=action.name, outcome=outcome, incident=ctx.event.incident_id,
+                                          check=ctx.event.check, subject=ctx.event.subject,
+                                          jobs=",".join(j.job_id or j.key for j in ctx.jobs) or None, detail=detail))
+        return {"action": action.name, "at": started, "outcome": outcome, "detail": detail}

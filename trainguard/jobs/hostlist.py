@@ -1,0 +1,43 @@
+"""SLURM hostlist expressions (`gpu[01-04,07],login1`) without shelling out to scontrol."""
+
+from __future__ import annotations
+
+import re
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top(expr: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in expr:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+def expand(expr: str) -> list[str]:
+    hosts: list[str] = []
+    for part in _split_top(expr.strip()):
+        match = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, body, suffix = match.groups()
+        for item in body.split(","):
+            rng = _RANGE.match(item)
+            if not rng:
+                raise ValueError(f"invalid hostlist range {item!r} in {expr!r}")
+            lo, hi = rng.group(1), rng.group(2) or rng.group(1)
+            width = len(lo)
+            for n in range(int(lo), int(hi) + 1):
+                hosts.extend(expand(f"{prefix}{n:0{width}d}{suffix}"))
+    return hosts

@@ -1,0 +1,77 @@
+"""Jobs: what the agent knows about a training job on this node, and how a pid is trusted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+ACTIVE_STATES = frozenset({"RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"})
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    """A pid is trusted only together with its start time: a recycled pid never matches."""
+
+    pid: int
+    create_time: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef | None:
+        try:
+            return cls(pid, psutil.Process(pid).create_time())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+            return None
+
+    def matches(self) -> bool:
+        try:
+            return abs(psutil.Process(self.pid).create_time() - self.create_time) < 0.01
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+            return False
+
+
+@dataclass(frozen=True)
+class Job:
+    key: str  # stable identity: "slurm:<job id>" or "process:<name>"
+    source: str
+    name: str
+    state: str
+    job_id: str | None = None
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    user: str | None = None
+    uid: int | None = None
+    reason: str | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    exit_code: str | None = None
+    workdir: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    on_this_node: bool = False
+    processes: tuple[ProcessRef, ...] = ()
+    log_paths: tuple[str, ...] = ()
+    switch_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def running(self) -> bool:
+        return self.state in ("RUNNING", "COMPLETING")
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    def label(self) -> str:
+        if self.source == "slurm":
+            if self.array_job_id and self.array_task_id:
+                return f"job {self.array_job_id}_{self.array_task_id} ({self.job_id}, {self.name})"
+            return f"job {self.job_id} ({self.name})"
+        return f"process job {self.name}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "source": self.source, "name": self.name, "state": self.state, "job_id": self.job_id,
+                "array_job_id": self.array_job_id, "array_task_id": self.array_task_id, "user": self.user,
+                "reason": self.reason, "start_time": self.start_time, "end_time": self.end_time,
+                "exit_code": self.exit_code, "pids": [p.pid for p in self.processes], "switch_dir": self.switch_dir}

@@ -1,0 +1,106 @@
+"""Plain-process jobs declared in config by a command-line regex or a pidfile."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+from pydantic import Field, field_validator, model_validator
+
+from trainguard.jobs.model import Job, ProcessRef
+from trainguard.settings import SettingsModel
+
+
+class ProcessJobSettings(SettingsModel):
+    cmdline: str | None = Field(None, description="Regex matched against the full command line.")
+    pidfile: Path | None = Field(None, description="File holding the job's main pid.")
+    user: str | None = Field(None, description="Only processes of this user.")
+    logs: list[str] = Field(default_factory=list, description="Log files (paths or globs) of the job.")
+    switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches.")
+
+    @field_validator("cmdline")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"invalid regex {value!r}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> ProcessJobSettings:
+        if (self.cmdline is None) == (self.pidfile is None):
+            raise ValueError("give exactly one of cmdline or pidfile")
+        return self
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        text = pidfile.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+class ProcessSource:
+    def __init__(self, jobs: dict[str, ProcessJobSettings]) -> None:
+        self.declared = jobs
+
+    def _find(self, spec: ProcessJobSettings) -> list[psutil.Process]:
+        me = os.getpid()
+        if spec.pidfile is not None:
+            pid = _read_pid(spec.pidfile)
+            if pid is None or pid in (0, 1, me) or not psutil.pid_exists(pid):
+                return []
+            procs = [psutil.Process(pid)]
+        else:
+            assert spec.cmdline is not None
+            pattern = re.compile(spec.cmdline)
+            procs = []
+            for p in psutil.process_iter(["pid", "cmdline"]):
+                cmd = " ".join(p.info.get("cmdline") or [])
+                if p.info["pid"] not in (1, me) and cmd and pattern.search(cmd):
+                    procs.append(p)
+        if spec.user is not None:
+            procs = [p for p in procs if _username(p) == spec.user]
+        pids = {p.pid for p in procs}
+        # A launcher and its workers may all match: the job's main processes are the topmost ones.
+        return [p for p in procs if _ppid(p) not in pids]
+
+    def jobs(self) -> Sequence[Job]:
+        jobs = []
+        for name, spec in self.declared.items():
+            roots = self._find(spec)
+            refs = tuple(r for r in (ProcessRef.of(p.pid) for p in roots) if r)
+            user = _username(roots[0]) if roots else spec.user
+            uid = _uid(roots[0]) if roots else None
+            start = min((r.create_time for r in refs), default=None)
+            jobs.append(Job(key=f"process:{name}", source="process", name=name, state="RUNNING" if refs else "ABSENT",
+                            user=user, uid=uid, start_time=start, on_this_node=True, processes=refs,
+                            log_paths=tuple(spec.logs), switch_dir=spec.switch_dir))
+        return jobs
+
+
+def _username(p: psutil.Process) -> str | None:
+    try:
+        return p.username()
+    except (psutil.Error, KeyError):
+        return None
+
+
+def _uid(p: psutil.Process) -> int | None:
+    try:
+        return p.uids().real
+    except psutil.Error:
+        return None
+
+
+def _ppid(p: psutil.Process) -> int | None:
+    try:
+        return p.ppid()
+    except psutil.Error:
+        return None

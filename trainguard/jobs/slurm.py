@@ -1,0 +1,184 @@
+"""SLURM: every command runs with a timeout; a controller that doesn't answer is an error, never a hang."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.agent.logs import kv
+from trainguard.jobs.hostlist import expand
+from trainguard.jobs.model import Job, ProcessRef
+
+log = logging.getLogger("trainguard.slurm")
+
+
+class SlurmError(Exception):
+    """A SLURM command failed, timed out, or is not installed."""
+
+
+@dataclass(frozen=True)
+class SlurmClient:
+    timeout: float = 10.0
+    bin_dir: str = ""  # empty: find the commands on PATH
+
+    def run(self, *args: str, timeout: float | None = None) -> str:
+        cmd = [os.path.join(self.bin_dir, args[0]) if self.bin_dir else args[0], *args[1:]]
+        limit = timeout or self.timeout
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL,
+                                  errors="replace")
+        except FileNotFoundError:
+            raise SlurmError(f"{args[0]} not installed (not found on PATH)") from None
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"{args[0]} timed out after {limit:g}s (slurmctld not answering?)") from None
+        except OSError as exc:
+            raise SlurmError(f"{args[0]} failed to start: {exc}") from None
+        if proc.returncode != 0:
+            msg = (proc.stderr or proc.stdout).strip().splitlines()
+            raise SlurmError(f"{' '.join(args[:2])} exited {proc.returncode}: {msg[-1] if msg else 'no output'}")
+        return proc.stdout
+
+    # queries -------------------------------------------------------------------
+    def queue(self) -> list[dict[str, Any]]:
+        out = self.run("squeue", "--json")
+        try:
+            data = json.loads(out)
+        except ValueError as exc:
+            raise SlurmError(f"squeue --json printed invalid JSON: {exc}") from None
+        return list(data.get("jobs", []))
+
+    def listpids(self, job_id: str) -> list[int]:
+        try:
+            out = self.run("scontrol", "listpids", job_id)
+        except SlurmError as exc:
+            if "No job steps exist" in str(exc) or "does not exist" in str(exc):
+                return []
+            raise
+        pids = []
+        for line in out.splitlines()[1:]:
+            fields = line.split()
+            if fields and fields[0].isdigit():
+                pids.append(int(fields[0]))
+        return pids
+
+    # commands --------------------------------------------------------------------
+    def signal(self, job_id: str, signal_name: str, mode: str = "full") -> None:
+        self.run("scancel", f"--signal={signal_name}", f"--{mode}", job_id)
+
+    def requeue(self, job_id: str) -> None:
+        self.run("scontrol", "requeue", job_id)
+
+    def hold(self, job_id: str) -> None:
+        self.run("scontrol", "hold", job_id)
+
+    def cancel_pending(self, array_job_id: str) -> None:
+        self.run("scancel", "--state=PENDING", array_job_id)
+
+    def node_state(self, node: str) -> tuple[str, str]:
+        """(state flags, reason) of a node."""
+        out = self.run("scontrol", "show", "node", node, "--oneliner")
+        state = re.search(r"\bState=(\S+)", out)
+        reason = re.search(r"\bReason=(.*?)(?: \[|$| \w+=)", out)
+        return (state.group(1) if state else "", reason.group(1).strip() if reason else "")
+
+    def drain(self, node: str, reason: str) -> None:
+        self.run("scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}")
+
+    def resume(self, node: str) -> None:
+        self.run("scontrol", "update", f"nodename={node}", "state=resume")
+
+
+_PATTERN = re.compile(r"%(%|[AajxuNn])")
+
+
+def expand_output_path(pattern: str, job: dict[str, Any], node: str) -> str:
+    """squeue --json gives StdOut as submitted (`slurm-%j.out`); expand what identifies the file."""
+    values = {
+        "%": "%", "j": str(job.get("job_id", "")), "x": str(job.get("name", "")), "u": str(job.get("user_name", "")),
+        "A": str(_int(job.get("array_job_id")) or job.get("job_id", "")),
+        "a": str(task if (task := _int(job.get("array_task_id"))) is not None else 4294967294),
+        "N": node, "n": "0",
+    }
+    return _PATTERN.sub(lambda m: values[m.group(1)], pattern)
+
+
+def _when(value: Any) -> float | None:
+    number = _int(value)
+    return float(number) if number is not None and number > 0 else None
+
+
+def _exit_code(job: dict[str, Any]) -> str | None:
+    code = job.get("exit_code")
+    if isinstance(code, int):  # 22.05: the raw wait status
+        return f"{code >> 8}:{code & 0x7F}"
+    if isinstance(code, dict):  # 23.02+: {"status": [...], "return_code": N, "signal": {...}}
+        return f"{_int(code.get('return_code')) or 0}:{_int((code.get('signal') or {}).get('id')) or 0}"
+    return None
+
+
+def _state(job: dict[str, Any]) -> str:
+    state = job.get("job_state", "")
+    return str(state[0] if isinstance(state, list) and state else state)
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, dict):  # newer SLURM: {"set": true, "infinite": false, "number": N}
+        value = value.get("number") if value.get("set", True) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_job(raw: dict[str, Any], node: str, switch_template: str) -> Job:
+    job_id = str(raw.get("job_id", ""))
+    array_job = str(_int(raw.get("array_job_id"))) if _int(raw.get("array_job_id")) else None
+    task = _int(raw.get("array_task_id"))
+    task_id = str(task) if array_job and task is not None else None
+    nodes = str(raw.get("nodes") or "")
+    try:
+        hosts = expand(nodes) if nodes else []
+    except ValueError:
+        hosts = []
+    workdir = raw.get("current_working_directory") or None
+    default_out = "slurm-%A_%a.out" if array_job and task_id else "slurm-%j.out"
+    stdout = raw.get("standard_output") or (os.path.join(workdir, default_out) if workdir else None)
+    stderr = raw.get("standard_error") or stdout
+    fields = {"workdir": workdir or "", "job_id": job_id, "array_job_id": array_job or job_id,
+              "name": raw.get("name", ""), "user": raw.get("user_name", "")}
+    return Job(
+        key=f"slurm:{job_id}", source="slurm", name=str(raw.get("name", "")), state=_state(raw), job_id=job_id,
+        array_job_id=array_job, array_task_id=task_id, user=raw.get("user_name"), uid=raw.get("user_id"),
+        reason=raw.get("state_reason") if raw.get("state_reason") not in (None, "None") else None,
+        start_time=_when(raw.get("start_time")), end_time=_when(raw.get("end_time")), exit_code=_exit_code(raw),
+        workdir=workdir, stdout=expand_output_path(stdout, raw, node) if stdout else None,
+        stderr=expand_output_path(stderr, raw, node) if stderr else None, on_this_node=node in hosts,
+        switch_dir=switch_template.format(**fields) if switch_template and workdir else None,
+    )
+
+
+class SlurmSource:
+    """All jobs the controller knows; pids for the ones running on this node."""
+
+    def __init__(self, client: SlurmClient, node: str, switch_template: str) -> None:
+        self.client = client
+        self.node = node
+        self.switch_template = switch_template
+
+    def jobs(self) -> Sequence[Job]:
+        jobs = []
+        for raw in self.client.queue():
+            job = parse_job(raw, self.node, self.switch_template)
+            if job.on_this_node and job.running and job.job_id:
+                try:
+                    refs = tuple(r for r in (ProcessRef.of(p) for p in self.client.listpids(job.job_id)) if r)
+                except SlurmError as exc:
+                    log.warning("listpids failed", extra=kv(job=job.job_id, error=str(exc)))
+                    refs = ()
+                log_paths = tuple(dict.fromkeys(p for p in (job.stdout, job.stderr) if p))
+                job = Job(**{**vars(job), "processes": refs, "log_paths": log_paths})
+            jobs.append(job)
+        return jobs
