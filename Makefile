@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus
+DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus slurmctld slurmd slurm-client munge
 
 .PHONY: run test install install-test deb-test lint clean
 

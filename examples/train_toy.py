@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from trainguard.trainer import Trainer  # noqa: E402
+from trainguard.trainer import Trainer
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, loss: float) -> Path:

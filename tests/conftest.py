@@ -10,12 +10,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
+
+from tests.slurm_cluster import SlurmCluster, missing_components
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -128,6 +131,25 @@ def hung_mount(tmp_path: Path) -> Iterator[HungMount]:
     subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=10)
     proc.kill()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A real one-node SLURM cluster, started once per session."""
+    require(os.geteuid() == 0, "needs root to run slurmctld, slurmd and munged")
+    missing = missing_components()
+    require(not missing, f"needs SLURM and munge installed (missing: {', '.join(missing)})")
+    # Job users must reach the cluster's files: not under pytest's private (0700) temp root.
+    base = Path(tempfile.mkdtemp(prefix="trainguard-slurm-", dir="/tmp"))
+    cluster = SlurmCluster(base)
+    try:
+        cluster.start()
+    except Exception:
+        cluster.stop()
+        raise
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 class AgentProcess:

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -65,11 +66,19 @@ class Trainer:
             signal.signal(sig, handler((self._stop,)))
         return self
 
+    def _switch(self, name: str) -> bool:
+        """A switch counts only as a regular file of this user or root: nobody else can stop the run."""
+        try:
+            st = os.lstat(self.switch_dir / name)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_uid in (os.getuid(), 0)
+
     def should_save(self) -> bool:
-        return self._save.is_set() or (self.switch_dir / "save").exists() or self.should_stop()
+        return self._save.is_set() or self._switch("save") or self.should_stop()
 
     def should_stop(self) -> bool:
-        return self._stop.is_set() or (self.switch_dir / "stop").exists()
+        return self._stop.is_set() or self._switch("stop")
 
     def saved(self) -> None:
         """A checkpoint was written: clear the save request (signal flag and `save` switch file)."""

@@ -134,12 +134,26 @@ class SwitchCheck(JobCheck):
     Settings = SwitchSettings
     settings: SwitchSettings
 
+    def candidates(self, view: JobView) -> list[Job]:
+        """Running jobs; for `stop`, also finished tasks of an array that still has tasks pending,
+        since the trainer may honour the switch and exit before this check next runs."""
+        running = view.on_node()
+        if self.settings.switch != "stop":
+            return running
+        pending = {j.array_job_id for j in view.jobs if j.state == "PENDING" and j.array_job_id}
+        finished = [j for j in view.jobs if j.on_this_node and not j.running and j.array_job_id in pending]
+        return running + finished
+
     def run(self) -> Sequence[Result]:
         view = self.view()
         stop_dir = self.context.jobs.settings.stop_dir if self.context.jobs else Path("/run/trainguard/stop")
         out = self.source_errors(view, ["slurm", "process"])
-        for job in view.on_node():
+        seen: set[Path] = set()
+        for job in self.candidates(view):
             for sw in find_switch(job, self.settings.switch, stop_dir):
+                if sw.path in seen:  # array tasks share a switch dir: one request, one incident
+                    break
+                seen.add(sw.path)
                 details = {"job_key": job.key, "job_id": job.job_id, "path": str(sw.path), "by": _user(sw.uid),
                            "switch": self.settings.switch}
                 subject = f"{job.key}:{self.settings.switch}"

@@ -1,0 +1,204 @@
+"""A real one-node SLURM cluster (Debian's slurmctld, slurmd, munge) for the tests.
+
+The node is named after the host; munged runs as user munge with /run/munge created; jobs run as
+the unprivileged test users `tgjob` and `tgother`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+JOB_USER, OTHER_USER = "tgjob", "tgother"
+DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "scontrol", "scancel")
+PORTS = (6917, 6918)  # off the defaults, so a node's own SLURM is never disturbed
+
+
+def sh(*cmd: str, user: str | None = None, check: bool = True, timeout: float = 30, cwd: str | None = None) -> str:
+    argv = ["runuser", "-u", user, "--", *cmd] if user else list(cmd)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def missing_components() -> list[str]:
+    return [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
+
+
+def _ensure_user(name: str) -> None:
+    try:
+        import pwd
+
+        pwd.getpwnam(name)
+    except KeyError:
+        sh("useradd", "--create-home", "--shell", "/bin/bash", name)
+
+
+def _ensure_munge() -> None:
+    key = Path("/etc/munge/munge.key")
+    if not key.exists():
+        key.parent.mkdir(parents=True, exist_ok=True)
+        key.write_bytes(os.urandom(128))
+        shutil.chown(key, "munge", "munge")
+        key.chmod(0o400)
+    run_dir = Path("/run/munge")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.chown(run_dir, "munge", "munge")
+    run_dir.chmod(0o755)
+    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True, timeout=10).returncode != 0:
+        sh("runuser", "-u", "munge", "--", "/usr/sbin/munged")
+        deadline = time.monotonic() + 10
+        while subprocess.run("munge -n | unmunge", shell=True, capture_output=True, timeout=10).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("munged did not come up")
+            time.sleep(0.2)
+
+
+class SlurmCluster:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.node = socket.gethostname().split(".")[0]
+        self.conf = base / "slurm.conf"
+        self.lib = base / "lib"  # the trainer helper and toy trainer, readable by the job users
+        self.python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else shutil.which("python3") or "python3"
+
+    # lifecycle ------------------------------------------------------------------------------
+    def start(self) -> SlurmCluster:
+        for user in (JOB_USER, OTHER_USER):
+            _ensure_user(user)
+        _ensure_munge()
+        for sub in ("state", "spool", "log", "jobs", "lib/trainguard", "lib/examples"):
+            (self.base / sub).mkdir(parents=True, exist_ok=True)
+        for path in [self.base, *self.base.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        (self.base / "jobs").chmod(0o1777)
+        shutil.copy(REPO / "trainguard" / "__init__.py", self.lib / "trainguard" / "__init__.py")
+        shutil.copy(REPO / "trainguard" / "trainer.py", self.lib / "trainguard" / "trainer.py")
+        shutil.copy(REPO / "examples" / "train_toy.py", self.lib / "examples" / "train_toy.py")
+        cpus = os.cpu_count() or 2
+        mem = max(1024, psutil.virtual_memory().total // 2**20 - 2048)
+        b = self.base
+        self.conf.write_text(f"""\
+ClusterName=trainguard-test
+SlurmctldHost={self.node}
+SlurmUser=root
+AuthType=auth/munge
+SlurmctldPort={PORTS[0]}
+SlurmdPort={PORTS[1]}
+StateSaveLocation={b}/state
+SlurmdSpoolDir={b}/spool
+SlurmctldPidFile={b}/slurmctld.pid
+SlurmdPidFile={b}/slurmd.pid
+SlurmctldLogFile={b}/log/slurmctld.log
+SlurmdLogFile={b}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MinJobAge=600
+MessageTimeout=5
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MpiDefault=none
+KillWait=5
+NodeName={self.node} CPUs={cpus} RealMemory={mem} State=UNKNOWN
+PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
+""")
+        self.conf.chmod(0o644)
+        os.environ["SLURM_CONF"] = str(self.conf)
+        self.start_ctld()
+        sh("slurmd", "-f", str(self.conf))
+        self.wait(lambda: "idle" in sh("sinfo", "-h", "-o", "%T", check=False), 30, "node idle")
+        return self
+
+    def start_ctld(self) -> None:
+        sh("slurmctld", "-f", str(self.conf))
+        self.wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10).returncode == 0,
+                  30, "slurmctld answering")
+
+    def stop_ctld(self) -> None:
+        self._kill("slurmctld.pid")
+
+    def _kill(self, pidfile: str) -> None:
+        path = self.base / pidfile
+        if path.exists():
+            try:
+                proc = psutil.Process(int(path.read_text().strip()))
+                proc.terminate()
+                proc.wait(10)
+            except (psutil.Error, ValueError):
+                pass
+
+    def stop(self) -> None:
+        subprocess.run(["scancel", "--full", "-u", JOB_USER], capture_output=True, timeout=10)
+        subprocess.run(["scancel", "-u", OTHER_USER], capture_output=True, timeout=10)
+        time.sleep(1)
+        self._kill("slurmd.pid")
+        self._kill("slurmctld.pid")
+        for p in psutil.process_iter(["name", "cmdline"]):
+            if "slurmstepd" in (p.info.get("name") or "") and str(self.base) in " ".join(p.info.get("cmdline") or []):
+                p.kill()
+
+    # helpers ----------------------------------------------------------------------------------
+    @staticmethod
+    def wait(predicate: object, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.2)
+
+    def workdir(self, user: str = JOB_USER) -> Path:
+        d = self.base / "jobs" / uuid.uuid4().hex[:8]
+        d.mkdir()
+        shutil.chown(d, user, user)
+        return d
+
+    def toy_command(self, *args: str) -> str:
+        return f"exec {self.python} {self.lib}/examples/train_toy.py " + " ".join(args)
+
+    def submit(self, command: str, *sbatch_args: str, user: str = JOB_USER, workdir: Path | None = None,
+               name: str | None = None) -> str:
+        workdir = workdir or self.workdir(user)
+        script = workdir / f"job-{uuid.uuid4().hex[:6]}.sh"
+        script.write_text(f"#!/bin/bash\n{command}\n")
+        shutil.chown(script, user, user)
+        args = ["sbatch", "--parsable", f"--chdir={workdir}", f"--output={workdir}/%x-%A_%a.out"]
+        if name:
+            args.append(f"--job-name={name}")
+        out = sh(*args, *sbatch_args, str(script), user=user, cwd=str(workdir))
+        return out.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        out = sh("scontrol", "show", "job", "--oneliner", job_id, check=False)
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def jobs_of(self, array_job: str) -> list[dict[str, str]]:
+        out = sh("scontrol", "show", "job", "--oneliner", array_job, check=False)
+        return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
+
+    def wait_state(self, job_id: str, states: tuple[str, ...], timeout: float = 30) -> dict[str, str]:
+        self.wait(lambda: self.job(job_id).get("JobState") in states, timeout, f"job {job_id} in {states}")
+        return self.job(job_id)
+
+    def node_info(self) -> dict[str, str]:
+        out = sh("scontrol", "show", "node", "--oneliner", self.node)
+        state = re.search(r"\bState=(\S+)", out)
+        reason = re.search(r"\bReason=(.*?)(?: \[\w+@| \w+=|$)", out)
+        return {"State": state.group(1) if state else "", "Reason": reason.group(1) if reason else ""}
+
+    def resume_node(self) -> None:
+        subprocess.run(["scontrol", "update", f"nodename={self.node}", "state=resume"], capture_output=True, timeout=10)

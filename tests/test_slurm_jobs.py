@@ -1,0 +1,288 @@
+"""Jobs and actions against a real one-node SLURM cluster."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.conftest import AgentProcess, free_port, wait_until
+from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
+from trainguard.actions.base import ActionContext
+from trainguard.agent.config import parse_config
+from trainguard.agent.engine import Engine
+from trainguard.agent.events import Event, EventKind
+from trainguard.jobs.catalog import JobCatalog, JobsSettings
+from trainguard.jobs.model import Job
+from trainguard.jobs.slurm import SlurmClient
+from trainguard.model import Status
+
+
+def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], **jobs: Any) -> Engine:
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": slurm.node, "listen": ""},
+           "jobs": {"sources": ["slurm"], "slurm_timeout": "10s", "refresh": 0, **jobs},
+           "checks": checks, "notifiers": {"console": {}}}
+    return Engine(parse_config(raw, "test.toml"))
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    started: list[Engine] = []
+    yield started
+    for engine in started:
+        engine.stop()
+
+
+def event(job: Job | None = None, summary: str = "test incident") -> Event:
+    return Event(EventKind.FIRED, uuid.uuid4().hex[:12], "test", "subject", Status.CRITICAL, summary, "node",
+                 time.time(), time.time(), details={"job_key": job.key} if job else {})
+
+
+def find_job(slurm: SlurmCluster, job_id: str) -> Job:
+    catalog = JobCatalog(JobsSettings(sources=["slurm"], refresh=0), slurm.node)
+    job = catalog.view().by_key(f"slurm:{job_id}")
+    assert job is not None, f"job {job_id} not in the catalog"
+    return job
+
+
+def run_action(engine: Engine, name: str, ev: Event, jobs: tuple[Job, ...]) -> dict[str, Any]:
+    ctx = ActionContext(ev, jobs, engine.actions.node, engine.actions.slurm, time.time)
+    return engine.actions.run_one(engine.actions.actions[name], ctx)
+
+
+def toy(slurm: SlurmCluster, workdir: Path, *extra: str) -> str:
+    return slurm.toy_command("--steps", "100000", "--step-time", "0.1", "--ckpt-dir", f"{workdir}/ckpt", *extra)
+
+
+def test_catalog_sees_jobs_on_this_node(slurm: SlurmCluster) -> None:
+    name = f"tg catalog ünï {uuid.uuid4().hex[:6]}"
+    job_id = slurm.submit("sleep 120", name=name)
+    slurm.wait_state(job_id, ("RUNNING",))
+    job = find_job(slurm, job_id)
+    assert job.name == name and job.user == JOB_USER and job.on_this_node and job.running
+    assert job.stdout and Path(job.stdout).exists()
+    wait_until(lambda: find_job(slurm, job_id).processes, 10, what="pids of the job")
+    assert all(ref.matches() for ref in find_job(slurm, job_id).processes)
+    sh("scancel", job_id)
+
+
+def test_liveness(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    name = f"tg live {uuid.uuid4().hex[:6]} ✓"
+    engine = engine_for(slurm, tmp_path, {"alive": {"type": "job_liveness", "names": [name, name[:-2]]}})
+    engines.append(engine)
+
+    def status() -> dict[str, Any]:
+        [report] = engine.run_round(ingest=False)
+        return {r.subject: r for r in report.results}
+
+    first = slurm.submit("sleep 300", name=name)
+    slurm.wait_state(first, ("RUNNING",))
+    results = status()
+    assert results[name].status is Status.OK and f"job {first}" in results[name].summary
+    # the truncated name is another job: exact matching only
+    assert results[name[:-2]].status is Status.CRITICAL
+
+    successor = slurm.submit("sleep 300", "--begin=now+3600", name=name)
+    sh("scancel", first)
+    slurm.wait_state(first, ("CANCELLED",))
+    pending = status()[name]
+    assert pending.status is Status.OK
+    assert pending.summary == f"{name}: pending (BeginTime)"
+
+    sh("scancel", successor)
+    slurm.wait_state(successor, ("CANCELLED",))
+    dead = status()[name]
+    assert dead.status is Status.CRITICAL
+    assert "no job running or pending; last was job" in dead.summary and "CANCELLED exit" in dead.summary
+    assert dead.details["state"] == "CANCELLED"
+
+
+def test_signal_reaches_the_trainer_which_saves_and_exits_0(
+        slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {})
+    engines.append(engine)
+    workdir = slurm.workdir()
+    job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-signal")
+    info = slurm.wait_state(job_id, ("RUNNING",))
+    wait_until(lambda: "step 3" in Path(info["StdOut"]).read_text(), 20, what="training steps")
+    record = run_action(engine, "signal", event(find_job(slurm, job_id)), (find_job(slurm, job_id),))
+    assert record["outcome"] == "ok", record
+    assert record["detail"] == f"scancel --signal=USR1 --full {job_id}"
+    final = slurm.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED"))
+    out = Path(final["StdOut"]).read_text()
+    assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", out
+    assert "stop requested (SIGUSR1)" in out
+    assert list((workdir / "ckpt").glob("ckpt-*.json"))
+
+
+def test_drain_sets_our_reason_and_resume_clears_only_ours(
+        slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {})
+    engines.append(engine)
+    try:
+        record = run_action(engine, "drain", event(summary="GPU 3 fell off the bus (XID 79)"), ())
+        assert record["outcome"] == "ok", record
+        node = slurm.node_info()
+        assert "DRAIN" in node["State"]
+        assert node["Reason"] == "trainguard: GPU 3 fell off the bus (XID 79)"
+        record = run_action(engine, "resume", event(), ())
+        assert record["outcome"] == "ok" and record["detail"].startswith(f"resumed {slurm.node}")
+        assert "DRAIN" not in slurm.node_info()["State"]
+
+        sh("scontrol", "update", f"nodename={slurm.node}", "state=drain", "reason=admin: fan replacement")
+        record = run_action(engine, "resume", event(), ())
+        assert record["detail"] == f"{slurm.node} drained by someone else ('admin: fan replacement'): left alone"
+        assert "DRAIN" in slurm.node_info()["State"]
+    finally:
+        slurm.resume_node()
+
+
+def test_requeue(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {})
+    engines.append(engine)
+    job_id = slurm.submit("sleep 300", "--requeue", name="tg-requeue")
+    slurm.wait_state(job_id, ("RUNNING",))
+    record = run_action(engine, "requeue", event(), (find_job(slurm, job_id),))
+    assert record["outcome"] == "ok", record
+    wait_until(lambda: slurm.job(job_id).get("Restarts") == "1", 30, what="job requeued")
+    slurm.wait_state(job_id, ("RUNNING", "PENDING"))
+    sh("scancel", job_id)
+
+
+def test_time_limit_exit_before_end_time(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {"limit": {"type": "job_timelimit", "margin": "110s", "interval": "1s",
+                                                    "jitter": 0, "actions": {"warning": ["signal"]}}})
+    engines.append(engine)
+    workdir = slurm.workdir()
+    job_id = slurm.submit(toy(slurm, workdir), "--time=2", workdir=workdir, name="tg-timelimit")
+    info = slurm.wait_state(job_id, ("RUNNING",))
+    end_time = time.mktime(time.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S"))
+    engine.start()
+    final = slurm.wait_state(job_id, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout=60)
+    finished = time.time()
+    out = Path(final["StdOut"]).read_text()
+    assert final["JobState"] == "COMPLETED", out
+    assert finished < end_time
+    assert "stop requested (SIGUSR1)" in out
+    assert list((workdir / "ckpt").glob("ckpt-*.json"))
+    [incident] = [i for i in engine.tracker.incidents() if i.check == "limit"] or [None]
+    if incident is not None:  # the job may already be gone, resolving it
+        assert incident.actions[0]["action"] == "signal" and incident.actions[0]["outcome"] == "ok"
+
+
+def _switch_engine(slurm: SlurmCluster, tmp_path: Path) -> Engine:
+    return engine_for(slurm, tmp_path, {"stop": {"type": "job_switch", "switch": "stop", "interval": "1s",
+                                                 "actions": {"warning": ["hold-array"]}}})
+
+
+def test_kill_switch_stops_trainer_and_holds_array(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = _switch_engine(slurm, tmp_path)
+    engines.append(engine)
+    workdir = slurm.workdir()
+    array = slurm.submit(toy(slurm, workdir), "--array=0-3%1", workdir=workdir, name="tg-switch")
+    task0 = f"{array}_0"
+    slurm.wait_state(task0, ("RUNNING",))
+    wait_until(lambda: (workdir / ".trainguard" / "heartbeat.json").exists(), 20, what="first heartbeat")
+    engine.start()
+    sh("touch", str(workdir / ".trainguard" / "stop"), user=JOB_USER)
+    final = slurm.wait_state(task0, ("COMPLETED", "FAILED", "CANCELLED"))
+    out = Path(final["StdOut"]).read_text()
+    assert final["JobState"] == "COMPLETED" and "stop requested (switch)" in out, out
+    assert list((workdir / "ckpt").glob("ckpt-*.json"))
+    wait_until(lambda: any(i.check == "stop" and i.actions for i in engine.tracker.incidents())
+               or "held" in json.dumps(slurm.jobs_of(array)).lower(), 20, what="array held")
+    pending = [j for j in slurm.jobs_of(array) if j.get("JobState") == "PENDING"]
+    assert pending and all(j.get("Reason") in ("JobHeldAdmin", "JobHeldUser") for j in pending), pending
+    sh("scancel", array)
+
+
+def test_switch_by_another_user_is_ignored(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = _switch_engine(slurm, tmp_path)
+    engines.append(engine)
+    workdir = slurm.workdir()
+    job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-intruder")
+    info = slurm.wait_state(job_id, ("RUNNING",))
+    wait_until(lambda: (workdir / ".trainguard" / "heartbeat.json").exists(), 20, what="first heartbeat")
+    (workdir / ".trainguard").chmod(0o777)  # a carelessly shared switch dir
+    sh("touch", str(workdir / ".trainguard" / "stop"), user=OTHER_USER)
+    [report] = engine.run_round(ingest=True)
+    [result] = report.results
+    assert result.status is Status.UNKNOWN
+    assert f"created by {OTHER_USER}, not by the job's owner {JOB_USER} or root" in result.summary
+    time.sleep(2)
+    assert slurm.job(job_id)["JobState"] == "RUNNING"  # neither the agent nor the trainer honoured it
+    assert "stop requested" not in Path(info["StdOut"]).read_text()
+    assert not any(i.actions for i in engine.tracker.incidents())
+    sh("scancel", job_id)
+
+
+def test_slurmctld_down_makes_the_source_unknown_and_the_agent_keeps_serving(
+        slurm: SlurmCluster, tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    port = free_port()
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f"""
+[agent]
+node_name = "{slurm.node}"
+state_dir = "{tmp_path}/state"
+listen = "127.0.0.1:{port}"
+[jobs]
+sources = ["slurm"]
+slurm_timeout = "3s"
+refresh = "0s"
+[checks.alive]
+type = "job_liveness"
+names = ["anything"]
+interval = "1s"
+jitter = 0
+timeout = "8s"
+""")
+    agent = agent_process(config)
+    agent.wait_for("msg=ready")
+    slurm.stop_ctld()
+    try:
+        t0 = time.monotonic()
+
+        def unknown() -> str | None:
+            results = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["alive"]["results"]
+            summary = results[0]["summary"] if results else ""
+            return summary if results and results[0]["status"] == "UNKNOWN" else None
+
+        summary = wait_until(unknown, 20, what="liveness UNKNOWN")
+        assert time.monotonic() - t0 < 10
+        assert str(summary).startswith("job source slurm: squeue")
+        assert requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
+    finally:
+        slurm.start_ctld()
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(10) == 0
+
+
+def test_slurm_commands_missing(tmp_path: Path) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_bin_dir=str(empty)), "node1")
+    view = catalog.view()
+    assert view.errors == {"slurm": "squeue not installed (not found on PATH)"}
+    assert shutil.which("true")
+    assert SlurmClient(5, str(empty)).listpids  # the client itself constructs fine
+
+
+def test_scancel_failure_is_a_clear_action_failure(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {})
+    engines.append(engine)
+    gone = Job(key="slurm:999999", source="slurm", name="gone", state="RUNNING", job_id="999999")
+    record = run_action(engine, "signal", event(gone), (gone,))
+    assert record["outcome"] == "failed"
+    assert "scancel --signal=USR1 exited" in record["detail"]
+    proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 0
