@@ -191,7 +191,7 @@ def test_kill_switch_stops_trainer_and_holds_array(slurm: SlurmCluster, tmp_path
     array = slurm.submit(toy(slurm, workdir), "--array=0-3%1", workdir=workdir, name="tg-switch")
     task0 = f"{array}_0"
     slurm.wait_state(task0, ("RUNNING",))
-    wait_until(lambda: (workdir / ".trainguard" / "heartbeat.json").exists(), 20, what="first heartbeat")
+    wait_until((workdir / ".trainguard" / "heartbeat.json").exists, 20, what="first heartbeat")
     engine.start()
     sh("touch", str(workdir / ".trainguard" / "stop"), user=JOB_USER)
     final = slurm.wait_state(task0, ("COMPLETED", "FAILED", "CANCELLED"))
@@ -211,7 +211,7 @@ def test_switch_by_another_user_is_ignored(slurm: SlurmCluster, tmp_path: Path, 
     workdir = slurm.workdir()
     job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-intruder")
     info = slurm.wait_state(job_id, ("RUNNING",))
-    wait_until(lambda: (workdir / ".trainguard" / "heartbeat.json").exists(), 20, what="first heartbeat")
+    wait_until((workdir / ".trainguard" / "heartbeat.json").exists, 20, what="first heartbeat")
     (workdir / ".trainguard").chmod(0o777)  # a carelessly shared switch dir
     sh("touch", str(workdir / ".trainguard" / "stop"), user=OTHER_USER)
     [report] = engine.run_round(ingest=True)

@@ -33,11 +33,12 @@ def _open_dir(path: str, uid: int, create: bool) -> int:
     except FileNotFoundError:
         if not create:
             raise ActionError(f"switch dir {path} does not exist") from None
-    except NotADirectoryError:
-        raise ActionError(f"switch dir {path} is not a directory") from None
     except OSError as exc:
-        if exc.errno == 40:  # ELOOP: the last component is a symlink
+        # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: say which case it was.
+        if os.path.islink(path):
             raise ActionError(f"switch dir {path} is a symlink: refused") from None
+        if isinstance(exc, NotADirectoryError):
+            raise ActionError(f"switch dir {path} is not a directory") from None
         raise ActionError(f"cannot open switch dir {path}: {exc.strerror}") from None
     pfd = _open_dir(parent, uid, create=False)
     try:

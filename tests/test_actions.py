@@ -1,0 +1,241 @@
+"""Actions and process jobs that need no SLURM: switch-file safety, pid identity, exec, process sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_root
+from tests.slurm_cluster import JOB_USER, _ensure_user
+from trainguard.actions.base import ActionContext, ActionError
+from trainguard.actions.exec import ExecAction, ExecSettings
+from trainguard.actions.signal import SignalAction, SignalSettings, signal_process
+from trainguard.actions.switch import create_switch
+from trainguard.agent.config import ConfigError, parse_config
+from trainguard.agent.engine import Engine
+from trainguard.agent.events import Event, EventKind
+from trainguard.agent.store import Store
+from trainguard.jobs.catalog import JobCatalog, JobsSettings
+from trainguard.jobs.model import Job, ProcessRef
+from trainguard.jobs.process import ProcessJobSettings
+from trainguard.jobs.slurm import SlurmClient
+from trainguard.model import Status
+from trainguard.trainer import Trainer
+
+
+def ev(**details: object) -> Event:
+    return Event(EventKind.FIRED, "inc1", "check", "subj", Status.CRITICAL, "summary text", "node1", time.time(),
+                 time.time(), details=dict(details))
+
+
+def ctx(*jobs: Job) -> ActionContext:
+    return ActionContext(ev(), jobs, "node1", SlurmClient(), time.time)
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path) -> Iterator[tuple[Path, int, int]]:
+    """A directory owned by the unprivileged job user, as a job's switch dir is."""
+    require_root()
+    _ensure_user(JOB_USER)
+    pw = pwd.getpwnam(JOB_USER)
+    tmp_path.chmod(0o755)
+    d = tmp_path / "switches"
+    d.mkdir()
+    os.chown(d, pw.pw_uid, pw.pw_gid)
+    yield d, pw.pw_uid, pw.pw_gid
+
+
+def test_switch_created_atomically_as_the_user(user_dir: tuple[Path, int, int]) -> None:
+    d, uid, gid = user_dir
+    path = create_switch(str(d), "save", uid, gid, {"reason": "leak"})
+    st = os.lstat(path)
+    assert (st.st_uid, st.st_gid) == (uid, gid)
+    assert Path(path).read_text().strip() == '{"reason": "leak"}'
+    assert [p.name for p in d.iterdir()] == ["save"]  # no temporary file left behind
+    create_switch(str(d), "save", uid, gid, {"again": True})  # an existing switch of the user is replaced
+
+
+def test_symlink_attack_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
+    d, uid, gid = user_dir
+    victim = tmp_path / "victim"
+    victim.write_text("root's precious file\n")
+    (d / "save").symlink_to(victim)
+    with pytest.raises(ActionError, match="exists as a symlink"):
+        create_switch(str(d), "save", uid, gid, {})
+    assert victim.read_text() == "root's precious file\n"
+    assert os.stat(victim).st_uid == 0
+
+
+def test_hard_link_attack_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
+    d, uid, gid = user_dir
+    victim = tmp_path / "victim"
+    victim.write_text("secret\n")
+    os.link(victim, d / "stop")
+    with pytest.raises(ActionError, match="hard link"):
+        create_switch(str(d), "stop", uid, gid, {})
+    assert victim.read_text() == "secret\n" and os.stat(victim).st_uid == 0
+
+
+def test_switch_dir_swapped_for_a_symlink_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
+    d, uid, gid = user_dir
+    target = tmp_path / "etc-like"
+    target.mkdir()
+    link = d.parent / "linked"
+    link.symlink_to(target)
+    with pytest.raises(ActionError, match="is a symlink: refused"):
+        create_switch(str(link), "stop", uid, gid, {})
+    assert list(target.iterdir()) == []
+
+
+def test_switch_dir_of_another_user_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
+    _, uid, gid = user_dir
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 12345, 12345)
+    with pytest.raises(ActionError, match="belongs to uid 12345"):
+        create_switch(str(foreign), "stop", uid, gid, {})
+
+
+def test_missing_switch_dir_is_created_for_the_user(user_dir: tuple[Path, int, int]) -> None:
+    d, uid, gid = user_dir
+    path = create_switch(str(d / ".trainguard"), "save", uid, gid, {})
+    assert os.stat(d / ".trainguard").st_uid == uid and os.stat(path).st_uid == uid
+
+
+def test_switch_dir_that_is_a_file(user_dir: tuple[Path, int, int]) -> None:
+    d, uid, gid = user_dir
+    (d / "afile").write_text("")
+    with pytest.raises(ActionError, match="is not a directory"):
+        create_switch(str(d / "afile"), "save", uid, gid, {})
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_recycled_pid_is_never_signalled(sleeper: subprocess.Popen[bytes]) -> None:
+    real = ProcessRef.of(sleeper.pid)
+    assert real is not None and real.matches()
+    impostor = ProcessRef(sleeper.pid, real.create_time - 3600)  # same pid, another process's start time
+    with pytest.raises(ActionError, match="no longer the job's process"):
+        signal_process(impostor, "TERM")
+    assert sleeper.poll() is None
+    for pid in (1, os.getpid()):
+        with pytest.raises(ActionError, match="refusing to signal"):
+            signal_process(ProcessRef(pid, 0.0), "TERM")
+
+
+def test_signal_process_job_with_escalation(sleeper: subprocess.Popen[bytes]) -> None:
+    # SIGCONT leaves the process running, so only the escalation can end it.
+    ref = ProcessRef.of(sleeper.pid)
+    assert ref is not None
+    job = Job(key="process:t", source="process", name="t", state="RUNNING", processes=(ref,))
+    action = SignalAction("sig", SignalSettings(signal="CONT", then="KILL", grace=0.3))
+    assert action.run(ctx(job)) == f"SIGCONT -> pid {sleeper.pid}"
+    assert sleeper.wait(timeout=5) == -9  # escalated to SIGKILL after the grace period
+
+
+def test_process_source_by_cmdline_and_pidfile(sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
+    pidfile = tmp_path / "train.pid"
+    pidfile.write_text(f"{sleeper.pid}\n")
+    try:
+        settings = JobsSettings(sources=["process"], processes={
+            "by-cmd": ProcessJobSettings(cmdline=marker), "by-pid": ProcessJobSettings(pidfile=pidfile),
+            "absent": ProcessJobSettings(cmdline="no-such-process-" + marker[::-1])})
+        view = JobCatalog(settings, "node1").view()
+        jobs = {j.name: j for j in view.jobs}
+        assert [p.pid for p in jobs["by-cmd"].processes] == [child.pid]
+        assert [p.pid for p in jobs["by-pid"].processes] == [sleeper.pid]
+        assert jobs["absent"].state == "ABSENT" and not jobs["absent"].active
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_exec_action_gets_the_incident(tmp_path: Path) -> None:
+    out = tmp_path / "env.txt"
+    action = ExecAction("hook", ExecSettings(command=["sh", "-c", f'echo "$TRAINGUARD_STATUS $TRAINGUARD_SUMMARY" > {out}'],
+                                             timeout=5))
+    assert action.run(ctx()) == "exited 0"
+    assert out.read_text() == "CRITICAL summary text\n"
+    slow = ExecAction("slow", ExecSettings(command=["sleep", "5"], timeout=0.2))
+    with pytest.raises(ActionError, match=r"timed out after 0\.2s"):
+        slow.run(ctx())
+    with pytest.raises(ActionError, match="command not found"):
+        ExecAction("x", ExecSettings(command=["/nonexistent/cmd"])).run(ctx())
+
+
+def test_actions_run_once_per_incident_with_audit_and_dry_run(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    marker = tmp_path / "ran"
+    raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+           "actions": {"hook": {"type": "exec", "command": ["sh", "-c", f"echo x >> {marker}"]},
+                       "pretend": {"type": "drain", "dry_run": True}},
+           "checks": {"disk": {"paths": ["/"], "free_critical": "100%", "actions": {"critical": ["hook", "pretend"]}}}}
+    engine = Engine(parse_config(raw, "t.toml"), store=Store(None))
+    try:
+        with caplog.at_level("WARNING"):
+            for _ in range(3):
+                engine.run_round()
+                for t in engine.actions.threads:
+                    t.join(5)
+        assert marker.read_text() == "x\n"  # fired once, not on every bad sample
+        [incident] = engine.tracker.incidents()
+        assert [(a["action"], a["outcome"]) for a in incident.actions] == [("hook", "ok"), ("pretend", "dry_run")]
+        assert incident.actions[1]["detail"].startswith("would drain node")
+        assert any(r.getMessage() == "action" and r.__dict__["kv"]["outcome"] == "dry_run" for r in caplog.records)
+    finally:
+        engine.stop()
+
+
+def test_unknown_action_name_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"checks.disk.actions.critical: unknown action 'nuke' \(defined: "):
+        parse_config({"checks": {"disk": {"actions": {"critical": ["nuke"]}}}}, "t.toml")
+    with pytest.raises(ConfigError, match=r"actions\.bad\.signal: unknown signal 'SIGFOO'"):
+        parse_config({"actions": {"bad": {"type": "signal", "signal": "SIGFOO"}}}, "t.toml")
+
+
+def test_trainer_helper(tmp_path: Path) -> None:
+    t = Trainer(switch_dir=tmp_path / "sw")
+    assert not t.should_save() and not t.should_stop()
+    t.heartbeat(7, loss=1.5, lr=float("nan"))
+    beat = json.loads((tmp_path / "sw" / "heartbeat.json").read_text())
+    assert beat["step"] == 7 and beat["metrics"] == {"loss": 1.5, "lr": "nan"} and beat["pid"] == os.getpid()
+    (tmp_path / "sw" / "save").touch()
+    assert t.should_save() and not t.should_stop()
+    t.saved()
+    assert not (tmp_path / "sw" / "save").exists() and not t.should_save()
+    (tmp_path / "sw" / "stop").touch()
+    assert t.should_stop() and t.should_save()
+
+
+def test_trainer_signals(tmp_path: Path) -> None:
+    script = ("import os, signal, sys; sys.path.insert(0, sys.argv[1]); from trainguard.trainer import Trainer; "
+              "t = Trainer(switch_dir=sys.argv[2]).install(); os.kill(os.getpid(), signal.SIGUSR2); "
+              "print(t.should_save(), t.should_stop()); os.kill(os.getpid(), signal.SIGUSR1); "
+              "print(t.should_save(), t.should_stop(), t.last_signal)")
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent.parent), str(tmp_path)],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    assert out.splitlines() == ["True False", "True True SIGUSR1"]
+
+
+def test_trainer_is_stdlib_only() -> None:
+    source = (Path(__file__).parent.parent / "trainguard" / "trainer.py").read_text()
+    imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imports <= {"__future__", "json", "math", "os", "signal", "stat", "threading", "time", "collections",
+                       "pathlib", "typing"}
