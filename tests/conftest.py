@@ -139,6 +139,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     require(os.geteuid() == 0, "needs root to run slurmctld, slurmd and munged")
     missing = missing_components()
     require(not missing, f"needs SLURM and munge installed (missing: {', '.join(missing)})")
+    for sbin in ("/usr/sbin", "/sbin"):  # the daemons live there; a non-login root PATH may lack it
+        if sbin not in os.environ.get("PATH", "").split(":"):
+            os.environ["PATH"] = os.environ.get("PATH", "") + ":" + sbin
     # Job users must reach the cluster's files: not under pytest's private (0700) temp root.
     base = Path(tempfile.mkdtemp(prefix="trainguard-slurm-", dir="/tmp"))
     cluster = SlurmCluster(base)

@@ -69,7 +69,8 @@ min_severity = "critical"
     ("[checks.disk]\nfree_warning = '12XB'\n", "checks.disk.free_warning: invalid size '12XB'"),
     ("[checks.disk]\npaths = '/'\n", "checks.disk.paths: Input should be a valid list"),
     ("[checks.disk]\nbogus = 1\n", "checks.disk.bogus: unknown key"),
-    ("[checks.gpu0]\ntype = 'nope'\n", "checks.gpu0.type: unknown check type 'nope' (known: disk, gpu, job_liveness, job_switch, job_timelimit, memory)"),
+    ("[checks.gpu0]\ntype = 'nope'\n",
+     "checks.gpu0.type: unknown check type 'nope' (known: disk, gpu, job_liveness, job_switch, job_timelimit, memory)"),
     ("[checks.memory]\ntop = 'five'\n", "checks.memory.top: Input should be a valid integer"),
     ("[checks.disk]\ntimeout = '5s'\nmount_timeout = '10s'\n", "must be shorter than timeout"),
     ("[notifiers.console]\nmin_severity = 'loud'\n", "notifiers.console.min_severity: invalid status 'loud'"),
@@ -187,3 +188,10 @@ def test_help_on_every_command() -> None:
         proc = _cli(command, "--help")
         assert proc.returncode == 0
         assert "--config" in proc.stdout
+
+
+def test_example_config_is_valid() -> None:
+    config = load_config(str(REPO / "examples" / "trainguard.toml"))
+    assert config.kind_of_check("timelimit") == "job_timelimit"
+    assert config.checks["stop-switch"].actions.warning == ["signal", "hold-array"]
+    assert "page" in config.actions and "drain" in config.actions

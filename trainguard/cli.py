@@ -114,6 +114,18 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
         rows += [["firing" if i["firing"] else "pending", i["status"], i["check"], i["subject"], i["summary"]]
                  for i in incidents]
         print(_table(rows))
+        for i in incidents:
+            for a in i.get("actions", []):
+                print(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}")
+    jobs = data.get("jobs")
+    if jobs:
+        print(f"\njobs on this node ({', '.join(jobs['sources'])}"
+              + "".join(f"; {src} ERROR: {err}" for src, err in jobs.get("errors", {}).items()) + ")")
+        if jobs["jobs"]:
+            rows = [["KEY", "NAME", "USER", "STATE", "PIDS"]]
+            rows += [[j["key"], j["name"], j["user"] or "-", j["state"], ",".join(map(str, j["pids"])) or "-"]
+                     for j in jobs["jobs"]]
+            print(_table(rows))
     rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
     for name, chk in data.get("checks", {}).items():
         for r in chk.get("results", []):
