@@ -73,7 +73,20 @@ class SlurmCluster:
         self.python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else shutil.which("python3") or "python3"
 
     # lifecycle ------------------------------------------------------------------------------
+    @staticmethod
+    def kill_stale() -> None:
+        """Daemons of an earlier test session that died without teardown would hold our ports."""
+        for p in psutil.process_iter(["name", "cmdline"]):
+            cmd = " ".join(p.info.get("cmdline") or [])
+            if "trainguard-slurm-" in cmd and any(d in cmd for d in ("slurmctld", "slurmd", "slurmstepd")):
+                try:
+                    p.kill()
+                    p.wait(5)
+                except psutil.Error:
+                    pass
+
     def start(self) -> SlurmCluster:
+        self.kill_stale()
         for user in (JOB_USER, OTHER_USER):
             _ensure_user(user)
         _ensure_munge()

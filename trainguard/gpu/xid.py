@@ -1,0 +1,114 @@
+"""XID lines from the NVIDIA driver: parsing every format in the wild, and the catalog that explains them."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from trainguard.nvml import normalize_bus_id
+
+# Prefixes tools add before the kernel's text: dmesg, dmesg -T, dmesg -x, journald/syslog.
+_PREFIX = (r"^(?:\[\s*[\d.]+\]\s*|\[[A-Z][a-z]{2} [^\]]+\]\s*|kern\s*:\s*\w+\s*:\s*(?:\S+\s+)?"
+           r"|(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+\s+\S+\s+|\S+\s+\S+\s+)?kernel:\s*(?:\[\s*[\d.]+\]\s*)?)?")
+_BUS = r"(?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-9a-fA-F])?)"
+_XID = re.compile(_PREFIX + r"NVRM: Xid \(" + _BUS + r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?\):\s*"
+                  r"(?P<xid>\d+),\s*(?P<rest>.*)$")
+_PID = re.compile(r"^pid=(?P<pid>'<unknown>'|\d+|<unknown>),\s*(?:name=(?P<name>.*?),\s+)?(?P<text>.*)$")
+_CAUSE = re.compile(r"caused by previous Xid (\d+)")
+_RECOVERY = re.compile(r"recovery action changed from \S+ \((?P<old>[^)]*)\) to \S+ \((?P<new>[^)]*)\)")
+_OFF_BUS_ONE = re.compile(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\w)?): "
+                          r"GPU has fallen off the bus")
+_OFF_BUS_FIRST = re.compile(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
+                            r"(?:\.\w)?)\s*$")
+_OFF_BUS_LAST = re.compile(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
+_GPU_UUID = re.compile(_PREFIX + r"NVRM: GPU at PCI:(?P<bus>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    xid: int
+    bus_id: str  # normalised: 0000:3b:00
+    text: str
+    pid: int | None = None
+    process: str | None = None
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+    cause_xid: int | None = None  # XID 45 "caused by previous Xid N"
+    recovery: str | None = None  # XID 154: the recovery action now required
+    line: str = ""
+
+
+class XidParser:
+    """Stateful only for what spans records: the three-record fallen-off-the-bus message and bus -> uuid lines."""
+
+    def __init__(self) -> None:
+        self.uuid_by_bus: dict[str, str] = {}
+        self._pending_off_bus: str | None = None
+
+    def feed(self, message: str) -> XidEvent | None:
+        if "NVRM" not in message:  # the cheap test first: most kernel lines are not from the driver
+            return None
+        line = message.rstrip("\n")
+        m = _XID.match(line)
+        if m:
+            return self._xid(m, line)
+        m = _GPU_UUID.match(line)
+        if m:
+            self.uuid_by_bus[normalize_bus_id(m.group("bus"))] = m.group("uuid")
+            return None
+        m = _OFF_BUS_ONE.match(line)
+        if m:
+            return XidEvent(79, normalize_bus_id(m.group("bus")), "GPU has fallen off the bus", line=line)
+        m = _OFF_BUS_FIRST.match(line)
+        if m:
+            self._pending_off_bus = normalize_bus_id(m.group("bus"))
+            return None
+        if _OFF_BUS_LAST.match(line) and self._pending_off_bus:
+            bus, self._pending_off_bus = self._pending_off_bus, None
+            return XidEvent(79, bus, "GPU has fallen off the bus and is not responding to commands", line=line)
+        return None
+
+    def _xid(self, m: re.Match[str], line: str) -> XidEvent:
+        rest, pid, name = m.group("rest"), None, None
+        pm = _PID.match(rest)
+        if pm:
+            pid = int(pm.group("pid")) if pm.group("pid").isdigit() else None
+            name = pm.group("name")
+            name = None if name in (None, "<unknown>") else name
+            rest = pm.group("text")
+        cause = _CAUSE.search(rest)
+        recovery = _RECOVERY.search(rest)
+        return XidEvent(
+            xid=int(m.group("xid")), bus_id=normalize_bus_id(m.group("bus")), text=rest.strip(), pid=pid, process=name,
+            gpu_instance=int(m.group("gi")) if m.group("gi") else None,
+            compute_instance=int(m.group("ci")) if m.group("ci") else None,
+            cause_xid=int(cause.group(1)) if cause else None,
+            recovery=recovery.group("new") if recovery else None, line=line)
+
+
+@dataclass(frozen=True)
+class XidInfo:
+    xid: int
+    mnemonic: str
+    meaning: str
+    cause: str
+    action: str
+
+
+@cache
+def catalog() -> dict[int, XidInfo]:
+    """The XID catalog shipped as data in the package."""
+    raw = tomllib.loads(resources.files("trainguard.gpu").joinpath("xid_catalog.toml").read_text(encoding="utf-8"))
+    return {int(k): XidInfo(int(k), **v) for k, v in raw.items()}
+
+
+def describe(xid: int) -> XidInfo:
+    return catalog().get(xid, XidInfo(xid, "UNKNOWN_XID", "not in the catalog", "unknown", "watch"))
