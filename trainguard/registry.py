@@ -14,6 +14,7 @@ CHECKS: Mapping[str, str] = {
     "disk": "trainguard.checks.disk:DiskCheck",
     "memory": "trainguard.checks.memory:MemoryCheck",
     "gpu": "trainguard.checks.gpu:GpuCheck",
+    "xid": "trainguard.checks.xid:XidCheck",
     "job_liveness": "trainguard.checks.jobs:JobLivenessCheck",
     "job_switch": "trainguard.checks.jobs:SwitchCheck",
     "job_timelimit": "trainguard.checks.jobs:TimeLimitCheck",

@@ -79,8 +79,9 @@ class Engine:
         self.node = config.agent.node_name
         jobs = config.jobs
         self.catalog = JobCatalog(jobs, self.node, clock) if jobs.sources or jobs.processes else None
+        self.store = store if store is not None else Store(config.agent.state_dir)
         context = CheckContext(config.agent.node_name, config.agent.state_dir, clock, dict(context_extras or {}),
-                               self.catalog)
+                               self.catalog, self.store)
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
             if settings.enabled:
@@ -88,7 +89,6 @@ class Engine:
         self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name), c.settings.interval)
                         for name, c in self.checks.items()}
-        self.store = store if store is not None else Store(config.agent.state_dir)
         if notifiers is None:
             notifiers = {name: registry.notifier_class(config.kind_of_notifier(name))(name, s)
                          for name, s in config.notifiers.items() if s.enabled}
@@ -103,6 +103,8 @@ class Engine:
         self._outbox: dict[str, tuple[int, float | None]] = {}
         self._agent: dict[str, float] = {}
         self._scheduler: Any = None
+        self._run_locks = {name: threading.Lock() for name in self.checks}
+        self._queued: set[str] = set()
 
     @staticmethod
     def _build_check(registry: Registry, kind: str, name: str, settings: CheckSettings,
@@ -136,13 +138,30 @@ class Engine:
         """The scheduled job: never raises, whatever the check or the store does."""
         if self.stop_event.is_set():
             return
-        try:
-            self.ingest(self.runners[name].run_once(self.stop_event))
-        except Exception:
-            log.exception("ingesting check results failed", extra=kv(check=name))
+        with self._run_locks[name]:  # scheduled and triggered runs of one check never overlap
+            try:
+                self.ingest(self.runners[name].run_once(self.stop_event))
+            except Exception:
+                if not self.stop_event.is_set():  # during shutdown the store may already be closed
+                    log.exception("ingesting check results failed", extra=kv(check=name))
+
+    def trigger(self, name: str) -> None:
+        """Run a check now (an event-driven check saw something). At most one run waits per check,
+        so a flood of events costs a bounded number of runs."""
+        with self._lock:
+            if name in self._queued or self.stop_event.is_set():
+                return
+            self._queued.add(name)
+
+        def run() -> None:
+            with self._lock:
+                self._queued.discard(name)
+            self.run_check(name)
+
+        threading.Thread(target=run, name=f"trigger-{name}", daemon=True).start()
 
     def ingest(self, report: RunReport) -> None:
-        if self.stop_event.is_set() and report.outcome == "skipped":
+        if self.stop_event.is_set():  # state was flushed at shutdown; late results are dropped
             return
         check = self.checks[report.check]
         with self._lock:
@@ -196,6 +215,11 @@ class Engine:
 
         self.dispatcher.start()
         self.tick()
+        for name, check in self.checks.items():
+            try:
+                check.start(lambda name=name: self.trigger(name))
+            except Exception as exc:  # noqa: BLE001 - its runs will show the failure
+                log.error("check watcher could not start", extra=kv(check=name, error=exc))
         self.run_round()
         self._scheduler = BackgroundScheduler(
             executors={"default": ThreadPoolExecutor(max(4, len(self.runners) + 2)), "tick": ThreadPoolExecutor(1)},
@@ -222,6 +246,11 @@ class Engine:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
+        for check in self.checks.values():
+            try:
+                check.stop()
+            except Exception as exc:  # noqa: BLE001 - shutdown goes on regardless
+                log.warning("check watcher did not stop cleanly", extra=kv(check=check.name, error=exc))
         self.dispatcher.stop()
         self.store.close()
 

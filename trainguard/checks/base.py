@@ -51,6 +51,7 @@ class CheckContext:
     clock: Callable[[], float] = time.time
     extras: Mapping[str, Any] = field(default_factory=dict)
     jobs: JobCatalog | None = None
+    store: Any = None  # key/value persistence (get/put) for cursors and offsets
 
 
 class Check(ABC):
@@ -66,6 +67,12 @@ class Check(ABC):
     @abstractmethod
     def run(self) -> Sequence[Result]:
         """Gather, evaluate and summarize. May raise or block: the runner turns that into data."""
+
+    def start(self, wake: Callable[[], None]) -> None:  # noqa: B027 - optional hook
+        """Event-driven checks start their watchers here and call `wake()` to be run at once."""
+
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        """Stop what `start` started."""
 
     def result(
         self,

@@ -1,0 +1,195 @@
+"""XidCheck: GPU faults the NVIDIA driver reports in the kernel log, seen the moment they are written.
+
+A KmsgFollower thread parses every record; an XID wakes this check at once, so the incident (and the
+actions bound to it: save, drain, requeue) follows the kernel record within milliseconds. The
+response to each XID is data: the classes below, configurable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import Field
+
+from trainguard.agent.logs import kv
+from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
+from trainguard.gpu.faults import XidEntry, XidLedger
+from trainguard.gpu.xid import XidParser, describe
+from trainguard.kmsg import KernelRecord, KmsgFollower
+from trainguard.model import Result, Sample, Status, worst
+from trainguard.nvml import Nvml
+from trainguard.settings import Duration, StatusName
+from trainguard.units import format_duration
+
+log = logging.getLogger("trainguard.checks.xid")
+
+_RECOVERY_STATUS = {"none": Status.OK, "drain p2p": Status.WARNING}
+
+
+class XidSettings(CheckSettings):
+    interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (XIDs themselves wake the check at once).")
+    jitter: Duration = Field(0.0, ge=0)
+    kmsg_path: str = Field("/dev/kmsg", description="Kernel log device.")
+    journalctl: str = Field("journalctl", description="Fallback when the device can't be read.")
+    application: list[int] = Field([13, 31, 43, 69], description="Application-caused XIDs: WARNING.")
+    hardware: list[int] = Field([48, 62, 64, 74, 79, 95, 109, 119, 120, 140, 143], description="Hardware faults: CRITICAL.")
+    watch: list[int] = Field([63, 92, 94], description="XIDs to watch: WARNING.")
+    ignore: list[int] = Field(default_factory=list, description="XIDs to ignore.")
+    unlisted: StatusName = Field(Status.WARNING, description="Status of an XID in no list.")
+    repeat_window: Duration = Field(24 * 3600.0, description="The same application XID twice on one GPU within this "
+                                                              "points at the hardware: CRITICAL.")
+    clear_after: Duration = Field(3600.0, description="A WARNING XID clears after this quiet time; CRITICAL ones stay "
+                                                      "until the node reboots.")
+    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain"]))
+
+
+def classify(entry: XidEntry, s: XidSettings, now: float) -> tuple[Status, str]:
+    """The status one XID entry warrants, and why."""
+    xid = entry.xid
+    if xid == 45:
+        if entry.cause_xid is None:
+            return Status.OK, "cleanup after a kill or reset (XID 45 alone is not a fault)"
+        cause = XidEntry(entry.bus_id, entry.cause_xid, entry.count, entry.first, entry.last, entry.text)
+        status, why = classify(cause, s, now)
+        return status, f"follows XID {entry.cause_xid}: {why}"
+    if xid == 154:
+        recovery = (entry.recovery or "").strip()
+        status = _RECOVERY_STATUS.get(recovery.lower(), Status.CRITICAL if recovery else Status.WARNING)
+        return status, f"driver requires: {recovery or 'unknown recovery'}"
+    if xid in s.ignore:
+        return Status.OK, "ignored by configuration"
+    if xid in s.hardware:
+        return Status.CRITICAL, "hardware fault"
+    if xid in s.application:
+        if entry.count >= 2 and entry.last - entry.first <= s.repeat_window:
+            return Status.CRITICAL, f"hardware suspect: repeated {entry.count}x within {format_duration(s.repeat_window)}"
+        status, why = Status.WARNING, "application fault"
+    elif xid in s.watch:
+        status, why = Status.WARNING, "watch"
+    else:
+        status, why = s.unlisted, "not in any configured class"
+    if now - entry.last > s.clear_after:
+        return Status.OK, f"{why}; quiet for {format_duration(now - entry.last)}"
+    return status, why
+
+
+_ACTION_TEXT = {"none": "no action needed", "restart_app": "restart the application", "reset_gpu": "reset the GPU",
+                "reboot_node": "drain and reboot the node", "follow_cause": "follow the causing XID",
+                "watch": "watch for repeats"}
+
+
+def summarize(label: str, graded: list[tuple[XidEntry, Status, str]]) -> str:
+    active = sorted((g for g in graded if g[1] is not Status.OK), key=lambda g: -g[1].severity)
+    if not active:
+        return f"{label}: no active XID"
+    parts = []
+    for entry, _, why in active:
+        info = describe(entry.xid)
+        count = f" x{entry.count}" if entry.count > 1 else ""
+        todo = _ACTION_TEXT.get(info.action, info.action)
+        parts.append(f"XID {entry.xid} {info.mnemonic}{count}: {info.meaning} ({why}; {todo})")
+    head = f"{label} fell off the bus (XID 79)" if any(e.xid == 79 for e, _, _ in active) else label
+    return f"{head}: " + "; ".join(parts)
+
+
+class XidCheck(Check):
+    Settings = XidSettings
+    settings: XidSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.parser = XidParser()
+        self.ledger = XidLedger(context.store, context.clock)
+        self.follower = KmsgFollower(self._on_record, context.store, self.settings.kmsg_path, self.settings.journalctl)
+        self.nvml: Nvml = context.extras.get("nvml") or Nvml()
+        self._gpu_names: dict[str, tuple[int | None, str | None]] = {}
+        self._wake: Callable[[], None] | None = None
+        self._started = False
+        self._lock = threading.Lock()
+
+    def start(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._started = True
+        self.follower.start()
+
+    def stop(self) -> None:
+        self.follower.stop()
+        self.ledger.save(force=True)
+
+    def _on_record(self, record: KernelRecord) -> None:
+        with self._lock:  # the parser is stateful across records
+            event = self.parser.feed(record.message)
+        if event is None:
+            return
+        entry = self.ledger.record(event)
+        if entry.count == 1 or entry.count % 1000 == 0:  # a flood logs a few lines, not one per record
+            log.warning("xid", extra=kv(xid=event.xid, bus_id=event.bus_id, count=entry.count, text=event.text[:160]))
+        self.ledger.save()
+        # Only a new entry or a second occurrence (repeat escalation) can change the verdict: a flood
+        # of identical lines only bumps a counter, which the periodic run reports.
+        if entry.count <= 2 and self._wake is not None:
+            status, _ = classify(entry, self.settings, self.context.clock())
+            if status is not Status.OK:
+                self._wake()
+
+    def _gpu(self, bus_id: str) -> tuple[int | None, str | None]:
+        """(index, uuid) of a bus id: from the driver's own `GPU at PCI` lines, else NVML."""
+        if bus_id not in self._gpu_names or self._gpu_names[bus_id][0] is None:
+            index, uuid = None, self.parser.uuid_by_bus.get(bus_id)
+            try:
+                for gpu in self.nvml.gpus():
+                    if gpu.bus_id == bus_id:
+                        index, uuid = gpu.index, gpu.uuid or uuid
+            except Exception:  # noqa: BLE001 - a lost GPU may break NVML too; the bus id still names it
+                pass
+            self._gpu_names[bus_id] = (index, uuid)
+        return self._gpu_names[bus_id]
+
+    def run(self) -> Sequence[Result]:
+        if not self._started and self.follower.records == 0:
+            self.follower.read_once()  # one-shot `trainguard check`: what this boot's buffer holds
+        now = self.context.clock()
+        by_gpu: dict[str, list[XidEntry]] = {}
+        for entry in self.ledger.entries():
+            by_gpu.setdefault(entry.bus_id, []).append(entry)
+        results = [self._follower_result()]
+        for bus_id, entries in sorted(by_gpu.items()):
+            index, uuid = self._gpu(bus_id)
+            graded = [(e, *classify(e, self.settings, now)) for e in entries]
+            label = f"GPU {index} ({bus_id})" if index is not None else f"GPU {bus_id}"
+            labels = {"gpu": "" if index is None else str(index), "uuid": uuid or "", "bus_id": bus_id}
+            samples = []
+            for e, _, _ in graded:
+                xl = {**labels, "xid": str(e.xid)}
+                samples.append(Sample("trainguard_gpu_xid_errors_total", e.count, xl,
+                                      "XID events reported by the driver, counted one by one.", counter=True))
+                samples.append(Sample("trainguard_gpu_xid_last_timestamp_seconds", e.last, xl,
+                                      "Unix time of the latest XID event of this number on this GPU."))
+            details: dict[str, Any] = {
+                "bus_id": bus_id, "index": index, "uuid": uuid,
+                "xids": [{"xid": e.xid, "mnemonic": describe(e.xid).mnemonic, "count": e.count, "first": e.first,
+                          "last": e.last, "status": st.name, "why": why, "text": e.text, "pid": e.pid,
+                          "process": e.process, "cause": describe(e.xid).cause,
+                          "immediate_action": describe(e.xid).action} for e, st, why in graded]}
+            results.append(self.result(uuid or f"pci:{bus_id}", worst(st for _, st, _ in graded),
+                                       summarize(label, graded), details, samples))
+        return results
+
+    def _follower_result(self) -> Result:
+        f = self.follower
+        samples = [
+            Sample("trainguard_kmsg_records_total", f.records, {}, "Kernel log records read.", counter=True),
+            Sample("trainguard_kmsg_lost_records_total", f.lost, {}, "Kernel log records overwritten before they were read.",
+                   counter=True),
+            Sample("trainguard_kmsg_follower_up", 1 if f.running or not self._started else 0, {"source": f.source},
+                   "1 while the kernel log follower runs."),
+        ]
+        details = {"source": f.source, "records": f.records, "lost": f.lost, "last_seq": f.last_seq}
+        if self._started and not f.running:
+            return self.result("kernel-log", Status.UNKNOWN,
+                               f"kernel log follower not running: {f.error or 'starting'}", details, samples)
+        lost = f", {f.lost} lost to overruns" if f.lost else ""
+        return self.result("kernel-log", Status.OK, f"reading {f.source}: {f.records} records{lost}", details, samples)

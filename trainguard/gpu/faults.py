@@ -1,0 +1,95 @@
+"""XidLedger: what the kernel log said about each GPU this boot, aggregated so that a flood of
+identical lines is one entry with a count, and kept in the store so a restart forgets nothing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trainguard.gpu.xid import XidEvent
+from trainguard.kmsg import KeyValue, boot_id
+
+LEDGER_KEY = "xid.ledger"
+MAX_ENTRIES = 512  # distinct (gpu, xid) pairs kept: bounded memory whatever the kernel prints
+
+
+@dataclass
+class XidEntry:
+    bus_id: str
+    xid: int
+    count: int
+    first: float
+    last: float
+    text: str
+    pid: int | None = None
+    process: str | None = None
+    cause_xid: int | None = None
+    recovery: str | None = None
+    gpu_instance: int | None = None
+
+
+class XidLedger:
+    def __init__(self, store: KeyValue | None, clock: Callable[[], float] = time.time, save_every_s: float = 1.0) -> None:
+        self._store = store
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, int], XidEntry] = {}
+        self._dirty = False
+        self._saved_at = 0.0
+        self._save_every_s = save_every_s
+        self.boot_id = boot_id()
+        self._load()
+
+    def _load(self) -> None:
+        if self._store is None:
+            return
+        try:
+            data = json.loads(self._store.get(LEDGER_KEY) or "{}")
+        except ValueError:
+            return
+        if data.get("boot_id") != self.boot_id:
+            return  # a reboot resets the GPUs: the old boot's XIDs no longer describe them
+        for raw in data.get("entries", []):
+            try:
+                entry = XidEntry(**raw)
+            except TypeError:
+                continue
+            self._entries[(entry.bus_id, entry.xid)] = entry
+
+    def record(self, event: XidEvent) -> XidEntry:
+        now = self._clock()
+        with self._lock:
+            key = (event.bus_id, event.xid)
+            entry = self._entries.get(key)
+            if entry is None:
+                if len(self._entries) >= MAX_ENTRIES:
+                    oldest = min(self._entries, key=lambda k: self._entries[k].last)
+                    del self._entries[oldest]
+                entry = XidEntry(event.bus_id, event.xid, 0, now, now, event.text)
+                self._entries[key] = entry
+            entry.count += 1
+            entry.last = now
+            entry.text = event.text
+            entry.pid, entry.process = event.pid, event.process
+            entry.cause_xid, entry.recovery, entry.gpu_instance = event.cause_xid, event.recovery, event.gpu_instance
+            self._dirty = True
+            return XidEntry(**asdict(entry))
+
+    def entries(self) -> list[XidEntry]:
+        with self._lock:
+            return [XidEntry(**asdict(e)) for e in self._entries.values()]
+
+    def save(self, force: bool = False) -> None:
+        if self._store is None:
+            return
+        with self._lock:
+            if not self._dirty or (not force and time.monotonic() - self._saved_at < self._save_every_s):
+                return
+            payload: dict[str, Any] = {"boot_id": self.boot_id, "entries": [asdict(e) for e in self._entries.values()]}
+            self._dirty = False
+            self._saved_at = time.monotonic()
+        self._store.put(LEDGER_KEY, json.dumps(payload))

@@ -1,0 +1,267 @@
+"""KmsgFollower: a long-lived, event-driven reader of the kernel log.
+
+/dev/kmsg yields one record per read (`prio,seq,usec,flags;message` plus ` KEY=value` lines). The
+sequence number and the boot id are persisted, so a restarted agent resumes right after the last
+record it saw (nothing announced twice, nothing missed while it was down) and a rebooted node is
+read from the start of its new buffer. A reader that fell behind gets EPIPE: the records lost are
+counted from the sequence gap and reading goes on. Where /dev/kmsg can't be read (no CAP_SYSLOG, a
+container) `journalctl -k -f -o json` is followed instead, with its cursor persisted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainguard.agent.logs import kv
+
+log = logging.getLogger("trainguard.kmsg")
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+CURSOR_KEY = "kmsg.cursor"
+_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
+
+
+class KeyValue(Protocol):
+    def get(self, key: str) -> str | None: ...
+    def put(self, key: str, value: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    seq: int  # -1 from the journal
+    priority: int
+    facility: int
+    usec: int
+    message: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+def parse_kmsg(raw: bytes) -> KernelRecord | None:
+    header, sep, body = raw.partition(b";")
+    if not sep:
+        return None
+    parts = header.split(b",")
+    try:
+        prio, seq, usec = int(parts[0]), int(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        return None
+    lines = body.rstrip(b"\n").split(b"\n")
+    # The kernel escapes unprintable bytes as \xNN; undo that, then tolerate any invalid UTF-8.
+    message = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 16)]), lines[0]).decode("utf-8", "replace")
+    fields = {}
+    for extra in lines[1:]:
+        key, _, value = extra.strip().decode("utf-8", "replace").partition("=")
+        if key:
+            fields[key] = value
+    return KernelRecord(seq, prio & 7, prio >> 3, usec, message, fields)
+
+
+def parse_journal(line: str) -> tuple[KernelRecord, str] | None:
+    try:
+        entry: dict[str, Any] = json.loads(line)
+    except ValueError:
+        return None
+    message = entry.get("MESSAGE")
+    if isinstance(message, list):  # journald gives non-UTF-8 messages as byte arrays
+        message = bytes(message).decode("utf-8", "replace")
+    if not isinstance(message, str) or "__CURSOR" not in entry:
+        return None
+    prio = int(entry.get("PRIORITY", 6))
+    usec = int(entry.get("_SOURCE_MONOTONIC_TIMESTAMP", 0) or 0)
+    return KernelRecord(-1, prio, 0, usec, message), str(entry["__CURSOR"])
+
+
+def boot_id() -> str:
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+class KmsgFollower:
+    def __init__(self, on_record: Callable[[KernelRecord], None], cursor: KeyValue | None = None,
+                 path: str = "/dev/kmsg", journalctl: str = "journalctl", save_every_s: float = 1.0) -> None:
+        self.on_record = on_record
+        self.cursor = cursor
+        self.path = path
+        self.journalctl = journalctl
+        self.save_every_s = save_every_s
+        self.source = "none"
+        self.error: str | None = None
+        self.records = 0
+        self.lost = 0
+        self.last_seq = -1
+        self.running = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._journal_cursor: str | None = None
+        self._saved_at = 0.0
+
+    # lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kmsg", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGTERM)  # its own session: children holding the pipe go too
+            except ProcessLookupError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._save(force=True)
+
+    def _run(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("cannot read the kernel log device; following the journal instead",
+                        extra=kv(path=self.path, error=exc.strerror or exc))
+            self._follow_journal()
+            return
+        self.source, self.running = "kmsg", True
+        log.info("following kernel log", extra=kv(source="kmsg", path=self.path))
+        try:
+            self._follow_kmsg(fd)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("kernel log follower stopped")
+        finally:
+            self.running = False
+            os.close(fd)
+
+    def read_once(self) -> int:
+        """Read what the buffer holds now, without following or persisting (one-shot `trainguard check`)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self.source = "kmsg"
+        try:
+            while True:
+                try:
+                    raw = os.read(fd, 16384)
+                except BlockingIOError:
+                    return self.records
+                except BrokenPipeError:
+                    continue
+                record = parse_kmsg(raw)
+                if record is not None:
+                    self.records += 1
+                    self.last_seq = record.seq
+                    self._deliver(record)
+        finally:
+            os.close(fd)
+
+    # /dev/kmsg -------------------------------------------------------------------------------
+    def _resume_after(self) -> int:
+        if self.cursor is None:
+            return -1
+        try:
+            saved = json.loads(self.cursor.get(CURSOR_KEY) or "{}")
+        except ValueError:
+            return -1
+        if saved.get("source") == "kmsg" and saved.get("boot_id") == boot_id():
+            return int(saved.get("seq", -1))
+        return -1  # another boot: its buffer is new, read it from the start
+
+    def _follow_kmsg(self, fd: int) -> None:
+        skip_through = self._resume_after()
+        self.last_seq = skip_through
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(500):  # wakes at once on a new record; the timeout only serves stop()
+                continue
+            while not self._stop.is_set():
+                try:
+                    raw = os.read(fd, 16384)
+                except BlockingIOError:
+                    break
+                except BrokenPipeError:
+                    continue  # overrun: the next read returns the oldest record still there; the gap counts it
+                record = parse_kmsg(raw)
+                if record is None or record.seq <= skip_through:
+                    continue
+                if self.last_seq >= 0 and record.seq > self.last_seq + 1:
+                    gap = record.seq - self.last_seq - 1
+                    self.lost += gap
+                    log.warning("kernel log records lost (reader overrun)",
+                                extra=kv(lost=gap, after_seq=self.last_seq))
+                self.last_seq = record.seq
+                self.records += 1
+                self._deliver(record)
+            self._save()
+
+    # journal ---------------------------------------------------------------------------------
+    def _follow_journal(self) -> None:
+        saved = {}
+        if self.cursor is not None:
+            try:
+                saved = json.loads(self.cursor.get(CURSOR_KEY) or "{}")
+            except ValueError:
+                saved = {}
+        cmd = [self.journalctl, "-k", "-f", "-o", "json", "--no-pager"]
+        if saved.get("source") == "journal" and saved.get("cursor"):
+            cmd.append(f"--after-cursor={saved['cursor']}")
+        else:
+            cmd += ["-b", "--lines=all"]
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          errors="replace", stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            self.error = f"kernel log unavailable: {self.path} not readable and {self.journalctl}: {exc.strerror or exc}"
+            log.error("no kernel log source", extra=kv(error=self.error))
+            return
+        self.source, self.running = "journal", True
+        log.info("following kernel log", extra=kv(source="journal", command=" ".join(cmd)))
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if self._stop.is_set():
+                break
+            parsed = parse_journal(line)
+            if parsed is None:
+                continue
+            record, self._journal_cursor = parsed
+            self.records += 1
+            self._deliver(record)
+            self._save()
+        self.running = False
+        if not self._stop.is_set():
+            err = self._proc.stderr.read().strip() if self._proc.stderr else ""
+            self.error = f"journalctl exited {self._proc.wait()}: {err[-200:]}"
+            log.error("journal follower ended", extra=kv(error=self.error))
+
+    # shared ------------------------------------------------------------------------------------
+    def _deliver(self, record: KernelRecord) -> None:
+        try:
+            self.on_record(record)
+        except Exception:
+            log.exception("kernel record handler failed", extra=kv(seq=record.seq))
+
+    def _save(self, force: bool = False) -> None:
+        if self.cursor is None or (not force and time.monotonic() - self._saved_at < self.save_every_s):
+            return
+        if self.source == "kmsg" and self.last_seq >= 0:
+            value = {"source": "kmsg", "boot_id": boot_id(), "seq": self.last_seq}
+        elif self.source == "journal" and self._journal_cursor:
+            value = {"source": "journal", "cursor": self._journal_cursor}
+        else:
+            return
+        try:
+            self.cursor.put(CURSOR_KEY, json.dumps(value))
+            self._saved_at = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - a store hiccup must not stop the follower
+            log.warning("saving the kernel log cursor failed", extra=kv(error=exc))
