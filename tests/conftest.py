@@ -6,6 +6,7 @@ Under CI=true a test whose real component or privilege is missing fails; elsewhe
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -208,3 +210,56 @@ def agent_process(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 
 def http_get(url: str, timeout: float = 5.0) -> requests.Response:
     return requests.get(url, timeout=timeout)
+
+
+@pytest.fixture
+def kmsg() -> Iterator[Any]:
+    """Writes tagged records to the real /dev/kmsg, with userspace rate limiting lifted for the test."""
+    require_root()
+    require(os.access("/dev/kmsg", os.W_OK), "needs a writable /dev/kmsg")
+    knob = Path("/proc/sys/kernel/printk_devkmsg")
+    old = knob.read_text().strip() if knob.exists() else None
+    if old is not None:
+        knob.write_text("on\n")
+    fd = os.open("/dev/kmsg", os.O_WRONLY)
+
+    class Writer:
+        def write(self, message: str, prio: int = 4) -> float:  # KERN_WARNING, as the driver logs XIDs
+            os.write(fd, f"<{prio}>{message}\n".encode())
+            return time.time()
+
+    yield Writer()
+    os.close(fd)
+    if old is not None:
+        knob.write_text(old + "\n")
+
+
+def unique_bus() -> str:
+    return f"00{random.randint(0x40, 0xff):02x}:{random.randint(0, 255):02x}:00"  # a domain no real GPU has
+
+
+def xid79(bus: str) -> str:
+    return f"NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus. [trainguard-test]"
+
+
+def kmsg_cursor_at_end() -> str:
+    """A kernel-log cursor just past the newest record: an agent starting with it sees only what comes next."""
+    import json
+
+    from trainguard.kmsg import boot_id, parse_kmsg
+
+    fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    last = -1
+    try:
+        while True:
+            try:
+                record = parse_kmsg(os.read(fd, 16384))
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue
+            if record is not None:
+                last = record.seq
+    finally:
+        os.close(fd)
+    return json.dumps({"source": "kmsg", "boot_id": boot_id(), "seq": last})

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import AgentProcess, free_port, wait_until
+from tests.conftest import AgentProcess, free_port, kmsg_cursor_at_end, unique_bus, wait_until, xid79
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
 from trainguard.actions.base import ActionContext
 from trainguard.agent.config import parse_config
@@ -54,8 +54,9 @@ def find_job(slurm: SlurmCluster, job_id: str) -> Job:
     return job
 
 
-def run_action(engine: Engine, name: str, ev: Event, jobs: tuple[Job, ...]) -> dict[str, Any]:
-    ctx = ActionContext(ev, jobs, engine.actions.node, engine.actions.slurm, time.time)
+def run_action(engine: Engine, name: str, ev: Event, jobs: tuple[Job, ...],
+               others_critical: tuple[str, ...] = ()) -> dict[str, Any]:
+    ctx = ActionContext(ev, jobs, engine.actions.node, engine.actions.slurm, time.time, others_critical)
     return engine.actions.run_one(engine.actions.actions[name], ctx)
 
 
@@ -134,6 +135,9 @@ def test_drain_sets_our_reason_and_resume_clears_only_ours(
         node = slurm.node_info()
         assert "DRAIN" in node["State"]
         assert node["Reason"] == "trainguard: GPU 3 fell off the bus (XID 79)"
+        record = run_action(engine, "resume", event(), (), others_critical=("gpu/GPU-1234",))
+        assert record["detail"] == f"{slurm.node} left drained: still critical: gpu/GPU-1234"
+        assert "DRAIN" in slurm.node_info()["State"]
         record = run_action(engine, "resume", event(), ())
         assert record["outcome"] == "ok" and record["detail"].startswith(f"resumed {slurm.node}")
         assert "DRAIN" not in slurm.node_info()["State"]
@@ -286,3 +290,31 @@ def test_scancel_failure_is_a_clear_action_failure(slurm: SlurmCluster, tmp_path
     assert "scancel --signal=USR1 exited" in record["detail"]
     proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
     assert proc.returncode == 0
+
+
+def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: Any, tmp_path: Path,
+                                                   engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {"xid": {"actions": {"critical": ["signal", "drain"], "resolved": ["resume"]}}})
+    engines.append(engine)
+    engine.store.put("kmsg.cursor", kmsg_cursor_at_end())  # only this test's records count
+    workdir = slurm.workdir()
+    job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-xid")
+    info = slurm.wait_state(job_id, ("RUNNING",))
+    wait_until(lambda: "step 3" in Path(info["StdOut"]).read_text(), 20, what="training steps")
+    engine.start()
+    try:
+        bus = unique_bus()
+        kmsg.write(xid79(bus))
+        final = slurm.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED"))
+        out = Path(final["StdOut"]).read_text()
+        assert final["JobState"] == "COMPLETED" and "stop requested (SIGUSR1)" in out, out
+        assert list((workdir / "ckpt").glob("ckpt-*.json"))
+        wait_until(lambda: "DRAIN" in slurm.node_info()["State"], 10, what="node drained")
+        reason = slurm.node_info()["Reason"]
+        assert reason.startswith(f"trainguard: GPU {bus} fell off the bus (XID 79)"), reason
+        [incident] = [i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}"]
+        wait_until(lambda: len(next(i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}").actions) == 2, 10)
+        incident = next(i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}")
+        assert [(a["action"], a["outcome"]) for a in incident.actions] == [("signal", "ok"), ("drain", "ok")]
+    finally:
+        slurm.resume_node()

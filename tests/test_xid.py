@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from tests.conftest import require, require_root, wait_until
+from tests.conftest import unique_bus, wait_until, xid79
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
 from trainguard.agent.http import HttpEndpoint
@@ -172,36 +169,6 @@ def test_ledger_aggregates_and_survives_restart(tmp_path: Path) -> None:
 
 
 # real /dev/kmsg ------------------------------------------------------------------------------------
-def unique_bus() -> str:
-    return f"00{random.randint(0x40, 0xff):02x}:{random.randint(0, 255):02x}:00"  # a domain no real GPU has
-
-
-@pytest.fixture
-def kmsg() -> Iterator[Any]:
-    """Writes tagged records to the real /dev/kmsg, with userspace rate limiting lifted for the test."""
-    require_root()
-    require(os.access("/dev/kmsg", os.W_OK), "needs a writable /dev/kmsg")
-    knob = Path("/proc/sys/kernel/printk_devkmsg")
-    old = knob.read_text().strip() if knob.exists() else None
-    if old is not None:
-        knob.write_text("on\n")
-    fd = os.open("/dev/kmsg", os.O_WRONLY)
-
-    class Writer:
-        def write(self, message: str, prio: int = 4) -> float:  # KERN_WARNING, as the driver logs XIDs
-            os.write(fd, f"<{prio}>{message}\n".encode())
-            return time.time()
-
-    yield Writer()
-    os.close(fd)
-    if old is not None:
-        knob.write_text(old + "\n")
-
-
-def xid79(bus: str) -> str:
-    return f"NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus. [trainguard-test]"
-
-
 def test_follower_sees_records_within_milliseconds(kmsg: Any, tmp_path: Path) -> None:
     seen: list[tuple[float, KernelRecord]] = []
     follower = KmsgFollower(lambda r: seen.append((time.time(), r)), Store(tmp_path))

@@ -38,7 +38,17 @@ class GpuState:
     memory_total: int | None = None
     memory_used: int | None = None
     temperature_c: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_pending: bool | None = None  # pre-Ampere page retirement
+    remap_pending: bool | None = None  # Ampere+ row remapping: a reset is needed
+    remap_failed: bool | None = None
+    clock_event_reasons: int | None = None  # bitmask; see CLOCK_EVENTS
     error: str | None = None
+
+
+# Clock-event ("throttle") reasons worth a person's attention, by NVML bit.
+CLOCK_EVENTS = {0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
 
 
 def normalize_bus_id(bus_id: str | bytes) -> str:
@@ -121,6 +131,7 @@ class Nvml:
             bus = normalize_bus_id(lib.nvmlDeviceGetPciInfo(handle).busId)
             mem = self._optional(lambda: lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2))
             temp = self._optional(lambda: lib.nvmlDeviceGetTemperature(handle, lib.NVML_TEMPERATURE_GPU))
+            health = self._health(lib, handle)
         except lib.NVMLError as exc:
             if self._is(exc, "NVMLError_GpuIsLost", "NVMLError_ResetRequired"):
                 return GpuState(index, uuid, name, bus, lost=True, error=str(exc))
@@ -129,7 +140,30 @@ class Nvml:
         if mem is not None and 0 < mem.total < _MAX_SANE_BYTES and 0 <= mem.used <= mem.total:
             total, used = int(mem.total), int(mem.used)
         temperature = int(temp) if temp is not None and 0 <= temp < 200 else None
-        return GpuState(index, uuid, name, bus, memory_total=total, memory_used=used, temperature_c=temperature)
+        return GpuState(index, uuid, name, bus, memory_total=total, memory_used=used, temperature_c=temperature,
+                        **health)
+
+    def _health(self, lib: Any, handle: Any) -> dict[str, Any]:
+        """ECC, retirement, remapping, clock events: each omitted where the GPU doesn't support it."""
+        uncorrected = getattr(lib, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)
+        volatile = self._optional(lambda: lib.nvmlDeviceGetTotalEccErrors(handle, uncorrected, lib.NVML_VOLATILE_ECC))
+        aggregate = self._optional(lambda: lib.nvmlDeviceGetTotalEccErrors(handle, uncorrected, lib.NVML_AGGREGATE_ECC))
+        pending = self._optional(lambda: lib.nvmlDeviceGetRetiredPagesPendingStatus(handle))
+        remap = self._optional(lambda: lib.nvmlDeviceGetRemappedRows(handle))
+        getter = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            getattr(lib, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        reasons = self._optional(lambda: getter(handle)) if getter else None
+        return {
+            "ecc_uncorrected_volatile": _count(volatile), "ecc_uncorrected_aggregate": _count(aggregate),
+            "retired_pages_pending": bool(pending) if pending is not None else None,
+            "remap_pending": bool(remap[2]) if remap is not None else None,
+            "remap_failed": bool(remap[3]) if remap is not None else None,
+            "clock_event_reasons": int(reasons) if isinstance(reasons, int) and 0 <= reasons < 2**32 else None,
+        }
+
+
+def _count(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and 0 <= value < 2**40 else None
 
 
 def _text(value: str | bytes) -> str:

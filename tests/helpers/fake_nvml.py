@@ -10,6 +10,9 @@ from types import SimpleNamespace
 from typing import Any
 
 NVML_TEMPERATURE_GPU = 0
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+NVML_AGGREGATE_ECC = 1
 nvmlMemory_v2 = 0x02000028  # noqa: N816 - pynvml's own name
 
 
@@ -42,6 +45,11 @@ class FakeGpu:
     total: int = 80 * 2**30
     used: int = 2 * 2**30
     temperature: int = 40
+    ecc_volatile: int = 0
+    ecc_aggregate: int = 0
+    pages_pending: int = 0
+    remap: tuple[int, int, int, int] = (0, 0, 0, 0)  # corrected, uncorrected, pending, failure
+    clock_events: int = 0
     fail: dict[str, type[NVMLError]] = field(default_factory=dict)  # function name -> error it raises
 
 
@@ -50,6 +58,9 @@ class FakeNvml:
 
     NVMLError = NVMLError
     NVML_TEMPERATURE_GPU = NVML_TEMPERATURE_GPU
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    NVML_VOLATILE_ECC = NVML_VOLATILE_ECC
+    NVML_AGGREGATE_ECC = NVML_AGGREGATE_ECC
     nvmlMemory_v2 = nvmlMemory_v2  # noqa: N815 - pynvml's own name
 
     def __init__(self, gpus: list[FakeGpu] | None = None, init_error: type[NVMLError] | None = None) -> None:
@@ -98,3 +109,16 @@ class FakeNvml:
 
     def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:  # noqa: N802
         return self._gpu("nvmlDeviceGetTemperature", h).temperature
+
+    def nvmlDeviceGetTotalEccErrors(self, h: int, error_type: int, counter: int) -> int:  # noqa: N802
+        g = self._gpu("nvmlDeviceGetTotalEccErrors", h)
+        return g.ecc_volatile if counter == NVML_VOLATILE_ECC else g.ecc_aggregate
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: int) -> int:  # noqa: N802
+        return self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", h).pages_pending
+
+    def nvmlDeviceGetRemappedRows(self, h: int) -> tuple[int, int, int, int]:  # noqa: N802
+        return self._gpu("nvmlDeviceGetRemappedRows", h).remap
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:  # noqa: N802
+        return self._gpu("nvmlDeviceGetCurrentClocksEventReasons", h).clock_events

@@ -33,6 +33,7 @@ class ActionContext:
     node: str  # this node's SLURM name
     slurm: SlurmClient
     clock: Callable[[], float]
+    others_critical: tuple[str, ...] = ()  # other CRITICAL incidents firing on this node ("check/subject")
 
 
 class Action(ABC):

@@ -54,6 +54,8 @@ class ResumeAction(Action):
             return f"{ctx.node} is not drained ({state})"
         if not reason.startswith(DRAIN_TAG):
             return f"{ctx.node} drained by someone else ({reason!r}): left alone"
+        if ctx.others_critical:
+            return f"{ctx.node} left drained: still critical: {', '.join(ctx.others_critical)}"
         _slurm("resume", ctx.slurm.resume, ctx.node)
         return f"resumed {ctx.node} (was: {reason})"
 

@@ -22,6 +22,7 @@ from trainguard.checks.base import ActionBinding
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
+from trainguard.model import Status
 from trainguard.registry import Registry
 
 log = logging.getLogger("trainguard.actions")
@@ -42,10 +43,11 @@ class ActionRunner:
 
     def handle(self, event: Event, binding: ActionBinding) -> threading.Thread | None:
         if event.kind is EventKind.RESOLVED:
-            return None
-        names = binding.for_status(event.status)
-        done = self.tracker.actions_done(event.check, event.subject)
-        names = [n for n in names if n in self.actions and (self.actions[n].settings.repeat or n not in done)]
+            names = [n for n in binding.resolved if n in self.actions]
+        else:
+            done = self.tracker.actions_done(event.check, event.subject)
+            names = [n for n in binding.for_status(event.status)
+                     if n in self.actions and (self.actions[n].settings.repeat or n not in done)]
         if event.kind is EventKind.REMINDER:
             names = [n for n in names if self.actions[n].settings.repeat]
         if not names:
@@ -73,7 +75,9 @@ class ActionRunner:
         except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
             log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
             jobs = ()
-        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock)
+        others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
+                       if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others)
         for name in names:
             record = self.run_one(self.actions[name], ctx)
             self.tracker.record_action(event.check, event.subject, record)

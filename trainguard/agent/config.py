@@ -168,7 +168,7 @@ def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_
         else raw_actions
     actions = _validate_table("actions", merged, ActionSettings, registry.action_class, problems)
     for name, settings in checks.items():
-        for level in ("warning", "critical"):
+        for level in ("warning", "critical", "resolved"):
             for action in getattr(settings.actions, level):
                 if action not in merged:
                     problems.append(f"checks.{name}.actions.{level}: unknown action {action!r} "

@@ -21,6 +21,7 @@ class ActionBinding(SettingsModel):
 
     warning: list[str] = Field(default_factory=list)
     critical: list[str] = Field(default_factory=list)
+    resolved: list[str] = Field(default_factory=list, description="Run when the incident resolves, e.g. resume.")
 
     def for_status(self, status: Status) -> list[str]:
         return {Status.WARNING: self.warning, Status.CRITICAL: self.critical}.get(status, [])

@@ -8,35 +8,62 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from trainguard.agent.logs import kv
-from trainguard.checks.base import Check, CheckContext, CheckSettings
-from trainguard.model import Result, Sample, Status
-from trainguard.nvml import GpuState, Nvml, NvmlUnavailableError
-from trainguard.units import format_bytes
+from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
+from trainguard.model import Result, Sample, Status, worst
+from trainguard.nvml import CLOCK_EVENTS, GpuState, Nvml, NvmlUnavailableError
+from trainguard.settings import Duration
+from trainguard.units import format_bytes, format_duration
+
+COUNT_KEY = "gpu.max_count"
 
 log = logging.getLogger("trainguard.checks.gpu")
 
 
 class GpuSettings(CheckSettings):
-    expected_count: int | None = Field(None, ge=0, description="CRITICAL when fewer GPUs answer; unset: no count check.")
+    expected_count: int | None = Field(None, ge=0, description="CRITICAL when fewer GPUs answer; unset: the most "
+                                                               "ever seen on this node.")
     temperature_warning: int = Field(85, description="WARNING at or above this GPU temperature (Celsius).")
     temperature_critical: int = Field(92, description="CRITICAL at or above this GPU temperature (Celsius).")
+    throttle_for: Duration = Field(300.0, ge=0, description="WARNING when a hardware or thermal slowdown lasts this long.")
+    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain"]))
 
 
-def evaluate(gpu: GpuState, s: GpuSettings) -> tuple[Status, str]:
+def evaluate(gpu: GpuState, s: GpuSettings, throttled_for: float = 0.0) -> tuple[Status, str]:
+    """The worst finding on one GPU, most severe first; every finding is listed in the summary."""
     label = f"GPU {gpu.index}"
     if gpu.lost:
         return Status.CRITICAL, f"{label} lost ({gpu.error}); reset or reboot needed"
     if gpu.error:
         return Status.UNKNOWN, f"{label}: NVML error: {gpu.error}"
+    findings: list[tuple[Status, str]] = []
+    if gpu.remap_failed:
+        findings.append((Status.CRITICAL, "row remapping failed: hardware fault, RMA the GPU"))
+    if gpu.ecc_uncorrected_volatile:
+        findings.append((Status.CRITICAL, f"{gpu.ecc_uncorrected_volatile} uncorrected ECC errors since the driver "
+                                          "loaded: reset the GPU"))
+    if gpu.remap_pending:
+        findings.append((Status.WARNING, "row remapping pending: reset the GPU once its job ends"))
+    if gpu.retired_pages_pending:
+        findings.append((Status.WARNING, "retired pages pending: reset the GPU once its job ends"))
     t = gpu.temperature_c
     if t is not None and t >= s.temperature_critical:
-        return Status.CRITICAL, f"{label} at {t}°C, at or above the {s.temperature_critical}°C critical threshold"
-    if t is not None and t >= s.temperature_warning:
-        return Status.WARNING, f"{label} at {t}°C, at or above the {s.temperature_warning}°C warning threshold"
+        findings.append((Status.CRITICAL, f"at {t}°C, at or above the {s.temperature_critical}°C critical threshold"))
+    elif t is not None and t >= s.temperature_warning:
+        findings.append((Status.WARNING, f"at {t}°C, at or above the {s.temperature_warning}°C warning threshold"))
+    reasons = throttle_names(gpu.clock_event_reasons)
+    if reasons and throttled_for >= s.throttle_for:
+        findings.append((Status.WARNING, f"clocks slowed ({', '.join(reasons)}) for {format_duration(throttled_for)}"))
+    if findings:
+        status = worst(f[0] for f in findings)
+        return status, f"{label}: " + "; ".join(text for _, text in sorted(findings, key=lambda f: -f[0].severity))
     mem = (f", {format_bytes(gpu.memory_used)} of {format_bytes(gpu.memory_total)} used"
            if gpu.memory_total is not None and gpu.memory_used is not None else "")
     temp = f", {t}°C" if t is not None else ""
     return Status.OK, f"{label} {gpu.name}{mem}{temp}"
+
+
+def throttle_names(mask: int | None) -> list[str]:
+    return [name for bit, name in CLOCK_EVENTS.items() if mask and mask & bit]
 
 
 class GpuCheck(Check):
@@ -47,6 +74,7 @@ class GpuCheck(Check):
         super().__init__(name, settings, context)
         self.nvml: Nvml = context.extras.get("nvml") or Nvml()
         self._reported_unavailable = False
+        self._throttled_since: dict[str, float] = {}
 
     def run(self) -> Sequence[Result]:
         try:
@@ -57,27 +85,61 @@ class GpuCheck(Check):
                 self._reported_unavailable = True
             return [self.result("nvml", Status.UNKNOWN, str(exc))]
         self._reported_unavailable = False
-        results = []
-        for gpu in gpus:
-            status, summary = evaluate(gpu, self.settings)
-            labels = {"gpu": str(gpu.index), "uuid": gpu.uuid}
-            samples = [Sample("trainguard_gpu_up", 0 if gpu.lost or gpu.error else 1, labels,
-                              "1 if the GPU answers NVML, 0 if it is lost or erroring.")]
-            for metric, value, help_text in (
-                ("trainguard_gpu_memory_total_bytes", gpu.memory_total, "GPU framebuffer memory."),
-                ("trainguard_gpu_memory_used_bytes", gpu.memory_used, "GPU framebuffer memory in use."),
-                ("trainguard_gpu_temperature_celsius", gpu.temperature_c, "GPU core temperature."),
-            ):
-                if value is not None:
-                    samples.append(Sample(metric, value, labels, help_text))
-            details = {"index": gpu.index, "uuid": gpu.uuid, "name": gpu.name, "bus_id": gpu.bus_id,
-                       "memory_total_bytes": gpu.memory_total, "memory_used_bytes": gpu.memory_used,
-                       "temperature_c": gpu.temperature_c}
-            results.append(self.result(gpu.uuid or f"gpu{gpu.index}", status, summary, details, samples))
-        expected = self.settings.expected_count
-        if expected is not None:
-            answering = sum(1 for g in gpus if not g.lost)
-            status = Status.CRITICAL if answering < expected else Status.OK
-            results.append(self.result("count", status, f"{answering} of {expected} expected GPUs answering",
-                                       {"answering": answering, "expected": expected}))
+        now = self.context.clock()
+        results = [self._one(gpu, now) for gpu in gpus]
+        results.append(self._count(gpus))
         return results
+
+    def _one(self, gpu: GpuState, now: float) -> Result:
+        key = gpu.uuid or str(gpu.index)
+        if throttle_names(gpu.clock_event_reasons):
+            since = self._throttled_since.setdefault(key, now)
+        else:
+            self._throttled_since.pop(key, None)
+            since = now
+        status, summary = evaluate(gpu, self.settings, now - since)
+        labels = {"gpu": str(gpu.index), "uuid": gpu.uuid}
+        samples = [Sample("trainguard_gpu_up", 0 if gpu.lost or gpu.error else 1, labels,
+                          "1 if the GPU answers NVML, 0 if it is lost or erroring.")]
+        for metric, value, help_text in (
+            ("trainguard_gpu_memory_total_bytes", gpu.memory_total, "GPU framebuffer memory."),
+            ("trainguard_gpu_memory_used_bytes", gpu.memory_used, "GPU framebuffer memory in use."),
+            ("trainguard_gpu_temperature_celsius", gpu.temperature_c, "GPU core temperature."),
+            ("trainguard_gpu_ecc_uncorrected_volatile", gpu.ecc_uncorrected_volatile,
+             "Uncorrected ECC errors since the driver loaded."),
+            ("trainguard_gpu_ecc_uncorrected_aggregate", gpu.ecc_uncorrected_aggregate,
+             "Uncorrected ECC errors over the GPU's lifetime."),
+            ("trainguard_gpu_retired_pages_pending", gpu.retired_pages_pending, "1 if retired pages await a reset."),
+            ("trainguard_gpu_row_remap_pending", gpu.remap_pending, "1 if a row remap awaits a GPU reset."),
+            ("trainguard_gpu_row_remap_failed", gpu.remap_failed, "1 if a row remap failed (hardware fault)."),
+        ):
+            if value is not None:
+                samples.append(Sample(metric, float(value), labels, help_text))
+        if gpu.clock_event_reasons is not None:
+            for bit, reason in CLOCK_EVENTS.items():
+                samples.append(Sample("trainguard_gpu_clock_event_active", 1 if gpu.clock_event_reasons & bit else 0,
+                                      {**labels, "reason": reason}, "1 while this clock slowdown reason is active."))
+        details = {"index": gpu.index, "uuid": gpu.uuid, "name": gpu.name, "bus_id": gpu.bus_id,
+                   "memory_total_bytes": gpu.memory_total, "memory_used_bytes": gpu.memory_used,
+                   "temperature_c": gpu.temperature_c, "ecc_uncorrected_volatile": gpu.ecc_uncorrected_volatile,
+                   "ecc_uncorrected_aggregate": gpu.ecc_uncorrected_aggregate, "remap_pending": gpu.remap_pending,
+                   "remap_failed": gpu.remap_failed, "retired_pages_pending": gpu.retired_pages_pending,
+                   "clock_events": throttle_names(gpu.clock_event_reasons)}
+        return self.result(gpu.uuid or f"gpu{gpu.index}", status, summary, details, samples)
+
+    def _count(self, gpus: list[GpuState]) -> Result:
+        """Fewer GPUs than configured, or than this node ever had: one fell off the bus or out of the driver."""
+        answering = sum(1 for g in gpus if not g.lost and not g.error)
+        expected = self.settings.expected_count
+        source = "configured"
+        if expected is None:
+            store = self.context.store
+            seen = int(store.get(COUNT_KEY) or 0) if store is not None else 0
+            if len(gpus) > seen and store is not None:
+                store.put(COUNT_KEY, str(len(gpus)))
+            expected, source = max(seen, len(gpus)), "seen on this node"
+        status = Status.CRITICAL if answering < expected else Status.OK
+        return self.result("count", status, f"{answering} of {expected} GPUs answering ({expected} {source})",
+                           {"answering": answering, "expected": expected, "source": source},
+                           [Sample("trainguard_gpu_count", answering, {}, "GPUs answering NVML."),
+                            Sample("trainguard_gpu_expected_count", expected, {}, "GPUs this node should have.")])
