@@ -60,6 +60,12 @@ def run_action(engine: Engine, name: str, ev: Event, jobs: tuple[Job, ...],
     return engine.actions.run_one(engine.actions.actions[name], ctx)
 
 
+def log_has(path: str, text: str) -> bool:
+    """slurmd creates the output file just after the job turns RUNNING."""
+    p = Path(path)
+    return p.exists() and text in p.read_text(errors="replace")
+
+
 def toy(slurm: SlurmCluster, workdir: Path, *extra: str) -> str:
     return slurm.toy_command("--steps", "100000", "--step-time", "0.1", "--ckpt-dir", f"{workdir}/ckpt", *extra)
 
@@ -114,7 +120,7 @@ def test_signal_reaches_the_trainer_which_saves_and_exits_0(
     workdir = slurm.workdir()
     job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-signal")
     info = slurm.wait_state(job_id, ("RUNNING",))
-    wait_until(lambda: "step 3" in Path(info["StdOut"]).read_text(), 20, what="training steps")
+    wait_until(lambda: log_has(info["StdOut"], "step 3"), 20, what="training steps")
     record = run_action(engine, "signal", event(find_job(slurm, job_id)), (find_job(slurm, job_id),))
     assert record["outcome"] == "ok", record
     assert record["detail"] == f"scancel --signal=USR1 --full {job_id}"
@@ -300,7 +306,7 @@ def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: An
     workdir = slurm.workdir()
     job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-xid")
     info = slurm.wait_state(job_id, ("RUNNING",))
-    wait_until(lambda: "step 3" in Path(info["StdOut"]).read_text(), 20, what="training steps")
+    wait_until(lambda: log_has(info["StdOut"], "step 3"), 20, what="training steps")
     engine.start()
     try:
         bus = unique_bus()
