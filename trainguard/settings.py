@@ -6,12 +6,22 @@ Durations, sizes and limits are parsed once at load time so checks only ever see
 from __future__ import annotations
 
 import os
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, PlainValidator, SecretStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    PlainValidator,
+    SecretStr,
+    model_validator,
+)
 
 from trainguard.model import Status
 from trainguard.units import Limit, parse_count_limit, parse_duration, parse_size, parse_size_limit
@@ -20,6 +30,17 @@ Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lam
 Size = Annotated[int, BeforeValidator(parse_size)]
 SizeLimit = Annotated[Limit, PlainValidator(parse_size_limit), PlainSerializer(str, return_type=str)]
 CountLimit = Annotated[Limit, PlainValidator(parse_count_limit), PlainSerializer(str, return_type=str)]
+
+
+def _check_regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"invalid regex {value!r}: {exc}") from None
+    return value
+
+
+Regex = Annotated[str, AfterValidator(_check_regex)]
 
 
 def _parse_status(value: object) -> Status:

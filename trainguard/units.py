@@ -82,6 +82,10 @@ class Limit:
     def __str__(self) -> str:
         return f"{self.value:g}%" if self.percent else f"{self.value:g}"
 
+    def describe(self, in_bytes: bool) -> str:
+        """As alert text shows it: `5%`, `20.0 GiB` or `50000`."""
+        return format_bytes(self.value) if in_bytes and not self.percent else str(self)
+
 
 def _parse_percent(value: object) -> float | None:
     if isinstance(value, str):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,15 +22,15 @@ from trainguard.checks.mounts import (
     real_mounts,
 )
 from trainguard.model import Result, Sample, Status, worst
-from trainguard.settings import CountLimit, Duration, SizeLimit
-from trainguard.units import Limit, format_bytes, format_duration, parse_count_limit, parse_size_limit
+from trainguard.settings import CountLimit, Duration, Regex, SizeLimit
+from trainguard.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
 
 
 class DiskSettings(CheckSettings):
     paths: list[str] = Field(default_factory=list, description="Paths to watch; empty: every real mount.")
     exclude_fstypes: list[str] = Field(default_factory=lambda: list(PSEUDO_FSTYPES),
                                        description="Filesystem types skipped when watching every mount.")
-    exclude_mountpoints: str = Field(PSEUDO_MOUNTPOINTS, description="Regex of mount points skipped likewise.")
+    exclude_mountpoints: Regex = Field(PSEUDO_MOUNTPOINTS, description="Regex of mount points skipped likewise.")
     free_warning: SizeLimit = Field(parse_size_limit("10%"), description="WARNING below this much free space.")
     free_critical: SizeLimit = Field(parse_size_limit("5%"), description="CRITICAL below this much free space.")
     inodes_free_warning: CountLimit = Field(parse_count_limit("10%"), description="WARNING below this many free inodes.")
@@ -48,15 +47,6 @@ class DiskSettings(CheckSettings):
             if not p.startswith("/"):
                 raise ValueError(f"path {p!r} is not absolute")
         return paths
-
-    @field_validator("exclude_mountpoints")
-    @classmethod
-    def _regex(cls, value: str) -> str:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"invalid regex {value!r}: {exc}") from None
-        return value
 
     @model_validator(mode="after")
     def _mount_timeout_fits(self) -> DiskSettings:
@@ -91,25 +81,19 @@ def _pct(part: float, total: float) -> str:
     return f"{100.0 * part / total:.1f}%" if total else "n/a"
 
 
-def _floor_text(limit: Limit, in_bytes: bool) -> str:
-    if limit.percent:
-        return str(limit)
-    return format_bytes(limit.value) if in_bytes else f"{limit.value:g}"
-
-
 def evaluate(u: Usage, s: DiskSettings, bytes_fc: Forecast | None, inodes_fc: Forecast | None) -> Verdict:
     statuses, reasons = [Status.OK], []
     status, floor = Floors(s.free_warning, s.free_critical).evaluate(u.avail, u.size)
     if floor is not None:
         statuses.append(status)
         reasons.append(f"{format_bytes(u.avail)} free ({_pct(u.avail, u.size)}), below the "
-                       f"{_floor_text(floor, True)} {status.label} threshold")
+                       f"{floor.describe(in_bytes=True)} {status.label} threshold")
     if u.files > 0:  # btrfs and many network filesystems report no inode limit
         status, floor = Floors(s.inodes_free_warning, s.inodes_free_critical).evaluate(u.files_free, u.files)
         if floor is not None:
             statuses.append(status)
             reasons.append(f"{u.files_free} inodes free ({_pct(u.files_free, u.files)}), below the "
-                           f"{_floor_text(floor, False)} {status.label} threshold")
+                           f"{floor.describe(in_bytes=False)} {status.label} threshold")
     if s.forecast_horizon > 0 and worst(statuses) is Status.OK:
         for what, fc in (("space", bytes_fc), ("inodes", inodes_fc)):
             if fc is not None and fc.within(s.forecast_horizon) and fc.seconds_to_limit is not None:

@@ -13,7 +13,7 @@ from trainguard.checks.base import Check, CheckSettings
 from trainguard.checks.levels import Floors
 from trainguard.model import Result, Sample, Status, worst
 from trainguard.settings import SizeLimit
-from trainguard.units import Limit, format_bytes, parse_size_limit
+from trainguard.units import format_bytes, parse_size_limit
 
 
 class MemorySettings(CheckSettings):
@@ -51,23 +51,19 @@ def top_consumers(n: int) -> list[dict[str, Any]]:
     return procs[:n]
 
 
-def _floor_text(floor: Limit) -> str:
-    return str(floor) if floor.percent else format_bytes(floor.value)
-
-
 def evaluate(u: MemoryUsage, s: MemorySettings) -> tuple[Status, list[str]]:
     statuses, reasons = [Status.OK], []
     status, floor = Floors(s.available_warning, s.available_critical).evaluate(u.available, u.total)
     if floor is not None:
         statuses.append(status)
         reasons.append(f"{format_bytes(u.available)} available of {format_bytes(u.total)}, "
-                       f"below the {_floor_text(floor)} {status.label} threshold")
+                       f"below the {floor.describe(in_bytes=True)} {status.label} threshold")
     if u.swap_total > 0:
         status, floor = Floors(s.swap_free_warning, s.swap_free_critical).evaluate(u.swap_free, u.swap_total)
         if floor is not None:
             statuses.append(status)
             reasons.append(f"swap {format_bytes(u.swap_free)} free of {format_bytes(u.swap_total)}, "
-                           f"below the {_floor_text(floor)} {status.label} threshold")
+                           f"below the {floor.describe(in_bytes=True)} {status.label} threshold")
     return worst(statuses), reasons
 
 

@@ -8,28 +8,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from trainguard.jobs.model import Job, ProcessRef
-from trainguard.settings import SettingsModel
+from trainguard.settings import Regex, SettingsModel
 
 
 class ProcessJobSettings(SettingsModel):
-    cmdline: str | None = Field(None, description="Regex matched against the full command line.")
+    cmdline: Regex | None = Field(None, description="Regex matched against the full command line.")
     pidfile: Path | None = Field(None, description="File holding the job's main pid.")
     user: str | None = Field(None, description="Only processes of this user.")
     logs: list[str] = Field(default_factory=list, description="Log files (paths or globs) of the job.")
     switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches.")
-
-    @field_validator("cmdline")
-    @classmethod
-    def _regex(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"invalid regex {value!r}: {exc}") from None
-        return value
 
     @model_validator(mode="after")
     def _one_selector(self) -> ProcessJobSettings:
