@@ -87,7 +87,7 @@ class JobLivenessCheck(JobCheck):
 
 
 # switches ---------------------------------------------------------------------------------------
-class SwitchSettings(CheckSettings):
+class SwitchCheckSettings(CheckSettings):
     switch: Literal["stop", "save"] = Field("stop", description="Which switch file this check watches.")
     interval: Duration = Field(2.0, gt=0, description="Time between runs.")
     jitter: Duration = Field(0.0, ge=0)
@@ -110,9 +110,7 @@ def find_switch(job: Job, switch: str, stop_dir: Path) -> list[SwitchFile]:
     for path in candidates:
         try:
             st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except OSError:
+        except OSError:  # absent, or the switch dir is gone or unreadable: no request
             continue
         found.append(SwitchFile(path, st.st_uid, st.st_mtime))
     return found
@@ -131,8 +129,8 @@ class SwitchCheck(JobCheck):
     One created by anyone else is ignored: UNKNOWN, naming that user.
     """
 
-    Settings = SwitchSettings
-    settings: SwitchSettings
+    Settings = SwitchCheckSettings
+    settings: SwitchCheckSettings
 
     def candidates(self, view: JobView) -> list[Job]:
         """Running jobs; for `stop`, also finished tasks of an array that still has tasks pending,
