@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus slurmctld slurmd slurm-client munge
 
-.PHONY: run test install install-test deb-test lint clean
+.PHONY: run test bench install install-test deb-test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +34,15 @@ deb-test:
 	fi
 
 test: deb-test install-test
-	$(BIN)/ruff check trainguard tests
+	$(BIN)/ruff check trainguard tests benchmarks
 	$(BIN)/python -m pytest
 
+# Benchmarks print markdown tables for docs/benchmarks.md; several need root (/dev/kmsg).
+bench: deb-test install-test
+	$(BIN)/python benchmarks/xid_latency.py --trials 50
+
 lint: install-test
-	$(BIN)/ruff check trainguard tests
+	$(BIN)/ruff check trainguard tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

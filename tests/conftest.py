@@ -240,26 +240,3 @@ def unique_bus() -> str:
 
 def xid79(bus: str) -> str:
     return f"NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus. [trainguard-test]"
-
-
-def kmsg_cursor_at_end() -> str:
-    """A kernel-log cursor just past the newest record: an agent starting with it sees only what comes next."""
-    import json
-
-    from trainguard.kmsg import boot_id, parse_kmsg
-
-    fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
-    last = -1
-    try:
-        while True:
-            try:
-                record = parse_kmsg(os.read(fd, 16384))
-            except BlockingIOError:
-                break
-            except BrokenPipeError:
-                continue
-            if record is not None:
-                last = record.seq
-    finally:
-        os.close(fd)
-    return json.dumps({"source": "kmsg", "boot_id": boot_id(), "seq": last})

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import AgentProcess, free_port, kmsg_cursor_at_end, unique_bus, wait_until, xid79
+from tests.conftest import AgentProcess, free_port, unique_bus, wait_until, xid79
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
 from trainguard.actions.base import ActionContext
 from trainguard.agent.config import parse_config
@@ -24,13 +24,15 @@ from trainguard.agent.events import Event, EventKind
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
+from trainguard.kmsg import cursor_at_end
 from trainguard.model import Status
 
 
-def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], **jobs: Any) -> Engine:
+def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], actions: dict[str, Any] | None = None,
+               **jobs: Any) -> Engine:
     raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": slurm.node, "listen": ""},
            "jobs": {"sources": ["slurm"], "slurm_timeout": "10s", "refresh": 0, **jobs},
-           "checks": checks, "notifiers": {"console": {}}}
+           "checks": checks, "notifiers": {"console": {}}, "actions": actions or {}}
     return Engine(parse_config(raw, "test.toml"))
 
 
@@ -156,15 +158,37 @@ def test_drain_sets_our_reason_and_resume_clears_only_ours(
         slurm.resume_node()
 
 
-def test_requeue(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
-    engine = engine_for(slurm, tmp_path, {})
+def test_requeue_only_jobs_that_allow_it(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {}, actions={"requeue-now": {"type": "requeue", "wait_exit": "0s"}})
     engines.append(engine)
     job_id = slurm.submit("sleep 300", "--requeue", name="tg-requeue")
+    fixed = slurm.submit("sleep 300", "--no-requeue", name="tg-no-requeue")
     slurm.wait_state(job_id, ("RUNNING",))
-    record = run_action(engine, "requeue", event(), (find_job(slurm, job_id),))
+    slurm.wait_state(fixed, ("RUNNING",))
+    jobs = (find_job(slurm, job_id), find_job(slurm, fixed))
+    assert jobs[0].requeue and not jobs[1].requeue
+    record = run_action(engine, "requeue-now", event(), jobs)
     assert record["outcome"] == "ok", record
+    assert record["detail"] == f"requeued {job_id}; not requeueable (--no-requeue): {fixed}"
     wait_until(lambda: slurm.job(job_id).get("Restarts") == "1", 30, what="job requeued")
     slurm.wait_state(job_id, ("RUNNING", "PENDING"))
+    assert slurm.job(fixed)["JobState"] == "RUNNING" and slurm.job(fixed).get("Restarts") == "0"
+    sh("scancel", job_id, fixed)
+
+
+def test_requeue_waits_for_the_job_to_exit(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {}, actions={"requeue": {"wait_exit": "20s", "timeout": "30s"}})
+    engines.append(engine)
+    job_id = slurm.submit("sleep 3", "--requeue", name="tg-requeue-wait")
+    slurm.wait_state(job_id, ("RUNNING",))
+    wait_until(lambda: find_job(slurm, job_id).processes, 10, what="pids of the job")
+    job = find_job(slurm, job_id)
+    started = time.monotonic()
+    record = run_action(engine, "requeue", event(), (job,))
+    assert record["outcome"] == "ok", record
+    assert not any(ref.matches() for ref in job.processes)
+    assert time.monotonic() - started < 15
+    wait_until(lambda: slurm.job(job_id).get("Restarts") == "1", 30, what="finished job requeued")
     sh("scancel", job_id)
 
 
@@ -300,9 +324,10 @@ def test_scancel_failure_is_a_clear_action_failure(slurm: SlurmCluster, tmp_path
 
 def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: Any, tmp_path: Path,
                                                    engines: list[Engine]) -> None:
-    engine = engine_for(slurm, tmp_path, {"xid": {"actions": {"critical": ["signal", "drain"], "resolved": ["resume"]}}})
+    engine = engine_for(slurm, tmp_path, {"xid": {"actions": {"critical": ["signal", "drain", "requeue"],
+                                                              "resolved": ["resume"]}}})
     engines.append(engine)
-    engine.store.put("kmsg.cursor", kmsg_cursor_at_end())  # only this test's records count
+    engine.store.put("kmsg.cursor", cursor_at_end())  # only this test's records count
     workdir = slurm.workdir()
     job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-xid")
     info = slurm.wait_state(job_id, ("RUNNING",))
@@ -311,16 +336,20 @@ def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: An
     try:
         bus = unique_bus()
         kmsg.write(xid79(bus))
-        final = slurm.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED"))
-        out = Path(final["StdOut"]).read_text()
-        assert final["JobState"] == "COMPLETED" and "stop requested (SIGUSR1)" in out, out
-        assert list((workdir / "ckpt").glob("ckpt-*.json"))
         wait_until(lambda: "DRAIN" in slurm.node_info()["State"], 10, what="node drained")
         reason = slurm.node_info()["Reason"]
         assert reason.startswith(f"trainguard: GPU {bus} fell off the bus (XID 79)"), reason
         [incident] = [i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}"]
-        wait_until(lambda: len(next(i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}").actions) == 2, 10)
+        wait_until(lambda: len(next(i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}").actions) == 3, 10)
         incident = next(i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}")
-        assert [(a["action"], a["outcome"]) for a in incident.actions] == [("signal", "ok"), ("drain", "ok")]
+        assert [(a["action"], a["outcome"]) for a in incident.actions] == [("signal", "ok"), ("drain", "ok"),
+                                                                           ("requeue", "ok")]
+        # requeued after it saved and exited; it waits in the queue because this, the only node, is drained
+        out = Path(info["StdOut"]).read_text()
+        assert "stop requested (SIGUSR1)" in out, out
+        assert list((workdir / "ckpt").glob("ckpt-*.json"))
+        requeued = slurm.job(job_id)
+        assert requeued.get("Restarts") == "1" and requeued["JobState"] == "PENDING", requeued
     finally:
+        sh("scancel", job_id)
         slurm.resume_node()

@@ -90,6 +90,25 @@ def boot_id() -> str:
         return ""
 
 
+def cursor_at_end(path: str = "/dev/kmsg") -> str:
+    """A saved position just past the newest record: a follower resuming from it sees only what comes next."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    last = -1
+    try:
+        while True:
+            try:
+                record = parse_kmsg(os.read(fd, 16384))
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue
+            if record is not None:
+                last = record.seq
+    finally:
+        os.close(fd)
+    return json.dumps({"source": "kmsg", "boot_id": boot_id(), "seq": last})
+
+
 class KmsgFollower:
     def __init__(self, on_record: Callable[[KernelRecord], None], cursor: KeyValue | None = None,
                  path: str = "/dev/kmsg", journalctl: str = "journalctl", save_every_s: float = 1.0) -> None:

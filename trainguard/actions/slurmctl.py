@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
 from trainguard.jobs.slurm import SlurmError
+from trainguard.settings import Duration
 
 DRAIN_TAG = "trainguard:"
 
@@ -60,18 +62,50 @@ class ResumeAction(Action):
         return f"resumed {ctx.node} (was: {reason})"
 
 
+class RequeueSettings(ActionSettings):
+    timeout: Duration = Field(330.0, gt=0, description="An action still running after this is reported as failed.")
+    wait_exit: Duration = Field(300.0, ge=0, description="Wait up to this long for the job's processes on this node "
+                                                         "to exit (saving after a signal) before requeueing it.")
+
+    @model_validator(mode="after")
+    def _wait_fits(self) -> RequeueSettings:
+        if self.wait_exit >= self.timeout:
+            raise ValueError(f"wait_exit ({self.wait_exit:g}s) must be shorter than timeout ({self.timeout:g}s)")
+        return self
+
+
 class RequeueAction(Action):
+    """Puts the job back in the queue, to run elsewhere once this node is drained.
+
+    Bound after a save signal it first lets the job finish saving: `scontrol requeue` of a running job
+    kills it, so it waits (up to `wait_exit`) for the job's processes here to exit. Jobs submitted with
+    `--no-requeue` are left alone.
+    """
+
+    Settings = RequeueSettings
+    settings: RequeueSettings
+
     def plan(self, ctx: ActionContext) -> str:
         return "requeue " + (", ".join(j.label() for j in slurm_jobs(ctx)) or "no SLURM job")
 
     def run(self, ctx: ActionContext) -> str:
         jobs = slurm_jobs(ctx)
         if not jobs:
-            raise ActionError("no SLURM job to requeue")
+            return "no SLURM job on this node: nothing to requeue"
+        refused = [j for j in jobs if not j.requeue]
+        jobs = [j for j in jobs if j.requeue]
+        deadline = time.monotonic() + self.settings.wait_exit
+        while any(ref.matches() for j in jobs for ref in j.processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
         for job in jobs:
             assert job.job_id
             _slurm("requeue", ctx.slurm.requeue, job.job_id)
-        return "requeued " + ", ".join(j.job_id or "" for j in jobs)
+        parts = []
+        if jobs:
+            parts.append("requeued " + ", ".join(j.job_id or "" for j in jobs))
+        if refused:
+            parts.append("not requeueable (--no-requeue): " + ", ".join(j.job_id or "" for j in refused))
+        return "; ".join(parts)
 
 
 class ArraySettings(ActionSettings):

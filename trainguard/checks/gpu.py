@@ -25,7 +25,7 @@ class GpuSettings(CheckSettings):
     temperature_warning: int = Field(85, description="WARNING at or above this GPU temperature (Celsius).")
     temperature_critical: int = Field(92, description="CRITICAL at or above this GPU temperature (Celsius).")
     throttle_for: Duration = Field(300.0, ge=0, description="WARNING when a hardware or thermal slowdown lasts this long.")
-    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain"]))
+    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]))
 
 
 def evaluate(gpu: GpuState, s: GpuSettings, throttled_for: float = 0.0) -> tuple[Status, str]:

@@ -43,7 +43,7 @@ class XidSettings(CheckSettings):
                                                               "points at the hardware: CRITICAL.")
     clear_after: Duration = Field(3600.0, description="A WARNING XID clears after this quiet time; CRITICAL ones stay "
                                                       "until the node reboots.")
-    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain"]))
+    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]))
 
 
 def classify(entry: XidEntry, s: XidSettings, now: float) -> tuple[Status, str]:

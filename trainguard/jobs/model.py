@@ -53,6 +53,7 @@ class Job:
     processes: tuple[ProcessRef, ...] = ()
     log_paths: tuple[str, ...] = ()
     switch_dir: str | None = None
+    requeue: bool = True  # SLURM lets the job be requeued (not submitted with --no-requeue)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property

@@ -157,6 +157,7 @@ def parse_job(raw: dict[str, Any], node: str, switch_template: str) -> Job:
         workdir=workdir, stdout=expand_output_path(stdout, raw, node) if stdout else None,
         stderr=expand_output_path(stderr, raw, node) if stderr else None, on_this_node=node in hosts,
         switch_dir=switch_template.format(**fields) if switch_template and workdir else None,
+        requeue=bool(raw.get("requeue", True)),
     )
 
 
