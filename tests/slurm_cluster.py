@@ -19,8 +19,9 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_USER, OTHER_USER = "tgjob", "tgother"
-DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "scontrol", "scancel")
-PORTS = (6917, 6918)  # off the defaults, so a node's own SLURM is never disturbed
+DAEMONS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "mariadb-install-db", "sbatch", "squeue", "scontrol",
+           "scancel", "sacct", "sacctmgr")
+PORTS = (6917, 6918, 6919, 6920)  # slurmctld, slurmd, mariadbd, slurmdbd: off the defaults, so a node's own is untouched
 
 
 def sh(*cmd: str, user: str | None = None, check: bool = True, timeout: float = 30, cwd: str | None = None) -> str:
@@ -78,7 +79,7 @@ class SlurmCluster:
         """Daemons of an earlier test session that died without teardown would hold our ports."""
         for p in psutil.process_iter(["name", "cmdline"]):
             cmd = " ".join(p.info.get("cmdline") or [])
-            if "trainguard-slurm-" in cmd and any(d in cmd for d in ("slurmctld", "slurmd", "slurmstepd")):
+            if "trainguard-slurm-" in cmd and any(d in cmd for d in ("slurmctld", "slurmd", "slurmstepd", "mariadbd")):
                 try:
                     p.kill()
                     p.wait(5)
@@ -122,7 +123,9 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 MinJobAge=600
 MessageTimeout=5
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost={self.node}
+AccountingStoragePort={PORTS[3]}
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
@@ -132,13 +135,59 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
 """)
         self.conf.chmod(0o644)
         os.environ["SLURM_CONF"] = str(self.conf)
+        self.start_accounting()
         self.start_ctld()
         sh("slurmd", "-f", str(self.conf))
         self.wait(lambda: "idle" in sh("sinfo", "-h", "-o", "%T", check=False), 30, "node idle")
         return self
 
+    def start_accounting(self) -> None:
+        """MariaDB and slurmdbd, so that `sacct` knows jobs the controller has forgotten."""
+        b = self.base
+        db = b / "mysql"
+        db.mkdir()
+        shutil.chown(db, "mysql", "mysql")
+        sh("mariadb-install-db", "--user=mysql", f"--datadir={db}/data", "--auth-root-authentication-method=socket",
+           "--skip-test-db", timeout=120)
+        socket_path = db / "mysqld.sock"
+        subprocess.Popen(["mariadbd", "--no-defaults", "--user=mysql", f"--datadir={db}/data", f"--socket={socket_path}",
+                          f"--port={PORTS[2]}", "--bind-address=127.0.0.1", f"--pid-file={db}/mysqld.pid", "--character-set-server=utf8mb4",
+                          f"--log-error={b}/log/mysqld.log", "--innodb-buffer-pool-size=32M"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.wait(lambda: socket_path.exists(), 60, "mariadbd socket")
+        sh("mariadb", f"--socket={socket_path}", "-e",
+           "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'trainguard-test';"
+           " GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';")
+        dbd = b / "slurmdbd.conf"  # slurmdbd reads it next to slurm.conf; it must be private to SlurmUser
+        dbd.write_text(f"""\
+AuthType=auth/munge
+DbdHost={self.node}
+DbdPort={PORTS[3]}
+SlurmUser=root
+PidFile={b}/slurmdbd.pid
+LogFile={b}/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={PORTS[2]}
+StorageUser=slurm
+StoragePass=trainguard-test
+StorageLoc=slurm_acct_db
+""")
+        dbd.chmod(0o600)
+        sh("slurmdbd")
+        self.wait(lambda: subprocess.run(["sacctmgr", "-n", "list", "cluster"], capture_output=True,
+                                         timeout=10).returncode == 0, 30, "slurmdbd answering")
+        sh("sacctmgr", "-i", "add", "cluster", "trainguard-test", check=False)
+
     def start_ctld(self) -> None:
         sh("slurmctld", "-f", str(self.conf))
+        self.wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10).returncode == 0,
+                  30, "slurmctld answering")
+
+    def restart_ctld_forgetting_jobs(self) -> None:
+        """As if MinJobAge had passed for every job: only accounting still knows them."""
+        self.stop_ctld()
+        sh("slurmctld", "-c", "-f", str(self.conf))
         self.wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10).returncode == 0,
                   30, "slurmctld answering")
 
@@ -161,6 +210,8 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
         time.sleep(1)
         self._kill("slurmd.pid")
         self._kill("slurmctld.pid")
+        self._kill("slurmdbd.pid")
+        self._kill("mysql/mysqld.pid")
         for p in psutil.process_iter(["name", "cmdline"]):
             if "slurmstepd" in (p.info.get("name") or "") and str(self.base) in " ".join(p.info.get("cmdline") or []):
                 p.kill()

@@ -239,3 +239,24 @@ def test_trainer_is_stdlib_only() -> None:
     imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert imports <= {"__future__", "json", "math", "os", "signal", "stat", "threading", "time", "collections",
                        "pathlib", "typing"}
+
+
+def test_sacct_history_lines() -> None:
+    from trainguard.jobs.slurm import HISTORY_FIELDS, parse_history
+
+    def line(*fields: str) -> str:
+        assert len(fields) == len(HISTORY_FIELDS)
+        return "\x1f".join(fields)
+
+    task = parse_history(line("4243", "4242_7", "llm | pretrain", "CANCELLED by 0", "0:15", "2026-11-20T10:00:00",
+                              "2026-11-20T12:30:00", "alice", "None"))
+    assert task is not None
+    assert (task.key, task.job_id, task.array_job_id, task.array_task_id) == ("slurm:4243", "4243", "4242", "7")
+    assert (task.name, task.state, task.exit_code, task.user, task.reason) == (
+        "llm | pretrain", "CANCELLED", "0:15", "alice", None)
+    assert task.end_time is not None and task.start_time is not None and task.end_time - task.start_time == 9000
+    assert task.label() == "job 4242_7 (4243, llm | pretrain)"
+
+    pending = parse_history(line("99", "99", "x", "PENDING", "0:0", "Unknown", "Unknown", "bob", "Dependency"))
+    assert pending is not None and pending.end_time is None and pending.reason == "Dependency"
+    assert parse_history("garbage without separators") is None

@@ -353,3 +353,23 @@ def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: An
     finally:
         sh("scancel", job_id)
         slurm.resume_node()
+
+
+def test_liveness_asks_accounting_for_jobs_the_controller_forgot(slurm: SlurmCluster, tmp_path: Path,
+                                                                 engines: list[Engine]) -> None:
+    # Last in this module: restarting the controller with a clean state drops every job it knew.
+    name = f"tg forgotten {uuid.uuid4().hex[:6]} ✓"
+    engine = engine_for(slurm, tmp_path, {"alive": {"type": "job_liveness", "names": [name]}})
+    engines.append(engine)
+    job_id = slurm.submit("exit 3", name=name)
+    slurm.wait_state(job_id, ("FAILED",))
+    client = SlurmClient(10)
+    wait_until(lambda: [j for j in client.history([name], 3600) if j.job_id == job_id], 30, what="job in accounting")
+    slurm.restart_ctld_forgetting_jobs()
+    assert not slurm.job(job_id), "the controller should have forgotten the job"
+
+    [report] = engine.run_round(ingest=False)
+    [result] = report.results
+    assert result.status is Status.CRITICAL
+    assert f"last was job {job_id} ({name}) FAILED exit 3:0, down for" in result.summary, result.summary
+    assert result.details["known_from"] == "accounting" and result.details["exit_code"] == "3:0"

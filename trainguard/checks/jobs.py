@@ -18,6 +18,7 @@ from pydantic import Field
 from trainguard.checks.base import Check, CheckSettings
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
+from trainguard.jobs.slurm import SlurmError
 from trainguard.model import Result, Sample, Status
 from trainguard.settings import Duration
 from trainguard.units import format_duration
@@ -39,6 +40,9 @@ class JobCheck(Check):
 # liveness ---------------------------------------------------------------------------------------
 class LivenessSettings(CheckSettings):
     names: list[str] = Field(min_length=1, description="Job names that must always be running or pending.")
+    accounting: bool = Field(True, description="When the controller knows no job of a name any more, ask "
+                                               "accounting (sacct) for the last one.")
+    lookback: Duration = Field(7 * 86400.0, gt=0, description="How far back accounting is searched.")
 
 
 def _pick_last(jobs: list[Job]) -> Job | None:
@@ -46,7 +50,9 @@ def _pick_last(jobs: list[Job]) -> Job | None:
                default=None)
 
 
-def evaluate_liveness(name: str, jobs: list[Job], now: float) -> tuple[Status, str, dict[str, object]]:
+def evaluate_liveness(name: str, jobs: list[Job], now: float,
+                      history: Sequence[Job] | None = None) -> tuple[Status, str, dict[str, object]]:
+    """`jobs` are what the controller knows now; `history` what accounting recorded (finished jobs only)."""
     mine = [j for j in jobs if j.name == name]  # exact: never a truncated squeue column
     running = [j for j in mine if j.running]
     pending = [j for j in mine if j.state == "PENDING"]
@@ -57,14 +63,16 @@ def evaluate_liveness(name: str, jobs: list[Job], now: float) -> tuple[Status, s
         reasons = sorted({j.reason or "?" for j in pending})
         return Status.OK, f"{name}: pending ({', '.join(reasons)})", {
             "state": "PENDING", "reasons": reasons, "job_ids": [j.job_id for j in pending]}
-    last = _pick_last(mine)
+    known = {j.key for j in mine}
+    last = _pick_last(mine + [j for j in history or () if j.name == name and j.key not in known])
     if last is None:
-        return Status.CRITICAL, f"{name}: no job running or pending, and none known to the controller", {"state": None}
+        return Status.CRITICAL, f"{name}: no job running or pending, and none known to the controller" + (
+            " or accounting" if history is not None else ""), {"state": None}
     down = f", down for {format_duration(now - last.end_time)}" if last.end_time else ""
     return Status.CRITICAL, (f"{name}: no job running or pending; last was {last.label()} {last.state}"
                              f" exit {last.exit_code or '?'}{down}"), {
         "state": last.state, "exit_code": last.exit_code, "last_job_id": last.job_id, "ended": last.end_time,
-        "reason": last.reason}
+        "reason": last.reason, "known_from": last.extra.get("from", "controller")}
 
 
 class JobLivenessCheck(JobCheck):
@@ -77,13 +85,30 @@ class JobLivenessCheck(JobCheck):
         if errors:
             return errors
         now = self.context.clock()
+        verdicts = {name: evaluate_liveness(name, list(view.jobs), now) for name in self.settings.names}
+        down = [name for name, (status, _, _) in verdicts.items() if status is Status.CRITICAL]
+        history, history_error = self._history(down)
         out = []
         for name in self.settings.names:
-            status, summary, details = evaluate_liveness(name, list(view.jobs), now)
+            status, summary, details = verdicts[name]
+            if name in down and history is not None:
+                status, summary, details = evaluate_liveness(name, list(view.jobs), now, history)
+            if name in down and history_error:
+                details = {**details, "accounting_error": history_error}
             out.append(self.result(name, status, summary, details,
                                    [Sample("trainguard_job_alive", 0 if status is Status.CRITICAL else 1,
                                            {"name": name}, "1 if a job of this name is running or pending.")]))
         return out
+
+    def _history(self, names: list[str]) -> tuple[list[Job] | None, str | None]:
+        """What accounting knows of these names; (None, why) when it can't say (not configured, slurmdbd down)."""
+        jobs = self.context.jobs
+        if not names or not self.settings.accounting or jobs is None or "slurm" not in jobs.sources:
+            return None, None
+        try:
+            return jobs.slurm.history(names, self.settings.lookback), None
+        except SlurmError as exc:
+            return None, str(exc)
 
 
 # switches ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,20 @@ class SlurmClient:
                 pids.append(int(fields[0]))
         return pids
 
+    def history(self, names: Sequence[str], lookback: float) -> list[Job]:
+        """Jobs of these names that accounting (slurmdbd) recorded within `lookback` seconds, newest last.
+
+        The controller forgets finished jobs after MinJobAge; accounting still knows their final state and
+        exit code. 22.05's `sacct --json` misreports exit codes, so the parsable form is read instead.
+        """
+        args = ["sacct", "--allusers", "--allocations", "--noheader", "--parsable2", f"--delimiter={_SEP}",
+                f"--starttime=now-{max(1, int(lookback))}seconds", "--format=" + ",".join(HISTORY_FIELDS)]
+        if names and not any("," in n for n in names):  # sacct splits --name on commas
+            args.append("--name=" + ",".join(names))
+        wanted = set(names)
+        jobs = [parse_history(line) for line in self.run(*args).splitlines() if line.strip()]
+        return sorted((j for j in jobs if j is not None and j.name in wanted), key=lambda j: (j.end_time or 0, j.key))
+
     # commands --------------------------------------------------------------------
     def signal(self, job_id: str, signal_name: str, mode: str = "full") -> None:
         self.run("scancel", f"--signal={signal_name}", f"--{mode}", job_id)
@@ -106,6 +121,32 @@ def expand_output_path(pattern: str, job: dict[str, Any], node: str) -> str:
         "N": node, "n": "0",
     }
     return _PATTERN.sub(lambda m: values[m.group(1)], pattern)
+
+
+_SEP = "\x1f"  # ASCII unit separator: never part of a job name, unlike "|"
+HISTORY_FIELDS = ("JobIDRaw", "JobID", "JobName", "State", "ExitCode", "Start", "End", "User", "Reason")
+
+
+def _sacct_time(value: str) -> float | None:
+    try:  # sacct prints local time; "Unknown" / "None" while a job has not started or ended
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def parse_history(line: str) -> Job | None:
+    """One `sacct --parsable2` line (HISTORY_FIELDS) as a Job; None when it doesn't have the expected shape."""
+    fields = line.split(_SEP)
+    if len(fields) != len(HISTORY_FIELDS):
+        return None
+    raw_id, job_id, name, state, exit_code, start, end, user, reason = fields
+    array_job, _, task = job_id.partition("_")
+    is_task = bool(task) and task.isdigit()
+    return Job(key=f"slurm:{raw_id}", source="slurm", name=name, state=state.split(" ")[0] or "UNKNOWN",
+               job_id=raw_id, array_job_id=array_job if is_task else None, array_task_id=task if is_task else None,
+               user=user or None, reason=reason if reason not in ("", "None") else None,
+               start_time=_sacct_time(start), end_time=_sacct_time(end), exit_code=exit_code or None,
+               extra={"from": "accounting"})
 
 
 def _when(value: Any) -> float | None:
