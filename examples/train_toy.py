@@ -50,7 +50,10 @@ def main() -> int:
     p.add_argument("--fault", choices=["hang", "leak", "crash", "slow", "nan"])
     p.add_argument("--fault-at", type=int, default=10)
     p.add_argument("--leak-mb-per-step", type=float, default=10.0)
+    p.add_argument("--log", type=Path, help="append output to this file (kept open, as a logging handler does)")
     args = p.parse_args()
+    if args.log:
+        sys.stdout = open(args.log, "a", buffering=1)  # open for the whole run
 
     trainer = Trainer().install()
     start = last_checkpoint(args.ckpt_dir)
@@ -66,7 +69,7 @@ def main() -> int:
             raise RuntimeError(f"simulated crash at step {step}")
         time.sleep(args.step_time * (10 if faulty and args.fault == "slow" else 1))
         if faulty and args.fault == "leak":
-            leaked.append(bytearray(int(args.leak_mb_per_step * 2**20)))
+            leaked.append(bytearray(b"\x5a") * int(args.leak_mb_per_step * 2**20))  # written, so resident
         loss = math.nan if faulty and args.fault == "nan" else loss * 0.99 + random.uniform(-0.01, 0.01)
         print(f"step {step} loss={loss:.4f}", flush=True)
         trainer.heartbeat(step, loss=loss)

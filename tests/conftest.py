@@ -5,6 +5,7 @@ Under CI=true a test whose real component or privilege is missing fails; elsewhe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -240,3 +242,45 @@ def unique_bus() -> str:
 
 def xid79(bus: str) -> str:
     return f"NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus. [trainguard-test]"
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Callable[[int], Callable[[list[str]], list[str]]]]:
+    """Creates memory-limited cgroups (v2 where the node has it, else v1); yields a factory returning a
+    wrapper for a command line that enters the cgroup and then execs the command."""
+    require_root()
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    v2_memory = v2.exists() and "memory" in v2.read_text().split()
+    v1 = Path("/sys/fs/cgroup/memory")
+    require(v2_memory or (v1 / "memory.limit_in_bytes").exists(), "needs the cgroup memory controller (v1 or v2)")
+    made: list[Path] = []
+
+    def make(limit_bytes: int) -> Callable[[list[str]], list[str]]:
+        path = (Path("/sys/fs/cgroup") if v2_memory else v1) / f"trainguard-test-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        made.append(path)
+        if v2_memory:
+            (path / "memory.max").write_text(str(limit_bytes))
+            if (path / "memory.swap.max").exists():
+                (path / "memory.swap.max").write_text("0")
+        else:
+            (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        procs = path / "cgroup.procs"
+
+        def inside(argv: list[str]) -> list[str]:
+            return ["/bin/sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *argv]
+
+        return inside
+
+    yield make
+    for path in made:
+        for pid in (path / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), 9)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -151,10 +151,11 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
            "--skip-test-db", timeout=120)
         socket_path = db / "mysqld.sock"
         subprocess.Popen(["mariadbd", "--no-defaults", "--user=mysql", f"--datadir={db}/data", f"--socket={socket_path}",
-                          f"--port={PORTS[2]}", "--bind-address=127.0.0.1", f"--pid-file={db}/mysqld.pid", "--character-set-server=utf8mb4",
+                          f"--port={PORTS[2]}", "--bind-address=127.0.0.1", f"--pid-file={db}/mysqld.pid",
+                          "--character-set-server=utf8mb4",
                           f"--log-error={b}/log/mysqld.log", "--innodb-buffer-pool-size=32M"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        self.wait(lambda: socket_path.exists(), 60, "mariadbd socket")
+        self.wait(socket_path.exists, 60, "mariadbd socket")
         sh("mariadb", f"--socket={socket_path}", "-e",
            "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'trainguard-test';"
            " GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';")

@@ -18,6 +18,7 @@ CHECKS: Mapping[str, str] = {
     "job_liveness": "trainguard.checks.jobs:JobLivenessCheck",
     "job_switch": "trainguard.checks.jobs:SwitchCheck",
     "job_timelimit": "trainguard.checks.jobs:TimeLimitCheck",
+    "job_memory": "trainguard.checks.leak:JobMemoryCheck",
 }
 
 ACTIONS: Mapping[str, str] = {

@@ -46,15 +46,32 @@ class SeriesWindow:
     def __len__(self) -> int:
         return len(self._points)
 
-    def forecast_down_to(self, limit: float) -> Forecast | None:
-        """When the series, falling at its robust trend, reaches `limit` (e.g. free bytes reaching 0)."""
+    def trend(self) -> float | None:
+        """Robust slope per second; None until the window holds `min_points` over `min_span_s`."""
         points = list(self._points)
         if len(points) < self.min_points or points[-1][0] - points[0][0] < self.min_span_s:
             return None
-        slope = theil_sen_slope(points)
-        if slope is None:
+        return theil_sen_slope(points)
+
+    @property
+    def last(self) -> float | None:
+        return self._points[-1][1] if self._points else None
+
+    def forecast_down_to(self, limit: float) -> Forecast | None:
+        """When the series, falling at its robust trend, reaches `limit` (e.g. free bytes reaching 0)."""
+        slope = self.trend()
+        if slope is None or self.last is None:
             return None
-        current = points[-1][1]
+        current = self.last
         if slope >= 0 or current <= limit:
             return Forecast(slope, 0.0 if current <= limit else None)
         return Forecast(slope, (current - limit) / -slope)
+
+    def forecast_growth_into(self, headroom: float) -> Forecast | None:
+        """When the series, rising at its robust trend, has used up `headroom` more (e.g. a leak reaching a limit)."""
+        slope = self.trend()
+        if slope is None:
+            return None
+        if headroom <= 0:
+            return Forecast(slope, 0.0)
+        return Forecast(slope, headroom / slope if slope > 0 else None)

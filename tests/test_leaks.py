@@ -1,0 +1,112 @@
+"""Memory leaks: a real leaking trainer in a memory-limited cgroup is saved before the OOM killer; flat jobs are left alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, wait_until
+from trainguard.agent.config import parse_config
+from trainguard.agent.engine import Engine
+from trainguard.checks.forecast import Forecast
+from trainguard.checks.leak import JobMemory, JobMemorySettings, evaluate
+from trainguard.jobs.cgroup import CgroupMemory, memory_limit
+from trainguard.model import Status
+
+MiB = 2**20
+GiB = 2**30
+
+
+def memory(used: int, cgroup_limit: int | None = None, cgroup_usage: int = 0, available: int = 10 * GiB) -> JobMemory:
+    cg = CgroupMemory(Path("/sys/fs/cgroup/memory/job_1"), 1, cgroup_limit, cgroup_usage) if cgroup_limit else None
+    return JobMemory(used, 1, cg, 64 * GiB, available)
+
+
+@pytest.mark.parametrize(("m", "forecast", "status", "text"), [
+    (memory(30 * GiB), Forecast(0.0, None), Status.OK, ""),  # large but flat: no leak
+    (memory(30 * GiB), Forecast(1 * MiB, 6 * GiB / MiB), Status.WARNING, "host memory (64.0 GiB) is reached in ~1h"),
+    (memory(30 * GiB), None, Status.OK, ""),  # not enough samples yet
+    (memory(1 * GiB, 2 * GiB, int(1.5 * GiB)), Forecast(1 * MiB, 512.0), Status.CRITICAL,
+     "cgroup v1 memory.limit_in_bytes of /sys/fs/cgroup/memory/job_1 (2.0 GiB) is reached in ~8m32s"),
+    (memory(1 * GiB, 2 * GiB, 2 * GiB - 10 * MiB), Forecast(0.0, None), Status.CRITICAL, "below the 3% floor"),
+    (memory(1 * GiB, available=int(1.5 * GiB)), Forecast(0.0, None), Status.CRITICAL, "below the 3% floor"),
+])
+def test_evaluate(m: JobMemory, forecast: Forecast | None, status: Status, text: str) -> None:
+    verdict = evaluate(m, forecast, JobMemorySettings())
+    assert verdict.status is status
+    assert text in verdict.reason
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def leak_engine(tmp_path: Path, marker: str, **check: Any) -> Engine:
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "jobs": {"sources": ["process"], "refresh": 0, "processes": {"trainer": {"cmdline": marker}}},
+           "checks": {"leak": {"type": "job_memory", "interval": "0.5s", "jitter": 0, "min_span": "2s", "window": 20,
+                               **check}},
+           "notifiers": {"console": {}}}
+    return Engine(parse_config(raw, "test.toml"))
+
+
+def test_leaking_trainer_in_a_cgroup_is_saved_before_the_oom_killer(
+        tmp_path: Path, memory_cgroup: Callable[[int], Callable[[list[str]], list[str]]],
+        children: list[subprocess.Popen[str]]) -> None:
+    marker = f"leak-{uuid.uuid4().hex[:8]}"
+    ckpt = tmp_path / marker
+    inside = memory_cgroup(400 * MiB)
+    toy = subprocess.Popen(inside([sys.executable, str(REPO / "examples/train_toy.py"), "--steps", "100000",
+                                   "--step-time", "0.1", "--fault", "leak", "--fault-at", "10",
+                                   "--leak-mb-per-step", "3", "--ckpt-dir", str(ckpt)]), stdout=subprocess.PIPE, text=True)
+    assert toy.stdout is not None and toy.stdout.readline().startswith("training start")
+    children.append(toy)
+    assert memory_limit(toy.pid) is not None and memory_limit(toy.pid).limit == 400 * MiB  # type: ignore[union-attr]
+    engine = leak_engine(tmp_path, marker)
+    engine.start()
+    try:
+        out, _ = toy.communicate(timeout=60)
+        out = "training start ...\n" + out
+        assert toy.returncode == 0, f"exit {toy.returncode} (-9: the OOM killer won)\n{out}"
+        assert "stop requested (SIGUSR1)" in out
+        assert list(ckpt.glob("ckpt-*.json"))
+        [incident] = [i for i in engine.tracker.incidents() if i.check == "leak"]
+        assert incident.status is Status.CRITICAL
+        assert "memory.limit_in_bytes" in incident.summary or "memory.max" in incident.summary, incident.summary
+        assert "is reached in ~" in incident.summary
+        wait_until(lambda: next(i for i in engine.tracker.incidents() if i.check == "leak").actions, 5)
+    finally:
+        engine.stop()
+
+
+def test_large_steady_process_is_no_leak(tmp_path: Path, children: list[subprocess.Popen[str]]) -> None:
+    marker = f"steady-{uuid.uuid4().hex[:8]}"
+    big = subprocess.Popen([sys.executable, "-c", "import sys, time\nblock = bytearray(b'x') * (300 * 2**20)\n"
+                            "print('ready', flush=True)\ntime.sleep(120)", marker], stdout=subprocess.PIPE, text=True)
+    children.append(big)
+    assert big.stdout is not None and big.stdout.readline().strip() == "ready"
+    engine = leak_engine(tmp_path, marker)
+    deadline = time.monotonic() + 4
+    results = []
+    while time.monotonic() < deadline:
+        [report] = engine.run_round()
+        results.extend(r for r in report.results if r.subject == "process:trainer")
+        time.sleep(0.5)
+    engine.stop()
+    assert results and all(r.status is Status.OK for r in results)
+    assert results[-1].details["used_bytes"] > 300 * MiB
+    assert results[-1].details["growth_bytes_per_s"] is not None  # the trend was fitted, and is flat
+    assert "trend flat" in results[-1].summary, results[-1].summary
+    assert not [i for i in engine.tracker.incidents() if i.firing]

@@ -1,0 +1,163 @@
+"""JobMemoryCheck: a job's memory trend, forecast against the limit the OOM killer enforces.
+
+The limit is the job's cgroup memory limit when it runs under one (SLURM task/cgroup), else the
+host's memory: the job can grow by what is available. The growth rate is a Theil-Sen slope over
+the last samples, so a checkpoint's spike does not bend it and a large but flat job is no leak.
+The default CRITICAL response is the save-and-exit request, before the OOM killer takes the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+from pydantic import Field
+
+from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
+from trainguard.checks.forecast import Forecast, SeriesWindow
+from trainguard.checks.levels import Floors
+from trainguard.jobs.cgroup import CgroupMemory, memory_limit
+from trainguard.jobs.model import Job
+from trainguard.jobs.tree import job_processes
+from trainguard.model import Result, Sample, Status
+from trainguard.settings import Duration, SizeLimit
+from trainguard.units import format_bytes, format_duration, parse_size_limit
+
+
+class JobMemorySettings(CheckSettings):
+    interval: Duration = Field(30.0, gt=0, description="Time between samples.")
+    warn_horizon: Duration = Field(2 * 3600.0, gt=0, description="WARNING when the limit is forecast within this.")
+    crit_horizon: Duration = Field(20 * 60.0, gt=0, description="CRITICAL when the limit is forecast within this.")
+    floor: SizeLimit = Field(parse_size_limit("3%"), description="CRITICAL when the headroom left is below this "
+                                                                 "(percent of the limit, or a size).")
+    window: int = Field(40, ge=3, le=1000, description="Samples the trend is fitted over.")
+    min_span: Duration = Field(300.0, ge=0, description="No forecast before the samples span this long.")
+    pss: bool = Field(False, description="Measure PSS instead of RSS (shared pages counted once; costlier).")
+    names: list[str] = Field(default_factory=list, description="Only jobs of these names; empty: every job here.")
+    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal"]))
+
+
+@dataclass(frozen=True)
+class JobMemory:
+    used: int  # RSS (or PSS) of the job's process tree
+    processes: int
+    cgroup: CgroupMemory | None
+    host_total: int
+    host_available: int
+
+    @property
+    def limit(self) -> int:
+        return self.cgroup.limit if self.cgroup else self.host_total
+
+    @property
+    def headroom(self) -> int:
+        """How much more the job can take before the OOM killer: what its cgroup or the host has left."""
+        return self.cgroup.headroom if self.cgroup else self.host_available
+
+    @property
+    def tracked(self) -> int:
+        """The figure the trend is fitted on: what the limit is enforced against."""
+        return self.cgroup.usage if self.cgroup else self.used
+
+    def limit_text(self) -> str:
+        return self.cgroup.describe() if self.cgroup else "host memory"
+
+
+def gather(job: Job, pss: bool = False) -> JobMemory | None:
+    procs = job_processes(job)
+    if not procs:
+        return None
+    used = 0
+    for p in procs:
+        try:
+            used += p.memory_full_info().pss if pss else p.memory_info().rss
+        except psutil.Error:
+            continue
+    vm = psutil.virtual_memory()
+    return JobMemory(used, len(procs), memory_limit(procs[0].pid), vm.total, vm.available)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Status
+    forecast: Forecast | None
+    reason: str
+
+
+def evaluate(m: JobMemory, forecast: Forecast | None, s: JobMemorySettings) -> Verdict:
+    status, floor = Floors(None, s.floor).evaluate(m.headroom, m.limit)
+    if floor is not None:
+        return Verdict(status, forecast, f"only {format_bytes(m.headroom)} left under the {m.limit_text()} "
+                                         f"({format_bytes(m.limit)}), below the {floor.describe(in_bytes=True)} floor")
+    if forecast is None or forecast.seconds_to_limit is None:
+        return Verdict(Status.OK, forecast, "")
+    eta = forecast.seconds_to_limit
+    text = (f"growing {format_bytes(forecast.slope_per_s)}/s: the {m.limit_text()} ({format_bytes(m.limit)}) is "
+            f"reached in ~{format_duration(eta)}")
+    if eta <= s.crit_horizon:
+        return Verdict(Status.CRITICAL, forecast, text)
+    if eta <= s.warn_horizon:
+        return Verdict(Status.WARNING, forecast, text)
+    return Verdict(Status.OK, forecast, "")
+
+
+def summarize(job: Job, m: JobMemory, v: Verdict) -> str:
+    size = f"{format_bytes(m.used)} in {m.processes} process{'es' if m.processes != 1 else ''}"
+    if v.reason:
+        return f"{job.label()}: {size}; {v.reason}; save and restart it before the OOM killer ends it"
+    trend = ""
+    if v.forecast is not None:
+        trend = "flat" if abs(v.forecast.slope_per_s) < 1024 else f"{format_bytes(v.forecast.slope_per_s)}/s"
+        trend = f", trend {trend}"
+    return f"{job.label()}: {size}{trend}, {format_bytes(m.headroom)} headroom under the {m.limit_text()}"
+
+
+class JobMemoryCheck(Check):
+    Settings = JobMemorySettings
+    settings: JobMemorySettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self._windows: dict[str, SeriesWindow] = {}
+
+    def run(self) -> Sequence[Result]:
+        if self.context.jobs is None:
+            raise RuntimeError("no job source configured ([jobs] sources)")
+        view = self.context.jobs.view()
+        now = self.context.clock()
+        results = [self.result(f"source:{n}", Status.UNKNOWN, f"job source {n}: {e}") for n, e in view.errors.items()]
+        seen = set()
+        for job in view.on_node():
+            if self.settings.names and job.name not in self.settings.names:
+                continue
+            m = gather(job, self.settings.pss)
+            if m is None:
+                continue
+            seen.add(job.key)
+            window = self._windows.setdefault(job.key, SeriesWindow(self.settings.window, 3, self.settings.min_span))
+            window.add(now, m.tracked)
+            forecast = window.forecast_growth_into(m.headroom)
+            verdict = evaluate(m, forecast, self.settings)
+            results.append(self._result(job, m, verdict))
+        for key in set(self._windows) - seen:  # the job ended: its series with it
+            del self._windows[key]
+        return results
+
+    def _result(self, job: Job, m: JobMemory, v: Verdict) -> Result:
+        labels = {"job": job.job_id or job.name, "name": job.name}
+        samples = [Sample("trainguard_job_memory_bytes", m.used, labels, "Memory of the job's processes here (RSS or PSS)."),
+                   Sample("trainguard_job_memory_limit_bytes", m.limit, labels,
+                          "The limit the job's memory is held to: its cgroup's, else the host's."),
+                   Sample("trainguard_job_memory_headroom_bytes", m.headroom, labels,
+                          "Memory the job can still take before the OOM killer.")]
+        eta = v.forecast.seconds_to_limit if v.forecast else None
+        if eta is not None:
+            samples.append(Sample("trainguard_job_memory_seconds_to_limit", eta, labels,
+                                  "Forecast time until the job's memory reaches its limit at the current trend."))
+        details: dict[str, Any] = {
+            "job_key": job.key, "job_id": job.job_id, "used_bytes": m.used, "processes": m.processes,
+            "limit_bytes": m.limit, "limit": m.limit_text(), "headroom_bytes": m.headroom, "tracked_bytes": m.tracked,
+            "growth_bytes_per_s": v.forecast.slope_per_s if v.forecast else None, "seconds_to_limit": eta}
+        return self.result(job.key, v.status, summarize(job, m, v), details, samples)
