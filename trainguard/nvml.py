@@ -28,6 +28,15 @@ class NvmlUnavailableError(Exception):
     """NVML can't be used on this node (no driver, no library, no permission)."""
 
 
+_MAX_PID = 1 << 22  # the kernel's pid_max ceiling: larger "pids" are version-skew garbage (e.g. 4294967295)
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int  # a host pid
+    used: int | None  # bytes; None where the driver can't say (MIG, some vGPU modes)
+
+
 @dataclass(frozen=True)
 class GpuState:
     index: int
@@ -44,6 +53,7 @@ class GpuState:
     remap_pending: bool | None = None  # Ampere+ row remapping: a reset is needed
     remap_failed: bool | None = None
     clock_event_reasons: int | None = None  # bitmask; see CLOCK_EVENTS
+    processes: tuple[GpuProcess, ...] | None = None  # compute processes; None: not supported
     error: str | None = None
 
 
@@ -132,6 +142,7 @@ class Nvml:
             mem = self._optional(lambda: lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2))
             temp = self._optional(lambda: lib.nvmlDeviceGetTemperature(handle, lib.NVML_TEMPERATURE_GPU))
             health = self._health(lib, handle)
+            procs = self._optional(lambda: lib.nvmlDeviceGetComputeRunningProcesses(handle))
         except lib.NVMLError as exc:
             if self._is(exc, "NVMLError_GpuIsLost", "NVMLError_ResetRequired"):
                 return GpuState(index, uuid, name, bus, lost=True, error=str(exc))
@@ -141,7 +152,7 @@ class Nvml:
             total, used = int(mem.total), int(mem.used)
         temperature = int(temp) if temp is not None and 0 <= temp < 200 else None
         return GpuState(index, uuid, name, bus, memory_total=total, memory_used=used, temperature_c=temperature,
-                        **health)
+                        processes=_processes(procs), **health)
 
     def _health(self, lib: Any, handle: Any) -> dict[str, Any]:
         """ECC, retirement, remapping, clock events: each omitted where the GPU doesn't support it."""
@@ -160,6 +171,18 @@ class Nvml:
             "remap_failed": bool(remap[3]) if remap is not None else None,
             "clock_event_reasons": int(reasons) if isinstance(reasons, int) and 0 <= reasons < 2**32 else None,
         }
+
+
+def _processes(raw: Any) -> tuple[GpuProcess, ...] | None:
+    if raw is None:
+        return None
+    out = []
+    for p in raw:
+        pid, used = getattr(p, "pid", None), getattr(p, "usedGpuMemory", None)
+        if not isinstance(pid, int) or not 0 < pid < _MAX_PID:
+            continue
+        out.append(GpuProcess(pid, int(used) if isinstance(used, int) and 0 <= used < _MAX_SANE_BYTES else None))
+    return tuple(out)
 
 
 def _count(value: Any) -> int | None:

@@ -14,6 +14,7 @@ CHECKS: Mapping[str, str] = {
     "disk": "trainguard.checks.disk:DiskCheck",
     "memory": "trainguard.checks.memory:MemoryCheck",
     "gpu": "trainguard.checks.gpu:GpuCheck",
+    "gpu_memory": "trainguard.checks.gpu_memory:GpuMemoryCheck",
     "xid": "trainguard.checks.xid:XidCheck",
     "job_liveness": "trainguard.checks.jobs:JobLivenessCheck",
     "job_switch": "trainguard.checks.jobs:SwitchCheck",

@@ -50,6 +50,7 @@ class FakeGpu:
     pages_pending: int = 0
     remap: tuple[int, int, int, int] = (0, 0, 0, 0)  # corrected, uncorrected, pending, failure
     clock_events: int = 0
+    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, usedGpuMemory)
     fail: dict[str, type[NVMLError]] = field(default_factory=dict)  # function name -> error it raises
 
 
@@ -122,3 +123,7 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:  # noqa: N802
         return self._gpu("nvmlDeviceGetCurrentClocksEventReasons", h).clock_events
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:  # noqa: N802
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used)
+                for pid, used in self._gpu("nvmlDeviceGetComputeRunningProcesses", h).processes]

@@ -28,13 +28,21 @@ class GpuSettings(CheckSettings):
     actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]))
 
 
+def unreachable(gpu: GpuState) -> tuple[Status, str] | None:
+    """A lost GPU is CRITICAL; one NVML can't read is UNKNOWN; None when the GPU answered."""
+    if gpu.lost:
+        return Status.CRITICAL, f"GPU {gpu.index} lost ({gpu.error}); reset or reboot needed"
+    if gpu.error:
+        return Status.UNKNOWN, f"GPU {gpu.index}: NVML error: {gpu.error}"
+    return None
+
+
 def evaluate(gpu: GpuState, s: GpuSettings, throttled_for: float = 0.0) -> tuple[Status, str]:
     """The worst finding on one GPU, most severe first; every finding is listed in the summary."""
     label = f"GPU {gpu.index}"
-    if gpu.lost:
-        return Status.CRITICAL, f"{label} lost ({gpu.error}); reset or reboot needed"
-    if gpu.error:
-        return Status.UNKNOWN, f"{label}: NVML error: {gpu.error}"
+    broken = unreachable(gpu)
+    if broken is not None:
+        return broken
     findings: list[tuple[Status, str]] = []
     if gpu.remap_failed:
         findings.append((Status.CRITICAL, "row remapping failed: hardware fault, RMA the GPU"))
@@ -66,25 +74,39 @@ def throttle_names(mask: int | None) -> list[str]:
     return [name for bit, name in CLOCK_EVENTS.items() if mask and mask & bit]
 
 
-class GpuCheck(Check):
-    Settings = GpuSettings
-    settings: GpuSettings
+class NvmlCheck(Check):
+    """A check over NVML: on a node without it, one UNKNOWN `NVML not available` and one log line."""
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
         self.nvml: Nvml = context.extras.get("nvml") or Nvml()
         self._reported_unavailable = False
-        self._throttled_since: dict[str, float] = {}
 
-    def run(self) -> Sequence[Result]:
+    def gpus(self) -> tuple[list[GpuState], Result | None]:
+        """The GPUs, or no GPUs and the UNKNOWN result saying why NVML can't be used."""
         try:
             gpus = self.nvml.gpus()
         except NvmlUnavailableError as exc:
             if not self._reported_unavailable:  # one log line, not a traceback per run
-                log.warning("GPU checks off", extra=kv(reason=str(exc)))
+                log.warning("GPU checks off", extra=kv(check=self.name, reason=str(exc)))
                 self._reported_unavailable = True
-            return [self.result("nvml", Status.UNKNOWN, str(exc))]
+            return [], self.result("nvml", Status.UNKNOWN, str(exc))
         self._reported_unavailable = False
+        return gpus, None
+
+
+class GpuCheck(NvmlCheck):
+    Settings = GpuSettings
+    settings: GpuSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self._throttled_since: dict[str, float] = {}
+
+    def run(self) -> Sequence[Result]:
+        gpus, unavailable = self.gpus()
+        if unavailable is not None:
+            return [unavailable]
         now = self.context.clock()
         results = [self._one(gpu, now) for gpu in gpus]
         results.append(self._count(gpus))
