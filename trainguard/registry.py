@@ -20,6 +20,7 @@ CHECKS: Mapping[str, str] = {
     "job_switch": "trainguard.checks.jobs:SwitchCheck",
     "job_timelimit": "trainguard.checks.jobs:TimeLimitCheck",
     "job_memory": "trainguard.checks.leak:JobMemoryCheck",
+    "hang": "trainguard.checks.hang:HangCheck",
 }
 
 ACTIONS: Mapping[str, str] = {

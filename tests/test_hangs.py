@@ -1,0 +1,146 @@
+"""Hangs: real processes that stop making progress, caught at their deadline, with their stacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, HungMount, require, wait_until
+from trainguard.agent.config import parse_config
+from trainguard.agent.engine import Engine
+from trainguard.agent.incidents import Incident
+from trainguard.checks.stacks import find_py_spy, innermost
+from trainguard.model import Status
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def hang_engine(tmp_path: Path, marker: str, job: dict[str, Any], **check: Any) -> Engine:
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "jobs": {"sources": ["process"], "refresh": 0, "processes": {"trainer": {"cmdline": marker, **job}}},
+           "checks": {"hang": {"stale_after": "2s", "interval": "30s", **check}},
+           "notifiers": {"console": {}}}
+    return Engine(parse_config(raw, "test.toml"))
+
+
+def toy(tmp_path: Path, marker: str, *args: str) -> list[str]:
+    return [sys.executable, str(REPO / "examples/train_toy.py"), "--steps", "100000", "--step-time", "0.1",
+            "--ckpt-dir", str(tmp_path / marker), *args]
+
+
+def hung(engine: Engine) -> Incident | None:
+    return next((i for i in engine.tracker.incidents() if i.check == "hang" and i.firing), None)
+
+
+def test_innermost_frame_of_a_py_spy_dump() -> None:
+    dump = """Process 4242: python train.py
+Python v3.11.2 (/usr/bin/python3.11)
+
+Thread 4250 (idle): "pin_memory"
+    select (selectors.py:415)
+Thread 4242 (idle): "MainThread"
+    wait (torch/distributed/distributed_c10d.py:3120)
+    all_reduce (torch/distributed/distributed_c10d.py:2050)
+    main (train.py:88)
+"""
+    assert innermost(dump) == "wait (torch/distributed/distributed_c10d.py:3120)"
+    assert innermost('Thread 7 (active): "worker"\n    run (w.py:3)\n') == "run (w.py:3)"
+    assert innermost("Error: Failed to find python version") is None
+
+
+def test_hung_trainer_fires_at_its_deadline_with_its_stack(tmp_path: Path, children: list[subprocess.Popen[str]]) -> None:
+    require(find_py_spy() is not None, "needs py-spy (pip install py-spy)")
+    marker = f"hang-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "train.log"
+    engine = hang_engine(tmp_path, marker, {"logs": [str(log)]})
+    proc = subprocess.Popen(toy(tmp_path, marker, "--fault", "hang", "--fault-at", "10", "--log", str(log)), text=True)
+    children.append(proc)
+    engine.start()
+    try:
+        wait_until(lambda: "entering allreduce" in (log.read_text() if log.exists() else ""), 20, what="the hang")
+        incident = wait_until(lambda: hung(engine), 15, what="hang incident")
+        assert isinstance(incident, Incident) and incident.status is Status.CRITICAL
+        deadline = log.stat().st_mtime + 2.0
+        assert incident.fired_at is not None and incident.fired_at - deadline < 1.0, incident.fired_at - deadline
+        assert "process job trainer: no progress for" in incident.summary
+        assert f"last: log {log}" in incident.summary
+        assert f"pid {proc.pid}: stuck_in_allreduce (train_toy.py:" in incident.summary, incident.summary
+        path = Path(incident.summary.rsplit("stacks in ", 1)[1])
+        assert path.is_file() and "stuck_in_allreduce" in path.read_text()
+        assert path.parent == tmp_path / "state" / "stacks"
+    finally:
+        engine.stop()
+
+
+def test_log_rotation_is_no_hang(tmp_path: Path, children: list[subprocess.Popen[str]]) -> None:
+    marker = f"rotate-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "train.log"
+    engine = hang_engine(tmp_path, marker, {"logs": [str(log)]}, stacks=False)
+    children.append(subprocess.Popen(toy(tmp_path, marker, "--log", str(log)), text=True))
+    engine.start()
+    try:
+        wait_until(lambda: log.exists() and "step 3" in log.read_text(), 20, what="training steps")
+        log.rename(tmp_path / "train.log.1")  # rotated by rename: the trainer keeps writing the old file
+        log.write_text("")
+        time.sleep(5)  # more than twice stale_after
+        assert hung(engine) is None
+        assert "step" in (tmp_path / "train.log.1").read_text().splitlines()[-1]
+        with log.open("w"):
+            pass  # and truncation of the new one changes nothing either
+        time.sleep(1)
+        assert hung(engine) is None
+    finally:
+        engine.stop()
+
+
+def test_heartbeat_rewritten_with_a_stuck_step_is_a_hang(tmp_path: Path, children: list[subprocess.Popen[str]]) -> None:
+    marker = f"beat-{uuid.uuid4().hex[:8]}"
+    switch_dir = tmp_path / "switch"
+    beating = ("import sys, time\nsys.path.insert(0, sys.argv[1])\nfrom trainguard.trainer import Trainer\n"
+               "t = Trainer(sys.argv[2])\nfor step in range(5):\n    t.heartbeat(step); time.sleep(0.2)\n"
+               "while True:\n    t.heartbeat(5); time.sleep(0.2)  # a heartbeat thread outliving the training loop\n")
+    engine = hang_engine(tmp_path, marker, {"switch_dir": str(switch_dir)}, stacks=False)
+    children.append(subprocess.Popen([sys.executable, "-c", beating, str(REPO), str(switch_dir), marker], text=True))
+    engine.start()
+    try:
+        incident = wait_until(lambda: hung(engine), 15, what="hang incident")
+        assert isinstance(incident, Incident)
+        assert "last: heartbeat step 5" in incident.summary, incident.summary
+        beat = switch_dir / "heartbeat.json"
+        assert time.time() - beat.stat().st_mtime < 1  # the file kept moving; the step did not
+    finally:
+        engine.stop()
+
+
+def test_job_blocked_on_a_dead_filesystem_shows_the_kernel_wait(
+        tmp_path: Path, children: list[subprocess.Popen[str]], hung_mount: HungMount) -> None:
+    # hung_mount after children: its teardown aborts the mount first, or the blocked child could not even be killed
+    marker = f"dstate-{uuid.uuid4().hex[:8]}"
+    engine = hang_engine(tmp_path, marker, {})
+    blocked = subprocess.Popen([sys.executable, "-c", "import os, sys; os.statvfs(sys.argv[1])", str(hung_mount.mountpoint),
+                                marker], text=True)
+    children.append(blocked)
+    engine.start()
+    try:
+        incident = wait_until(lambda: hung(engine), 15, what="hang incident")
+        assert isinstance(incident, Incident)
+        # FUSE waits interruptibly first: the stack is read without stopping the process, and the wait shows
+        assert f"pid {blocked.pid}: <module> (<string>:1), kernel wait request_wait_answer" in incident.summary, \
+            incident.summary
+        assert "last: write I/O" in incident.summary or "last: job start" in incident.summary
+    finally:
+        engine.stop()

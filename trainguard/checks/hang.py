@@ -1,0 +1,295 @@
+"""HangCheck: a job is hung when none of its progress signals advanced for `stale_after`.
+
+Signals, per job: its log files (SLURM StdOut/StdErr or configured paths and globs, plus any file its
+processes hold open for writing, which follows a log renamed by rotation), the trainer heartbeat
+(its step must increase: a file rewritten with the same step is no progress), and for jobs with
+neither, the write I/O counters of its process tree.
+
+The check is not polled blindly: after each run it sets a timer for the earliest deadline (last
+progress + stale_after), so a hang is reported within a second of it. The first run that finds a
+job hung captures its stacks (py-spy) before the incident fires and any action touches the job.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from pydantic import Field
+
+from trainguard.agent.logs import kv
+from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.checks.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
+from trainguard.checks.timer import WakeTimer
+from trainguard.jobs.model import Job
+from trainguard.jobs.tree import job_processes
+from trainguard.model import Result, Sample, Status
+from trainguard.settings import Duration
+from trainguard.units import format_duration
+
+log = logging.getLogger("trainguard.checks.hang")
+
+STATE_KEY = "hang.counters"
+_WRITE_MODES = ("w", "a", "r+", "w+", "a+")
+
+
+class HangSettings(CheckSettings):
+    interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (deadlines wake the check on time).")
+    timeout: Duration = Field(30.0, gt=0, description="Room for the stack dumps of a hung job.")
+    jitter: Duration = Field(0.0, ge=0)
+    stale_after: Duration = Field(1800.0, gt=0, description="Hung when no progress signal advanced for this long.")
+    stale_after_by_name: dict[str, Duration] = Field(default_factory=dict, description="Per job name.")
+    names: list[str] = Field(default_factory=list, description="Only jobs of these names; empty: every job here.")
+    logs: list[str] = Field(default_factory=list, description="More log paths or globs per job: {workdir} {job_id} "
+                                                              "{name} {user} {switch_dir}.")
+    open_files: bool = Field(True, description="Count writes to any file the job's processes hold open for writing.")
+    heartbeat: str = Field("{switch_dir}/heartbeat.json", description="The trainer helper's heartbeat file; empty: none.")
+    io_fallback: bool = Field(True, description="Jobs with no log or heartbeat: their write I/O counters are progress.")
+    stacks: bool = Field(True, description="Capture the stacks of a hung job's Python processes with py-spy.")
+    py_spy: str = Field("", description="py-spy executable; default: the one installed with trainguard, else PATH.")
+    native: bool = Field(False, description="py-spy --native: include C/C++/CUDA frames (slower).")
+    dump_timeout: Duration = Field(10.0, gt=0, description="Timeout of the py-spy dumps of one job.")
+
+
+@dataclass(frozen=True)
+class Signal:
+    at: float  # when this signal last advanced
+    what: str  # "log /path", "heartbeat step 1200", "write I/O"
+
+
+def _fields(job: Job) -> dict[str, str]:
+    return {"workdir": job.workdir or "", "job_id": job.job_id or "", "name": job.name, "user": job.user or "",
+            "switch_dir": job.switch_dir or ""}
+
+
+def log_signal(job: Job, patterns: Sequence[str], procs: list[psutil.Process], open_files: bool,
+               skip_dir: str | None = None) -> Signal | None:
+    """The newest write among the job's log files and the files it holds open for writing (except in
+    `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress)."""
+    best: Signal | None = None
+    fields = _fields(job)
+    paths: list[str] = []
+    for raw in [*job.log_paths, *patterns]:
+        try:
+            pattern = raw.format(**fields) if raw in patterns else raw
+        except (KeyError, IndexError, ValueError):
+            continue
+        paths.extend(glob.glob(pattern) if glob.has_magic(pattern) else [pattern])
+    for path in dict.fromkeys(paths):
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue
+        if best is None or mtime > best.at:
+            best = Signal(mtime, f"log {path}")
+    if open_files:
+        for proc in procs:
+            try:
+                files = proc.open_files()
+            except psutil.Error:
+                continue
+            for f in files:
+                if getattr(f, "mode", "r") not in _WRITE_MODES or (skip_dir and f.path.startswith(skip_dir + "/")):
+                    continue
+                try:  # through the fd: a log renamed by rotation or deleted is still the file being written
+                    mtime = os.stat(f"/proc/{proc.pid}/fd/{f.fd}").st_mtime
+                except OSError:
+                    continue
+                if best is None or mtime > best.at:
+                    best = Signal(mtime, f"log {f.path}")
+    return best
+
+
+def read_step(path: str) -> int | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    step = data.get("step") if isinstance(data, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def io_written(procs: list[psutil.Process]) -> int | None:
+    total, seen = 0, False
+    for proc in procs:
+        try:
+            total += proc.io_counters().write_chars
+            seen = True
+        except (psutil.Error, AttributeError):
+            continue
+    return total if seen else None
+
+
+@dataclass(frozen=True)
+class Progress:
+    last: Signal
+    signals: tuple[Signal, ...]
+
+
+def evaluate(progress: Progress, stale_after: float, now: float) -> Status:
+    return Status.CRITICAL if now - progress.last.at >= stale_after else Status.OK
+
+
+def summarize(job: Job, progress: Progress, stale_after: float, now: float, stacks: list[ProcessStack],
+              dump_path: Path | None) -> str:
+    idle = format_duration(max(0.0, now - progress.last.at))
+    if now - progress.last.at < stale_after:
+        return f"{job.label()}: progressing ({progress.last.what}, {idle} ago)"
+    text = (f"{job.label()}: no progress for {idle} (stale after {format_duration(stale_after)}); "
+            f"last: {progress.last.what}")
+    if stacks:
+        text += "; stuck in: " + "; ".join(s.describe() for s in stacks[:8])
+        if len(stacks) > 8:
+            text += f"; and {len(stacks) - 8} more"
+    if dump_path is not None:
+        text += f"; stacks in {dump_path}"
+    return text
+
+
+class HangCheck(Check):
+    Settings = HangSettings
+    settings: HangSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self.settings.native, self.settings.dump_timeout)
+        self._counters = self._load()  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
+        self._dumps: dict[str, tuple[float, list[ProcessStack], Path | None]] = {}
+        self._timer: WakeTimer | None = None
+        self._dirty = False
+
+    def start(self, wake: Callable[[], None]) -> None:
+        self._timer = WakeTimer(wake, self.context.clock, name=f"deadline-{self.name}")
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
+    def _load(self) -> dict[str, dict[str, list[float]]]:
+        store = self.context.store
+        try:
+            data = json.loads((store.get(STATE_KEY) if store is not None else None) or "{}")
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _advanced(self, key: str, kind: str, value: float, first_seen: float, now: float) -> float:
+        """When `value` (a step, a byte count) last increased; a counter seen for the first time counts from `first_seen`."""
+        entry = self._counters.setdefault(key, {}).get(kind)
+        if entry is None or value < entry[0]:  # new, or reset by a restarted process
+            self._counters[key][kind] = [value, first_seen]
+            self._dirty = True
+        elif value > entry[0]:
+            self._counters[key][kind] = [value, now]
+            self._dirty = True
+        return self._counters[key][kind][1]
+
+    def stale_after(self, job: Job) -> float:
+        return self.settings.stale_after_by_name.get(job.name, self.settings.stale_after)
+
+    def progress(self, job: Job, procs: list[psutil.Process], now: float) -> Progress:
+        started = job.start_time or min((p.create_time() for p in procs), default=now)
+        signals = [Signal(started, "job start")]
+        logged = log_signal(job, self.settings.logs, procs, self.settings.open_files, job.switch_dir)
+        if logged is not None:
+            signals.append(logged)
+        template = self.settings.heartbeat
+        usable = template and (job.switch_dir or "{switch_dir}" not in template)
+        beat = template.format(**_fields(job)) if usable else ""
+        step = read_step(beat) if beat else None
+        if step is not None:
+            try:
+                written = os.stat(beat).st_mtime
+            except OSError:
+                written = now
+            signals.append(Signal(self._advanced(job.key, "step", step, written, now), f"heartbeat step {step}"))
+        if logged is None and step is None and self.settings.io_fallback:
+            written_bytes = io_written(procs)
+            if written_bytes is not None:
+                signals.append(Signal(self._advanced(job.key, "io", written_bytes, now, now), "write I/O"))
+        return Progress(max(signals, key=lambda s: s.at), tuple(signals))
+
+    def run(self) -> Sequence[Result]:
+        if self.context.jobs is None:
+            raise RuntimeError("no job source configured ([jobs] sources)")
+        view = self.context.jobs.view()
+        now = self.context.clock()
+        results = [self.result(f"source:{n}", Status.UNKNOWN, f"job source {n}: {e}") for n, e in view.errors.items()]
+        deadlines = []
+        live = set()
+        for job in view.on_node():
+            if self.settings.names and job.name not in self.settings.names:
+                continue
+            procs = job_processes(job)
+            if not procs:
+                continue
+            live.add(job.key)
+            progress = self.progress(job, procs, now)
+            limit = self.stale_after(job)
+            status = evaluate(progress, limit, now)
+            stacks, dump_path = self._stacks(job, procs, progress, now) if status is not Status.OK else ([], None)
+            if status is Status.OK:
+                self._dumps.pop(job.key, None)
+                deadlines.append(progress.last.at + limit)
+            results.append(self._result(job, progress, limit, now, status, stacks, dump_path))
+        self._forget(live)
+        if self._timer is not None:
+            self._timer.set(min(deadlines) + 0.05 if deadlines else None)
+        return results
+
+    def _stacks(self, job: Job, procs: list[psutil.Process], progress: Progress,
+                now: float) -> tuple[list[ProcessStack], Path | None]:
+        """Once per hang: dump the stacks and keep them for the runs that follow."""
+        cached = self._dumps.get(job.key)
+        if cached is not None and cached[0] == progress.last.at:
+            return cached[1], cached[2]
+        stacks: list[ProcessStack] = []
+        path = None
+        if self.settings.stacks:
+            stacks = self.dumper.dump(procs)
+            if stacks:
+                try:
+                    path = write_dumps(self.context.state_dir / "stacks", job.label(), stacks, now)
+                except OSError as exc:
+                    log.error("writing stack dumps failed", extra=kv(job=job.key, error=exc))
+            log.warning("hung job stacks", extra=kv(job=job.key, processes=len(stacks), path=path,
+                                                    where=stacks[0].describe() if stacks else None))
+        self._dumps[job.key] = (progress.last.at, stacks, path)
+        return stacks, path
+
+    def _forget(self, live: set[str]) -> None:
+        for key in set(self._counters) - live:
+            del self._counters[key]
+            self._dirty = True
+        for key in set(self._dumps) - live:
+            del self._dumps[key]
+        store = self.context.store
+        if store is not None and self._dirty:
+            self._dirty = False
+            try:
+                store.put(STATE_KEY, json.dumps(self._counters))
+            except Exception as exc:  # noqa: BLE001 - losing this only restarts the hang clocks
+                log.warning("saving progress counters failed", extra=kv(error=exc))
+
+    def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
+                stacks: list[ProcessStack], dump_path: Path | None) -> Result:
+        labels = {"job": job.job_id or job.name, "name": job.name}
+        samples = [Sample("trainguard_job_last_progress_timestamp_seconds", progress.last.at, labels,
+                          "Unix time of the job's latest progress (log write, heartbeat step, I/O)."),
+                   Sample("trainguard_job_stale_after_seconds", limit, labels,
+                          "How long without progress before the job counts as hung."),
+                   Sample("trainguard_job_hung", 1 if status is not Status.OK else 0, labels, "1 while the job is hung.")]
+        details: dict[str, Any] = {
+            "job_key": job.key, "job_id": job.job_id, "last_progress": progress.last.at,
+            "last_signal": progress.last.what, "idle_seconds": now - progress.last.at, "stale_after": limit,
+            "signals": [{"what": s.what, "at": s.at} for s in progress.signals],
+            "stacks": [{"pid": s.pid, "rank": s.rank, "state": s.state, "where": s.where} for s in stacks],
+            "stacks_path": str(dump_path) if dump_path else None}
+        return self.result(job.key, status, summarize(job, progress, limit, now, stacks, dump_path), details, samples)
