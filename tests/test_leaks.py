@@ -110,3 +110,37 @@ def test_large_steady_process_is_no_leak(tmp_path: Path, children: list[subproce
     assert results[-1].details["growth_bytes_per_s"] is not None  # the trend was fitted, and is flat
     assert "trend flat" in results[-1].summary, results[-1].summary
     assert not [i for i in engine.tracker.incidents() if i.firing]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cgroup_limit_is_the_tightest_on_the_path(tmp_path: Path, version: int) -> None:
+    """SLURM sets the limit on the job's cgroup; the step below it has none: the job's limit applies."""
+    root = tmp_path / "cgroup"
+    step = root / "slurm" / "uid_1000" / "job_42" / "step_0"
+    step.mkdir(parents=True)
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "777").mkdir()
+    if version == 2:
+        (proc / "self" / "mountinfo").write_text(f"30 1 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n")
+        (proc / "777" / "cgroup").write_text("0::/slurm/uid_1000/job_42/step_0\n")
+        limit_file, usage_file, inactive = "memory.max", "memory.current", "inactive_file"
+        (step / limit_file).write_text("max\n")
+    else:
+        (proc / "self" / "mountinfo").write_text(
+            f"35 25 0:30 / {root} rw - cgroup cgroup rw,memory\n36 25 0:31 / /x rw - cgroup cgroup rw,cpu\n")
+        (proc / "777" / "cgroup").write_text("9:cpu:/\n4:memory:/slurm/uid_1000/job_42/step_0\n")
+        limit_file, usage_file, inactive = "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        (step / limit_file).write_text("9223372036854771712\n")
+    job = step.parent
+    (job / limit_file).write_text(f"{8 * GiB}\n")
+    (job / usage_file).write_text(f"{5 * GiB}\n")
+    (job / "memory.stat").write_text(f"anon 1\n{inactive} {GiB}\n")
+    (job.parent / limit_file).write_text(f"{64 * GiB}\n")
+    found = memory_limit(777, proc)
+    assert found is not None
+    assert (found.path, found.version, found.limit, found.usage, found.headroom) == (job, version, 8 * GiB, 4 * GiB,
+                                                                                      4 * GiB)
+    (job / limit_file).write_text("max\n" if version == 2 else "9223372036854771712\n")
+    (job.parent / limit_file).write_text("max\n" if version == 2 else "9223372036854771712\n")
+    assert memory_limit(777, proc) is None  # unlimited all the way up
