@@ -40,6 +40,7 @@ test: deb-test install-test
 # Benchmarks print markdown tables for docs/benchmarks.md; several need root (/dev/kmsg).
 bench: deb-test install-test
 	$(BIN)/python benchmarks/xid_latency.py --trials 50
+	$(BIN)/python benchmarks/hang_and_leak.py --trials 20
 
 lint: install-test
 	$(BIN)/ruff check trainguard tests benchmarks

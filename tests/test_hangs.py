@@ -144,3 +144,23 @@ def test_job_blocked_on_a_dead_filesystem_shows_the_kernel_wait(
         assert "last: write I/O" in incident.summary or "last: job start" in incident.summary
     finally:
         engine.stop()
+
+
+def test_heartbeat_deadline_counts_from_the_write_not_from_when_it_was_seen(
+        tmp_path: Path, children: list[subprocess.Popen[str]]) -> None:
+    marker = f"beat-{uuid.uuid4().hex[:8]}"
+    switch_dir = tmp_path / "switch"
+    stepping = ("import sys, time\nsys.path.insert(0, sys.argv[1])\nfrom trainguard.trainer import Trainer\n"
+                "t = Trainer(sys.argv[2])\nfor step in range(8):\n    t.heartbeat(step); time.sleep(0.15)\n"
+                "time.sleep(600)\n")
+    engine = hang_engine(tmp_path, marker, {"switch_dir": str(switch_dir)}, stacks=False)
+    children.append(subprocess.Popen([sys.executable, "-c", stepping, str(REPO), str(switch_dir), marker], text=True))
+    wait_until(lambda: (switch_dir / "heartbeat.json").exists(), 10, what="first heartbeat")
+    engine.start()  # sees an early step; at its deadline it finds the last step, written ~2s before it looked
+    try:
+        incident = wait_until(lambda: hung(engine), 20, what="hang incident")
+        assert isinstance(incident, Incident) and "last: heartbeat step 7" in incident.summary, incident.summary
+        deadline = (switch_dir / "heartbeat.json").stat().st_mtime + 2.0
+        assert incident.fired_at is not None and incident.fired_at - deadline < 1.0, incident.fired_at - deadline
+    finally:
+        engine.stop()

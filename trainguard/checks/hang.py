@@ -180,14 +180,11 @@ class HangCheck(Check):
             return {}
         return data if isinstance(data, dict) else {}
 
-    def _advanced(self, key: str, kind: str, value: float, first_seen: float, now: float) -> float:
-        """When `value` (a step, a byte count) last increased; a counter seen for the first time counts from `first_seen`."""
+    def _advanced(self, key: str, kind: str, value: float, when: float) -> float:
+        """When `value` (a step, a byte count) last changed; `when` is the best known time of the current value."""
         entry = self._counters.setdefault(key, {}).get(kind)
-        if entry is None or value < entry[0]:  # new, or reset by a restarted process
-            self._counters[key][kind] = [value, first_seen]
-            self._dirty = True
-        elif value > entry[0]:
-            self._counters[key][kind] = [value, now]
+        if entry is None or value != entry[0]:  # new, advanced, or reset by a restarted process
+            self._counters[key][kind] = [value, when]
             self._dirty = True
         return self._counters[key][kind][1]
 
@@ -205,15 +202,15 @@ class HangCheck(Check):
         beat = template.format(**_fields(job)) if usable else ""
         step = read_step(beat) if beat else None
         if step is not None:
-            try:
+            try:  # the new step was written at the latest by the file's last write, not when we noticed it
                 written = os.stat(beat).st_mtime
             except OSError:
                 written = now
-            signals.append(Signal(self._advanced(job.key, "step", step, written, now), f"heartbeat step {step}"))
+            signals.append(Signal(self._advanced(job.key, "step", step, written), f"heartbeat step {step}"))
         if logged is None and step is None and self.settings.io_fallback:
             written_bytes = io_written(procs)
             if written_bytes is not None:
-                signals.append(Signal(self._advanced(job.key, "io", written_bytes, now, now), "write I/O"))
+                signals.append(Signal(self._advanced(job.key, "io", written_bytes, now), "write I/O"))
         return Progress(max(signals, key=lambda s: s.at), tuple(signals))
 
     def run(self) -> Sequence[Result]:
