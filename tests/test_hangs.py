@@ -155,7 +155,7 @@ def test_heartbeat_deadline_counts_from_the_write_not_from_when_it_was_seen(
                 "time.sleep(600)\n")
     engine = hang_engine(tmp_path, marker, {"switch_dir": str(switch_dir)}, stacks=False)
     children.append(subprocess.Popen([sys.executable, "-c", stepping, str(REPO), str(switch_dir), marker], text=True))
-    wait_until(lambda: (switch_dir / "heartbeat.json").exists(), 10, what="first heartbeat")
+    wait_until((switch_dir / "heartbeat.json").exists, 10, what="first heartbeat")
     engine.start()  # sees an early step; at its deadline it finds the last step, written ~2s before it looked
     try:
         incident = wait_until(lambda: hung(engine), 20, what="hang incident")
