@@ -21,6 +21,7 @@ CHECKS: Mapping[str, str] = {
     "job_timelimit": "trainguard.checks.jobs:TimeLimitCheck",
     "job_memory": "trainguard.checks.leak:JobMemoryCheck",
     "hang": "trainguard.checks.hang:HangCheck",
+    "quota": "trainguard.checks.quota:QuotaCheck",
 }
 
 ACTIONS: Mapping[str, str] = {
@@ -44,12 +45,22 @@ BUILTIN_ACTIONS: Mapping[str, Mapping[str, str]] = {
     "hold-array": {"type": "array", "mode": "hold"},
 }
 
+# Where the quota check gets its figures (`provider = "..."`).
+QUOTA_PROVIDERS: Mapping[str, str] = {
+    "quota": "trainguard.quota.providers:QuotaToolProvider",
+    "lustre": "trainguard.quota.providers:LustreProvider",
+    "gpfs": "trainguard.quota.providers:GpfsProvider",
+    "beegfs": "trainguard.quota.providers:BeegfsProvider",
+    "command": "trainguard.quota.providers:CommandProvider",
+    "budget": "trainguard.quota.providers:BudgetProvider",
+}
+
 NOTIFIERS: Mapping[str, str] = {
     "console": "trainguard.notifiers.console:ConsoleNotifier",
 }
 
 
-def _load(path: str) -> Any:
+def load(path: str) -> Any:
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -74,7 +85,7 @@ class Registry:
         if kind not in table:
             raise KeyError(f"unknown {what} type {kind!r} (known: {', '.join(sorted(table))})")
         entry = table[kind]
-        return _load(entry) if isinstance(entry, str) else entry
+        return load(entry) if isinstance(entry, str) else entry
 
 
 DEFAULT_REGISTRY = Registry()

@@ -26,11 +26,9 @@ from trainguard.settings import CountLimit, Duration, Regex, SizeLimit
 from trainguard.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
 
 
-class DiskSettings(CheckSettings):
-    paths: list[str] = Field(default_factory=list, description="Paths to watch; empty: every real mount.")
-    exclude_fstypes: list[str] = Field(default_factory=lambda: list(PSEUDO_FSTYPES),
-                                       description="Filesystem types skipped when watching every mount.")
-    exclude_mountpoints: Regex = Field(PSEUDO_MOUNTPOINTS, description="Regex of mount points skipped likewise.")
+class CapacitySettings(CheckSettings):
+    """Thresholds on a capacity in bytes and inodes, and its forecast: shared by disks and quotas."""
+
     free_warning: SizeLimit = Field(parse_size_limit("10%"), description="WARNING below this much free space.")
     free_critical: SizeLimit = Field(parse_size_limit("5%"), description="CRITICAL below this much free space.")
     inodes_free_warning: CountLimit = Field(parse_count_limit("10%"), description="WARNING below this many free inodes.")
@@ -38,6 +36,13 @@ class DiskSettings(CheckSettings):
     forecast_horizon: Duration = Field(6 * 3600.0, ge=0, description="WARNING when full is predicted within this; 0: off.")
     forecast_samples: int = Field(30, ge=3, description="Recent samples the growth trend is fitted on.")
     forecast_min_span: Duration = Field(300.0, ge=0, description="Samples must span at least this before forecasting.")
+
+
+class DiskSettings(CapacitySettings):
+    paths: list[str] = Field(default_factory=list, description="Paths to watch; empty: every real mount.")
+    exclude_fstypes: list[str] = Field(default_factory=lambda: list(PSEUDO_FSTYPES),
+                                       description="Filesystem types skipped when watching every mount.")
+    exclude_mountpoints: Regex = Field(PSEUDO_MOUNTPOINTS, description="Regex of mount points skipped likewise.")
     mount_timeout: Duration = Field(5.0, gt=0, description="statvfs slower than this marks the mount not responding.")
 
     @field_validator("paths")
@@ -81,9 +86,10 @@ def _pct(part: float, total: float) -> str:
     return f"{100.0 * part / total:.1f}%" if total else "n/a"
 
 
-def evaluate(u: Usage, s: DiskSettings, bytes_fc: Forecast | None, inodes_fc: Forecast | None) -> Verdict:
+def evaluate(u: Usage, s: CapacitySettings, bytes_fc: Forecast | None, inodes_fc: Forecast | None) -> Verdict:
+    """`size` or `files` of 0 means no limit on that resource (a quota without one, btrfs inodes)."""
     statuses, reasons = [Status.OK], []
-    status, floor = Floors(s.free_warning, s.free_critical).evaluate(u.avail, u.size)
+    status, floor = Floors(s.free_warning, s.free_critical).evaluate(u.avail, u.size) if u.size > 0 else (Status.OK, None)
     if floor is not None:
         statuses.append(status)
         reasons.append(f"{format_bytes(u.avail)} free ({_pct(u.avail, u.size)}), below the "
@@ -105,8 +111,35 @@ def evaluate(u: Usage, s: DiskSettings, bytes_fc: Forecast | None, inodes_fc: Fo
 def summarize(u: Usage, v: Verdict) -> str:
     if v.reasons:
         return f"{u.path}: " + "; ".join(v.reasons)
+    space = f"{format_bytes(u.avail)} free of {format_bytes(u.size)} ({_pct(u.avail, u.size)})" if u.size else "no byte limit"
     inodes = f", {u.files_free} inodes free ({_pct(u.files_free, u.files)})" if u.files else ""
-    return f"{u.path}: {format_bytes(u.avail)} free of {format_bytes(u.size)} ({_pct(u.avail, u.size)}){inodes}"
+    return f"{u.path}: {space}{inodes}"
+
+
+class CapacityTracker:
+    """The recent series of free bytes and inodes per subject, and the verdict on the latest sample."""
+
+    def __init__(self, settings: CapacitySettings) -> None:
+        self.settings = settings
+        self._windows: dict[tuple[str, str], SeriesWindow] = {}
+
+    def _window(self, key: str, resource: str) -> SeriesWindow:
+        if (key, resource) not in self._windows:
+            self._windows[(key, resource)] = SeriesWindow(self.settings.forecast_samples, min_points=5,
+                                                          min_span_s=self.settings.forecast_min_span)
+        return self._windows[(key, resource)]
+
+    def assess(self, key: str, usage: Usage, now: float) -> tuple[Verdict, Forecast | None, Forecast | None]:
+        bytes_fc = inodes_fc = None
+        if usage.size:
+            window = self._window(key, "bytes")
+            window.add(now, usage.avail)
+            bytes_fc = window.forecast_down_to(0)
+        if usage.files:
+            window = self._window(key, "inodes")
+            window.add(now, usage.files_free)
+            inodes_fc = window.forecast_down_to(0)
+        return evaluate(usage, self.settings, bytes_fc, inodes_fc), bytes_fc, inodes_fc
 
 
 class DiskCheck(Check):
@@ -116,8 +149,7 @@ class DiskCheck(Check):
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
         self.probe = StatfsProbe(clock=context.clock)
-        self._bytes: dict[str, SeriesWindow] = {}
-        self._inodes: dict[str, SeriesWindow] = {}
+        self.tracker = CapacityTracker(self.settings)
 
     def _targets(self) -> list[tuple[str, Mount | None]]:
         mounts = read_mounts()
@@ -125,12 +157,6 @@ class DiskCheck(Check):
             return [(p, mount_of(p, mounts)) for p in self.settings.paths]
         visible = real_mounts(mounts, self.settings.exclude_fstypes, self.settings.exclude_mountpoints)
         return [(m.mountpoint, m) for m in visible]
-
-    def _window(self, table: dict[str, SeriesWindow], path: str) -> SeriesWindow:
-        if path not in table:
-            table[path] = SeriesWindow(self.settings.forecast_samples, min_points=5,
-                                       min_span_s=self.settings.forecast_min_span)
-        return table[path]
 
     def run(self) -> Sequence[Result]:
         return [self._one(path, mount) for path, mount in self._targets()]
@@ -149,12 +175,7 @@ class DiskCheck(Check):
             return self.result(path, Status.UNKNOWN, f"{path}: cannot stat: {outcome.strerror or outcome}",
                                {"errno": outcome.errno, **labels}, [error])
         usage = gather(path, outcome, mount)
-        bw, iw = self._window(self._bytes, path), self._window(self._inodes, path)
-        bw.add(now, usage.avail)
-        iw.add(now, usage.files_free)
-        bytes_fc = bw.forecast_down_to(0)
-        inodes_fc = iw.forecast_down_to(0) if usage.files else None
-        verdict = evaluate(usage, self.settings, bytes_fc, inodes_fc)
+        verdict, bytes_fc, inodes_fc = self.tracker.assess(path, usage, now)
         samples = [
             Sample("trainguard_filesystem_size_bytes", usage.size, labels, "Filesystem size in bytes."),
             Sample("trainguard_filesystem_avail_bytes", usage.avail, labels,

@@ -1,0 +1,189 @@
+"""Quota providers: each answers, for one owner, the usage and limits its filesystem enforces.
+
+Every command runs with a timeout; a tool that is missing, hangs, fails or prints nothing usable
+raises QuotaError with what it said, which the check turns into that subject's UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from trainguard.quota.budget import BudgetWalker
+from trainguard.quota.parsers import (
+    QuotaUsage,
+    parse_beegfs,
+    parse_lfs,
+    parse_mmlsquota,
+    parse_quota,
+)
+from trainguard.units import parse_size
+
+_FLAG = {"user": "-u", "group": "-g", "project": "-p"}
+
+
+class QuotaError(Exception):
+    """The provider could not say; the message names the command and its error."""
+
+
+def run_tool(argv: Sequence[str], timeout: float, ok_codes: tuple[int, ...] = (0,)) -> str:
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              errors="replace")
+    except FileNotFoundError:
+        raise QuotaError(f"{argv[0]} not installed (not found on PATH)") from None
+    except subprocess.TimeoutExpired:
+        raise QuotaError(f"{' '.join(argv)} timed out after {timeout:g}s") from None
+    except OSError as exc:
+        raise QuotaError(f"{argv[0]} failed to start: {exc}") from None
+    if proc.returncode not in ok_codes:
+        said = (proc.stderr or proc.stdout).strip().splitlines()
+        raise QuotaError(f"{' '.join(argv)} exited {proc.returncode}: {said[-1] if said else 'no output'}")
+    return proc.stdout
+
+
+def _nonempty(records: list[QuotaUsage], argv: Sequence[str], output: str) -> list[QuotaUsage]:
+    if not records:
+        first = output.strip().splitlines()[:1]
+        raise QuotaError(f"{' '.join(argv)}: no quota lines in its output" + (f" (it said {first[0][:120]!r})"
+                                                                              if first else ""))
+    return records
+
+
+class Provider:
+    kinds: ClassVar[tuple[str, ...]] = ("user", "group")
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    def query(self, kind: str, owner: str) -> list[QuotaUsage]:
+        raise NotImplementedError
+
+
+class QuotaToolProvider(Provider):
+    """Linux quota tools: local ext4/XFS quotas, and NFS through rquotad."""
+
+    kinds = ("user", "group", "project")
+
+    def query(self, kind: str, owner: str) -> list[QuotaUsage]:
+        argv = ["quota", "-w", "-p", "-v", _FLAG[kind], owner]
+        out = run_tool(argv, self.settings.command_timeout, ok_codes=(0, 1))  # 1: a limit is exceeded
+        records = _nonempty(parse_quota(out), argv, out)
+        mounts = self.settings.mounts
+        return [r for r in records if not mounts or r.filesystem in mounts] or records
+
+
+class LustreProvider(Provider):
+    kinds = ("user", "group", "project")
+
+    def query(self, kind: str, owner: str) -> list[QuotaUsage]:
+        out_all = []
+        for mount in self.settings.mounts:
+            argv = ["lfs", "quota", *(["-v"] if self.settings.breakdown else []), _FLAG[kind], owner, mount]
+            out = run_tool(argv, self.settings.command_timeout)
+            out_all.extend(_nonempty(parse_lfs(out), argv, out))
+        return out_all
+
+
+class GpfsProvider(Provider):
+    kinds = ("user", "group", "fileset")
+
+    def query(self, kind: str, owner: str) -> list[QuotaUsage]:
+        if kind == "fileset":
+            out_all = []
+            for device in self.settings.mounts:
+                argv = ["mmlsquota", "-j", owner, device]
+                out = run_tool(argv, self.settings.command_timeout)
+                out_all.extend(_nonempty(parse_mmlsquota(out, owner), argv, out))
+            return out_all
+        argv = ["mmlsquota", _FLAG[kind], owner, *self.settings.mounts]
+        out = run_tool(argv, self.settings.command_timeout)
+        return _nonempty(parse_mmlsquota(out, owner), argv, out)
+
+
+class BeegfsProvider(Provider):
+    def query(self, kind: str, owner: str) -> list[QuotaUsage]:
+        out_all = []
+        for mount in self.settings.mounts or [""]:
+            argv = ["beegfs-ctl", "--getquota", "--uid" if kind == "user" else "--gid", owner,
+                    *([f"--mount={mount}"] if mount else [])]
+            out = run_tool(argv, self.settings.command_timeout)
+            out_all.extend(_nonempty(parse_beegfs(out, mount or "beegfs", kind), argv, out))
+        return out_all
+
+
+_FIELDS = ("bytes_used", "bytes_soft", "bytes_hard", "inodes_used", "inodes_soft", "inodes_hard")
+
+
+def _pointer(doc: Any, pointer: str) -> Any:
+    """RFC 6901 JSON pointer."""
+    if pointer in ("", "/"):
+        return doc
+    for raw in pointer.lstrip("/").split("/"):
+        part = raw.replace("~1", "/").replace("~0", "~")
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    return doc
+
+
+class CommandProvider(Provider):
+    """A site's own tool: `command` with {owner} {kind} {mount}, each field found by a regex group or a JSON pointer."""
+
+    kinds = ("user", "group", "project", "fileset")
+
+    def _number(self, field: str, value: Any) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip() in ("", "-", "none", "unlimited")):
+            return None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif re.fullmatch(r"\s*[\d.]+\s*", str(value)):
+            number = float(value)
+        elif field.startswith("bytes"):
+            return parse_size(str(value).strip())
+        else:
+            raise QuotaError(f"field {field}: {value!r} is not a number")
+        value = round(number * (self.settings.size_unit if field.startswith("bytes") else 1))
+        return value if value or field.endswith("_used") else None  # a limit of 0 means none
+
+    def query(self, kind: str, owner: str) -> list[QuotaUsage]:
+        s = self.settings
+        argv = [a.format(owner=owner, kind=kind, mount=(s.mounts or [""])[0]) for a in s.command]
+        out = run_tool(argv, s.command_timeout)
+        values: dict[str, Any] = {}
+        if s.format == "json":
+            try:
+                doc = json.loads(out)
+            except ValueError as exc:
+                raise QuotaError(f"{' '.join(argv)} printed invalid JSON: {exc}") from None
+            for name, pointer in s.fields.items():
+                try:
+                    values[name] = _pointer(doc, pointer)
+                except (KeyError, IndexError, ValueError, TypeError):
+                    raise QuotaError(f"{' '.join(argv)}: JSON pointer {pointer!r} ({name}) not found") from None
+        else:
+            for name, pattern in s.fields.items():
+                m = re.search(pattern, out, re.MULTILINE)
+                if m is None:
+                    raise QuotaError(f"{' '.join(argv)}: regex for {name} ({pattern!r}) matched nothing")
+                values[name] = m.group(1) if m.groups() else m.group(0)
+        numbers = {name: self._number(name, values.get(name)) for name in _FIELDS}
+        return [QuotaUsage((s.mounts or [s.command[0]])[0], kind, owner, **numbers)]
+
+
+class BudgetProvider(Provider):
+    """A directory with a byte and inode budget, measured incrementally by walking it."""
+
+    kinds = ("dir",)
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self.walkers = {path: BudgetWalker(path) for path in settings.mounts}
+
+    def query(self, kind: str, owner: str) -> list[QuotaUsage]:
+        walker = self.walkers[owner]
+        m = walker.advance(self.settings.walk_budget)
+        return [QuotaUsage(owner, "dir", owner, m.bytes, None, self.settings.bytes_budget, m.inodes, None,
+                           self.settings.inodes_budget, measured_at=m.measured_at,
+                           extra={"complete": m.complete, "walks": m.walks, "errors": m.errors})]
