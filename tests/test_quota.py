@@ -228,3 +228,14 @@ def test_budget_check_warns_on_inodes_with_its_freshness(tmp_path: Path) -> None
     assert result.status is Status.WARNING, result.summary  # 910 of 1000 inodes
     assert result.summary == (f"budget of {root}: 90 inodes free (9.0%), below the 10% warning threshold "
                               "(measured 0s ago)")
+
+
+def test_tools_run_in_the_c_locale_and_decimal_commas_parse(tools: Path) -> None:
+    script = tool(tools, "quota", text("quota_comma.txt"), code=1)
+    script.write_text(script.read_text().replace('echo "$0 $*"', 'echo "LC_ALL=$LC_ALL $0 $*"'))
+    [result] = quota_check(provider="quota", owners=["alice"], kinds=["user"]).run()
+    assert (tools / "calls.log").read_text().startswith("LC_ALL=C ")  # English headers and grace units
+    assert result.subject == "user:alice@/dev/sdb1"
+    assert result.details["bytes_used"] == int(4.5 * GiB) and result.details["bytes_hard"] == 5 * GiB
+    assert result.details["bytes_grace"] == 6 * 86400
+    assert result.status is Status.WARNING

@@ -7,9 +7,11 @@ raises QuotaError with what it said, which the check turns into that subject's U
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from trainguard.quota.budget import BudgetWalker
@@ -30,9 +32,11 @@ class QuotaError(Exception):
 
 
 def run_tool(argv: Sequence[str], timeout: float, ok_codes: tuple[int, ...] = (0,)) -> str:
+    # The C locale: the tools translate headers and grace units ("6Tage") and localise decimal separators.
+    env = {**os.environ, "LC_ALL": "C"}
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                              errors="replace")
+                              errors="replace", env=env)
     except FileNotFoundError:
         raise QuotaError(f"{argv[0]} not installed (not found on PATH)") from None
     except subprocess.TimeoutExpired:
@@ -71,7 +75,8 @@ class QuotaToolProvider(Provider):
     def query(self, kind: str, owner: str) -> list[QuotaUsage]:
         argv = ["quota", "-w", "-p", "-v", _FLAG[kind], owner]
         out = run_tool(argv, self.settings.command_timeout, ok_codes=(0, 1))  # 1: a limit is exceeded
-        records = _nonempty(parse_quota(out), argv, out)
+        # the header ("Disk quotas for user ...") is translated under other locales: who is asked is who it is
+        records = [replace(r, kind=kind, owner=owner) for r in _nonempty(parse_quota(out), argv, out)]
         mounts = self.settings.mounts
         return [r for r in records if not mounts or r.filesystem in mounts] or records
 
@@ -84,7 +89,7 @@ class LustreProvider(Provider):
         for mount in self.settings.mounts:
             argv = ["lfs", "quota", *(["-v"] if self.settings.breakdown else []), _FLAG[kind], owner, mount]
             out = run_tool(argv, self.settings.command_timeout)
-            out_all.extend(_nonempty(parse_lfs(out), argv, out))
+            out_all.extend(replace(r, kind=kind, owner=owner) for r in _nonempty(parse_lfs(out), argv, out))
         return out_all
 
 
