@@ -239,3 +239,12 @@ def test_tools_run_in_the_c_locale_and_decimal_commas_parse(tools: Path) -> None
     assert result.details["bytes_used"] == int(4.5 * GiB) and result.details["bytes_hard"] == 5 * GiB
     assert result.details["bytes_grace"] == 6 * 86400
     assert result.status is Status.WARNING
+
+
+def test_quota_filtered_to_the_configured_filesystems(tools: Path) -> None:
+    tool(tools, "quota", text("quota_raw.txt"))
+    [nfs] = quota_check(provider="quota", owners=["alice"], kinds=["user"], mounts=["nfs01:/export/home"]).run()
+    assert nfs.subject == "user:alice@nfs01:/export/home" and nfs.status is Status.OK
+    [none] = quota_check(provider="quota", owners=["alice"], kinds=["user"], mounts=["/scratch"]).run()
+    assert none.status is Status.UNKNOWN
+    assert "no quota on /scratch (it reports /dev/sdb1, nfs01:/export/home)" in none.summary

@@ -78,7 +78,11 @@ class QuotaToolProvider(Provider):
         # the header ("Disk quotas for user ...") is translated under other locales: who is asked is who it is
         records = [replace(r, kind=kind, owner=owner) for r in _nonempty(parse_quota(out), argv, out)]
         mounts = self.settings.mounts
-        return [r for r in records if not mounts or r.filesystem in mounts] or records
+        wanted = [r for r in records if not mounts or r.filesystem in mounts]
+        if not wanted:
+            raise QuotaError(f"{' '.join(argv)}: no quota on {', '.join(mounts)} "
+                             f"(it reports {', '.join(r.filesystem for r in records)})")
+        return wanted
 
 
 class LustreProvider(Provider):
