@@ -57,6 +57,8 @@ QUOTA_PROVIDERS: Mapping[str, str] = {
 
 NOTIFIERS: Mapping[str, str] = {
     "console": "trainguard.notifiers.console:ConsoleNotifier",
+    "slack": "trainguard.notifiers.slack:SlackNotifier",
+    "webhook": "trainguard.notifiers.webhook:WebhookNotifier",
 }
 
 

@@ -11,6 +11,8 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any
 
 from trainguard.agent.events import Event
 from trainguard.agent.logs import kv
@@ -33,8 +35,9 @@ class ChannelStats:
 
 class Dispatcher:
     def __init__(self, store: Store, notifiers: Mapping[str, Notifier], clock: Callable[[], float] = time.time,
-                 max_age_s: float = MAX_AGE_S) -> None:
+                 max_age_s: float = MAX_AGE_S, annotator: Callable[[Event], dict[str, Any]] | None = None) -> None:
         self._store = store
+        self._annotator = annotator
         self._notifiers = dict(notifiers)
         self._clock = clock
         self._max_age_s = max_age_s
@@ -67,6 +70,7 @@ class Dispatcher:
         """Send what is due on `channel`, in order. Returns seconds until the next retry, None when empty."""
         notifier = self._notifiers[channel]
         stats = self.stats[channel]
+        window = notifier.settings.group_window
         while not self._stop.is_set():
             row = self._store.next_outbox(channel)
             if row is None:
@@ -80,31 +84,47 @@ class Dispatcher:
                 continue
             if row.next_attempt > now:
                 return row.next_attempt - now
-            event = Event.from_dict(row.event)
+            if window > 0 and row.attempts == 0 and now < row.created + window:
+                return row.created + window - now  # let the rest of the burst arrive: one message for all
+            rows = self._store.outbox_group(channel, row.created + window, notifier.settings.max_group) \
+                if window > 0 else [row]
+            ids = [r.id for r in rows]
+            events = [self._annotate(Event.from_dict(r.event)) for r in rows]
             try:
-                notifier.send(event)
+                notifier.deliver(events)
             except NotifierError as exc:
                 stats.failed += 1
                 if exc.permanent:
                     log.error("notification rejected, not retrying", extra=kv(
-                        channel=channel, incident=event.incident_id, error=str(exc)))
-                    self._store.outbox_done(row.id)
+                        channel=channel, incident=events[0].incident_id, events=len(events), error=str(exc)))
+                    self._store.outbox_done(*ids)
                     continue
                 delay = exc.retry_after if exc.retry_after is not None else min(
                     BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** row.attempts) * random.uniform(0.8, 1.2)
                 log.warning("notification failed, will retry", extra=kv(
-                    channel=channel, incident=event.incident_id, attempt=row.attempts + 1,
+                    channel=channel, incident=events[0].incident_id, events=len(events), attempt=row.attempts + 1,
                     retry_in_s=round(delay, 1), error=str(exc)))
-                self._store.outbox_retry(row.id, now + delay, str(exc))
+                self._store.outbox_retry(ids, now + delay, str(exc))
                 return delay
             except Exception as exc:
                 stats.failed += 1
                 log.exception("notifier crashed; will retry", extra=kv(channel=channel))
-                self._store.outbox_retry(row.id, now + BACKOFF_MAX_S, f"{type(exc).__name__}: {exc}")
+                self._store.outbox_retry(ids, now + BACKOFF_MAX_S, f"{type(exc).__name__}: {exc}")
                 return BACKOFF_MAX_S
-            stats.sent += 1
-            self._store.outbox_done(row.id)
+            stats.sent += len(events)
+            self._store.outbox_done(*ids)
         return None
+
+    def _annotate(self, event: Event) -> Event:
+        """Add what the agent has done about the incident by now (actions run after the event was queued)."""
+        if self._annotator is None:
+            return event
+        try:
+            extra = self._annotator(event)
+        except Exception as exc:  # noqa: BLE001 - an annotation is a nicety; the message goes out without it
+            log.warning("annotating a notification failed", extra=kv(incident=event.incident_id, error=exc))
+            return event
+        return replace(event, details={**event.details, **extra}) if extra else event
 
     def _worker(self, channel: str) -> None:
         wake = self._wake[channel]

@@ -15,6 +15,7 @@ from trainguard import __version__
 from trainguard.agent.actions import ActionRunner
 from trainguard.agent.config import Config
 from trainguard.agent.dispatch import Dispatcher
+from trainguard.agent.events import Event
 from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
 from trainguard.agent.logs import kv
 from trainguard.agent.runner import CheckRunner, RunReport
@@ -93,8 +94,8 @@ class Engine:
             notifiers = {name: registry.notifier_class(config.kind_of_notifier(name))(name, s)
                          for name, s in config.notifiers.items() if s.enabled}
         self.notifiers = dict(notifiers)
-        self.dispatcher = Dispatcher(self.store, self.notifiers, clock)
         self.tracker = IncidentTracker(self.store, self.node, clock)
+        self.dispatcher = Dispatcher(self.store, self.notifiers, clock, annotator=self._actions_taken)
         self.actions = ActionRunner(config, registry, self.catalog, self.tracker, clock)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -133,6 +134,11 @@ class Engine:
             for report in ordered:
                 self.ingest(report)
         return ordered
+
+    def _actions_taken(self, event: Event) -> dict[str, Any]:
+        """For notifications: the actions run on the incident so far, with their outcomes."""
+        incident = next((i for i in self.tracker.incidents() if i.id == event.incident_id), None)
+        return {"actions_taken": list(incident.actions)} if incident is not None and incident.actions else {}
 
     def run_check(self, name: str) -> None:
         """The scheduled job: never raises, whatever the check or the store does."""

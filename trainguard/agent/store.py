@@ -168,15 +168,24 @@ class Store:
             return None
         return OutboxRow(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6])
 
-    def outbox_done(self, row_id: int) -> None:
+    def outbox_group(self, channel: str, created_until: float, limit: int) -> list[OutboxRow]:
+        """The oldest messages of a channel created up to `created_until`, in order: one grouped delivery."""
         with self._lock:
-            self._conn.execute("DELETE FROM outbox WHERE id = ?", (row_id,))
+            rows = self._conn.execute(
+                "SELECT id, channel, event, created, attempts, next_attempt, last_error FROM outbox "
+                "WHERE channel = ? AND created <= ? ORDER BY id LIMIT ?", (channel, created_until, limit)).fetchall()
+        return [OutboxRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
 
-    def outbox_retry(self, row_id: int, next_attempt: float, error: str) -> None:
+    def outbox_done(self, *row_ids: int) -> None:
         with self._lock:
-            self._conn.execute(
+            self._conn.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in row_ids])
+
+    def outbox_retry(self, row_ids: int | list[int], next_attempt: float, error: str) -> None:
+        ids = [row_ids] if isinstance(row_ids, int) else row_ids
+        with self._lock:
+            self._conn.executemany(
                 "UPDATE outbox SET attempts = attempts + 1, next_attempt = ?, last_error = ? WHERE id = ?",
-                (next_attempt, error, row_id))
+                [(next_attempt, error, i) for i in ids])
 
     def outbox_stats(self) -> dict[str, tuple[int, float | None]]:
         """Per channel: (queued messages, creation time of the oldest)."""

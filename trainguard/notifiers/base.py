@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 from pydantic import Field
 
 from trainguard.agent.events import Event, EventKind
 from trainguard.model import Status
-from trainguard.settings import SettingsModel, StatusName
+from trainguard.settings import Duration, SettingsModel, StatusName
 
 
 class NotifierSettings(SettingsModel):
@@ -18,6 +19,10 @@ class NotifierSettings(SettingsModel):
     min_severity: StatusName = Field(Status.WARNING, description="Least severe status this channel receives.")
     send_resolved: bool = Field(True, description="Whether to announce resolved incidents.")
     timeout: float = Field(10.0, gt=0, description="Seconds allowed for one delivery attempt.")
+    group_window: Duration = Field(0.0, ge=0, description="Events within this window go out as one message.")
+    max_group: int = Field(100, ge=1, le=1000, description="At most this many events in one message.")
+    checks: list[str] = Field(default_factory=list, description="Only events of these checks; empty: all.")
+    exclude_checks: list[str] = Field(default_factory=list, description="Never events of these checks.")
 
 
 class NotifierError(Exception):
@@ -37,10 +42,18 @@ class Notifier(ABC):
         self.settings = settings
 
     def accepts(self, event: Event) -> bool:
-        if event.kind is EventKind.RESOLVED and not self.settings.send_resolved:
+        s = self.settings
+        if event.kind is EventKind.RESOLVED and not s.send_resolved:
             return False
-        return event.status.severity >= self.settings.min_severity.severity
+        if (s.checks and event.check not in s.checks) or event.check in s.exclude_checks:
+            return False
+        return event.status.severity >= s.min_severity.severity
 
     @abstractmethod
     def send(self, event: Event) -> None:
         """Deliver one event within `settings.timeout`, or raise NotifierError."""
+
+    def deliver(self, events: Sequence[Event]) -> None:
+        """Deliver a group of events (those within `group_window`); channels that can, send one message."""
+        for event in events:
+            self.send(event)

@@ -1,0 +1,207 @@
+"""Channels against local peers: a Slack webhook emulator and a plain HTTP receiver; grouping through the real
+outbox and dispatcher."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port, wait_until
+from trainguard.agent.dispatch import Dispatcher
+from trainguard.agent.events import Event, EventKind
+from trainguard.agent.store import Store
+from trainguard.model import Status
+from trainguard.notifiers.base import NotifierError
+from trainguard.notifiers.slack import SlackNotifier, SlackSettings, slack_message
+from trainguard.notifiers.text import headline
+from trainguard.notifiers.webhook import SIGNATURE_HEADER, WebhookNotifier, WebhookSettings
+
+
+class Receiver:
+    """Records every POST; answers from `script` (status, body, headers) in turn, then 200 `ok` (Slack's reply)."""
+
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+        self.script: list[tuple[int, str, dict[str, str]]] = []
+        self.outage_until = 0.0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if time.monotonic() < receiver.outage_until:
+                    status, body, headers = 503, "service unavailable", {}
+                elif receiver.script:
+                    status, body, headers = receiver.script.pop(0)
+                else:
+                    status, body, headers = 200, "ok", {}
+                    receiver.posts.append({"path": self.path, "headers": dict(self.headers), "raw": raw,
+                                           "json": json.loads(raw)})
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/services/T000/B000/{uuid.uuid4().hex}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.server.shutdown()
+
+
+def event(n: int = 0, status: Status = Status.CRITICAL, kind: EventKind = EventKind.FIRED, **details: Any) -> Event:
+    return Event(kind, f"inc{n:04d}", "xid", f"pci:0000:{n:02x}:00", status,
+                 f"GPU {n} fell off the bus (XID 79)", "gpu-node-17", 1000.0 + n, 990.0, details=details)
+
+
+def slack(url: str, **settings: Any) -> SlackNotifier:
+    return SlackNotifier("slack", SlackSettings.model_validate({"webhook_url": url, **settings}))
+
+
+def test_headline_tells_the_story() -> None:
+    done = [{"action": "signal", "outcome": "ok"}, {"action": "drain", "outcome": "ok"}]
+    assert headline([event(3, actions_taken=done)]) == (
+        "CRITICAL gpu-node-17: GPU 3 fell off the bus (XID 79) — job signalled, node drained")
+    assert headline([event(1, Status.WARNING), event(2), event(3)]).endswith("(+2 more)")
+    assert headline([event(1, kind=EventKind.RESOLVED)]).startswith("RESOLVED gpu-node-17: ")
+
+
+def test_slack_message_blocks() -> None:
+    msg = slack_message([event(i) for i in range(50)], mention="<!here>")
+    assert msg["text"].startswith("<!here> CRITICAL gpu-node-17: GPU")
+    [attachment] = msg["attachments"]
+    assert attachment["color"] == "#d32f2f"
+    blocks = attachment["blocks"]
+    assert blocks[0]["type"] == "header" and len(blocks[0]["text"]["text"]) <= 150
+    assert len(blocks) <= 50 and "and 30 more events" in json.dumps(blocks)
+    resolved = slack_message([event(1, kind=EventKind.RESOLVED)])
+    assert resolved["attachments"][0]["color"] == "#2e7d32" and "RESOLVED" in json.dumps(resolved)
+
+
+def test_slack_webhook_semantics(receiver: Receiver) -> None:
+    notifier = slack(receiver.url)
+    notifier.deliver([event(1)])
+    assert receiver.posts[0]["json"]["attachments"][0]["blocks"][0]["type"] == "header"
+
+    receiver.script = [(400, "invalid_payload", {})]
+    with pytest.raises(NotifierError) as rejected:
+        notifier.deliver([event(2)])
+    assert rejected.value.permanent and "400 invalid_payload" in str(rejected.value)
+
+    receiver.script = [(429, "rate_limited", {"Retry-After": "7"})]
+    with pytest.raises(NotifierError) as limited:
+        notifier.deliver([event(3)])
+    assert not limited.value.permanent and limited.value.retry_after == 7.0
+
+    receiver.script = [(500, "internal_error", {})]
+    with pytest.raises(NotifierError) as failed:
+        notifier.deliver([event(4)])
+    assert not failed.value.permanent and failed.value.retry_after is None
+
+
+def test_webhook_url_never_appears_in_errors() -> None:
+    secret_url = f"http://127.0.0.1:{free_port()}/services/T000/B000/sEcReTtOkEn"
+    with pytest.raises(NotifierError) as refused:
+        slack(secret_url, timeout=2).deliver([event(1)])
+    assert "sEcReTtOkEn" not in str(refused.value) and "ConnectionError" in str(refused.value)
+    settings = SlackSettings.model_validate({"webhook_url": secret_url})
+    assert "sEcReTtOkEn" not in repr(settings) and "sEcReTtOkEn" not in str(settings.model_dump())
+
+
+def test_signed_webhook(receiver: Receiver) -> None:
+    notifier = WebhookNotifier("hook", WebhookSettings.model_validate({"url": receiver.url, "secret": "k3y"}))
+    notifier.deliver([event(1), event(2)])
+    [post] = receiver.posts
+    expected = "sha256=" + hmac.new(b"k3y", post["raw"], hashlib.sha256).hexdigest()
+    assert post["headers"][SIGNATURE_HEADER] == expected
+    assert [e["incident_id"] for e in post["json"]["events"]] == ["inc0001", "inc0002"]
+    assert post["json"]["title"].endswith("(+1 more)")
+
+
+def test_routing_by_check() -> None:
+    only_xid = slack("http://unused", checks=["xid"])
+    no_xid = slack("http://unused", exclude_checks=["xid"])
+    assert only_xid.accepts(event(1)) and not no_xid.accepts(event(1))
+
+
+def queue(store: Store, channel: str, events: list[Event]) -> None:
+    store.save(outbox=[(channel, e.to_dict()) for e in events])
+
+
+def test_burst_of_50_events_is_one_message(tmp_path: Path, receiver: Receiver) -> None:
+    store = Store(tmp_path)
+    dispatcher = Dispatcher(store, {"slack": slack(receiver.url, group_window="1s")})
+    queue(store, "slack", [event(i) for i in range(50)])
+    dispatcher.start()
+    try:
+        wait_until(lambda: receiver.posts, 10, what="the grouped message")
+        time.sleep(1.5)
+        [post] = receiver.posts
+        assert post["json"]["text"].endswith("(+49 more)")
+        assert dispatcher.stats["slack"].sent == 50 and store.outbox_stats() == {}
+    finally:
+        dispatcher.stop()
+        store.close()
+
+
+def test_outage_then_recovery_delivers_all_in_order_without_duplicates(tmp_path: Path, receiver: Receiver) -> None:
+    store = Store(tmp_path)
+    dispatcher = Dispatcher(store, {"slack": slack(receiver.url, group_window="0s")})
+    receiver.outage_until = time.monotonic() + 3
+    dispatcher.start()
+    try:
+        for i in range(3):
+            queue(store, "slack", [event(i)])
+            dispatcher.wake()
+            time.sleep(0.3)
+        wait_until(lambda: len(receiver.posts) >= 3, 30, what="delivery after the outage")
+        time.sleep(1)
+        titles = [p["json"]["text"] for p in receiver.posts]
+        assert titles == [f"CRITICAL gpu-node-17: GPU {i} fell off the bus (XID 79)" for i in range(3)]
+        assert dispatcher.stats["slack"].failed >= 1
+    finally:
+        dispatcher.stop()
+        store.close()
+
+
+def test_grouped_message_says_what_the_agent_already_did(tmp_path: Path, receiver: Receiver) -> None:
+    from tests.test_engine import REGISTRY, Flaky
+    from trainguard.agent.config import parse_config
+    from trainguard.agent.engine import Engine
+
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "jobs": {"sources": []},
+           "checks": {"flaky": {"interval": "1h", "jitter": 0, "actions": {"critical": ["mark"]}}},
+           "actions": {"mark": {"type": "exec", "command": ["true"]}},
+           "notifiers": {"hook": {"type": "webhook", "url": receiver.url, "group_window": "1s"}}}
+    engine = Engine(parse_config(raw, "test.toml", REGISTRY), REGISTRY)
+    Flaky.status = Status.CRITICAL
+    engine.start()
+    try:
+        [post] = wait_until(lambda: receiver.posts, 10, what="the webhook")  # type: ignore[misc]
+        [sent] = post["json"]["events"]
+        assert [(a["action"], a["outcome"]) for a in sent["details"]["actions_taken"]] == [("mark", "ok")]
+        assert post["json"]["title"] == "CRITICAL node1: thing is CRITICAL — mark done"
+    finally:
+        Flaky.status = Status.OK
+        engine.stop()

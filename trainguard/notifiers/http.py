@@ -1,0 +1,48 @@
+"""HTTP delivery shared by the webhook-style channels: timeouts, status classes, and URLs kept out of errors."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+from trainguard.notifiers.base import NotifierError
+
+
+def redact(text: str, *secrets: str) -> str:
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
+def redact_url(text: str, url: str) -> str:
+    """Without the URL, its path and its query: urllib3 quotes the path alone ("url: /services/T0/B0/XXXX")."""
+    parts = urlsplit(url)
+    path_query = parts.path + (f"?{parts.query}" if parts.query else "")
+    return redact(text, url, path_query if len(path_query) > 1 else "", parts.query, parts.password or "")
+
+
+def post_json(url: str, payload: Any, timeout: float, what: str, data: bytes | None = None,
+              headers: dict[str, str] | None = None) -> requests.Response:
+    """POST and classify: 2xx returns; 429 and 5xx are retried (honouring Retry-After); other 4xx are permanent.
+    The URL (a secret for webhooks) never appears in the error: request exceptions quote it."""
+    try:
+        if data is not None:
+            response = requests.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                     timeout=timeout)
+        else:
+            response = requests.post(url, json=payload, headers=headers, timeout=timeout)
+    except requests.RequestException as exc:
+        raise NotifierError(f"{what}: {type(exc).__name__}: {redact_url(str(exc), url)}") from None
+    if response.status_code < 300:
+        return response
+    body = redact_url(response.text.strip()[:200], url) or response.reason
+    if response.status_code == 429:
+        retry = response.headers.get("Retry-After", "")
+        raise NotifierError(f"{what}: 429 rate limited ({body})",
+                            retry_after=float(retry) if retry.replace(".", "", 1).isdigit() else 30.0)
+    if response.status_code >= 500:
+        raise NotifierError(f"{what}: {response.status_code} {body}")
+    raise NotifierError(f"{what}: {response.status_code} {body}", permanent=True)

@@ -1,0 +1,61 @@
+"""SlackNotifier: an incoming webhook; one Block Kit message per group of events, coloured by severity."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field, SecretStr
+
+from trainguard.agent.events import Event, EventKind
+from trainguard.model import Status, worst
+from trainguard.notifiers.base import Notifier, NotifierSettings
+from trainguard.notifiers.http import post_json
+from trainguard.notifiers.text import actions_done, event_line, headline
+from trainguard.settings import Duration
+
+COLORS = {Status.CRITICAL: "#d32f2f", Status.WARNING: "#f9a825", Status.UNKNOWN: "#757575", Status.OK: "#2e7d32"}
+MAX_BLOCK_EVENTS = 20  # Slack allows 50 blocks; the rest is counted, not listed
+
+
+class SlackSettings(NotifierSettings):
+    webhook_url: SecretStr = Field(description="Incoming webhook URL (a secret: prefer webhook_url_file or _env).")
+    group_window: Duration = Field(30.0, ge=0, description="Events within this window go out as one message.")
+    mention: str = Field("", description="Prepended on CRITICAL, e.g. '<!here>' or '<@U024BE7LH>'.")
+
+
+def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
+    active = [e for e in events if e.kind is not EventKind.RESOLVED]
+    status = worst(e.status for e in active) if active else Status.OK
+    title = headline(events)
+    blocks: list[dict[str, Any]] = [
+        {"type": "header", "text": {"type": "plain_text", "text": title[:150]}},
+    ]
+    for event in events[:MAX_BLOCK_EVENTS]:
+        lines = [f"*{event_line(event)}*"[:2900]]
+        job = event.details.get("job_id") or event.details.get("job_key")
+        if job:
+            lines.append(f"Job: `{job}`")
+        done = actions_done(event)
+        if done:
+            lines.append("Done: " + ", ".join(done))
+        blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(lines)}})
+    if len(events) > MAX_BLOCK_EVENTS:
+        blocks.append({"type": "context", "elements": [
+            {"type": "mrkdwn", "text": f"and {len(events) - MAX_BLOCK_EVENTS} more events: `trainguard status`"}]})
+    blocks.append({"type": "context", "elements": [
+        {"type": "mrkdwn", "text": f"trainguard on *{events[0].node}* · {len(events)} event(s)"}]})
+    text = f"{mention} {title}" if mention and status is Status.CRITICAL else title
+    return {"text": text, "attachments": [{"color": COLORS[status], "blocks": blocks}]}
+
+
+class SlackNotifier(Notifier):
+    Settings = SlackSettings
+    settings: SlackSettings
+
+    def send(self, event: Event) -> None:
+        self.deliver([event])
+
+    def deliver(self, events: Sequence[Event]) -> None:
+        post_json(self.settings.webhook_url.get_secret_value(), slack_message(events, self.settings.mention),
+                  self.settings.timeout, "slack")

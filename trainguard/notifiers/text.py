@@ -1,0 +1,44 @@
+"""The words of a notification, shared by every channel: a headline that tells the story, and one line per event."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from trainguard.agent.events import Event, EventKind
+from trainguard.model import worst
+from trainguard.units import format_duration
+
+# What a successful action did, in the words of a headline.
+_DONE = {"signal": "job signalled", "save": "save requested", "stop": "stop requested", "drain": "node drained",
+         "requeue": "job requeued", "hold-array": "array held", "resume": "node resumed"}
+
+
+def actions_done(event: Event) -> list[str]:
+    done = []
+    for record in event.details.get("actions_taken") or ():
+        if record.get("outcome") == "ok":
+            name = str(record.get("action"))
+            done.append(_DONE.get(name, f"{name} done"))
+        elif record.get("outcome") in ("failed", "timeout"):
+            done.append(f"{record.get('action')} {record.get('outcome')}")
+    return list(dict.fromkeys(done))
+
+
+def headline(events: Sequence[Event]) -> str:
+    """`CRITICAL gpu-node-17: GPU 3 fell off the bus (XID 79) — job signalled, node drained (+2 more)`."""
+    lead = max(events, key=lambda e: (e.kind is not EventKind.RESOLVED, e.status.severity, -e.at))
+    status = "RESOLVED" if all(e.kind is EventKind.RESOLVED for e in events) else worst(
+        e.status for e in events if e.kind is not EventKind.RESOLVED).name
+    summary = lead.summary if len(lead.summary) <= 120 else lead.summary[:117] + "..."
+    done = actions_done(lead)
+    text = f"{status} {lead.node}: {summary}" + (f" — {', '.join(done)}" if done else "")
+    return text + (f" (+{len(events) - 1} more)" if len(events) > 1 else "")
+
+
+def event_line(event: Event) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(event.since))
+    kind = event.kind.value.upper()
+    if event.kind is EventKind.RESOLVED:
+        return f"{kind} {event.check}/{event.subject} after {format_duration(event.at - event.since)}: {event.summary}"
+    return f"{kind} {event.status.name} {event.check}/{event.subject} since {when}: {event.summary}"

@@ -1,0 +1,48 @@
+"""WebhookNotifier: the events as JSON, optionally signed (HMAC-SHA256), for PagerDuty/Opsgenie-style receivers."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Sequence
+
+from pydantic import Field, SecretStr
+
+from trainguard.agent.events import Event
+from trainguard.notifiers.base import Notifier, NotifierSettings
+from trainguard.notifiers.http import post_json
+from trainguard.notifiers.text import headline
+from trainguard.settings import Duration
+
+SIGNATURE_HEADER = "X-Trainguard-Signature"
+
+
+class WebhookSettings(NotifierSettings):
+    url: SecretStr = Field(description="Where to POST (a secret when it embeds a token: url_file / url_env).")
+    secret: SecretStr | None = Field(None, description="Signs the body: X-Trainguard-Signature: sha256=<hex HMAC>.")
+    group_window: Duration = Field(30.0, ge=0, description="Events within this window go out as one POST.")
+
+
+def webhook_body(events: Sequence[Event]) -> bytes:
+    return json.dumps({"version": 1, "node": events[0].node, "title": headline(events),
+                       "events": [e.to_dict() for e in events]}, sort_keys=True).encode()
+
+
+def signature(body: bytes, secret: str) -> str:
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class WebhookNotifier(Notifier):
+    Settings = WebhookSettings
+    settings: WebhookSettings
+
+    def send(self, event: Event) -> None:
+        self.deliver([event])
+
+    def deliver(self, events: Sequence[Event]) -> None:
+        body = webhook_body(events)
+        headers = {SIGNATURE_HEADER: signature(body, self.settings.secret.get_secret_value())} \
+            if self.settings.secret else {}
+        post_json(self.settings.url.get_secret_value(), None, self.settings.timeout, "webhook", data=body,
+                  headers=headers)
