@@ -58,6 +58,7 @@ QUOTA_PROVIDERS: Mapping[str, str] = {
 NOTIFIERS: Mapping[str, str] = {
     "console": "trainguard.notifiers.console:ConsoleNotifier",
     "slack": "trainguard.notifiers.slack:SlackNotifier",
+    "email": "trainguard.notifiers.email:EmailNotifier",
     "webhook": "trainguard.notifiers.webhook:WebhookNotifier",
 }
 
