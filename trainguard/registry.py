@@ -59,6 +59,7 @@ NOTIFIERS: Mapping[str, str] = {
     "console": "trainguard.notifiers.console:ConsoleNotifier",
     "slack": "trainguard.notifiers.slack:SlackNotifier",
     "email": "trainguard.notifiers.email:EmailNotifier",
+    "alertmanager": "trainguard.notifiers.alertmanager:AlertmanagerNotifier",
     "webhook": "trainguard.notifiers.webhook:WebhookNotifier",
 }
 

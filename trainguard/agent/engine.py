@@ -15,7 +15,7 @@ from trainguard import __version__
 from trainguard.agent.actions import ActionRunner
 from trainguard.agent.config import Config
 from trainguard.agent.dispatch import Dispatcher
-from trainguard.agent.events import Event
+from trainguard.agent.events import Event, EventKind
 from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
 from trainguard.agent.logs import kv
 from trainguard.agent.runner import CheckRunner, RunReport
@@ -135,6 +135,12 @@ class Engine:
                 self.ingest(report)
         return ordered
 
+    def firing_events(self) -> list[Event]:
+        """Every firing incident as a reminder-kind event, for channels that restate the current state."""
+        return [Event(EventKind.REMINDER, i.id, i.check, i.subject, i.status, i.summary, self.node, self.clock(),
+                      i.since, details={**i.details, "actions_taken": list(i.actions)})
+                for i in self.tracker.incidents() if i.firing]
+
     def _actions_taken(self, event: Event) -> dict[str, Any]:
         """For notifications: the actions run on the incident so far, with their outcomes."""
         incident = next((i for i in self.tracker.incidents() if i.id == event.incident_id), None)
@@ -220,6 +226,8 @@ class Engine:
         from apscheduler.triggers.interval import IntervalTrigger
 
         self.dispatcher.start()
+        for notifier in self.notifiers.values():
+            notifier.start(self.firing_events)
         self.tick()
         for name, check in self.checks.items():
             try:
@@ -258,6 +266,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - shutdown goes on regardless
                 log.warning("check watcher did not stop cleanly", extra=kv(check=check.name, error=exc))
         self.dispatcher.stop()
+        for notifier in self.notifiers.values():
+            notifier.stop()
         self.store.close()
 
     # read side -----------------------------------------------------------------

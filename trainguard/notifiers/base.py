@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from pydantic import Field
@@ -52,6 +52,12 @@ class Notifier(ABC):
     @abstractmethod
     def send(self, event: Event) -> None:
         """Deliver one event within `settings.timeout`, or raise NotifierError."""
+
+    def start(self, firing: Callable[[], list[Event]]) -> None:  # noqa: B027 - optional hook
+        """Channels that restate what is firing (Alertmanager) start their thread here; `firing()` lists it."""
+
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        """Stop what `start` started."""
 
     def deliver(self, events: Sequence[Event]) -> None:
         """Deliver a group of events (those within `group_window`); channels that can, send one message."""

@@ -1,0 +1,96 @@
+"""AlertmanagerNotifier: POST /api/v2/alerts, so grouping, silences and inhibition work across the cluster.
+
+Like Prometheus, it restates every firing alert every `resend_interval` with an `endsAt` a few
+intervals ahead: if the agent dies, Alertmanager resolves its alerts by itself instead of keeping
+them forever; a resolved incident is posted with `endsAt` set to when it resolved.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import Field
+
+from trainguard.agent.events import Event, EventKind
+from trainguard.agent.logs import kv
+from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
+from trainguard.notifiers.http import post_json
+from trainguard.notifiers.text import actions_done, event_line
+from trainguard.settings import Duration
+
+log = logging.getLogger("trainguard.notifiers.alertmanager")
+
+
+class AlertmanagerSettings(NotifierSettings):
+    urls: list[str] = Field(min_length=1, description="Alertmanager base URLs (all of an HA cluster).")
+    resend_interval: Duration = Field(60.0, gt=0, description="How often firing alerts are restated.")
+    runbook_url: str = Field("", description="Runbook link; {check} and {subject} are filled in.")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def alert(event: Event, s: AlertmanagerSettings, now: float) -> dict[str, Any]:
+    labels = {"alertname": f"trainguard_{event.check}", "severity": event.status.name.lower(), "node": event.node,
+              "check": event.check, "subject": event.subject}
+    job = event.details.get("job_id") or event.details.get("job_key")
+    if job:
+        labels["job"] = str(job)
+    gpu = event.details.get("index")
+    if gpu is not None:
+        labels["gpu"] = str(gpu)
+    done = actions_done(event)
+    annotations = {"summary": event.summary,
+                   "description": event_line(event) + (f"; done: {', '.join(done)}" if done else "")}
+    if s.runbook_url:
+        annotations["runbook_url"] = s.runbook_url.format(check=event.check, subject=event.subject)
+    resolved = event.kind is EventKind.RESOLVED
+    return {"labels": labels, "annotations": annotations, "startsAt": _iso(event.since),
+            "endsAt": _iso(event.at if resolved else now + 4 * s.resend_interval)}
+
+
+class AlertmanagerNotifier(Notifier):
+    Settings = AlertmanagerSettings
+    settings: AlertmanagerSettings
+
+    def __init__(self, name: str, settings: NotifierSettings) -> None:
+        super().__init__(name, settings)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def send(self, event: Event) -> None:
+        self.deliver([event])
+
+    def deliver(self, events: Sequence[Event], now: float | None = None) -> None:
+        when = now if now is not None else datetime.now(timezone.utc).timestamp()
+        payload = [alert(e, self.settings, when) for e in events]
+        errors = []
+        for url in self.settings.urls:  # every member of an HA pair gets it; one accepting is enough
+            try:
+                post_json(url.rstrip("/") + "/api/v2/alerts", payload, self.settings.timeout, f"alertmanager {url}")
+            except NotifierError as exc:
+                errors.append(exc)
+        if len(errors) == len(self.settings.urls):
+            raise errors[0]
+
+    def start(self, firing: Callable[[], list[Event]]) -> None:
+        def loop() -> None:
+            while not self._stop.wait(self.settings.resend_interval):
+                events = [e for e in firing() if self.accepts(e)]
+                if not events:
+                    continue
+                try:
+                    self.deliver(events)
+                except NotifierError as exc:
+                    log.warning("restating firing alerts failed", extra=kv(channel=self.name, error=str(exc)))
+
+        self._thread = threading.Thread(target=loop, name=f"restate-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
