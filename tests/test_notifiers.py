@@ -205,3 +205,42 @@ def test_grouped_message_says_what_the_agent_already_did(tmp_path: Path, receive
     finally:
         Flaky.status = Status.OK
         engine.stop()
+
+
+def test_notify_test_command(tmp_path: Path, receiver: Receiver, capsys: pytest.CaptureFixture[str]) -> None:
+    from trainguard.cli import main
+
+    url_file = tmp_path / "slack-url"
+    url_file.write_text(receiver.url + "\n")
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f'[agent]\nnode_name = "node1"\nstate_dir = "{tmp_path}/state"\n\n'
+                      f'[notifiers.slack]\nwebhook_url_file = "{url_file}"\n\n'
+                      f'[notifiers.broken]\ntype = "webhook"\nurl = "http://127.0.0.1:{free_port()}/hook/sEcReT"\n')
+    assert main(["notify-test", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "slack: ok" in out and "broken: FAILED (transient): webhook: ConnectionError" in out
+    assert "sEcReT" not in out
+    assert receiver.posts[0]["json"]["text"] == "WARNING node1: trainguard test message: this channel works"
+    assert main(["notify-test", "--config", str(config), "--channel", "slack"]) == 0
+    assert main(["notify-test", "--config", str(config), "--channel", "nope"]) == 2
+
+
+def test_inline_secret_in_a_world_readable_config_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from trainguard.agent.config import load_config
+
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\n\n[notifiers.slack]\n'
+                      'webhook_url = "https://hooks.slack.com/services/T0/B0/sEcReT"\n')
+    config.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        load_config(str(config))
+    [record] = [r for r in caplog.records if "world-readable" in r.getMessage()]
+    assert record.kv["keys"] == "notifiers.slack.webhook_url"  # type: ignore[attr-defined]
+    assert "sEcReT" not in str(record.__dict__)
+    caplog.clear()
+    config.chmod(0o640)
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        load_config(str(config))
+    assert not [r for r in caplog.records if "world-readable" in r.getMessage()]

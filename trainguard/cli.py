@@ -1,4 +1,4 @@
-"""The `trainguard` command: run, check, status, validate."""
+"""The `trainguard` command: run, check, status, validate, notify-test."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     with_config(sub.add_parser("validate", help="check a config file and print the effective config",
                                description="Validate a config file and print the effective config (secrets redacted)."))
+    p = with_config(sub.add_parser("notify-test", help="send a test message through the configured channels",
+                                   description="Send one test message through each configured notification channel "
+                                               "(or one) and print each outcome. Exit code 1 if any failed."))
+    p.add_argument("--channel", metavar="NAME", help="only this channel")
     return parser
 
 
@@ -82,6 +86,37 @@ def cmd_check(config: Config, as_json: bool) -> int:
         print(_table(rows))
         print(f"\n{config.agent.node_name}: {overall.name}")
     return int(overall)
+
+
+def cmd_notify_test(config: Config, channel: str | None) -> int:
+    import time
+    import uuid
+
+    from trainguard.agent.engine import Engine
+    from trainguard.agent.events import Event, EventKind
+    from trainguard.agent.store import Store
+    from trainguard.model import Status
+    from trainguard.notifiers.base import NotifierError
+
+    notifiers = Engine(config, store=Store(None)).notifiers
+    if channel is not None and channel not in notifiers:
+        print(f"trainguard: no notifier named {channel!r} (configured: {', '.join(notifiers) or 'none'})",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    now = time.time()
+    event = Event(EventKind.FIRED, f"test-{uuid.uuid4().hex[:8]}", "notify-test", "test", Status.WARNING,
+                  "trainguard test message: this channel works", config.agent.node_name, now, now)
+    failed = 0
+    for name, notifier in notifiers.items():
+        if channel is not None and name != channel:
+            continue
+        try:
+            notifier.deliver([event])
+            print(f"{name}: ok")
+        except NotifierError as exc:
+            failed += 1
+            print(f"{name}: FAILED ({'permanent' if exc.permanent else 'transient'}): {exc}")
+    return 1 if failed else 0
 
 
 def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
@@ -150,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_check(config, args.json)
     if args.command == "status":
         return cmd_status(config, args.url, args.json)
+    if args.command == "notify-test":
+        return cmd_notify_test(config, args.channel)
     from trainguard.agent.daemon import run_daemon
 
     return run_daemon(config)

@@ -54,7 +54,7 @@ def _parse_status(value: object) -> Status:
 StatusName = Annotated[Status, PlainValidator(_parse_status), PlainSerializer(lambda s: s.label, return_type=str)]
 
 
-def _is_secret(annotation: Any) -> bool:
+def is_secret(annotation: Any) -> bool:
     if annotation is SecretStr:
         return True
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -78,7 +78,7 @@ class SettingsModel(BaseModel):
             return data
         data = dict(data)
         for name, info in cls.model_fields.items():
-            if not _is_secret(info.annotation):
+            if not is_secret(info.annotation):
                 continue
             sources = [k for k in (name, f"{name}_file", f"{name}_env") if k in data]
             if len(sources) > 1:

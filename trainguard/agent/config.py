@@ -25,7 +25,7 @@ from trainguard.checks.base import CheckSettings
 from trainguard.jobs.catalog import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
-from trainguard.settings import SettingsModel
+from trainguard.settings import SettingsModel, is_secret
 
 log = logging.getLogger("trainguard.config")
 
@@ -201,7 +201,32 @@ def load_config(cli_path: str | None = None, registry: Registry = DEFAULT_REGIST
         raise ConfigError(str(path), [f"not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from None
-    return parse_config(raw, str(path), registry)
+    config = parse_config(raw, str(path), registry)
+    warn_inline_secrets(path, raw, registry)
+    return config
+
+
+def warn_inline_secrets(path: Path, raw: dict[str, Any], registry: Registry = DEFAULT_REGISTRY) -> list[str]:
+    """A secret written inline in a file others can read: WARNING, naming the keys (never the values)."""
+    try:
+        if not path.stat().st_mode & 0o004:
+            return []
+    except OSError:
+        return []
+    inline = []
+    for section, kind_of in (("notifiers", registry.notifier_class), ("actions", registry.action_class)):
+        for name, table in (raw.get(section) or {}).items():
+            if not isinstance(table, dict):
+                continue
+            try:
+                fields = kind_of(str(table.get("type", name))).Settings.model_fields
+            except (KeyError, AttributeError):
+                continue
+            inline += [f"{section}.{name}.{key}" for key, f in fields.items() if key in table and is_secret(f.annotation)]
+    if inline:
+        log.warning("secrets inline in a world-readable config file: use <key>_file or <key>_env, or chmod o-r",
+                    extra=kv(path=str(path), keys=",".join(inline)))
+    return inline
 
 
 def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
