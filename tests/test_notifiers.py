@@ -166,15 +166,15 @@ def test_burst_of_50_events_is_one_message(tmp_path: Path, receiver: Receiver) -
 
 def test_outage_then_recovery_delivers_all_in_order_without_duplicates(tmp_path: Path, receiver: Receiver) -> None:
     store = Store(tmp_path)
-    dispatcher = Dispatcher(store, {"slack": slack(receiver.url, group_window="0s")})
-    receiver.outage_until = time.monotonic() + 3
+    dispatcher = Dispatcher(store, {"slack": slack(receiver.url, group_window="0s", retry_max="4s")})
+    receiver.outage_until = time.monotonic() + 60  # a minute of 503s while three incidents fire
     dispatcher.start()
     try:
         for i in range(3):
             queue(store, "slack", [event(i)])
             dispatcher.wake()
             time.sleep(0.3)
-        wait_until(lambda: len(receiver.posts) >= 3, 30, what="delivery after the outage")
+        wait_until(lambda: len(receiver.posts) >= 3, 90, what="delivery after the outage")
         time.sleep(1)
         titles = [p["json"]["text"] for p in receiver.posts]
         assert titles == [f"CRITICAL gpu-node-17: GPU {i} fell off the bus (XID 79)" for i in range(3)]
@@ -244,3 +244,51 @@ def test_inline_secret_in_a_world_readable_config_warns(tmp_path: Path, caplog: 
     with caplog.at_level(logging.WARNING, logger="trainguard"):
         load_config(str(config))
     assert not [r for r in caplog.records if "world-readable" in r.getMessage()]
+
+
+def test_agent_killed_with_5_queued_delivers_all_5_after_restart(
+        tmp_path: Path, receiver: Receiver, agent_process: Any) -> None:
+    names = [f"trainer-{i}" for i in range(5)]
+    config = tmp_path / "trainguard.toml"
+    processes = "".join(f'[jobs.processes.{n}]\ncmdline = "no-such-process-{uuid.uuid4().hex}"\n\n' for n in names)
+    config.write_text(f"""
+[agent]
+node_name = "testnode"
+state_dir = "{tmp_path}/state"
+listen = "127.0.0.1:{free_port()}"
+
+[jobs]
+sources = ["process"]
+refresh = "0s"
+
+{processes}
+[checks.alive]
+type = "job_liveness"
+names = {json.dumps(names)}
+interval = "1s"
+jitter = "0s"
+
+[notifiers.slack]
+webhook_url = "{receiver.url}"
+group_window = "0s"
+retry_max = "1s"
+""")
+    config.chmod(0o600)
+    receiver.outage_until = time.monotonic() + 3600  # Slack is down
+    first = agent_process(config, log_name="first.log")
+    first.wait_for("notification failed, will retry", timeout=20)
+    store = Store(tmp_path / "state")
+    wait_until(lambda: store.outbox_stats().get("slack", (0, None))[0] == 5, 20, what="5 queued messages")
+    store.close()
+    first.signal(9)
+    first.wait()
+    receiver.outage_until = 0.0  # Slack is back
+    second = agent_process(config, log_name="second.log")
+    try:
+        wait_until(lambda: len(receiver.posts) >= 5, 30, what="the 5 queued messages")
+        time.sleep(2)
+        texts = sorted(p["json"]["text"] for p in receiver.posts)
+        assert len(texts) == 5 and len(set(texts)) == 5, texts
+        assert all("no job running or pending" in t for t in texts)
+    finally:
+        second.stop()

@@ -23,7 +23,6 @@ log = logging.getLogger("trainguard.dispatch")
 
 MAX_AGE_S = 24 * 3600.0
 BACKOFF_BASE_S = 2.0
-BACKOFF_MAX_S = 600.0
 
 
 class ChannelStats:
@@ -76,7 +75,7 @@ class Dispatcher:
             if row is None:
                 return None
             now = self._clock()
-            if now - row.created > self._max_age_s:
+            if now - row.created > min(self._max_age_s, notifier.settings.max_age):
                 log.error("dropping undeliverable notification", extra=kv(
                     channel=channel, age_s=round(now - row.created), attempts=row.attempts, error=row.last_error))
                 stats.dropped += 1
@@ -100,7 +99,7 @@ class Dispatcher:
                     self._store.outbox_done(*ids)
                     continue
                 delay = exc.retry_after if exc.retry_after is not None else min(
-                    BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** row.attempts) * random.uniform(0.8, 1.2)
+                    notifier.settings.retry_max, BACKOFF_BASE_S * 2 ** row.attempts) * random.uniform(0.8, 1.2)
                 log.warning("notification failed, will retry", extra=kv(
                     channel=channel, incident=events[0].incident_id, events=len(events), attempt=row.attempts + 1,
                     retry_in_s=round(delay, 1), error=str(exc)))
@@ -109,8 +108,8 @@ class Dispatcher:
             except Exception as exc:
                 stats.failed += 1
                 log.exception("notifier crashed; will retry", extra=kv(channel=channel))
-                self._store.outbox_retry(ids, now + BACKOFF_MAX_S, f"{type(exc).__name__}: {exc}")
-                return BACKOFF_MAX_S
+                self._store.outbox_retry(ids, now + notifier.settings.retry_max, f"{type(exc).__name__}: {exc}")
+                return notifier.settings.retry_max
             stats.sent += len(events)
             self._store.outbox_done(*ids)
         return None

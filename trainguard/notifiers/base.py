@@ -20,6 +20,8 @@ class NotifierSettings(SettingsModel):
     send_resolved: bool = Field(True, description="Whether to announce resolved incidents.")
     timeout: float = Field(10.0, gt=0, description="Seconds allowed for one delivery attempt.")
     group_window: Duration = Field(0.0, ge=0, description="Events within this window go out as one message.")
+    retry_max: Duration = Field(600.0, gt=0, description="Longest wait between retries (backoff doubles up to it).")
+    max_age: Duration = Field(24 * 3600.0, gt=0, description="A message still undelivered after this is dropped.")
     max_group: int = Field(100, ge=1, le=1000, description="At most this many events in one message.")
     checks: list[str] = Field(default_factory=list, description="Only events of these checks; empty: all.")
     exclude_checks: list[str] = Field(default_factory=list, description="Never events of these checks.")
