@@ -96,6 +96,8 @@ def test_slack_message_blocks() -> None:
     assert len(blocks) <= 50 and "and 30 more events" in json.dumps(blocks)
     resolved = slack_message([event(1, kind=EventKind.RESOLVED)])
     assert resolved["attachments"][0]["color"] == "#2e7d32" and "RESOLVED" in json.dumps(resolved)
+    advised = slack_message([event(1, next_step="drain and reboot the node")])
+    assert "Next: drain and reboot the node" in json.dumps(advised)
 
 
 def test_slack_webhook_semantics(receiver: Receiver) -> None:
@@ -138,10 +140,15 @@ def test_signed_webhook(receiver: Receiver) -> None:
     assert post["json"]["title"].endswith("(+1 more)")
 
 
-def test_routing_by_check() -> None:
+def test_routing_by_check_and_labels() -> None:
     only_xid = slack("http://unused", checks=["xid"])
     no_xid = slack("http://unused", exclude_checks=["xid"])
     assert only_xid.accepts(event(1)) and not no_xid.accepts(event(1))
+    team = slack("http://unused", match={"job": "4242"})
+    assert team.accepts(event(1, job_id="4242")) and not team.accepts(event(1, job_id="7")) and not team.accepts(event(1))
+    quiet = slack("http://unused", exclude_match={"check": "xid", "status": "warning"})
+    assert quiet.accepts(event(1)) and not quiet.accepts(event(1, Status.WARNING))
+    assert not slack("http://unused", min_severity="critical").accepts(event(1, Status.WARNING))
 
 
 def queue(store: Store, channel: str, events: list[Event]) -> None:

@@ -174,6 +174,10 @@ class XidCheck(Check):
                           "last": e.last, "status": st.name, "why": why, "text": e.text, "pid": e.pid,
                           "process": e.process, "cause": describe(e.xid).cause,
                           "immediate_action": describe(e.xid).action} for e, st, why in graded]}
+            worst_entry = max(graded, key=lambda g: g[1].severity)
+            if worst_entry[1] is not Status.OK:
+                action = describe(worst_entry[0].xid).action
+                details["next_step"] = _ACTION_TEXT.get(action, action)
             results.append(self.result(uuid or f"pci:{bus_id}", worst(st for _, st, _ in graded),
                                        summarize(label, graded), details, samples))
         return results

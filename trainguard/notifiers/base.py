@@ -25,6 +25,19 @@ class NotifierSettings(SettingsModel):
     max_group: int = Field(100, ge=1, le=1000, description="At most this many events in one message.")
     checks: list[str] = Field(default_factory=list, description="Only events of these checks; empty: all.")
     exclude_checks: list[str] = Field(default_factory=list, description="Never events of these checks.")
+    match: dict[str, str] = Field(default_factory=dict, description="Only events whose labels (check, subject, node, "
+                                                                    "status, job) equal all of these.")
+    exclude_match: dict[str, str] = Field(default_factory=dict, description="Never events whose labels equal all "
+                                                                            "of these.")
+
+
+def event_labels(event: Event) -> dict[str, str]:
+    """What routing rules match on."""
+    labels = {"check": event.check, "subject": event.subject, "node": event.node, "status": event.status.name.lower()}
+    job = event.details.get("job_id") or event.details.get("job_key")
+    if job:
+        labels["job"] = str(job)
+    return labels
 
 
 class NotifierError(Exception):
@@ -48,6 +61,11 @@ class Notifier(ABC):
         if event.kind is EventKind.RESOLVED and not s.send_resolved:
             return False
         if (s.checks and event.check not in s.checks) or event.check in s.exclude_checks:
+            return False
+        labels = event_labels(event)
+        if any(labels.get(k) != v for k, v in s.match.items()):
+            return False
+        if s.exclude_match and all(labels.get(k) == v for k, v in s.exclude_match.items()):
             return False
         return event.status.severity >= s.min_severity.severity
 

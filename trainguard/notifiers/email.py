@@ -48,7 +48,8 @@ def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
     text, rows = [], []
     for e in events:
         done = actions_done(e)
-        text.append(event_line(e) + (f"\n  done: {', '.join(done)}" if done else ""))
+        step = e.details.get("next_step")
+        text.append(event_line(e) + (f"\n  done: {', '.join(done)}" if done else "") + (f"\n  next: {step}" if step else ""))
         rows.append(f"<li><b>{html.escape(e.kind.value.upper())} {html.escape(e.status.name)}</b> "
                     f"{html.escape(e.check)}/{html.escape(e.subject)}: {html.escape(e.summary)}"
                     + (f"<br><i>done: {html.escape(', '.join(done))}</i>" if done else "") + "</li>")

@@ -39,6 +39,8 @@ def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
         done = actions_done(event)
         if done:
             lines.append("Done: " + ", ".join(done))
+        if event.details.get("next_step"):
+            lines.append(f"Next: {event.details['next_step']}")
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(lines)}})
     if len(events) > MAX_BLOCK_EVENTS:
         blocks.append({"type": "context", "elements": [
