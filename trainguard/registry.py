@@ -22,6 +22,7 @@ CHECKS: Mapping[str, str] = {
     "job_memory": "trainguard.checks.leak:JobMemoryCheck",
     "hang": "trainguard.checks.hang:HangCheck",
     "quota": "trainguard.checks.quota:QuotaCheck",
+    "training_log": "trainguard.checks.training_log:TrainingLogCheck",
 }
 
 ACTIONS: Mapping[str, str] = {

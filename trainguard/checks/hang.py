@@ -12,7 +12,6 @@ job hung captures its stacks (py-spy) before the incident fires and any action t
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
 from trainguard.checks.timer import WakeTimer
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import job_processes
+from trainguard.jobs.tree import job_fields, job_log_files, job_processes
 from trainguard.model import Result, Sample, Status
 from trainguard.settings import Duration
 from trainguard.units import format_duration
@@ -64,25 +63,13 @@ class Signal:
     what: str  # "log /path", "heartbeat step 1200", "write I/O"
 
 
-def _fields(job: Job) -> dict[str, str]:
-    return {"workdir": job.workdir or "", "job_id": job.job_id or "", "name": job.name, "user": job.user or "",
-            "switch_dir": job.switch_dir or ""}
-
-
 def log_signal(job: Job, patterns: Sequence[str], procs: list[psutil.Process], open_files: bool,
                skip_dir: str | None = None) -> Signal | None:
     """The newest write among the job's log files and the files it holds open for writing (except in
     `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress)."""
     best: Signal | None = None
-    fields = _fields(job)
-    paths: list[str] = []
-    for raw in [*job.log_paths, *patterns]:
-        try:
-            pattern = raw.format(**fields) if raw in patterns else raw
-        except (KeyError, IndexError, ValueError):
-            continue
-        paths.extend(glob.glob(pattern) if glob.has_magic(pattern) else [pattern])
-    for path in dict.fromkeys(paths):
+    paths = job_log_files(job, patterns)
+    for path in paths:
         try:
             mtime = os.stat(path).st_mtime
         except OSError:
@@ -199,7 +186,7 @@ class HangCheck(Check):
             signals.append(logged)
         template = self.settings.heartbeat
         usable = template and (job.switch_dir or "{switch_dir}" not in template)
-        beat = template.format(**_fields(job)) if usable else ""
+        beat = template.format(**job_fields(job)) if usable else ""
         step = read_step(beat) if beat else None
         if step is not None:
             try:  # the new step was written at the latest by the file's last write, not when we noticed it

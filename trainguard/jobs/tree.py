@@ -1,6 +1,9 @@
-"""The live processes of a job: its trusted top pids and all their descendants."""
+"""A job on this node: its live processes (trusted top pids and their descendants) and its log files."""
 
 from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
 
 import psutil
 
@@ -21,3 +24,22 @@ def job_processes(job: Job) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return list(found.values())
+
+
+def job_fields(job: Job) -> dict[str, str]:
+    """What path templates may use: {workdir} {job_id} {name} {user} {switch_dir}."""
+    return {"workdir": job.workdir or "", "job_id": job.job_id or "", "name": job.name, "user": job.user or "",
+            "switch_dir": job.switch_dir or ""}
+
+
+def job_log_files(job: Job, patterns: Sequence[str] = ()) -> list[str]:
+    """The job's own log paths (SLURM StdOut/StdErr, a process job's `logs`) and `patterns` filled in, globbed."""
+    fields = job_fields(job)
+    paths: list[str] = []
+    for raw in [*job.log_paths, *patterns]:
+        try:
+            pattern = raw.format(**fields) if raw in patterns else raw
+        except (KeyError, IndexError, ValueError):
+            continue
+        paths.extend(sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])
+    return list(dict.fromkeys(paths))

@@ -1,0 +1,188 @@
+"""TrainingLogCheck: read each job's log as it is written and turn known failures into diagnosed incidents.
+
+Only appended bytes are read (positions kept in the store); findings are remembered per job, so an
+OOM reported once stays the job's status until the job is gone, and its message already carries the
+diagnosis and the lever to pull.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field
+
+from trainguard.agent.logs import kv
+from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.checks.hang import read_step
+from trainguard.gpu.faults import XidLedger
+from trainguard.jobs.model import Job
+from trainguard.jobs.tree import job_fields, job_log_files
+from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, diagnose_oom, rank_of
+from trainguard.logscan.reader import LogTail, Position
+from trainguard.logscan.signatures import BUILTIN, Hit, Signature, SignatureSettings, custom, final_exception, scan
+from trainguard.model import Result, Sample, Status, worst
+from trainguard.settings import Duration, Size
+from trainguard.units import parse_size
+
+log = logging.getLogger("trainguard.checks.training_log")
+
+POSITIONS_KEY = "logscan.positions"
+FINDINGS_KEY = "logscan.findings"
+MAX_FINDINGS = 20  # per job: the first ones explain, the rest repeat
+
+
+class TrainingLogSettings(CheckSettings):
+    interval: Duration = Field(15.0, gt=0)
+    jitter: Duration = Field(0.0, ge=0)
+    logs: list[str] = Field(default_factory=list, description="More log paths or globs per job (templates as hang).")
+    signatures: dict[str, SignatureSettings] = Field(default_factory=dict, description="Site signatures, by name.")
+    nan_limit: int = Field(3, ge=1, description="This many NaN/Inf losses: CRITICAL (fewer: WARNING).")
+    overflow_burst: int = Field(20, ge=1, description="This many fp16 OVERFLOW skips: WARNING.")
+    warmup_steps: int = Field(10, ge=0, description="An OOM at or before this step is a static sizing error.")
+    max_line: Size = Field(parse_size("1MiB"), description="Longer lines are cut here.")
+    read_limit: Size = Field(parse_size("256MiB"), description="At most this much of one log per run (catch up later).")
+
+
+_CAUSE = {"cuda_oom": 5, "cuda_error": 4, "traceback": 3, "loss_scale_min": 2, "nan_loss": 2, "nccl_timeout": 0}
+
+
+class TrainingLogCheck(Check):
+    Settings = TrainingLogSettings
+    settings: TrainingLogSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.signatures: tuple[Signature, ...] = BUILTIN + custom(self.settings.signatures)
+        self._positions: dict[str, Position] = {
+            p: Position.from_list(v) for p, v in self._load(POSITIONS_KEY).items() if isinstance(v, list)}
+        self._findings: dict[str, list[dict[str, Any]]] = self._load(FINDINGS_KEY)
+        self._counts: dict[str, dict[str, int]] = {}
+        self._pending_assert: dict[str, str] = {}
+
+    def _load(self, key: str) -> dict[str, Any]:
+        store = self.context.store
+        try:
+            data = json.loads((store.get(key) if store is not None else None) or "{}")
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save(self) -> None:
+        store = self.context.store
+        if store is None:
+            return
+        try:
+            store.put(POSITIONS_KEY, json.dumps({p: pos.to_list() for p, pos in self._positions.items()}))
+            store.put(FINDINGS_KEY, json.dumps(self._findings))
+        except Exception as exc:  # noqa: BLE001 - positions are re-derived at worst by re-reading
+            log.warning("saving log positions failed", extra=kv(error=exc))
+
+    def run(self) -> Sequence[Result]:
+        if self.context.jobs is None:
+            raise RuntimeError("no job source configured ([jobs] sources)")
+        view = self.context.jobs.view()
+        results = [self.result(f"source:{n}", Status.UNKNOWN, f"job source {n}: {e}") for n, e in view.errors.items()]
+        live: set[str] = set()
+        for job in view.jobs:
+            if not job.on_this_node:
+                continue
+            live.add(job.key)
+            for path in job_log_files(job, self.settings.logs):
+                self._read(job, path)
+            results.append(self._result(job))
+        for key in set(self._findings) - live:  # the job is gone: its story is told
+            del self._findings[key]
+        self._save()
+        return results
+
+    def _read(self, job: Job, path: str) -> None:
+        tail = LogTail(path, self._positions.get(path), int(self.settings.max_line))
+        for chunk in tail.read(int(self.settings.read_limit)):
+            for hit in scan(chunk.data, self.signatures):
+                self._record(job, path, hit, chunk.data)
+        if tail.position is not None:
+            self._positions[path] = tail.position
+
+    def _record(self, job: Job, path: str, hit: Hit, data: bytes) -> None:
+        name = hit.signature.name
+        counts = self._counts.setdefault(job.key, {})
+        counts[name] = counts.get(name, 0) + 1
+        rank, text = rank_of(hit.line)
+        now = self.context.clock()
+        finding: dict[str, Any] = {"signature": name, "rank": rank, "path": path, "at": now,
+                                   "line": text[:500], "status": hit.signature.status.name}
+        if name == "device_assert":
+            self._pending_assert[job.key] = text
+            return
+        if name == "fp16_overflow":
+            if counts[name] != self.settings.overflow_burst:
+                return
+            finding.update(status=Status.WARNING.name, title=f"{counts[name]} fp16 overflow steps skipped",
+                           advice="a long run of loss-scale overflows means divergence: lower the learning rate "
+                                  "or use bf16")
+        elif name == "cuda_oom":
+            d = diagnose_oom(text)
+            step = read_step(job.switch_dir + "/heartbeat.json") if job.switch_dir else None
+            when = ("step unknown" if step is None else f"at step {step}: static sizing (first steps)"
+                    if step <= self.settings.warmup_steps else f"mid-run at step {step}: a growing working set "
+                    "or progressive fragmentation")
+            finding.update(title=f"{d.title}; {when}", advice=d.advice, fields=d.fields)
+        elif name == "nccl_timeout":
+            d = diagnose_nccl(text)
+            finding.update(title=d.title, advice=d.advice, fields=d.fields)
+        elif name == "cuda_error":
+            d = diagnose_cuda(text, self._pending_assert.pop(job.key, None))
+            finding.update(title=d.title, advice=d.advice, fields=d.fields, hardware=d.hardware)
+        elif name == "nan_loss":
+            critical = counts[name] >= self.settings.nan_limit
+            finding.update(status=(Status.CRITICAL if critical else Status.WARNING).name,
+                           title=f"NaN/Inf loss ({counts[name]} so far)", advice=hit.signature.advice)
+        elif name == "traceback":
+            exc = final_exception(data, hit.offset)
+            finding.update(title=f"the job crashed: {exc or 'Python traceback'}",
+                           advice="read the traceback in the log; the final exception says what failed")
+        else:
+            finding.update(title=f"{name}: {text[:200]}", advice=hit.signature.advice)
+        xids = self._xids_near(now)
+        if xids and name in ("cuda_error", "nccl_timeout", "cuda_oom"):
+            finding["xids"] = xids
+        kept = self._findings.setdefault(job.key, [])
+        if name == "nan_loss":  # one running entry, not one per step
+            kept[:] = [f for f in kept if f["signature"] != "nan_loss"]
+        if len(kept) < MAX_FINDINGS:
+            kept.append(finding)
+
+    def _xids_near(self, when: float, window: float = 120.0) -> list[str]:
+        """XIDs the kernel log reported on this node within `window` (as the xid check saved them)."""
+        if self.context.store is None:
+            return []
+        ledger = XidLedger(self.context.store, self.context.clock)  # read fresh: the xid check keeps it current
+        return [f"XID {e.xid} on {e.bus_id}" for e in ledger.entries() if abs(e.last - when) <= window]
+
+    def _result(self, job: Job) -> Result:
+        findings = self._findings.get(job.key, [])
+        labels = {"job": job.job_id or job.name, "name": job.name}
+        samples = [Sample("trainguard_log_findings", len(findings), labels, "Known failures found in the job's logs.")]
+        if not findings:
+            return self.result(job.key, Status.OK, f"{job.label()}: no known failure in its logs",
+                               {"job_key": job.key}, samples)
+        status = worst(Status[f["status"]] for f in findings)
+        # A collective timeout is the symptom; an OOM, a CUDA error or a crash on some rank is the cause.
+        lead = max(findings, key=lambda f: (Status[f["status"]].severity, _CAUSE.get(f["signature"], 1)))
+        rank = f" (rank {lead['rank']})" if lead.get("rank") is not None else ""
+        text = f"{job.label()}{rank}: {lead['title']}"
+        timeouts = sorted({str(f["fields"].get("rank")) for f in findings
+                           if f["signature"] == "nccl_timeout" and f.get("fields")})
+        if timeouts and lead["signature"] != "nccl_timeout":
+            text += f"; then NCCL collectives timed out on rank {', '.join(timeouts)}"
+        if lead.get("xids"):
+            text += f"; on this node meanwhile: {', '.join(lead['xids'][:3])}"
+        if lead.get("advice"):
+            text += f" — {lead['advice']}"
+        details = {"job_key": job.key, "findings": findings, "next_step": lead.get("advice") or None,
+                   **{k: v for k, v in job_fields(job).items() if k in ("job_id", "name")}}
+        return self.result(job.key, status, text, details, samples)
+

@@ -1,0 +1,100 @@
+"""Signatures as data, and the scanner that finds them in appended log bytes.
+
+Every signature has literal needles: the scanner looks for those with `bytes.find` (C speed, no
+per-line Python) and runs a signature's regex only on the lines that contain one. A log of normal
+training output therefore costs a few memory scans, however long it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from trainguard.model import Status
+from trainguard.settings import Regex, SettingsModel, StatusName
+
+
+@dataclass(frozen=True)
+class Signature:
+    name: str
+    needles: tuple[bytes, ...]
+    pattern: re.Pattern[str] | None  # must also match the line (None: the needle is enough)
+    status: Status
+    advice: str = ""
+
+
+class SignatureSettings(SettingsModel):
+    """A site's own signature: `[checks.NAME.signatures.NAME]`."""
+
+    needle: str = Field(min_length=3, description="Literal text every matching line contains (the fast prefilter).")
+    pattern: Regex | None = Field(None, description="Regex the line must also match.")
+    status: StatusName = Field(Status.WARNING, description="Status of a match.")
+    advice: str = Field("", description="What to do, shown in the alert.")
+
+
+BUILTIN: tuple[Signature, ...] = (
+    Signature("cuda_oom", (b"CUDA out of memory", b"cuda runtime error (2) : out of memory"), None, Status.CRITICAL),
+    Signature("nccl_timeout", (b"Watchdog caught collective operation timeout", b"NCCL watchdog thread terminated"),
+              None, Status.CRITICAL),
+    Signature("cuda_error", (b"CUDA error: ", b"CUDA driver error: ", b"c10::CUDAError"), None, Status.CRITICAL),
+    Signature("device_assert", (b"Assertion `",), re.compile(r"Assertion `.+` failed"), Status.OK),
+    Signature("nan_loss", (b"nan", b"NaN", b"NAN", b"=inf", b": inf", b"-inf", b"infinite or NaN"),
+              re.compile(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN"""
+                         r"""|found NaN in local grad norm)""", re.IGNORECASE), Status.WARNING,
+              "the loss diverged: lower the learning rate, check the data batch, resume from an earlier checkpoint"),
+    Signature("fp16_overflow", (b"OVERFLOW!",), re.compile(r"OVERFLOW! Rank \d+ Skipping step"), Status.OK),
+    Signature("loss_scale_min", (b"already at minimum",), re.compile(r"loss scale already at minimum", re.I),
+              Status.CRITICAL, "fp16 loss scaling gave up: the run diverged; switch to bf16 or lower the learning rate"),
+    Signature("traceback", (b"Traceback (most recent call last)",), None, Status.CRITICAL),
+)
+
+
+@dataclass(frozen=True)
+class Hit:
+    signature: Signature
+    line: str
+    offset: int  # of the line within the scanned bytes
+
+
+def custom(signatures: dict[str, SignatureSettings]) -> tuple[Signature, ...]:
+    return tuple(Signature(name, (s.needle.encode(),), re.compile(s.pattern) if s.pattern else None, s.status,
+                           s.advice) for name, s in signatures.items())
+
+
+def scan(data: bytes, signatures: Sequence[Signature]) -> Iterator[Hit]:
+    """Hits in `data` (complete lines), in file order; one hit per line and signature."""
+    hits: dict[tuple[int, str], Hit] = {}
+    for sig in signatures:
+        for needle in sig.needles:
+            pos = data.find(needle)
+            while pos >= 0:
+                start = data.rfind(b"\n", 0, pos) + 1
+                end = data.find(b"\n", pos)
+                end = len(data) if end < 0 else end
+                if (start, sig.name) not in hits:
+                    line = data[start:end].decode("utf-8", errors="replace")
+                    if sig.pattern is None or sig.pattern.search(line):
+                        hits[(start, sig.name)] = Hit(sig, line, start)
+                pos = data.find(needle, end)
+    yield from sorted(hits.values(), key=lambda h: h.offset)
+
+
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$")
+
+
+def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None:
+    """The exception line closing the traceback that starts at `start`: the first unindented line after it."""
+    pos = data.find(b"\n", start)
+    for _ in range(max_lines):
+        if pos < 0 or pos + 1 >= len(data):
+            return None
+        end = data.find(b"\n", pos + 1)
+        line = data[pos + 1:end if end >= 0 else len(data)].decode("utf-8", errors="replace")
+        m = _EXCEPTION.match(line)
+        if m:
+            return m.group(1)
+        pos = end
+    return None
