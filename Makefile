@@ -41,6 +41,7 @@ test: deb-test install-test
 bench: deb-test install-test
 	$(BIN)/python benchmarks/xid_latency.py --trials 50
 	$(BIN)/python benchmarks/hang_and_leak.py --trials 20
+	$(BIN)/python benchmarks/log_scan.py --size-mib 1024
 
 lint: install-test
 	$(BIN)/ruff check trainguard tests benchmarks
