@@ -86,15 +86,20 @@ class TrainingLogCheck(Check):
         view = self.context.jobs.view()
         results = [self.result(f"source:{n}", Status.UNKNOWN, f"job source {n}: {e}") for n, e in view.errors.items()]
         live: set[str] = set()
+        paths: set[str] = set()
         for job in view.jobs:
             if not job.on_this_node:
                 continue
             live.add(job.key)
             for path in job_log_files(job, self.settings.logs):
+                paths.add(path)
                 self._read(job, path)
             results.append(self._result(job))
-        for key in set(self._findings) - live:  # the job is gone: its story is told
-            del self._findings[key]
+        if not view.errors:  # a source that failed this time says nothing about which jobs are gone
+            for key in set(self._findings) - live:  # the job is gone: its story is told
+                del self._findings[key]
+            for path in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
+                del self._positions[path]
         self._save()
         return results
 
