@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -124,6 +125,9 @@ def test_reader_rotation_truncation_recreate_and_restart(tmp_path: Path) -> None
     assert list(restarted.read()) == []
     log.write_bytes(b"recreated\n")
     assert b"".join(c.data for c in restarted.read()) == b"recreated\n"
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    assert list(LogTail(str(fifo)).read()) == []  # not opened: no blocking, no side effects
 
 
 def test_reader_cuts_a_200mb_line_and_tolerates_binary(tmp_path: Path) -> None:

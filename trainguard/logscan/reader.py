@@ -10,6 +10,7 @@ Bytes that aren't UTF-8 are replaced, never fatal.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,12 +55,16 @@ class LogTail:
 
     def read(self, limit: int = 64 << 20) -> Iterator[Chunk]:
         """Appended complete lines, in chunks, up to `limit` bytes per call (the rest next time)."""
-        try:
+        try:  # only regular files: opening a device or FIFO that a job calls its log can have side effects
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                return
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             return
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return
             pos = self.position
             head = os.pread(fd, HEAD, 0).hex()
             if pos is None or (pos.dev, pos.ino) != (st.st_dev, st.st_ino) or not head.startswith(pos.head):
