@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -11,9 +13,12 @@ from typing import Any, ClassVar
 
 from pydantic import Field, PositiveInt
 
+from trainguard.agent.logs import kv
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.model import Result, Sample, Status
 from trainguard.settings import Duration, SettingsModel
+
+log = logging.getLogger("trainguard.checks")
 
 
 class ActionBinding(SettingsModel):
@@ -74,6 +79,25 @@ class Check(ABC):
 
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Stop what `start` started."""
+
+    def load_state(self, key: str) -> dict[str, Any]:
+        """A JSON object this check saved in the store (counters, positions); {} when absent or unreadable."""
+        store = self.context.store
+        try:
+            data = json.loads((store.get(key) if store is not None else None) or "{}")
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def save_state(self, key: str, data: Mapping[str, Any]) -> None:
+        """Save what `load_state` reads back; a failure is logged, never raised: state is only a head start."""
+        store = self.context.store
+        if store is None:
+            return
+        try:
+            store.put(key, json.dumps(data))
+        except Exception as exc:  # noqa: BLE001 - the store may be closing or broken; the run's results still count
+            log.warning("saving check state failed", extra=kv(check=self.name, key=key, error=exc))
 
     def result(
         self,

@@ -24,7 +24,8 @@ import psutil
 from pydantic import Field
 
 from trainguard.agent.logs import kv
-from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.checks.base import CheckContext, CheckSettings
+from trainguard.checks.jobs import JobCheck
 from trainguard.checks.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
 from trainguard.checks.timer import WakeTimer
 from trainguard.jobs.model import Job
@@ -140,14 +141,14 @@ def summarize(job: Job, progress: Progress, stale_after: float, now: float, stac
     return text
 
 
-class HangCheck(Check):
+class HangCheck(JobCheck):
     Settings = HangSettings
     settings: HangSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
         self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self.settings.native, self.settings.dump_timeout)
-        self._counters = self._load()  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
+        self._counters = self.load_state(STATE_KEY)  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
         self._dumps: dict[str, tuple[float, list[ProcessStack], Path | None]] = {}
         self._timer: WakeTimer | None = None
         self._dirty = False
@@ -158,14 +159,6 @@ class HangCheck(Check):
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.stop()
-
-    def _load(self) -> dict[str, dict[str, list[float]]]:
-        store = self.context.store
-        try:
-            data = json.loads((store.get(STATE_KEY) if store is not None else None) or "{}")
-        except ValueError:
-            return {}
-        return data if isinstance(data, dict) else {}
 
     def _advanced(self, key: str, kind: str, value: float, when: float) -> float:
         """When `value` (a step, a byte count) last changed; `when` is the best known time of the current value."""
@@ -201,16 +194,12 @@ class HangCheck(Check):
         return Progress(max(signals, key=lambda s: s.at), tuple(signals))
 
     def run(self) -> Sequence[Result]:
-        if self.context.jobs is None:
-            raise RuntimeError("no job source configured ([jobs] sources)")
-        view = self.context.jobs.view()
+        view = self.view()
         now = self.context.clock()
-        results = [self.result(f"source:{n}", Status.UNKNOWN, f"job source {n}: {e}") for n, e in view.errors.items()]
+        results = self.source_errors(view)
         deadlines = []
         live = set()
-        for job in view.on_node():
-            if self.settings.names and job.name not in self.settings.names:
-                continue
+        for job in self.jobs_here(view, self.settings.names):
             procs = job_processes(job)
             if not procs:
                 continue
@@ -254,13 +243,9 @@ class HangCheck(Check):
             self._dirty = True
         for key in set(self._dumps) - live:
             del self._dumps[key]
-        store = self.context.store
-        if store is not None and self._dirty:
+        if self._dirty:  # losing this only restarts the hang clocks
             self._dirty = False
-            try:
-                store.put(STATE_KEY, json.dumps(self._counters))
-            except Exception as exc:  # noqa: BLE001 - losing this only restarts the hang clocks
-                log.warning("saving progress counters failed", extra=kv(error=exc))
+            self.save_state(STATE_KEY, self._counters)
 
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
                 stacks: list[ProcessStack], dump_path: Path | None) -> Result:

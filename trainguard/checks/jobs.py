@@ -32,9 +32,15 @@ class JobCheck(Check):
             raise RuntimeError("no job source configured ([jobs] sources)")
         return self.context.jobs.view()
 
-    def source_errors(self, view: JobView, sources: Sequence[str]) -> list[Result]:
+    def source_errors(self, view: JobView, sources: Sequence[str] | None = None) -> list[Result]:
+        """One UNKNOWN per failed source (of `sources`; None: every source)."""
         return [self.result(f"source:{name}", Status.UNKNOWN, f"job source {name}: {error}", {"source": name})
-                for name, error in view.errors.items() if name in sources]
+                for name, error in view.errors.items() if sources is None or name in sources]
+
+    @staticmethod
+    def jobs_here(view: JobView, names: Sequence[str] = ()) -> list[Job]:
+        """Jobs running on this node, only those named when `names` is given."""
+        return [j for j in view.on_node() if not names or j.name in names]
 
 
 # liveness ---------------------------------------------------------------------------------------

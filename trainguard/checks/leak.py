@@ -15,8 +15,9 @@ from typing import Any
 import psutil
 from pydantic import Field
 
-from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
+from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings
 from trainguard.checks.forecast import Forecast, SeriesWindow
+from trainguard.checks.jobs import JobCheck
 from trainguard.checks.levels import Floors
 from trainguard.jobs.cgroup import CgroupMemory, memory_limit
 from trainguard.jobs.model import Job
@@ -114,7 +115,7 @@ def summarize(job: Job, m: JobMemory, v: Verdict) -> str:
     return f"{job.label()}: {size}{trend}, {format_bytes(m.headroom)} headroom under the {m.limit_text()}"
 
 
-class JobMemoryCheck(Check):
+class JobMemoryCheck(JobCheck):
     Settings = JobMemorySettings
     settings: JobMemorySettings
 
@@ -123,15 +124,11 @@ class JobMemoryCheck(Check):
         self._windows: dict[str, SeriesWindow] = {}
 
     def run(self) -> Sequence[Result]:
-        if self.context.jobs is None:
-            raise RuntimeError("no job source configured ([jobs] sources)")
-        view = self.context.jobs.view()
+        view = self.view()
         now = self.context.clock()
-        results = [self.result(f"source:{n}", Status.UNKNOWN, f"job source {n}: {e}") for n, e in view.errors.items()]
+        results = self.source_errors(view)
         seen = set()
-        for job in view.on_node():
-            if self.settings.names and job.name not in self.settings.names:
-                continue
+        for job in self.jobs_here(view, self.settings.names):
             m = gather(job, self.settings.pss)
             if m is None:
                 continue

@@ -7,16 +7,14 @@ diagnosis and the lever to pull.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field
 
-from trainguard.agent.logs import kv
-from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.checks.base import CheckContext, CheckSettings
 from trainguard.checks.hang import read_step
+from trainguard.checks.jobs import JobCheck
 from trainguard.gpu.faults import XidLedger
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_fields, job_log_files
@@ -26,8 +24,6 @@ from trainguard.logscan.signatures import BUILTIN, Hit, Signature, SignatureSett
 from trainguard.model import Result, Sample, Status, worst
 from trainguard.settings import Duration, Size
 from trainguard.units import parse_size
-
-log = logging.getLogger("trainguard.checks.training_log")
 
 POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"
@@ -49,7 +45,7 @@ class TrainingLogSettings(CheckSettings):
 _CAUSE = {"cuda_oom": 5, "cuda_error": 4, "traceback": 3, "loss_scale_min": 2, "nan_loss": 2, "nccl_timeout": 0}
 
 
-class TrainingLogCheck(Check):
+class TrainingLogCheck(JobCheck):
     Settings = TrainingLogSettings
     settings: TrainingLogSettings
 
@@ -57,34 +53,14 @@ class TrainingLogCheck(Check):
         super().__init__(name, settings, context)
         self.signatures: tuple[Signature, ...] = BUILTIN + custom(self.settings.signatures)
         self._positions: dict[str, Position] = {
-            p: Position.from_list(v) for p, v in self._load(POSITIONS_KEY).items() if isinstance(v, list)}
-        self._findings: dict[str, list[dict[str, Any]]] = self._load(FINDINGS_KEY)
+            p: Position.from_list(v) for p, v in self.load_state(POSITIONS_KEY).items() if isinstance(v, list)}
+        self._findings: dict[str, list[dict[str, Any]]] = self.load_state(FINDINGS_KEY)
         self._counts: dict[str, dict[str, int]] = {}
         self._pending_assert: dict[str, str] = {}
 
-    def _load(self, key: str) -> dict[str, Any]:
-        store = self.context.store
-        try:
-            data = json.loads((store.get(key) if store is not None else None) or "{}")
-        except ValueError:
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def _save(self) -> None:
-        store = self.context.store
-        if store is None:
-            return
-        try:
-            store.put(POSITIONS_KEY, json.dumps({p: pos.to_list() for p, pos in self._positions.items()}))
-            store.put(FINDINGS_KEY, json.dumps(self._findings))
-        except Exception as exc:  # noqa: BLE001 - positions are re-derived at worst by re-reading
-            log.warning("saving log positions failed", extra=kv(error=exc))
-
     def run(self) -> Sequence[Result]:
-        if self.context.jobs is None:
-            raise RuntimeError("no job source configured ([jobs] sources)")
-        view = self.context.jobs.view()
-        results = [self.result(f"source:{n}", Status.UNKNOWN, f"job source {n}: {e}") for n, e in view.errors.items()]
+        view = self.view()
+        results = self.source_errors(view)
         live: set[str] = set()
         paths: set[str] = set()
         for job in view.jobs:
@@ -100,7 +76,8 @@ class TrainingLogCheck(Check):
                 del self._findings[key]
             for path in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
                 del self._positions[path]
-        self._save()
+        self.save_state(POSITIONS_KEY, {p: pos.to_list() for p, pos in self._positions.items()})
+        self.save_state(FINDINGS_KEY, self._findings)
         return results
 
     def _read(self, job: Job, path: str) -> None:
