@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 from trainguard.agent.logs import kv
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
+from trainguard.tools import run_tool
 
 log = logging.getLogger("trainguard.slurm")
 
@@ -30,20 +30,8 @@ class SlurmClient:
 
     def run(self, *args: str, timeout: float | None = None) -> str:
         cmd = [os.path.join(self.bin_dir, args[0]) if self.bin_dir else args[0], *args[1:]]
-        limit = timeout or self.timeout
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL,
-                                  errors="replace")
-        except FileNotFoundError:
-            raise SlurmError(f"{args[0]} not installed (not found on PATH)") from None
-        except subprocess.TimeoutExpired:
-            raise SlurmError(f"{args[0]} timed out after {limit:g}s (slurmctld not answering?)") from None
-        except OSError as exc:
-            raise SlurmError(f"{args[0]} failed to start: {exc}") from None
-        if proc.returncode != 0:
-            msg = (proc.stderr or proc.stdout).strip().splitlines()
-            raise SlurmError(f"{' '.join(args[:2])} exited {proc.returncode}: {msg[-1] if msg else 'no output'}")
-        return proc.stdout
+        return run_tool(cmd, timeout or self.timeout, SlurmError, label=" ".join(args[:2]),
+                        hint=" (slurmctld not answering?)")
 
     # queries -------------------------------------------------------------------
     def queue(self) -> list[dict[str, Any]]:

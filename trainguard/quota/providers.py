@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -22,6 +21,7 @@ from trainguard.quota.parsers import (
     parse_mmlsquota,
     parse_quota,
 )
+from trainguard.tools import run_tool
 from trainguard.units import parse_size
 
 _FLAG = {"user": "-u", "group": "-g", "project": "-p"}
@@ -31,22 +31,9 @@ class QuotaError(Exception):
     """The provider could not say; the message names the command and its error."""
 
 
-def run_tool(argv: Sequence[str], timeout: float, ok_codes: tuple[int, ...] = (0,)) -> str:
+def run_quota_tool(argv: Sequence[str], timeout: float, ok_codes: tuple[int, ...] = (0,)) -> str:
     # The C locale: the tools translate headers and grace units ("6Tage") and localise decimal separators.
-    env = {**os.environ, "LC_ALL": "C"}
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                              errors="replace", env=env)
-    except FileNotFoundError:
-        raise QuotaError(f"{argv[0]} not installed (not found on PATH)") from None
-    except subprocess.TimeoutExpired:
-        raise QuotaError(f"{' '.join(argv)} timed out after {timeout:g}s") from None
-    except OSError as exc:
-        raise QuotaError(f"{argv[0]} failed to start: {exc}") from None
-    if proc.returncode not in ok_codes:
-        said = (proc.stderr or proc.stdout).strip().splitlines()
-        raise QuotaError(f"{' '.join(argv)} exited {proc.returncode}: {said[-1] if said else 'no output'}")
-    return proc.stdout
+    return run_tool(argv, timeout, QuotaError, ok_codes=ok_codes, env={**os.environ, "LC_ALL": "C"})
 
 
 def _nonempty(records: list[QuotaUsage], argv: Sequence[str], output: str) -> list[QuotaUsage]:
@@ -74,7 +61,7 @@ class QuotaToolProvider(Provider):
 
     def query(self, kind: str, owner: str) -> list[QuotaUsage]:
         argv = ["quota", "-w", "-p", "-v", _FLAG[kind], owner]
-        out = run_tool(argv, self.settings.command_timeout, ok_codes=(0, 1))  # 1: a limit is exceeded
+        out = run_quota_tool(argv, self.settings.command_timeout, ok_codes=(0, 1))  # 1: a limit is exceeded
         # the header ("Disk quotas for user ...") is translated under other locales: who is asked is who it is
         records = [replace(r, kind=kind, owner=owner) for r in _nonempty(parse_quota(out), argv, out)]
         mounts = self.settings.mounts
@@ -92,7 +79,7 @@ class LustreProvider(Provider):
         out_all = []
         for mount in self.settings.mounts:
             argv = ["lfs", "quota", *(["-v"] if self.settings.breakdown else []), _FLAG[kind], owner, mount]
-            out = run_tool(argv, self.settings.command_timeout)
+            out = run_quota_tool(argv, self.settings.command_timeout)
             out_all.extend(replace(r, kind=kind, owner=owner) for r in _nonempty(parse_lfs(out), argv, out))
         return out_all
 
@@ -105,11 +92,11 @@ class GpfsProvider(Provider):
             out_all = []
             for device in self.settings.mounts:
                 argv = ["mmlsquota", "-j", owner, device]
-                out = run_tool(argv, self.settings.command_timeout)
+                out = run_quota_tool(argv, self.settings.command_timeout)
                 out_all.extend(_nonempty(parse_mmlsquota(out, owner), argv, out))
             return out_all
         argv = ["mmlsquota", _FLAG[kind], owner, *self.settings.mounts]
-        out = run_tool(argv, self.settings.command_timeout)
+        out = run_quota_tool(argv, self.settings.command_timeout)
         return _nonempty(parse_mmlsquota(out, owner), argv, out)
 
 
@@ -119,7 +106,7 @@ class BeegfsProvider(Provider):
         for mount in self.settings.mounts or [""]:
             argv = ["beegfs-ctl", "--getquota", "--uid" if kind == "user" else "--gid", owner,
                     *([f"--mount={mount}"] if mount else [])]
-            out = run_tool(argv, self.settings.command_timeout)
+            out = run_quota_tool(argv, self.settings.command_timeout)
             out_all.extend(_nonempty(parse_beegfs(out, mount or "beegfs", kind), argv, out))
         return out_all
 
@@ -159,7 +146,7 @@ class CommandProvider(Provider):
     def query(self, kind: str, owner: str) -> list[QuotaUsage]:
         s = self.settings
         argv = [a.format(owner=owner, kind=kind, mount=(s.mounts or [""])[0]) for a in s.command]
-        out = run_tool(argv, s.command_timeout)
+        out = run_quota_tool(argv, s.command_timeout)
         values: dict[str, Any] = {}
         if s.format == "json":
             try:
