@@ -3,6 +3,7 @@ failure turned into one readable error of the caller's kind."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 
@@ -12,15 +13,16 @@ def run_tool(argv: Sequence[str], timeout: float, error: type[Exception], *, lab
     """stdout of `argv`; `error(message)` when it is missing, times out, fails to start or exits outside `ok_codes`.
     `label` names the command in messages (default: the whole argv); `hint` follows a timeout message."""
     name = label or " ".join(argv)
+    tool = os.path.basename(argv[0])
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                               errors="replace", env=dict(env) if env is not None else None)
     except FileNotFoundError:
-        raise error(f"{argv[0]} not installed (not found on PATH)") from None
+        raise error(f"{tool} not installed (not found on PATH)") from None
     except subprocess.TimeoutExpired:
         raise error(f"{name} timed out after {timeout:g}s{hint}") from None
     except OSError as exc:
-        raise error(f"{argv[0]} failed to start: {exc}") from None
+        raise error(f"{tool} failed to start: {exc}") from None
     if proc.returncode not in ok_codes:
         said = (proc.stderr or proc.stdout).strip().splitlines()
         raise error(f"{name} exited {proc.returncode}: {said[-1] if said else 'no output'}")
