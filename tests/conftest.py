@@ -245,6 +245,16 @@ def xid79(bus: str) -> str:
 
 
 @pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    """Child processes a test starts; killed and reaped at teardown."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
 def memory_cgroup() -> Iterator[Callable[[int], Callable[[list[str]], list[str]]]]:
     """Creates memory-limited cgroups (v2 where the node has it, else v1); yields a factory returning a
     wrapper for a command line that enters the cgroup and then execs the command."""

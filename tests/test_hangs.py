@@ -6,11 +6,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.conftest import REPO, HungMount, require, wait_until
 from trainguard.agent.config import parse_config
@@ -18,15 +15,6 @@ from trainguard.agent.engine import Engine
 from trainguard.agent.incidents import Incident
 from trainguard.checks.stacks import find_py_spy, innermost
 from trainguard.model import Status
-
-
-@pytest.fixture
-def children() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def hang_engine(tmp_path: Path, marker: str, job: dict[str, Any], **check: Any) -> Engine:

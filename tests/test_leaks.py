@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +42,6 @@ def test_evaluate(m: JobMemory, forecast: Forecast | None, status: Status, text:
     verdict = evaluate(m, forecast, JobMemorySettings())
     assert verdict.status is status
     assert text in verdict.reason
-
-
-@pytest.fixture
-def children() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def leak_engine(tmp_path: Path, marker: str, **check: Any) -> Engine:

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from trainguard.agent.events import Event, EventKind
 from trainguard.agent.logs import kv
-from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
+from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import actions_done, event_line
 from trainguard.settings import Duration
@@ -54,7 +54,7 @@ def alert(event: Event, s: AlertmanagerSettings, now: float) -> dict[str, Any]:
             "endsAt": _iso(event.at if resolved else now + 4 * s.resend_interval)}
 
 
-class AlertmanagerNotifier(Notifier):
+class AlertmanagerNotifier(GroupNotifier):
     Settings = AlertmanagerSettings
     settings: AlertmanagerSettings
 
@@ -62,9 +62,6 @@ class AlertmanagerNotifier(Notifier):
         super().__init__(name, settings)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def send(self, event: Event) -> None:
-        self.deliver([event])
 
     def deliver(self, events: Sequence[Event], now: float | None = None) -> None:
         when = now if now is not None else datetime.now(timezone.utc).timestamp()

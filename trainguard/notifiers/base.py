@@ -83,3 +83,14 @@ class Notifier(ABC):
         """Deliver a group of events (those within `group_window`); channels that can, send one message."""
         for event in events:
             self.send(event)
+
+
+class GroupNotifier(Notifier):
+    """A channel that sends one message for a whole group of events (Slack, email, webhooks, Alertmanager)."""
+
+    def send(self, event: Event) -> None:
+        self.deliver([event])
+
+    @abstractmethod
+    def deliver(self, events: Sequence[Event]) -> None:
+        """Deliver the group as one message within `settings.timeout`, or raise NotifierError."""

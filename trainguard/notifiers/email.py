@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 
 from trainguard.agent.events import Event
-from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
+from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.text import actions_done, event_line, headline
 from trainguard.settings import Duration
 
@@ -60,12 +60,9 @@ def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
     return msg
 
 
-class EmailNotifier(Notifier):
+class EmailNotifier(GroupNotifier):
     Settings = EmailSettings
     settings: EmailSettings
-
-    def send(self, event: Event) -> None:
-        self.deliver([event])
 
     def _connect(self) -> smtplib.SMTP:
         s = self.settings

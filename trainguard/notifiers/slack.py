@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr
 
 from trainguard.agent.events import Event, EventKind
 from trainguard.model import Status, worst
-from trainguard.notifiers.base import Notifier, NotifierSettings
+from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import actions_done, event_line, headline
 from trainguard.settings import Duration
@@ -51,12 +51,9 @@ def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
     return {"text": text, "attachments": [{"color": COLORS[status], "blocks": blocks}]}
 
 
-class SlackNotifier(Notifier):
+class SlackNotifier(GroupNotifier):
     Settings = SlackSettings
     settings: SlackSettings
-
-    def send(self, event: Event) -> None:
-        self.deliver([event])
 
     def deliver(self, events: Sequence[Event]) -> None:
         post_json(self.settings.webhook_url.get_secret_value(), slack_message(events, self.settings.mention),

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pydantic import Field, SecretStr
 
 from trainguard.agent.events import Event
-from trainguard.notifiers.base import Notifier, NotifierSettings
+from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import headline
 from trainguard.settings import Duration
@@ -33,12 +33,9 @@ def signature(body: bytes, secret: str) -> str:
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
 
 
-class WebhookNotifier(Notifier):
+class WebhookNotifier(GroupNotifier):
     Settings = WebhookSettings
     settings: WebhookSettings
-
-    def send(self, event: Event) -> None:
-        self.deliver([event])
 
     def deliver(self, events: Sequence[Event]) -> None:
         body = webhook_body(events)
