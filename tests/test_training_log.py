@@ -110,21 +110,21 @@ def test_reader_rotation_truncation_recreate_and_restart(tmp_path: Path) -> None
     log = tmp_path / "train.log"
     log.write_bytes(b"a\nb\npartial")
     tail = LogTail(str(log))
-    assert b"".join(c.data for c in tail.read()) == b"a\nb\n"  # the partial line waits for its newline
+    assert b"".join(c for c in tail.read()) == b"a\nb\n"  # the partial line waits for its newline
     with log.open("ab") as f:
         f.write(b" line\nc\n")
     saved = tail.position
     restarted = LogTail(str(log), saved)  # as after an agent restart
-    assert b"".join(c.data for c in restarted.read()) == b"partial line\nc\n"
+    assert b"".join(c for c in restarted.read()) == b"partial line\nc\n"
     log.rename(tmp_path / "train.log.1")
     log.write_bytes(b"new\n")
-    assert b"".join(c.data for c in restarted.read()) == b"new\n"
+    assert b"".join(c for c in restarted.read()) == b"new\n"
     log.write_bytes(b"x\n")  # truncated and rewritten (same inode, smaller)
-    assert b"".join(c.data for c in restarted.read()) == b"x\n"
+    assert b"".join(c for c in restarted.read()) == b"x\n"
     log.unlink()
     assert list(restarted.read()) == []
     log.write_bytes(b"recreated\n")
-    assert b"".join(c.data for c in restarted.read()) == b"recreated\n"
+    assert b"".join(c for c in restarted.read()) == b"recreated\n"
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)
     assert list(LogTail(str(fifo)).read()) == []  # not opened: no blocking, no side effects
@@ -137,11 +137,11 @@ def test_reader_cuts_a_200mb_line_and_tolerates_binary(tmp_path: Path) -> None:
         for _ in range(200):
             f.write(b"x" * MiB)  # 200 MB, no newline yet
     tail = LogTail(str(log))
-    got = b"".join(c.data for c in tail.read())
+    got = b"".join(c for c in tail.read())
     assert got.startswith(b"before\n") and len(got) <= len(b"before\n") + MiB + 1
     with log.open("ab") as f:
         f.write(b"yyy\n\xff\xfe\x00 junk CUDA out of memory. Tried to allocate 1.00 GiB \xc3\n")
-    rest = b"".join(c.data for c in tail.read(limit=1 << 30))
+    rest = b"".join(c for c in tail.read(limit=1 << 30))
     assert not rest.startswith(b"x") and b"yyy" not in rest  # the tail of the long line is skipped
     [hit] = scan(rest, BUILTIN)
     assert hit.signature.name == "cuda_oom" and "\ufffd" in hit.line

@@ -83,8 +83,8 @@ class TrainingLogCheck(JobCheck):
     def _read(self, job: Job, path: str) -> None:
         tail = LogTail(path, self._positions.get(path), int(self.settings.max_line))
         for chunk in tail.read(int(self.settings.read_limit)):
-            for hit in scan(chunk.data, self.signatures):
-                self._record(job, path, hit, chunk.data)
+            for hit in scan(chunk, self.signatures):
+                self._record(job, path, hit, chunk)
         if tail.position is not None:
             self._positions[path] = tail.position
 

@@ -1,4 +1,4 @@
-"""What a known failure line means: CUDA OOM (true vs fragmentation), NCCL timeouts, CUDA errors, NaN losses.
+"""What a known failure line means: CUDA OOM (true vs fragmentation), NCCL timeouts, CUDA errors.
 
 Pure functions over text, each returning the extracted fields and the runbook's answer, so that the
 corpus tests can pin every format. Formats: ../reference facts gathered from PyTorch's allocator.
@@ -143,9 +143,3 @@ def diagnose_cuda(text: str, assertion: str | None = None) -> Diagnosis:
     return Diagnosis("cuda_error", f"CUDA error: {m.group(1) if m else 'unknown'}",
                      "check the node's XIDs and the GPU's health before blaming the job", {"error": m.group(1) if m else None})
 
-
-# numerical blow-up ------------------------------------------------------------------------------------
-NAN_LOSS = re.compile(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN|found NaN in """
-                      r"""local grad norm)""", re.IGNORECASE)
-OVERFLOW = re.compile(r"OVERFLOW! Rank \d+ Skipping step")
-SCALE_MIN = re.compile(r"loss scale already at minimum", re.IGNORECASE)

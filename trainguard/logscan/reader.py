@@ -36,25 +36,14 @@ class Position:
                    str(data[4]) if len(data) > 4 else "")
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Complete lines read in one go (bytes, newline-separated, no trailing partial line)."""
-
-    data: bytes
-    start: int  # file offset of data[0]
-    cut_lines: int  # lines cut at max_line
-
-
 class LogTail:
-    def __init__(self, path: str, position: Position | None = None, max_line: int = MAX_LINE,
-                 from_end: bool = False) -> None:
+    def __init__(self, path: str, position: Position | None = None, max_line: int = MAX_LINE) -> None:
         self.path = path
         self.position = position
         self.max_line = max_line
-        self.from_end = from_end  # a file first seen is read from its end (an agent installed mid-run)
 
-    def read(self, limit: int = 64 << 20) -> Iterator[Chunk]:
-        """Appended complete lines, in chunks, up to `limit` bytes per call (the rest next time)."""
+    def read(self, limit: int = 64 << 20) -> Iterator[bytes]:
+        """Appended complete lines (newline-terminated), in chunks, up to `limit` bytes per call (the rest next time)."""
         try:  # only regular files: opening a device or FIFO that a job calls its log can have side effects
             if not stat.S_ISREG(os.stat(self.path).st_mode):
                 return
@@ -68,7 +57,7 @@ class LogTail:
             pos = self.position
             head = os.pread(fd, HEAD, 0).hex()
             if pos is None or (pos.dev, pos.ino) != (st.st_dev, st.st_ino) or not head.startswith(pos.head):
-                pos = Position(st.st_dev, st.st_ino, st.st_size if self.from_end and pos is None else 0)
+                pos = Position(st.st_dev, st.st_ino, 0)
             elif st.st_size < pos.offset:  # truncated (copytruncate, or rewritten)
                 pos = Position(st.st_dev, st.st_ino, 0)
             pos.head = head
@@ -88,7 +77,7 @@ class LogTail:
         finally:
             os.close(fd)
 
-    def _lines(self, data: bytes, pos: Position) -> Chunk | None:
+    def _lines(self, data: bytes, pos: Position) -> bytes | None:
         start = pos.offset
         if pos.skipping:
             nl = data.find(b"\n")
@@ -102,18 +91,16 @@ class LogTail:
             if len(data) >= self.max_line:  # an over-long line: keep its head, skip the rest
                 pos.offset = start + len(data)
                 pos.skipping = True
-                return Chunk(data[:self.max_line] + b"\n", start, 1)
+                return data[:self.max_line] + b"\n"
             pos.offset = start
             return None
         body = data[:last + 1]
         pos.offset = start + last + 1
-        cut = 0
         if self._may_hold_long_line(body):
             parts = body.split(b"\n")
             if max(map(len, parts)) > self.max_line:
-                cut = sum(1 for p in parts if len(p) > self.max_line)
                 body = b"\n".join(p[:self.max_line] for p in parts)
-        return Chunk(body, start, cut)
+        return body
 
     def _may_hold_long_line(self, body: bytes) -> bool:
         """A line longer than max_line contains a whole aligned window of max_line/2 bytes without a newline:
