@@ -63,9 +63,9 @@ class AlertmanagerNotifier(GroupNotifier):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def deliver(self, events: Sequence[Event], now: float | None = None) -> None:
-        when = now if now is not None else datetime.now(timezone.utc).timestamp()
-        payload = [alert(e, self.settings, when) for e in events]
+    def deliver(self, events: Sequence[Event]) -> None:
+        now = datetime.now(timezone.utc).timestamp()
+        payload = [alert(e, self.settings, now) for e in events]
         errors = []
         for url in self.settings.urls:  # every member of an HA pair gets it; one accepting is enough
             try:

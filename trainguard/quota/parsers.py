@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.units import parse_size
@@ -169,7 +169,7 @@ def parse_lfs(text: str, now: float | None = None) -> list[QuotaUsage]:
         else:
             out.append(record)
     if targets and out:
-        out[-1] = QuotaUsage(**{**out[-1].__dict__, "extra": {"targets": targets}})
+        out[-1] = replace(out[-1], extra={"targets": targets})
     return out
 
 
