@@ -29,7 +29,7 @@ from trainguard.checks.jobs import JobCheck
 from trainguard.checks.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
 from trainguard.checks.timer import WakeTimer
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import job_fields, job_log_files, job_processes
+from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes
 from trainguard.model import Result, Sample, Status
 from trainguard.settings import Duration
 from trainguard.units import format_duration
@@ -50,7 +50,7 @@ class HangSettings(CheckSettings):
     logs: list[str] = Field(default_factory=list, description="More log paths or globs per job: {workdir} {job_id} "
                                                               "{name} {user} {switch_dir}.")
     open_files: bool = Field(True, description="Count writes to any file the job's processes hold open for writing.")
-    heartbeat: str = Field("{switch_dir}/heartbeat.json", description="The trainer helper's heartbeat file; empty: none.")
+    heartbeat: str = Field(HEARTBEAT, description="The trainer helper's heartbeat file; empty: none.")
     io_fallback: bool = Field(True, description="Jobs with no log or heartbeat: their write I/O counters are progress.")
     stacks: bool = Field(True, description="Capture the stacks of a hung job's Python processes with py-spy.")
     py_spy: str = Field("", description="py-spy executable; default: the one installed with trainguard, else PATH.")
@@ -177,9 +177,7 @@ class HangCheck(JobCheck):
         logged = log_signal(job, self.settings.logs, procs, self.settings.open_files, job.switch_dir)
         if logged is not None:
             signals.append(logged)
-        template = self.settings.heartbeat
-        usable = template and (job.switch_dir or "{switch_dir}" not in template)
-        beat = template.format(**job_fields(job)) if usable else ""
+        beat = heartbeat_path(job, self.settings.heartbeat)
         step = read_step(beat) if beat else None
         if step is not None:
             try:  # the new step was written at the latest by the file's last write, not when we noticed it

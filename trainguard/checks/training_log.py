@@ -17,7 +17,7 @@ from trainguard.checks.hang import read_step
 from trainguard.checks.jobs import JobCheck
 from trainguard.gpu.faults import XidLedger
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import job_fields, job_log_files
+from trainguard.jobs.tree import heartbeat_path, job_fields, job_log_files
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, diagnose_oom, rank_of
 from trainguard.logscan.reader import LogTail, Position
 from trainguard.logscan.signatures import BUILTIN, Hit, Signature, SignatureSettings, custom, final_exception, scan
@@ -107,7 +107,8 @@ class TrainingLogCheck(JobCheck):
                                   "or use bf16")
         elif name == "cuda_oom":
             d = diagnose_oom(text)
-            step = read_step(job.switch_dir + "/heartbeat.json") if job.switch_dir else None
+            beat = heartbeat_path(job)
+            step = read_step(beat) if beat else None
             when = ("step unknown" if step is None else f"at step {step}: static sizing (first steps)"
                     if step <= self.settings.warmup_steps else f"mid-run at step {step}: a growing working set "
                     "or progressive fragmentation")

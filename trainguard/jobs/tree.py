@@ -43,3 +43,13 @@ def job_log_files(job: Job, patterns: Sequence[str] = ()) -> list[str]:
             continue
         paths.extend(sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])
     return list(dict.fromkeys(paths))
+
+
+HEARTBEAT = "{switch_dir}/heartbeat.json"  # where trainguard.trainer writes it by default
+
+
+def heartbeat_path(job: Job, template: str = HEARTBEAT) -> str | None:
+    """The job's heartbeat file from `template`; None when the template is empty or needs a switch dir it lacks."""
+    if not template or (not job.switch_dir and "{switch_dir}" in template):
+        return None
+    return template.format(**job_fields(job))
