@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from trainguard.logscan.reader import LogTail
-from trainguard.logscan.signatures import BUILTIN, scan
+from trainguard.logscan.signatures import BUILTIN, Scanner
 
 BLOCK = "".join(
     f"[rank{r}]: step {s} loss={2.5 - s / 1e5:.4f} lr=3.0e-4 tokens/s=182340 grad_norm=0.91\n"
@@ -46,8 +46,8 @@ def make_log(path: Path, size: int) -> int:
 
 def ours(path: Path) -> tuple[float, int]:
     started = time.perf_counter()
-    tail = LogTail(str(path))
-    hits = sum(1 for chunk in tail.read(limit=1 << 40) for _ in scan(chunk, BUILTIN))
+    tail, scanner = LogTail(str(path)), Scanner(BUILTIN)
+    hits = sum(1 for chunk in tail.read(limit=1 << 40) for _ in scanner.scan(chunk))
     return time.perf_counter() - started, hits
 
 
@@ -75,7 +75,7 @@ def appended_cost(tmp: Path, base: int, rounds: int = 5) -> float:
             f.write(BLOCK * (1 + (1 << 20) // len(BLOCK)))
         started = time.perf_counter()
         for chunk in tail.read(limit=1 << 40):
-            list(scan(chunk, BUILTIN))
+            list(Scanner(BUILTIN).scan(chunk))
         costs.append(time.perf_counter() - started)
     path.unlink()
     return statistics.median(costs)

@@ -18,7 +18,7 @@ from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.process import ProcessJobSettings
 from trainguard.logscan.diagnose import FRAGMENTATION_ADVICE, TRUE_OOM_ADVICE, diagnose_cuda, diagnose_nccl, diagnose_oom
 from trainguard.logscan.reader import LogTail
-from trainguard.logscan.signatures import BUILTIN, scan
+from trainguard.logscan.signatures import BUILTIN, Scanner
 from trainguard.model import Status
 
 MiB, GiB = 2**20, 2**30
@@ -89,7 +89,7 @@ def lines(*text: str) -> bytes:
 
 
 def names(data: bytes) -> list[str]:
-    return [h.signature.name for h in scan(data, BUILTIN)]
+    return [h.signature.name for h in Scanner(BUILTIN).scan(data)]
 
 
 def test_scanner_finds_each_class_and_nothing_in_lookalikes() -> None:
@@ -143,7 +143,7 @@ def test_reader_cuts_a_200mb_line_and_tolerates_binary(tmp_path: Path) -> None:
         f.write(b"yyy\n\xff\xfe\x00 junk CUDA out of memory. Tried to allocate 1.00 GiB \xc3\n")
     rest = b"".join(c for c in tail.read(limit=1 << 30))
     assert not rest.startswith(b"x") and b"yyy" not in rest  # the tail of the long line is skipped
-    [hit] = scan(rest, BUILTIN)
+    [hit] = Scanner(BUILTIN).scan(rest)
     assert hit.signature.name == "cuda_oom" and "\ufffd" in hit.line
 
 

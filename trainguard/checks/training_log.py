@@ -20,7 +20,7 @@ from trainguard.jobs.model import Job
 from trainguard.jobs.tree import heartbeat_path, job_fields, job_log_files
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, diagnose_oom, rank_of
 from trainguard.logscan.reader import LogTail, Position
-from trainguard.logscan.signatures import BUILTIN, Hit, Signature, SignatureSettings, custom, final_exception, scan
+from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception
 from trainguard.model import Result, Sample, Status, worst
 from trainguard.settings import Duration, Size
 from trainguard.units import parse_size
@@ -51,7 +51,7 @@ class TrainingLogCheck(JobCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.signatures: tuple[Signature, ...] = BUILTIN + custom(self.settings.signatures)
+        self.scanner = Scanner(BUILTIN + custom(self.settings.signatures))
         self._positions: dict[str, Position] = {
             p: Position.from_list(v) for p, v in self.load_state(POSITIONS_KEY).items() if isinstance(v, list)}
         self._findings: dict[str, list[dict[str, Any]]] = self.load_state(FINDINGS_KEY)
@@ -83,7 +83,7 @@ class TrainingLogCheck(JobCheck):
     def _read(self, job: Job, path: str) -> None:
         tail = LogTail(path, self._positions.get(path), int(self.settings.max_line))
         for chunk in tail.read(int(self.settings.read_limit)):
-            for hit in scan(chunk, self.signatures):
+            for hit in self.scanner.scan(chunk):
                 self._record(job, path, hit, chunk)
         if tail.position is not None:
             self._positions[path] = tail.position

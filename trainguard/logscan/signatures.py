@@ -1,8 +1,8 @@
 """Signatures as data, and the scanner that finds them in appended log bytes.
 
-Every signature has literal needles: the scanner looks for those with `bytes.find` (C speed, no
-per-line Python) and runs a signature's regex only on the lines that contain one. A log of normal
-training output therefore costs a few memory scans, however long it is.
+Every signature has literal needles. The scanner finds all needles in one pass of an Aho-Corasick
+automaton (ahocorasick_rs, SIMD-prefiltered, several GB/s) and runs Python only on the lines that
+contain one: a log of normal training output costs one memory scan, however long it is.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import ahocorasick_rs
 from pydantic import Field
 
 from trainguard.model import Status
@@ -35,8 +36,8 @@ class SignatureSettings(SettingsModel):
     advice: str = Field("", description="What to do, shown in the alert.")
 
 
-# Few, short needles: each is one pass over the bytes, so signatures share them where they can and the
-# regex tells them apart on the (rare) lines that contain one.
+# Needles are case-sensitive literals: list the spellings that occur; the regex tells signatures apart on
+# the (rare) lines that contain one.
 BUILTIN: tuple[Signature, ...] = (
     Signature("cuda_oom", (b"out of memory",),
               re.compile(r"CUDA out of memory|cuda runtime error \(2\) : out of memory|THCudaCheck FAIL.*out of memory"),
@@ -45,7 +46,7 @@ BUILTIN: tuple[Signature, ...] = (
               re.compile(r"Watchdog caught collective operation timeout|NCCL watchdog thread terminated"), Status.CRITICAL),
     Signature("cuda_error", (b"CUDA",), re.compile(r"CUDA (?:driver )?error: |c10::CUDAError"), Status.CRITICAL),
     Signature("device_assert", (b"Assertion `",), re.compile(r"Assertion `.+` failed"), Status.OK),
-    Signature("nan_loss", (b"nan", b"NaN", b"inf"),
+    Signature("nan_loss", (b"nan", b"NaN", b"inf", b"Inf"),
               re.compile(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN"""
                          r"""|found NaN in local grad norm)""", re.IGNORECASE), Status.WARNING,
               "the loss diverged: lower the learning rate, check the data batch, resume from an earlier checkpoint"),
@@ -68,22 +69,36 @@ def custom(signatures: dict[str, SignatureSettings]) -> tuple[Signature, ...]:
                            s.advice) for name, s in signatures.items())
 
 
-def scan(data: bytes, signatures: Sequence[Signature]) -> Iterator[Hit]:
-    """Hits in `data` (complete lines), in file order; one hit per line and signature."""
-    hits: dict[tuple[int, str], Hit] = {}
-    for sig in signatures:
-        for needle in sig.needles:
-            pos = data.find(needle)
-            while pos >= 0:
-                start = data.rfind(b"\n", 0, pos) + 1
-                end = data.find(b"\n", pos)
-                end = len(data) if end < 0 else end
-                if (start, sig.name) not in hits:
-                    line = data[start:end].decode("utf-8", errors="replace")
-                    if sig.pattern is None or sig.pattern.search(line):
-                        hits[(start, sig.name)] = Hit(sig, line, start)
-                pos = data.find(needle, end)
-    yield from sorted(hits.values(), key=lambda h: h.offset)
+class Scanner:
+    """Finds signatures in appended log bytes; build once per signature table."""
+
+    def __init__(self, signatures: Sequence[Signature]) -> None:
+        self.signatures = tuple(signatures)
+        needles = sorted({n for sig in self.signatures for n in sig.needles})
+        # Leftmost-first lets the automaton use its SIMD prefilter (10x the standard match kind); it
+        # may hide a needle overlapping an earlier one, but only on a line that is looked at anyway.
+        self._automaton = ahocorasick_rs.BytesAhoCorasick(
+            needles, matchkind=ahocorasick_rs.MATCHKIND_LEFTMOST_FIRST) if needles else None
+
+    def scan(self, data: bytes) -> Iterator[Hit]:
+        """Hits in `data` (complete lines), in file order; one hit per line and signature."""
+        if self._automaton is None:
+            return
+        line_end = -1
+        for _, pos, _ in self._automaton.find_matches_as_indexes(data):
+            if pos <= line_end:  # another needle on a line already looked at
+                continue
+            start = data.rfind(b"\n", 0, pos) + 1
+            line_end = data.find(b"\n", pos)
+            line_end = len(data) if line_end < 0 else line_end
+            raw = data[start:line_end]
+            text: str | None = None
+            for sig in self.signatures:
+                if not any(n in raw for n in sig.needles):
+                    continue
+                text = raw.decode("utf-8", errors="replace") if text is None else text
+                if sig.pattern is None or sig.pattern.search(text):
+                    yield Hit(sig, text, start)
 
 
 _EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$")
