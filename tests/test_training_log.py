@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from trainguard.agent.store import Store
@@ -16,10 +17,15 @@ from trainguard.checks.base import CheckContext
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.process import ProcessJobSettings
+from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import FRAGMENTATION_ADVICE, TRUE_OOM_ADVICE, diagnose_cuda, diagnose_nccl, diagnose_oom
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
 from trainguard.model import Status
+from trainguard.nvml import GpuProcess, GpuState, Nvml
+
+from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError
+from .slurm_cluster import SlurmCluster
 
 MiB, GiB = 2**20, 2**30
 
@@ -150,16 +156,20 @@ def test_reader_cuts_a_200mb_line_and_tolerates_binary(tmp_path: Path) -> None:
 @pytest.fixture
 def trainer(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     marker = f"logjob-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker])
+    # the job sees GPUs 1,0,3,2 as its CUDA ordinals 0-3, as under SLURM's GPU binding
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker],
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "1,0,3,2"})
     yield marker, tmp_path / "rank-logs"
     proc.kill()
     proc.wait()
 
 
-def check(tmp_path: Path, marker: str, store: Store) -> TrainingLogCheck:
+def check(tmp_path: Path, marker: str, store: Store, nvml: FakeNvml | None = None) -> TrainingLogCheck:
     jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
-        "trainer": ProcessJobSettings(cmdline=marker, logs=[str(tmp_path / "rank-logs" / "*.log")])}), "node1")
-    return TrainingLogCheck("logs", TrainingLogSettings(), CheckContext("node1", tmp_path, jobs=jobs, store=store))
+        "trainer": ProcessJobSettings(cmdline=marker, logs=[str(tmp_path / "rank-logs" / "*.log")],
+                                      switch_dir=str(tmp_path / "switch"))}), "node1")
+    return TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        "node1", tmp_path, jobs=jobs, store=store, extras={"nvml": Nvml(nvml or FakeNvml(init_error=NVMLError))}))
 
 
 def test_check_reports_the_diagnosis_once_and_remembers_it(tmp_path: Path, trainer: tuple[str, Path]) -> None:
@@ -195,3 +205,107 @@ def test_a_crash_on_one_rank_leads_over_the_others_timeouts(tmp_path: Path, trai
     assert findings["traceback"]["rank"] == "2" and findings["nccl_timeout"]["fields"]["rank"] == 1
     assert result.summary.startswith("process job trainer (rank 2): CUDA error: illegal memory access")
     assert "then NCCL collectives timed out on rank 1" in result.summary
+
+
+def test_nan_losses_count_in_a_row_across_reads(tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    marker, logs = trainer
+    logs.mkdir()
+    log = logs / "rank0.log"
+    log.write_bytes(lines("step 1 loss=nan", "step 2 loss=2.31", "step 3 loss=nan", "step 4 loss=nan"))
+    watch = check(tmp_path, marker, Store(None))
+    [result] = watch.run()
+    assert result.status is Status.WARNING and "NaN/Inf loss, 2 in a row (3 in all)" in result.summary
+    with log.open("ab") as f:
+        f.write(lines("step 5 loss=2.2"))  # a finite loss read on its own ends the streak
+    watch.run()
+    with log.open("ab") as f:
+        f.write(lines("step 6 loss=nan", "{'loss': nan, 'step': 7}"))
+    [result] = watch.run()
+    assert result.status is Status.WARNING and "2 in a row (5 in all)" in result.summary
+    with log.open("ab") as f:
+        f.write(lines("step 8 loss: NaN"))
+    [result] = watch.run()
+    assert result.status is Status.CRITICAL and "3 in a row (6 in all)" in result.summary
+
+
+def test_nan_loss_from_the_heartbeat(tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    from trainguard.trainer import Trainer
+
+    marker, logs = trainer
+    logs.mkdir()
+    beat = Trainer(switch_dir=tmp_path / "switch")
+    watch = check(tmp_path, marker, Store(None))
+    beat.heartbeat(10, loss=1.5)
+    assert watch.run()[0].status is Status.OK
+    for step in (11, 12):
+        beat.heartbeat(step, loss=float("nan"))
+        [result] = watch.run()
+        watch.run()  # the same step again is not one more
+    assert result.status is Status.WARNING and "2 in a row" in result.summary
+    beat.heartbeat(13, loss=float("inf"))
+    [result] = watch.run()
+    assert result.status is Status.CRITICAL and "3 in a row" in result.summary
+
+
+@pytest.mark.parametrize(("before", "expected"), [
+    ("step 3 loss=9.1", "at step 3: static sizing (first steps)"),
+    (" iteration      500/  500000 | loss 2.1", "mid-run at step 500: a growing working set"),
+])
+def test_oom_step_comes_from_the_step_lines(tmp_path: Path, trainer: tuple[str, Path], before: str,
+                                            expected: str) -> None:
+    marker, logs = trainer
+    logs.mkdir()
+    log = logs / "rank3.log"
+    log.write_bytes(lines(before, "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536"))
+    watch = check(tmp_path, marker, Store(None))
+    watch.run()
+    with log.open("ab") as f:  # the OOM comes in a later read than the step line
+        f.write(lines(OOM_22_FRAG))
+    [result] = watch.run()
+    assert expected in result.summary
+
+
+def test_oom_names_the_other_processes_and_faults_of_that_gpu(tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    marker, logs = trainer
+    logs.mkdir()
+    [job_pid] = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    gpus = [FakeGpu(f"GPU-{i}0000000-0000-0000-0000-000000000000", processes=[(job_pid, 70 * GiB)]) for i in range(4)]
+    gpus[2].processes.append((os.getpid(), 6 * GiB))  # ordinal 3 is GPU 2 for this job (CUDA_VISIBLE_DEVICES)
+    gpus[2].remap = (0, 1, 1, 0)
+    (logs / "rank3.log").write_bytes(lines(OOM_22_FRAG))
+    [result] = check(tmp_path, marker, Store(None), FakeNvml(gpus)).run()
+    [finding] = result.details["findings"]
+    assert finding["gpu"]["index"] == 2 and finding["gpu"]["faults"] == ["row remapping pending"]
+    assert finding["gpu"]["other_processes"] == [{"pid": os.getpid(), "bytes": 6 * GiB,
+                                                  "command": psutil.Process().name()}]
+    assert f"GPU 2 also held by pid {os.getpid()} ({psutil.Process().name()}) 6.0 GiB" in result.summary
+    assert "GPU 2 faults: row remapping pending" in result.summary
+
+
+def test_pick_gpu_maps_the_cuda_ordinal() -> None:
+    gpus = [GpuState(i, f"GPU-{i}abc", "H100", f"0000:0{i}:00", processes=(GpuProcess(100 + i, GiB),)) for i in range(4)]
+    assert pick_gpu(gpus, 1, {999}, ["3", "2"]).index == 2
+    assert pick_gpu(gpus, 0, {999}, ["GPU-1a"]).index == 1  # UUID prefixes work too
+    assert pick_gpu(gpus, 0, {103}, None).index == 3  # no mapping: the one GPU the job holds
+    assert pick_gpu(gpus, 2, {999}, None).index == 2  # the job sees every GPU: ordinal = index
+    assert pick_gpu(gpus, 5, {100, 101}, ["0", "1"]) is None  # can't be told
+
+
+@pytest.mark.parametrize("traceback", [True, False])
+def test_a_failed_slurm_job_gets_its_exit_code_and_final_exception(slurm: SlurmCluster, tmp_path: Path,
+                                                                   traceback: bool) -> None:
+    header = "echo 'Traceback (most recent call last):'; echo '  File \"train.py\", line 9, in <module>'; " \
+        if traceback else ""
+    job_id = slurm.submit(f"echo 'step 1 loss=2.0'; {header}echo 'ValueError: bad shard 7'; exit 3",
+                          name=f"tg-exit-{uuid.uuid4().hex[:6]}")
+    slurm.wait_state(job_id, ("FAILED",))
+    jobs = JobCatalog(JobsSettings(sources=["slurm"], refresh=0), slurm.node)
+    watch = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        slurm.node, tmp_path, jobs=jobs, store=Store(None), extras={"nvml": Nvml(FakeNvml(init_error=NVMLError))}))
+    [result] = [r for r in watch.run() if r.subject == f"slurm:{job_id}"]
+    assert result.status is Status.CRITICAL
+    assert ": the job ended FAILED with exit code 3:0: ValueError: bad shard 7 — " in result.summary
+    signatures = [f["signature"] for f in result.details["findings"]]
+    assert signatures == (["traceback", "exit"] if traceback else ["exit"])
+    [again] = [r for r in watch.run() if r.subject == f"slurm:{job_id}"]
+    assert [f["signature"] for f in again.details["findings"]] == signatures  # told once

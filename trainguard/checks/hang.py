@@ -95,13 +95,21 @@ def log_signal(job: Job, patterns: Sequence[str], procs: list[psutil.Process], o
     return best
 
 
-def read_step(path: str) -> int | None:
+def read_heartbeat(path: str) -> tuple[int | None, dict[str, Any]]:
+    """The heartbeat's step and metrics (`trainguard.trainer` writes non-finite values as strings)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return None
-    step = data.get("step") if isinstance(data, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+        return None, {}
+    if not isinstance(data, dict):
+        return None, {}
+    step, metrics = data.get("step"), data.get("metrics")
+    return (step if isinstance(step, int) and not isinstance(step, bool) else None,
+            metrics if isinstance(metrics, dict) else {})
+
+
+def read_step(path: str) -> int | None:
+    return read_heartbeat(path)[0]
 
 
 def io_written(procs: list[psutil.Process]) -> int | None:

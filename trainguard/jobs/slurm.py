@@ -202,13 +202,17 @@ class SlurmSource:
         jobs = []
         for raw in self.client.queue():
             job = parse_job(raw, self.node, self.switch_template)
-            if job.on_this_node and job.running and job.job_id:
+            if not job.on_this_node:
+                jobs.append(job)
+                continue
+            refs: tuple[ProcessRef, ...] = ()
+            if job.running and job.job_id:
                 try:
                     refs = tuple(r for r in (ProcessRef.of(p) for p in self.client.listpids(job.job_id)) if r)
                 except SlurmError as exc:
                     log.warning("listpids failed", extra=kv(job=job.job_id, error=str(exc)))
-                    refs = ()
-                log_paths = tuple(dict.fromkeys(p for p in (job.stdout, job.stderr) if p))
-                job = Job(**{**vars(job), "processes": refs, "log_paths": log_paths})
+            # an ended job's logs too: the crash it died of is written last, maybe after the last read
+            log_paths = tuple(dict.fromkeys(p for p in (job.stdout, job.stderr) if p))
+            job = Job(**{**vars(job), "processes": refs, "log_paths": log_paths})
             jobs.append(job)
         return jobs

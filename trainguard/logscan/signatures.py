@@ -101,7 +101,9 @@ class Scanner:
                     yield Hit(sig, text, start)
 
 
-_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$")
+_EXCEPTION_TEXT = r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$"
+_EXCEPTION = re.compile(_EXCEPTION_TEXT)
+_EXCEPTION_LINE = re.compile(_EXCEPTION_TEXT, re.MULTILINE)
 
 
 def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None:
@@ -117,3 +119,19 @@ def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None
             return m.group(1)
         pos = end
     return None
+
+
+def last_exception(path: str, window: int = 64 << 10) -> str | None:
+    """The last exception line (`RuntimeError: ...`) in the final `window` bytes of a log, for a job that exited
+    non-zero without a traceback in what was scanned."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - window))
+            tail = f.read(window).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    found = None
+    for found in _EXCEPTION_LINE.finditer(tail):  # noqa: B007 - the last one is wanted
+        pass
+    return found.group(1) if found else None

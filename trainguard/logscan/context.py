@@ -1,0 +1,100 @@
+"""What the node knows around a log finding: the step it came at, whether the losses in between were
+finite, and the state of the GPU an OOM names (who else holds its memory, ECC and row-remap faults)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainguard.nvml import GpuState, Nvml, NvmlUnavailableError
+
+STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one is close by
+# `step 100`, `Step: 100`, `global_step=100`, Megatron's `iteration      100/  500000`; not `Skipping step.`
+_STEP = re.compile(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d+)")
+_FINITE_LOSS = re.compile(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
+
+
+def last_step(data: bytes, end: int | None = None) -> int | None:
+    """The step of the last step line in `data` before `end` (within STEP_WINDOW bytes), or None."""
+    end = len(data) if end is None else end
+    found = None
+    for found in _STEP.finditer(data, max(0, end - STEP_WINDOW), end):  # noqa: B007 - the last one is wanted
+        pass
+    return int(found.group(1)) if found else None
+
+
+def finite_loss(data: bytes, start: int, end: int) -> bool:
+    """Whether a finite loss value (`loss=2.31`, `'loss': 0.5`) is printed in data[start:end]."""
+    return _FINITE_LOSS.search(data, start, end) is not None
+
+
+def visible_devices(pids: Collection[int]) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES of the first of these processes that sets it: how the job's ordinals map to GPUs."""
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        for entry in environ.split(b"\0"):
+            if entry.startswith(b"CUDA_VISIBLE_DEVICES="):
+                return [d.strip() for d in entry.split(b"=", 1)[1].decode(errors="replace").split(",") if d.strip()]
+    return None
+
+
+def pick_gpu(gpus: list[GpuState], ordinal: int | None, job_pids: Collection[int],
+             visible: list[str] | None) -> GpuState | None:
+    """The physical GPU behind the job's CUDA ordinal: through CUDA_VISIBLE_DEVICES (indexes or UUIDs), else
+    the one GPU the job holds memory on, else the ordinal as an NVML index (a job that sees every GPU)."""
+    if ordinal is not None and visible and ordinal < len(visible):
+        entry = visible[ordinal]
+        for gpu in gpus:
+            if (entry.isdigit() and gpu.index == int(entry)) or (not entry.isdigit() and gpu.uuid.startswith(entry)):
+                return gpu
+    held = [g for g in gpus if any(p.pid in job_pids for p in g.processes or ())]
+    if len(held) == 1:
+        return held[0]
+    if ordinal is not None and not visible:
+        return next((g for g in gpus if g.index == ordinal), None)
+    return None
+
+
+def gpu_faults(gpu: GpuState) -> list[str]:
+    faults = []
+    if gpu.lost:
+        faults.append("lost (fell off the bus)")
+    if gpu.ecc_uncorrected_volatile:
+        faults.append(f"{gpu.ecc_uncorrected_volatile} uncorrected ECC errors since the driver loaded")
+    if gpu.remap_failed:
+        faults.append("row remapping failed")
+    if gpu.remap_pending:
+        faults.append("row remapping pending")
+    if gpu.retired_pages_pending:
+        faults.append("retired pages pending")
+    return faults
+
+
+def _command(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return None
+
+
+def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int]) -> dict[str, Any] | None:
+    """The OOMed GPU as NVML sees it now: other processes holding its memory, and its fault state.
+    None when NVML is not available or the GPU can't be told."""
+    try:
+        gpus = nvml.gpus()
+    except NvmlUnavailableError:
+        return None
+    gpu = pick_gpu(gpus, ordinal, job_pids, visible_devices(job_pids))
+    if gpu is None:
+        return None
+    others = [{"pid": p.pid, "bytes": p.used, "command": _command(p.pid)}
+              for p in gpu.processes or () if p.pid not in job_pids]
+    return {"index": gpu.index, "uuid": gpu.uuid, "memory_used": gpu.memory_used, "memory_total": gpu.memory_total,
+            "other_processes": others, "faults": gpu_faults(gpu)}
