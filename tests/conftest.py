@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,15 +162,17 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 class AgentProcess:
     """`trainguard run` as a real subprocess, stderr captured to a file."""
 
-    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None, wrapper: Sequence[str] = ()) -> None:
         self.config = config
         self.log = log
         self.env = {**os.environ, **(env or {})}
+        self.wrapper = list(wrapper)  # e.g. setpriv with the service's user and capabilities
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> AgentProcess:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "trainguard", "run", "--config", str(self.config)],
+            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "trainguard", "run", "--config",
+                                          str(self.config)],
                                          stdout=out, stderr=out, env=self.env, cwd=REPO)
         return self
 
@@ -200,8 +202,9 @@ class AgentProcess:
 def agent_process(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
-    def make(config: Path, env: dict[str, str] | None = None, log_name: str = "agent.log") -> AgentProcess:
-        agent = AgentProcess(config, tmp_path / log_name, env)
+    def make(config: Path, env: dict[str, str] | None = None, log_name: str = "agent.log",
+             wrapper: Sequence[str] = ()) -> AgentProcess:
+        agent = AgentProcess(config, tmp_path / log_name, env, wrapper)
         started.append(agent)
         return agent.start()
 

@@ -1,4 +1,4 @@
-"""The `trainguard` command: run, check, status, validate, notify-test."""
+"""The `trainguard` command: run, check, status, validate, notify-test, install, uninstall, config-reference."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
                     "2 CRITICAL, 3 UNKNOWN, for the most severe status (OK < UNKNOWN < WARNING < CRITICAL). "
                     "Usable as a SLURM HealthCheckProgram or job prolog."))
     p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--critical-only", action="store_true",
+                   help="exit 0 unless a result is CRITICAL (for a SLURM prolog: only CRITICAL refuses the node)")
+    p.add_argument("--drain", action="store_true",
+                   help="on CRITICAL, drain this node through the configured `drain` action, with the reason "
+                        "(for a SLURM HealthCheckProgram)")
     p = with_config(sub.add_parser("status", help="show a running agent's incidents and last results",
                                    description="Ask a running agent's /status endpoint and print a table."))
     p.add_argument("--url", help="agent base URL (default: from the config's agent.listen)")
@@ -46,6 +51,16 @@ def _parser() -> argparse.ArgumentParser:
                                    description="Send one test message through each configured notification channel "
                                                "(or one) and print each outcome. Exit code 1 if any failed."))
     p.add_argument("--channel", metavar="NAME", help="only this channel")
+    p = sub.add_parser("install", help="install the systemd unit, a commented config and the service user",
+                       description="Install /etc/systemd/system/trainguard.service (ExecStart: this trainguard), "
+                                   "/etc/trainguard/trainguard.toml (mode 0640, kept if present) and the system user.")
+    p.add_argument("--root", default="/", metavar="DIR", help="stage under DIR instead of / (no user is created)")
+    p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
+    p = sub.add_parser("uninstall", help="remove the systemd unit (and with --purge the config, state and user)")
+    p.add_argument("--root", default="/", metavar="DIR", help="the DIR given to install --root")
+    p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
+    p.add_argument("--purge", action="store_true", help="also remove /etc/trainguard, /var/lib/trainguard and the user")
+    sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     return parser
 
 
@@ -68,14 +83,16 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
 
-def cmd_check(config: Config, as_json: bool) -> int:
+def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
     from trainguard.agent.engine import Engine
     from trainguard.agent.store import Store
+    from trainguard.model import Status
 
     engine = Engine(config, store=Store(None), notifiers={})
     reports = engine.run_round(ingest=False)
     results = [r for report in reports for r in report.results]
     overall = worst(r.status for r in results)
+    drained = _drain(engine, [r for r in results if r.status is Status.CRITICAL]) if drain else None
     if as_json:
         print(json.dumps({"node": config.agent.node_name, "status": overall.name,
                           "results": [r.to_dict() for r in results]}, indent=1))
@@ -85,7 +102,34 @@ def cmd_check(config: Config, as_json: bool) -> int:
                  for r in sorted(results, key=lambda r: (-r.status.severity, r.check, r.subject))]
         print(_table(rows))
         print(f"\n{config.agent.node_name}: {overall.name}")
+        if drained:
+            print(drained)
+    if critical_only:
+        return int(Status.CRITICAL) if overall is Status.CRITICAL else 0
     return int(overall)
+
+
+def _drain(engine: Any, critical: list[Any]) -> str | None:
+    """Drain through the configured `drain` action (its reason format, its own-drain tag), as an incident would."""
+    import time
+    import uuid
+
+    from trainguard.actions.base import ActionContext
+    from trainguard.agent.events import Event, EventKind
+    from trainguard.model import Status
+
+    if not critical:
+        return None
+    action = engine.actions.actions.get("drain")
+    if action is None:
+        return "drain: no `drain` action configured"
+    summary = "; ".join(f"{r.check}: {r.summary}" for r in critical)
+    now = time.time()
+    event = Event(EventKind.FIRED, f"check-{uuid.uuid4().hex[:8]}", critical[0].check, critical[0].subject,
+                  Status.CRITICAL, summary, engine.actions.node, now, now)
+    record = engine.actions.run_one(action, ActionContext(event, (), engine.actions.node, engine.actions.slurm,
+                                                          time.time, ()))
+    return f"drain: {record['outcome']}: {record['detail']}"
 
 
 def cmd_notify_test(config: Config, channel: str | None) -> int:
@@ -170,8 +214,32 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
     return 0
 
 
+def cmd_install(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trainguard.install import NEXT_STEPS, Installer, InstallError
+
+    installer = Installer(Path(args.root), args.user)
+    try:
+        done = installer.uninstall(args.purge) if args.command == "uninstall" else installer.install()
+    except (InstallError, OSError) as exc:
+        print(f"trainguard {args.command}: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(done))
+    if args.command == "install":
+        print(NEXT_STEPS.format(config=installer.config_path, user=args.user), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("install", "uninstall"):
+        return cmd_install(args)
+    if args.command == "config-reference":
+        from trainguard.reference import markdown
+
+        print(markdown(), end="")
+        return 0
     try:
         config = _load(args)
     except ConfigError as exc:
@@ -182,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"config OK: {config.source or '(built-in default)'}", file=sys.stderr)
         return 0
     if args.command == "check":
-        return cmd_check(config, args.json)
+        return cmd_check(config, args.json, args.critical_only, args.drain)
     if args.command == "status":
         return cmd_status(config, args.url, args.json)
     if args.command == "notify-test":

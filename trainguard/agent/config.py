@@ -47,8 +47,10 @@ _LISTEN = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*):(?P<port>\d
 
 class AgentSettings(SettingsModel):
     node_name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0],
-                           description="Name of this node in alerts; defaults to the short hostname.")
-    state_dir: Path = Field(default_factory=default_state_dir, description="Where incidents and the outbox persist.")
+                           description="Name of this node in alerts.", json_schema_extra={"default_doc": "short hostname"})
+    state_dir: Path = Field(default_factory=default_state_dir, description="Where incidents and the outbox persist.",
+                            json_schema_extra={"default_doc": "`$STATE_DIRECTORY` (systemd), `/var/lib/trainguard` as root, "
+                                                              "else `~/.local/state/trainguard`"})
     listen: str = Field("127.0.0.1:9721", description="HTTP address for /metrics, /healthz and /status; empty: off.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -28,7 +28,8 @@ def _default_sources() -> list[str]:
 
 class JobsSettings(SettingsModel):
     sources: list[Literal["slurm", "process"]] = Field(
-        default_factory=_default_sources, description="Where jobs come from; default: slurm when squeue is installed.")
+        default_factory=_default_sources, description="Where jobs come from.",
+        json_schema_extra={"default_doc": "`[\"slurm\"]` when squeue is installed, else `[]`"})
     slurm_timeout: Duration = Field(10.0, gt=0, description="Timeout of every SLURM command.")
     slurm_bin_dir: str = Field("", description="Directory of the SLURM commands; empty: PATH.")
     slurm_node: str = Field("", description="This node's SLURM name; empty: the agent's node_name.")
