@@ -162,16 +162,18 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 class AgentProcess:
     """`trainguard run` as a real subprocess, stderr captured to a file."""
 
-    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None, wrapper: Sequence[str] = ()) -> None:
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None, wrapper: Sequence[str] = (),
+                 module: str = "trainguard") -> None:
         self.config = config
         self.log = log
         self.env = {**os.environ, **(env or {})}
         self.wrapper = list(wrapper)  # e.g. setpriv with the service's user and capabilities
+        self.module = module  # tests.helpers.fake_gpu_agent: the same command over a scripted NVML
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> AgentProcess:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "trainguard", "run", "--config",
+            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", self.module, "run", "--config",
                                           str(self.config)],
                                          stdout=out, stderr=out, env=self.env, cwd=REPO)
         return self
@@ -203,8 +205,8 @@ def agent_process(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
     def make(config: Path, env: dict[str, str] | None = None, log_name: str = "agent.log",
-             wrapper: Sequence[str] = ()) -> AgentProcess:
-        agent = AgentProcess(config, tmp_path / log_name, env, wrapper)
+             wrapper: Sequence[str] = (), module: str = "trainguard") -> AgentProcess:
+        agent = AgentProcess(config, tmp_path / log_name, env, wrapper, module)
         started.append(agent)
         return agent.start()
 

@@ -101,7 +101,7 @@ def test_stuck_mount_does_not_stall_the_agent(tmp_path: Path, hung_mount: HungMo
     t0 = time.monotonic()
     metrics = requests.get(url + "/metrics", timeout=5)
     assert metrics.status_code == 200 and time.monotonic() - t0 < 1
-    assert f'trainguard_check_status{{check="nfs",subject="{hung_mount.mountpoint}"}} 3.0' in metrics.text
+    assert f'trainguard_check_status{{check="nfs",subject="{hung_mount.mountpoint}",type="disk"}} 3.0' in metrics.text
     assert hung_mount.statfs_calls() == 1
     assert requests.get(url + "/healthz", timeout=5).status_code == 200
 
@@ -202,7 +202,7 @@ def test_http_endpoints_and_promtool(tmp_path: Path, running: list[Any]) -> None
     metrics = requests.get(url + "/metrics", timeout=5)
     assert metrics.status_code == 200
     text = metrics.text
-    for needle in ('trainguard_check_status{check="flaky",subject="thing"} 1.0',
+    for needle in ('trainguard_check_status{check="flaky",subject="thing",type="flaky"} 1.0',
                    'trainguard_check_timeouts_total{check="wedged"} 1.0',
                    'trainguard_incidents_firing{severity="unknown"} 2.0',
                    'trainguard_check_duration_seconds{check="disk"}',

@@ -25,7 +25,7 @@ class SnapshotCollector(Collector):
 
         status = GaugeMetricFamily("trainguard_check_status",
                                    "Latest status per check and subject: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.",
-                                   labels=["check", "subject"])
+                                   labels=["check", "subject", "type"])
         duration = GaugeMetricFamily("trainguard_check_duration_seconds", "Duration of the latest run of a check.",
                                      labels=["check"])
         last_run = GaugeMetricFamily("trainguard_check_last_run_timestamp_seconds",
@@ -48,7 +48,7 @@ class SnapshotCollector(Collector):
             last_run.add_metric([name], st.last.started)
             success.add_metric([name], 1 if st.last.complete else 0)
             for result in st.last.results:
-                status.add_metric([name, result.subject], int(result.status))
+                status.add_metric([name, result.subject, st.kind], int(result.status))
                 for sample in result.samples:
                     samples.setdefault(sample.name, []).append(sample)
         yield from (status, duration, last_run, success, runs, timeouts)

@@ -189,9 +189,11 @@ class DiskCheck(Check):
         details = {**labels, "size_bytes": usage.size, "avail_bytes": usage.avail, "files": usage.files,
                    "files_free": usage.files_free}
         for resource, fc in (("bytes", bytes_fc), ("inodes", inodes_fc)):
-            if fc is not None and fc.seconds_to_limit is not None:
-                samples.append(Sample("trainguard_filesystem_time_to_full_seconds", fc.seconds_to_limit,
-                                      {**labels, "resource": resource},
-                                      "Forecast time until full at the current robust growth trend."))
+            if fc is None:
+                continue
+            samples.append(Sample("trainguard_filesystem_time_to_full_seconds", fc.eta_metric,
+                                  {**labels, "resource": resource},
+                                  "Forecast time until full at the current robust growth trend (+Inf: never)."))
+            if fc.seconds_to_limit is not None:
                 details[f"{resource}_time_to_full_s"] = round(fc.seconds_to_limit)
         return self.result(path, verdict.status, summarize(usage, verdict), details, samples)

@@ -5,6 +5,7 @@ Shared by every check that forecasts exhaustion (disk, quotas, memory leaks) so 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ def theil_sen_slope(points: list[tuple[float, float]]) -> float | None:
 class Forecast:
     slope_per_s: float
     seconds_to_limit: float | None  # None: the trend does not reach the limit
+
+    @property
+    def eta_metric(self) -> float:
+        """seconds_to_limit for /metrics: +Inf when the trend never reaches the limit, so the series exists."""
+        return math.inf if self.seconds_to_limit is None else self.seconds_to_limit
 
     def within(self, horizon_s: float) -> bool:
         return self.seconds_to_limit is not None and self.seconds_to_limit <= horizon_s

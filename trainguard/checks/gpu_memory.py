@@ -145,20 +145,20 @@ class GpuMemoryCheck(NvmlCheck):
     def _result(self, gpu: GpuState, v: Verdict, forecast: Forecast | None, found: list[Holder]) -> Result:
         labels = {"gpu": str(gpu.index), "uuid": gpu.uuid}
         samples = []
-        eta = forecast.seconds_to_limit if forecast else None
-        if eta is not None:
-            samples.append(Sample("trainguard_gpu_memory_seconds_to_full", eta, labels,
-                                  "Forecast time until the GPU's memory is full at the current trend."))
+        if forecast is not None:
+            samples.append(Sample("trainguard_gpu_memory_seconds_to_full", forecast.eta_metric, labels,
+                                  "Forecast time until the GPU's memory is full at the current trend (+Inf: never)."))
         for h in found:
             if h.used is not None:
                 samples.append(Sample("trainguard_gpu_process_memory_bytes", h.used,
-                                      {**labels, "pid": str(h.pid), "job": (h.job.job_id or h.job.name) if h.job else ""},
+                                      {**labels, "pid": str(h.pid),
+                                       "job_id": (h.job.job_id or h.job.name) if h.job else ""},
                                       "GPU memory held by one process."))
         owners = {h.job.key for h in found if h.job}
         details: dict[str, Any] = {
             "index": gpu.index, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total,
             "memory_used_bytes": gpu.memory_used, "growth_bytes_per_s": forecast.slope_per_s if forecast else None,
-            "seconds_to_full": eta,
+            "seconds_to_full": forecast.seconds_to_limit if forecast else None,
             "processes": [{"pid": h.pid, "used_bytes": h.used, "job_key": h.job.key if h.job else None,
                            "user": h.user, "command": h.command[:200]} for h in found]}
         if len(owners) == 1:  # actions bound to this check act on the one job using the GPU

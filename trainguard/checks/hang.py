@@ -255,7 +255,7 @@ class HangCheck(JobCheck):
 
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
                 stacks: list[ProcessStack], dump_path: Path | None) -> Result:
-        labels = {"job": job.job_id or job.name, "name": job.name}
+        labels = {"job_id": job.job_id or job.name, "name": job.name}
         samples = [Sample("trainguard_job_last_progress_timestamp_seconds", progress.last.at, labels,
                           "Unix time of the job's latest progress (log write, heartbeat step, I/O)."),
                    Sample("trainguard_job_stale_after_seconds", limit, labels,

@@ -143,16 +143,17 @@ class JobMemoryCheck(JobCheck):
         return results
 
     def _result(self, job: Job, m: JobMemory, v: Verdict) -> Result:
-        labels = {"job": job.job_id or job.name, "name": job.name}
+        labels = {"job_id": job.job_id or job.name, "name": job.name}
         samples = [Sample("trainguard_job_memory_bytes", m.used, labels, "Memory of the job's processes here (RSS or PSS)."),
                    Sample("trainguard_job_memory_limit_bytes", m.limit, labels,
                           "The limit the job's memory is held to: its cgroup's, else the host's."),
                    Sample("trainguard_job_memory_headroom_bytes", m.headroom, labels,
                           "Memory the job can still take before the OOM killer.")]
         eta = v.forecast.seconds_to_limit if v.forecast else None
-        if eta is not None:
-            samples.append(Sample("trainguard_job_memory_seconds_to_limit", eta, labels,
-                                  "Forecast time until the job's memory reaches its limit at the current trend."))
+        if v.forecast is not None:
+            samples.append(Sample("trainguard_job_memory_seconds_to_limit", v.forecast.eta_metric, labels,
+                                  "Forecast time until the job's memory reaches its limit at the current trend "
+                                  "(+Inf: never)."))
         details: dict[str, Any] = {
             "job_key": job.key, "job_id": job.job_id, "used_bytes": m.used, "processes": m.processes,
             "limit_bytes": m.limit, "limit": m.limit_text(), "headroom_bytes": m.headroom, "tracked_bytes": m.tracked,

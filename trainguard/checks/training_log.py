@@ -227,7 +227,7 @@ class TrainingLogCheck(JobCheck):
 
     def _result(self, job: Job) -> Result:
         findings = self._findings.get(job.key, [])
-        labels = {"job": job.job_id or job.name, "name": job.name}
+        labels = {"job_id": job.job_id or job.name, "name": job.name}
         samples = [Sample("trainguard_log_findings", len(findings), labels, "Known failures found in the job's logs.")]
         if not findings:
             return self.result(job.key, Status.OK, f"{job.label()}: no known failure in its logs",
