@@ -130,10 +130,16 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
 KillWait=5
+Prolog={b}/hooks/prolog
+HealthCheckProgram={b}/hooks/healthcheck
+HealthCheckInterval=5
 NodeName={self.node} CPUs={cpus} RealMemory={mem} State=UNKNOWN
 PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 """)
         self.conf.chmod(0o644)
+        (b / "hooks").mkdir(exist_ok=True)
+        for hook in ("prolog", "healthcheck"):
+            self.set_hook(hook, "exit 0")
         os.environ["SLURM_CONF"] = str(self.conf)
         self.start_accounting()
         self.start_ctld()
@@ -225,6 +231,14 @@ StorageLoc=slurm_acct_db
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what}")
             time.sleep(0.2)
+
+    def set_hook(self, hook: str, body: str) -> None:
+        """The Prolog or HealthCheckProgram slurmd runs: `exit 0` unless a test puts trainguard there."""
+        path = self.base / "hooks" / hook
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"#!/bin/sh\n{body}\n")
+        tmp.chmod(0o755)
+        tmp.replace(path)  # atomically: slurmd may be running it right now
 
     def workdir(self, user: str = JOB_USER) -> Path:
         d = self.base / "jobs" / uuid.uuid4().hex[:8]

@@ -1,6 +1,7 @@
 """`python -m tests.helpers.fake_gpu_agent ARGS...`: the trainguard command with the scripted NVML in place of
 pynvml, for tests and benchmarks of the whole agent on machines without a GPU. TRAINGUARD_FAKE_GPUS sets the
-number of GPUs (default 8); GPU 0 has a pending row remap so that fault panels have something to show."""
+number of GPUs (default 8); GPU 0 has a pending row remap so that fault panels have something to show;
+TRAINGUARD_FAKE_GPU_FAULT=remap_failed makes the last GPU fail its row remapping (a CRITICAL fault)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ def main() -> int:
                     used=(2 + i) * 2**30) for i in range(count)]
     if gpus:
         gpus[0].remap = (3, 0, 1, 0)
+        if os.environ.get("TRAINGUARD_FAKE_GPU_FAULT") == "remap_failed":
+            gpus[-1].remap = (0, 1, 0, 1)
     sys.modules["pynvml"] = FakeNvml(gpus)  # type: ignore[assignment]
     from trainguard.cli import main as trainguard
 
