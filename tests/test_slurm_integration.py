@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ def hooks(slurm: SlurmCluster) -> Iterator[SlurmCluster]:
     yield slurm
     for hook in ("prolog", "healthcheck"):
         slurm.set_hook(hook, "exit 0")
+    time.sleep(3)  # a health check already running when the hook was reset may still drain: let it finish
     slurm.resume_node()
     wait_until(lambda: "DRAIN" not in slurm.node_info()["State"], 20, what="node resumed")
 
