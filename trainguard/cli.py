@@ -95,7 +95,7 @@ def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain:
     drained = _drain(engine, [r for r in results if r.status is Status.CRITICAL]) if drain else None
     if as_json:
         print(json.dumps({"node": config.agent.node_name, "status": overall.name,
-                          "results": [r.to_dict() for r in results]}, indent=1))
+                          "results": [r.to_dict() for r in results], "drain": drained}, indent=1))
     else:
         rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
         rows += [[r.status.name, r.check, r.subject, r.summary]

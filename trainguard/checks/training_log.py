@@ -89,6 +89,7 @@ class TrainingLogCheck(JobCheck):
                     del table[key]
             for path in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
                 del self._positions[path]
+                self._steps.pop(path, None)
         self.save_state(POSITIONS_KEY, {p: pos.to_list() for p, pos in self._positions.items()})
         self.save_state(FINDINGS_KEY, self._findings)
         return results
