@@ -36,7 +36,7 @@ def missing_components() -> list[str]:
     return [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
 
 
-def _ensure_user(name: str) -> None:
+def ensure_user(name: str) -> None:
     try:
         import pwd
 
@@ -89,7 +89,7 @@ class SlurmCluster:
     def start(self) -> SlurmCluster:
         self.kill_stale()
         for user in (JOB_USER, OTHER_USER):
-            _ensure_user(user)
+            ensure_user(user)
         _ensure_munge()
         for sub in ("state", "spool", "log", "jobs", "lib/trainguard", "lib/examples"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_root
-from tests.slurm_cluster import JOB_USER, _ensure_user
+from tests.slurm_cluster import JOB_USER, ensure_user
 from trainguard.actions.base import ActionContext, ActionError
 from trainguard.actions.exec import ExecAction, ExecSettings
 from trainguard.actions.signal import SignalAction, SignalSettings, signal_process
@@ -45,7 +45,7 @@ def ctx(*jobs: Job) -> ActionContext:
 def user_dir(tmp_path: Path) -> Iterator[tuple[Path, int, int]]:
     """A directory owned by the unprivileged job user, as a job's switch dir is."""
     require_root()
-    _ensure_user(JOB_USER)
+    ensure_user(JOB_USER)
     pw = pwd.getpwnam(JOB_USER)
     tmp_path.chmod(0o755)
     d = tmp_path / "switches"

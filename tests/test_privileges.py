@@ -19,6 +19,7 @@ import pytest
 from trainguard.install import Installer
 
 from .conftest import AgentProcess, require, require_root, require_tool, unique_bus, wait_until, xid79
+from .slurm_cluster import ensure_user
 
 SERVICE_USER = "trainguard"
 JOB_USER = "tgpriv"
@@ -28,22 +29,18 @@ OOM = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2
 
 
 def setpriv(caps: str) -> list[str]:
-    tool = require_tool("setpriv")
-    return [tool, f"--reuid={SERVICE_USER}", f"--regid={SERVICE_USER}", "--init-groups", f"--inh-caps=-all,{caps}",
-            f"--ambient-caps=-all,{caps}", f"--bounding-set=-all,{caps}", "--no-new-privs"] if caps else \
-        [tool, f"--reuid={SERVICE_USER}", f"--regid={SERVICE_USER}", "--init-groups", "--inh-caps=-all",
-         "--bounding-set=-all", "--no-new-privs"]
+    """The service user with exactly `caps` (none when empty), as the unit's Ambient/BoundingSet give them."""
+    keep = f"-all,{caps}" if caps else "-all"
+    return [require_tool("setpriv"), f"--reuid={SERVICE_USER}", f"--regid={SERVICE_USER}", "--init-groups",
+            f"--inh-caps={keep}", f"--ambient-caps={keep}", f"--bounding-set={keep}", "--no-new-privs"]
 
 
 @pytest.fixture
 def job_in_home() -> Iterator[tuple[subprocess.Popen[bytes], Path, str]]:
     """A training process of another user, logging into its 0700 home, that records the signals it gets."""
     require_root()
-    Installer()._ensure_user()  # the service user, as `trainguard install` creates it
-    try:
-        pwd.getpwnam(JOB_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", JOB_USER], check=True, timeout=30)
+    Installer().ensure_user()  # the service user, as `trainguard install` creates it
+    ensure_user(JOB_USER)
     home = Path(pwd.getpwnam(JOB_USER).pw_dir)
     home.chmod(0o700)
     run = home / f"run-{uuid.uuid4().hex[:6]}"

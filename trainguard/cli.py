@@ -6,12 +6,16 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard import __version__
 from trainguard.agent.config import Config, ConfigError, default_state_dir, load_config
 from trainguard.agent.logs import setup_logging
 from trainguard.model import worst
+
+if TYPE_CHECKING:  # imported where used: one-shot commands start faster
+    from trainguard.agent.engine import Engine
+    from trainguard.model import Result
 
 EXIT_CONFIG = 2
 
@@ -109,7 +113,7 @@ def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain:
     return int(overall)
 
 
-def _drain(engine: Any, critical: list[Any]) -> str | None:
+def _drain(engine: Engine, critical: list[Result]) -> str | None:
     """Drain through the configured `drain` action (its reason format, its own-drain tag), as an incident would."""
     import time
     import uuid

@@ -13,6 +13,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class Installer:
 
     def install(self) -> list[str]:
         if not self.staged:
-            self._ensure_user()
+            self.ensure_user()
         self._write_unit()
         self._write_config()
         self._systemctl("daemon-reload")
@@ -66,15 +67,15 @@ class Installer:
                 if path.exists():
                     shutil.rmtree(path)
                     self.done.append(f"removed {path}")
-            if not self.staged and _user_exists(self.user):
+            if not self.staged and _exists(pwd.getpwnam, self.user):
                 run_tool(["userdel", self.user], 30, InstallError, label="userdel")
                 self.done.append(f"removed user {self.user}")
         else:
             self.done.append(f"kept {self.config_path.parent} and /var/lib/trainguard (--purge removes them)")
         return self.done
 
-    def _ensure_user(self) -> None:
-        if _user_exists(self.user):
+    def ensure_user(self) -> None:
+        if _exists(pwd.getpwnam, self.user):
             self.done.append(f"user {self.user} exists")
             return
         nologin = shutil.which("nologin") or "/usr/sbin/nologin"
@@ -108,7 +109,7 @@ class Installer:
         with os.fdopen(fd, "w") as f:
             f.write(DEFAULT_CONFIG.read_text())
         os.chmod(path, 0o640)
-        if not self.staged and _group_exists(self.user):
+        if not self.staged and _exists(grp.getgrnam, self.user):
             os.chown(path, 0, grp.getgrnam(self.user).gr_gid)  # secrets inside stay readable by the service only
         self.done.append(f"wrote {path} (mode 0640)")
 
@@ -128,17 +129,10 @@ def _executable() -> str:
     return f"{Path(sys.executable).absolute()} -m trainguard"
 
 
-def _user_exists(name: str) -> bool:
+def _exists(lookup: Callable[[str], object], name: str) -> bool:
+    """Whether pwd.getpwnam / grp.getgrnam knows `name`."""
     try:
-        pwd.getpwnam(name)
-    except KeyError:
-        return False
-    return True
-
-
-def _group_exists(name: str) -> bool:
-    try:
-        grp.getgrnam(name)
+        lookup(name)
     except KeyError:
         return False
     return True

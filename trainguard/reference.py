@@ -88,7 +88,7 @@ def _table(title: str, model: type[BaseModel], skip: frozenset[str] = frozenset(
     seen.add(model)
     fields = [(name, info) for name, info in model.model_fields.items() if name not in skip]
     yield f"### `{title}`\n"
-    doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    doc = _first_paragraph(model.__doc__)
     if note or (doc and not doc.startswith(model.__name__ + "(")):
         yield f"{note or doc}\n"
     if fields:
@@ -106,10 +106,13 @@ def _table(title: str, model: type[BaseModel], skip: frozenset[str] = frozenset(
             yield from _table(f"{title}.{name}{suffix}", sub, seen=seen)
 
 
+def _first_paragraph(doc: str | None) -> str:
+    return (doc or "").strip().split("\n\n")[0].replace("\n", " ")
+
+
 def _type_doc(cls: Any) -> str:
-    """The check's own docstring, else its module's: the first paragraph."""
-    doc = (cls.__dict__.get("__doc__") or sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
-    return doc.replace("\n", " ")
+    """The type's own docstring, else its module's: the first paragraph."""
+    return _first_paragraph(cls.__dict__.get("__doc__") or sys.modules[cls.__module__].__doc__)
 
 
 def markdown(registry: Registry = DEFAULT_REGISTRY) -> str:
