@@ -18,7 +18,7 @@ import pytest
 
 from trainguard.install import Installer
 
-from .conftest import AgentProcess, require, require_root, require_tool, unique_bus, wait_until, xid79
+from .conftest import AgentProcess, require_root, require_tool, unique_bus, wait_until, xid79
 from .slurm_cluster import ensure_user
 
 SERVICE_USER = "trainguard"
@@ -33,6 +33,17 @@ def setpriv(caps: str) -> list[str]:
     keep = f"-all,{caps}" if caps else "-all"
     return [require_tool("setpriv"), f"--reuid={SERVICE_USER}", f"--regid={SERVICE_USER}", "--init-groups",
             f"--inh-caps={keep}", f"--ambient-caps={keep}", f"--bounding-set={keep}", "--no-new-privs"]
+
+
+@pytest.fixture
+def restricted_kmsg() -> Iterator[None]:
+    """kernel.dmesg_restrict=1, as on most distributions: reading /dev/kmsg then needs CAP_SYSLOG."""
+    require_root()
+    knob = Path("/proc/sys/kernel/dmesg_restrict")
+    old = knob.read_text().strip()
+    knob.write_text("1\n")
+    yield
+    knob.write_text(old + "\n")
 
 
 @pytest.fixture
@@ -59,7 +70,8 @@ def job_in_home() -> Iterator[tuple[subprocess.Popen[bytes], Path, str]]:
     shutil.rmtree(run, ignore_errors=True)
 
 
-def test_without_the_capabilities_the_features_are_denied(job_in_home: tuple[Any, Path, str]) -> None:
+def test_without_the_capabilities_the_features_are_denied(restricted_kmsg: None,
+                                                          job_in_home: tuple[Any, Path, str]) -> None:
     _, run, _ = job_in_home
     (run / "train.log").write_text("step 1\n")
     probe = ("import os, sys\n"
@@ -68,7 +80,6 @@ def test_without_the_capabilities_the_features_are_denied(job_in_home: tuple[Any
              f"                 ('kill', lambda: os.kill({job_in_home[0].pid}, 0))):\n"
              "    try:\n        f(); print(what, 'ok')\n"
              "    except PermissionError: print(what, 'denied')\n")
-    require(Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1", "kernel.dmesg_restrict=1")
     plain = subprocess.run([*setpriv(""), sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
     assert plain.stdout.split("\n")[:3] == ["kmsg denied", "log denied", "kill denied"], plain.stderr
     capable = subprocess.run([*setpriv(CAPS), sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
@@ -76,7 +87,7 @@ def test_without_the_capabilities_the_features_are_denied(job_in_home: tuple[Any
 
 
 def test_agent_as_the_service_user_reads_kmsg_signals_a_job_and_reads_its_log(
-        tmp_path: Path, kmsg: Any, job_in_home: tuple[Any, Path, str],
+        tmp_path: Path, kmsg: Any, restricted_kmsg: None, job_in_home: tuple[Any, Path, str],
         agent_process: Callable[..., AgentProcess]) -> None:
     _, run, marker = job_in_home
     log = run / "train.log"

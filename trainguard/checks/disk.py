@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -116,6 +117,20 @@ def summarize(u: Usage, v: Verdict) -> str:
     return f"{u.path}: {space}{inodes}"
 
 
+def time_to_full(metric: str, help_text: str, labels: dict[str, str], bytes_fc: Forecast | None,
+                 inodes_fc: Forecast | None, details: dict[str, Any]) -> list[Sample]:
+    """A time-to-full sample per forecast resource (+Inf while it is not filling, so the series exists), and the
+    finite ones as `<resource>_time_to_full_s` in the details."""
+    samples = []
+    for resource, fc in (("bytes", bytes_fc), ("inodes", inodes_fc)):
+        if fc is None:
+            continue
+        samples.append(Sample(metric, fc.eta_metric, {**labels, "resource": resource}, help_text))
+        if fc.seconds_to_limit is not None:
+            details[f"{resource}_time_to_full_s"] = round(fc.seconds_to_limit)
+    return samples
+
+
 class CapacityTracker:
     """The recent series of free bytes and inodes per subject, and the verdict on the latest sample."""
 
@@ -188,12 +203,7 @@ class DiskCheck(Check):
         ]
         details = {**labels, "size_bytes": usage.size, "avail_bytes": usage.avail, "files": usage.files,
                    "files_free": usage.files_free}
-        for resource, fc in (("bytes", bytes_fc), ("inodes", inodes_fc)):
-            if fc is None:
-                continue
-            samples.append(Sample("trainguard_filesystem_time_to_full_seconds", fc.eta_metric,
-                                  {**labels, "resource": resource},
-                                  "Forecast time until full at the current robust growth trend (+Inf: never)."))
-            if fc.seconds_to_limit is not None:
-                details[f"{resource}_time_to_full_s"] = round(fc.seconds_to_limit)
+        samples += time_to_full("trainguard_filesystem_time_to_full_seconds",
+                                "Forecast time until full at the current robust growth trend (+Inf: never).",
+                                labels, bytes_fc, inodes_fc, details)
         return self.result(path, verdict.status, summarize(usage, verdict), details, samples)

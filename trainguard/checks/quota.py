@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
-from trainguard.checks.disk import CapacitySettings, CapacityTracker, Usage, Verdict, summarize
+from trainguard.checks.disk import CapacitySettings, CapacityTracker, Usage, Verdict, summarize, time_to_full
 from trainguard.model import Result, Sample, Status, worst
 from trainguard.quota.parsers import QuotaUsage
 from trainguard.quota.providers import Provider, QuotaError
@@ -163,9 +163,7 @@ class QuotaCheck(Check):
             if value is not None:
                 samples.append(Sample(metric, value, labels, help_text))
         details: dict[str, Any] = {**labels, **{k: v for k, v in q.__dict__.items() if k not in ("extra",)}, **q.extra}
-        for resource, fc in (("bytes", bytes_fc), ("inodes", inodes_fc)):
-            if fc is not None and fc.seconds_to_limit is not None:
-                samples.append(Sample("trainguard_quota_time_to_full_seconds", fc.seconds_to_limit,
-                                      {**labels, "resource": resource}, "Forecast time until the quota is full."))
-                details[f"{resource}_time_to_full_s"] = round(fc.seconds_to_limit)
+        samples += time_to_full("trainguard_quota_time_to_full_seconds",
+                                "Forecast time until the quota is full (+Inf: never).", labels, bytes_fc, inodes_fc,
+                                details)
         return self.result(key, verdict.status, summary, details, samples)
