@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import requests
 
-from tests.conftest import free_port, require_tool, wait_until
+from tests.conftest import wait_until
+from tests.peers import alertmanager_alerts, alertmanager_server
 from tests.test_engine import REGISTRY, Flaky
 from tests.test_notifiers import event
 from trainguard.agent.config import parse_config
@@ -21,32 +19,11 @@ from trainguard.notifiers.alertmanager import AlertmanagerNotifier, Alertmanager
 
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[str]:
-    binary = require_tool("prometheus-alertmanager")
-    config = tmp_path / "am.yml"
-    config.write_text('route:\n  receiver: "null"\n  group_wait: 1s\nreceivers:\n  - name: "null"\n')
-    port = free_port()
-    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.path={tmp_path / 'am-data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return requests.get(f"{url}/-/ready", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
-
-    try:
-        wait_until(ready, 20, what="alertmanager ready")
+    with alertmanager_server(tmp_path) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
-def alerts(url: str) -> list[dict[str, Any]]:
-    return [a for a in requests.get(f"{url}/api/v2/alerts", timeout=5).json()
-            if a["labels"].get("alertname", "").startswith("trainguard_")]
+alerts = alertmanager_alerts
 
 
 def test_incident_appears_with_labels_and_resolves(alertmanager: str, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ Grafana dashboard, every panel query run through a real Prometheus scraping a re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -12,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import yaml
 
 from .conftest import REPO, AgentProcess, free_port, require_tool, wait_until
+from .peers import prometheus_query, prometheus_server
 from .slurm_cluster import SlurmCluster
 
 RULES = REPO / "deploy" / "prometheus" / "trainguard-rules.yml"
@@ -53,40 +54,11 @@ def panel_queries() -> list[tuple[str, str]]:
 
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[Callable[[int], str]]:
-    binary = require_tool("prometheus")
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(target_port: int) -> str:
-        port = free_port()
-        config = tmp_path / "prometheus.yml"
-        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-                          f"rule_files: ['{RULES}']\n"
-                          "scrape_configs:\n  - job_name: trainguard\n"
-                          f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n")
-        log = (tmp_path / "prometheus.log").open("wb")
-        procs.append(subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                       f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log))
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _ok(url + "/-/ready"), 30, what="prometheus ready")
-        return url
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=15)
+    with contextlib.ExitStack() as stack:
+        yield lambda target_port: stack.enter_context(prometheus_server(tmp_path, target_port, RULES))
 
 
-def _ok(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
-
-
-def query(url: str, expr: str) -> list[Any]:
-    body = requests.get(url + "/api/v1/query", params={"query": expr}, timeout=10).json()
-    assert body["status"] == "success", f"{expr}: {body}"
-    return body["data"]["result"]
+query = prometheus_query
 
 
 def test_every_dashboard_panel_returns_data_from_a_real_prometheus(

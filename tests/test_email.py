@@ -2,66 +2,30 @@
 
 from __future__ import annotations
 
-import email
-import email.policy
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import free_port, require, wait_until
+from tests.conftest import wait_until
+from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, smtp_server
 from tests.test_notifiers import event
 from trainguard.agent.dispatch import Dispatcher
 from trainguard.agent.store import Store
 from trainguard.notifiers.base import NotifierError
 from trainguard.notifiers.email import EmailNotifier, EmailSettings
 
-USER, PASSWORD = "trainguard", "s3cret-pw"
+USER, PASSWORD = SMTP_USER, SMTP_PASSWORD
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-class Mailbox:
-    def __init__(self) -> None:
-        self.messages: list[email.message.EmailMessage] = []
-        self.envelopes: list[Any] = []
-
-    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802 - aiosmtpd's name
-        self.envelopes.append(envelope)
-        self.messages.append(email.message_from_bytes(envelope.content, policy=email.policy.default))  # type: ignore[arg-type]
-        return "250 OK"
-
-
 @pytest.fixture
 def smtp(tmp_path: Path) -> Iterator[tuple[Mailbox, int, Path]]:
-    try:
-        import ssl
-
-        from aiosmtpd.controller import Controller
-        from aiosmtpd.smtp import AuthResult
-    except ImportError as exc:
-        require(False, f"needs aiosmtpd: {exc}")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-
-    def authenticate(server: Any, session: Any, envelope: Any, mechanism: str, data: Any) -> AuthResult:
-        ok = getattr(data, "login", b"") == USER.encode() and getattr(data, "password", b"") == PASSWORD.encode()
-        return AuthResult(success=ok, handled=False)
-
-    mailbox = Mailbox()
-    port = free_port()
-    controller = Controller(mailbox, hostname="127.0.0.1", port=port, tls_context=context, require_starttls=True,
-                            authenticator=authenticate, auth_require_tls=True)
-    controller.start()
-    yield mailbox, port, cert
-    controller.stop()
+    with smtp_server(tmp_path) as server:
+        yield server
 
 
 def settings(port: int, cert: Path, **extra: Any) -> EmailSettings:

@@ -6,17 +6,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import free_port, wait_until
+from tests.peers import SlackEmulator, slack_emulator
 from trainguard.agent.dispatch import Dispatcher
 from trainguard.agent.events import Event, EventKind
 from trainguard.agent.store import Store
@@ -26,47 +25,13 @@ from trainguard.notifiers.slack import SlackNotifier, SlackSettings, slack_messa
 from trainguard.notifiers.text import headline
 from trainguard.notifiers.webhook import SIGNATURE_HEADER, WebhookNotifier, WebhookSettings
 
-
-class Receiver:
-    """Records every POST; answers from `script` (status, body, headers) in turn, then 200 `ok` (Slack's reply)."""
-
-    def __init__(self) -> None:
-        self.posts: list[dict[str, Any]] = []
-        self.script: list[tuple[int, str, dict[str, str]]] = []
-        self.outage_until = 0.0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if time.monotonic() < receiver.outage_until:
-                    status, body, headers = 503, "service unavailable", {}
-                elif receiver.script:
-                    status, body, headers = receiver.script.pop(0)
-                else:
-                    status, body, headers = 200, "ok", {}
-                    receiver.posts.append({"path": self.path, "headers": dict(self.headers), "raw": raw,
-                                           "json": json.loads(raw)})
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body.encode())
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/services/T000/B000/{uuid.uuid4().hex}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+Receiver = SlackEmulator
 
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.server.shutdown()
+    with slack_emulator() as r:
+        yield r
 
 
 def event(n: int = 0, status: Status = Status.CRITICAL, kind: EventKind = EventKind.FIRED, **details: Any) -> Event:
