@@ -13,6 +13,7 @@ from tests.test_engine import REGISTRY, Flaky
 from tests.test_notifiers import event
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
+from trainguard.agent.events import Event, EventKind
 from trainguard.model import Status
 from trainguard.notifiers.alertmanager import AlertmanagerNotifier, AlertmanagerSettings
 
@@ -61,3 +62,15 @@ def test_firing_alerts_are_restated_with_ends_at_ahead(alertmanager: str) -> Non
         assert alert["endsAt"] > alert["startsAt"]
     finally:
         notifier.stop()
+
+
+def test_an_escalation_ends_the_alert_of_the_lower_severity(alertmanager: str) -> None:
+    notifier = AlertmanagerNotifier("am", AlertmanagerSettings.model_validate({"urls": [alertmanager]}))
+    notifier.deliver([event(7, Status.WARNING)])
+    wait_until(lambda: [a["labels"]["severity"] for a in alerts(alertmanager)] == ["warning"], 10, what="the warning")
+    fired = event(7, Status.WARNING)
+    escalated = Event(EventKind.ESCALATED, fired.incident_id, fired.check, fired.subject, Status.CRITICAL,
+                      fired.summary, fired.node, fired.at + 1, fired.since, previous=Status.WARNING)
+    notifier.deliver([escalated])
+    wait_until(lambda: [a["labels"]["severity"] for a in alerts(alertmanager)] == ["critical"], 10,
+               what="only the critical alert active")

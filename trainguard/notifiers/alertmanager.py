@@ -54,6 +54,17 @@ def alert(event: Event, s: AlertmanagerSettings, now: float) -> dict[str, Any]:
             "endsAt": _iso(event.at if resolved else now + 4 * s.resend_interval)}
 
 
+def alerts_for(event: Event, s: AlertmanagerSettings, now: float) -> list[dict[str, Any]]:
+    """The event's alert; an escalation also ends the alert of the severity it replaces, which Alertmanager
+    (severity being a label) would otherwise keep active beside the new one until its endsAt."""
+    current = alert(event, s, now)
+    if event.kind is not EventKind.ESCALATED or event.previous is None or event.previous is event.status:
+        return [current]
+    replaced = {**current, "labels": {**current["labels"], "severity": event.previous.name.lower()},
+                "endsAt": _iso(event.at)}
+    return [replaced, current]
+
+
 class AlertmanagerNotifier(GroupNotifier):
     Settings = AlertmanagerSettings
     settings: AlertmanagerSettings
@@ -65,7 +76,7 @@ class AlertmanagerNotifier(GroupNotifier):
 
     def deliver(self, events: Sequence[Event]) -> None:
         now = datetime.now(timezone.utc).timestamp()
-        payload = [alert(e, self.settings, now) for e in events]
+        payload = [a for e in events for a in alerts_for(e, self.settings, now)]
         errors = []
         for url in self.settings.urls:  # every member of an HA pair gets it; one accepting is enough
             try:
