@@ -122,6 +122,9 @@ class KmsgFollower:
         self.records = 0
         self.lost = 0
         self.last_seq = -1
+        self.lost_log_every_s = 10.0
+        self._lost_unlogged = 0  # a sustained overrun logs one line per interval, not one per gap
+        self._lost_logged_at = -float("inf")
         self.running = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -203,6 +206,7 @@ class KmsgFollower:
         poller.register(fd, select.POLLIN)
         while not self._stop.is_set():
             if not poller.poll(500):  # wakes at once on a new record; the timeout only serves stop()
+                self._log_lost()
                 continue
             while not self._stop.is_set():
                 try:
@@ -217,12 +221,19 @@ class KmsgFollower:
                 if self.last_seq >= 0 and record.seq > self.last_seq + 1:
                     gap = record.seq - self.last_seq - 1
                     self.lost += gap
-                    log.warning("kernel log records lost (reader overrun)",
-                                extra=kv(lost=gap, after_seq=self.last_seq))
+                    self._lost_unlogged += gap
+                    self._log_lost(after_seq=self.last_seq)
                 self.last_seq = record.seq
                 self.records += 1
                 self._deliver(record)
             self._save()
+
+    def _log_lost(self, after_seq: int | None = None) -> None:
+        now = time.monotonic()
+        if self._lost_unlogged and now - self._lost_logged_at >= self.lost_log_every_s:
+            log.warning("kernel log records lost (reader overrun)",
+                        extra=kv(lost=self._lost_unlogged, lost_total=self.lost, after_seq=after_seq))
+            self._lost_unlogged, self._lost_logged_at = 0, now
 
     # journal ---------------------------------------------------------------------------------
     def _follow_journal(self) -> None:
