@@ -2,7 +2,7 @@
 """A pure-Python toy trainer that behaves like a real one for trainguard's tests and demos.
 
 It logs steps, writes checkpoints, resumes from the last one, uses trainguard.trainer, and can
-simulate faults: --fault hang|leak|crash|slow|nan [--fault-at STEP].
+simulate faults: --fault hang|leak|crash|slow|nan|oom [--fault-at STEP].
 """
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ def last_checkpoint(ckpt_dir: Path) -> int:
     return json.loads(ckpts[-1].read_text())["step"] + 1 if ckpts else 0
 
 
+# What PyTorch 2.11 prints when the caching allocator's free memory is split into pieces too small for the request.
+FRAGMENTED_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.18 GiB "
+    "of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.10 GiB memory in use. Of the "
+    "allocated memory 70.86 GiB is allocated by PyTorch, and 6.63 GiB is reserved by PyTorch but unallocated. If "
+    "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  "
+    "(https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
+
+
 def stuck_in_allreduce(seconds: float) -> None:
     """Where a hung run sits: a collective waiting for a dead rank."""
     time.sleep(seconds)
@@ -47,7 +57,7 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.2)
     p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"))
     p.add_argument("--ckpt-every", type=int, default=0, help="periodic checkpoints; 0: only on request")
-    p.add_argument("--fault", choices=["hang", "leak", "crash", "slow", "nan"])
+    p.add_argument("--fault", choices=["hang", "leak", "crash", "slow", "nan", "oom"])
     p.add_argument("--fault-at", type=int, default=10)
     p.add_argument("--leak-mb-per-step", type=float, default=10.0)
     p.add_argument("--log", type=Path, help="append output to this file (kept open, as a logging handler does)")
@@ -67,6 +77,10 @@ def main() -> int:
             stuck_in_allreduce(10**6)
         if faulty and args.fault == "crash":
             raise RuntimeError(f"simulated crash at step {step}")
+        if faulty and args.fault == "oom":
+            print("Traceback (most recent call last):\n  File \"train_toy.py\", line 1, in forward", flush=True)
+            print(FRAGMENTED_OOM, flush=True)
+            return 1
         time.sleep(args.step_time * (10 if faulty and args.fault == "slow" else 1))
         if faulty and args.fault == "leak":
             leaked.append(bytearray(b"\x5a") * int(args.leak_mb_per_step * 2**20))  # written, so resident

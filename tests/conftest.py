@@ -259,10 +259,23 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
         p.wait()
 
 
+class MemoryCgroup:
+    """A memory-limited cgroup: call it on a command line to get one that enters the cgroup and then execs the
+    command, or `add` a running process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, argv: list[str]) -> list[str]:
+        return ["/bin/sh", "-c", f'echo $$ > "{self.path / "cgroup.procs"}" && exec "$@"', "sh", *argv]
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+
 @pytest.fixture
-def memory_cgroup() -> Iterator[Callable[[int], Callable[[list[str]], list[str]]]]:
-    """Creates memory-limited cgroups (v2 where the node has it, else v1); yields a factory returning a
-    wrapper for a command line that enters the cgroup and then execs the command."""
+def memory_cgroup() -> Iterator[Callable[[int], MemoryCgroup]]:
+    """Creates memory-limited cgroups (v2 where the node has it, else v1)."""
     require_root()
     v2 = Path("/sys/fs/cgroup/cgroup.controllers")
     v2_memory = v2.exists() and "memory" in v2.read_text().split()
@@ -270,7 +283,7 @@ def memory_cgroup() -> Iterator[Callable[[int], Callable[[list[str]], list[str]]
     require(v2_memory or (v1 / "memory.limit_in_bytes").exists(), "needs the cgroup memory controller (v1 or v2)")
     made: list[Path] = []
 
-    def make(limit_bytes: int) -> Callable[[list[str]], list[str]]:
+    def make(limit_bytes: int) -> MemoryCgroup:
         path = (Path("/sys/fs/cgroup") if v2_memory else v1) / f"trainguard-test-{uuid.uuid4().hex[:8]}"
         path.mkdir()
         made.append(path)
@@ -280,12 +293,7 @@ def memory_cgroup() -> Iterator[Callable[[int], Callable[[list[str]], list[str]]
                 (path / "memory.swap.max").write_text("0")
         else:
             (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        procs = path / "cgroup.procs"
-
-        def inside(argv: list[str]) -> list[str]:
-            return ["/bin/sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *argv]
-
-        return inside
+        return MemoryCgroup(path)
 
     yield make
     for path in made:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, MemoryCgroup, wait_until
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
 from trainguard.checks.forecast import Forecast
@@ -54,7 +54,7 @@ def leak_engine(tmp_path: Path, marker: str, **check: Any) -> Engine:
 
 
 def test_leaking_trainer_in_a_cgroup_is_saved_before_the_oom_killer(
-        tmp_path: Path, memory_cgroup: Callable[[int], Callable[[list[str]], list[str]]],
+        tmp_path: Path, memory_cgroup: Callable[[int], MemoryCgroup],
         children: list[subprocess.Popen[str]]) -> None:
     marker = f"leak-{uuid.uuid4().hex[:8]}"
     ckpt = tmp_path / marker
