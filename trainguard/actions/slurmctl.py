@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 from pydantic import Field, model_validator
 
@@ -12,6 +13,7 @@ from trainguard.jobs.slurm import SlurmError
 from trainguard.settings import Duration
 
 DRAIN_TAG = "trainguard:"
+T = TypeVar("T")
 
 
 def drain_reason(summary: str) -> str:
@@ -20,9 +22,9 @@ def drain_reason(summary: str) -> str:
     return f"{DRAIN_TAG} {text}"[:200]
 
 
-def _slurm(call: str, fn: object, *args: str) -> None:
+def _slurm(call: str, fn: Callable[..., T], *args: str) -> T:
     try:
-        fn(*args)  # type: ignore[operator]
+        return fn(*args)
     except SlurmError as exc:
         raise ActionError(f"{call}: {exc}") from None
 
@@ -126,9 +128,10 @@ class ArrayPendingAction(Action):
         arrays = sorted({j.array_job_id for j in slurm_jobs(ctx) if j.array_job_id})
         if not arrays:
             return "not an array job: nothing pending to stop"
-        for array in arrays:
-            if self.settings.mode == "hold":
-                _slurm("hold", ctx.slurm.hold, array)
-            else:
+        if self.settings.mode == "cancel":
+            for array in arrays:
                 _slurm("cancel", ctx.slurm.cancel_pending, array)
-        return f"{self.settings.mode} pending tasks of array {', '.join(arrays)}"
+            return f"cancelled pending tasks of array {', '.join(arrays)}"
+        held = [f"{array}_[{tasks}]" if tasks else f"{array} (none pending)"
+                for array in arrays for tasks in [_slurm("hold", ctx.slurm.hold_pending, array)]]
+        return "held " + ", ".join(held)

@@ -77,8 +77,17 @@ class SlurmClient:
     def requeue(self, job_id: str) -> None:
         self.run("scontrol", "requeue", job_id)
 
-    def hold(self, job_id: str) -> None:
-        self.run("scontrol", "hold", job_id)
+    def pending_tasks(self, array_job_id: str) -> str:
+        """The array's pending task ids as a range list (`2-5,7`), empty when none is pending."""
+        out = self.run("squeue", "--noheader", f"--jobs={array_job_id}", "--states=PENDING", "--format=%K")
+        return ",".join(line.strip().split("%")[0] for line in out.splitlines() if line.strip())
+
+    def hold_pending(self, array_job_id: str) -> str:
+        """Holds the pending tasks only: `scontrol hold ARRAY` also names the finished ones, and then exits 1."""
+        tasks = self.pending_tasks(array_job_id)
+        if tasks:
+            self.run("scontrol", "hold", f"{array_job_id}_[{tasks}]")
+        return tasks
 
     def cancel_pending(self, array_job_id: str) -> None:
         self.run("scancel", "--state=PENDING", array_job_id)
