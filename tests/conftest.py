@@ -78,8 +78,9 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     require_root()
     mounted: list[Path] = []
 
-    def mount(size: str = "1m", inodes: int = 1000) -> Path:
-        target = tmp_path / f"tmpfs{len(mounted)}"
+    def mount(size: str = "1m", inodes: int = 1000, parent: Path | None = None) -> Path:
+        """`parent`: somewhere other users can reach (pytest's temp dirs are private to root)."""
+        target = (parent or tmp_path) / f"tmpfs{len(mounted)}"
         target.mkdir()
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(target)],
                        check=True, timeout=10)
