@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus prometheus-alertmanager slurmctld slurmd slurmdbd slurm-client munge mariadb-server systemd util-linux
+DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus prometheus-alertmanager prometheus-node-exporter slurmctld slurmd slurmdbd slurm-client munge mariadb-server systemd util-linux
 
 .PHONY: run test bench install install-test deb-test lint clean
 
@@ -37,11 +37,14 @@ test: deb-test install-test
 	$(BIN)/ruff check trainguard tests benchmarks
 	$(BIN)/python -m pytest
 
-# Benchmarks print markdown tables for docs/benchmarks.md; several need root (/dev/kmsg).
+# Benchmarks print markdown tables for docs/benchmarks.md; several need root (/dev/kmsg, tmpfs, the SLURM cluster).
 bench: deb-test install-test
-	$(BIN)/python benchmarks/xid_latency.py --trials 50
-	$(BIN)/python benchmarks/hang_and_leak.py --trials 20
-	$(BIN)/python benchmarks/log_scan.py --size-mib 1024
+	$(BIN)/python -m benchmarks.footprint --minutes 10
+	$(BIN)/python -m benchmarks.xid_latency --trials 50 --slurm
+	$(BIN)/python -m benchmarks.hang_and_leak --trials 20
+	$(BIN)/python -m benchmarks.log_scan --size-mib 1024
+	$(BIN)/python -m benchmarks.kmsg_parse --records 200000
+	$(BIN)/python -m benchmarks.round_cost --rounds 10
 
 lint: install-test
 	$(BIN)/ruff check trainguard tests benchmarks

@@ -7,15 +7,13 @@ after the deadline (last log write + stale_after) the incident fired.
 Cost: 8 process jobs that log and heartbeat every second. Each check runs 60 rounds, and the
 agent's CPU time per round is scaled to one hour at the checks' default intervals.
 
-    python benchmarks/hang_and_leak.py --trials 20
+    python -m benchmarks.hang_and_leak --trials 20
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import heading
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
 from trainguard.checks.hang import HangSettings
@@ -118,8 +117,7 @@ def main() -> int:
             p.wait()
     hang_interval, leak_interval = HangSettings().interval, JobMemorySettings().interval
 
-    print(f"**Hang detection and memory checks, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs, "
-          f"Linux {platform.release()}, Python {platform.python_version()})**\n")
+    print(heading("Hang detection and memory checks"))
     print(f"| hang fired after its deadline ({args.trials} trials, stale_after {args.stale_after:g}s, py-spy on) | "
           "median | max |")
     print("|---|---|---|")

@@ -5,14 +5,13 @@ signature scanner, and by `grep -E -c` with the signatures' needles as one alter
 Appended bytes: 1 MiB appended to a 10 GiB (sparse) log and to a 10 MiB log, each read from the saved
 position; the two should cost the same.
 
-    python benchmarks/log_scan.py --size-mib 1024
+    python -m benchmarks.log_scan --size-mib 1024
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import heading
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
 
@@ -97,8 +97,7 @@ def main() -> int:
     big, small = appended_cost(tmp, 10 << 30), appended_cost(tmp, 10 << 20)
     mib = size / 2**20
     best_ours, best_grep = min(t_ours, t_ours2), min(t_grep, t_grep2)
-    print(f"**Log scanning, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs, Linux "
-          f"{platform.release()}, Python {platform.python_version()})**\n")
+    print(heading("Log scanning"))
     print(f"| {mib:.0f} MiB synthetic log (page cache warm) | time | throughput | matches |")
     print("|---|---|---|---|")
     print(f"| trainguard reader + scanner | {best_ours:.2f} s | {mib / best_ours:.0f} MiB/s | {hits} findings |")

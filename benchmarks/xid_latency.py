@@ -5,7 +5,7 @@ process against the real /dev/kmsg, with a plain-process job whose SIGUSR1 handl
 the signal arrived. Each trial writes one XID 79 line for a fresh, fake PCI bus (a new incident),
 so every trial walks the whole path. Needs root (writing /dev/kmsg).
 
-    sudo python benchmarks/xid_latency.py --trials 50
+    sudo python -m benchmarks.xid_latency --trials 50
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -24,6 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.common import heading, percentile
+from tests.slurm_cluster import SlurmCluster
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
 from trainguard.kmsg import CURSOR_KEY, cursor_at_end
@@ -39,15 +40,26 @@ while True:
 """
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+def start_cluster() -> SlurmCluster:
+    for sbin in ("/usr/sbin", "/sbin"):
+        os.environ["PATH"] = os.environ.get("PATH", "") + ":" + sbin
+    return SlurmCluster(Path(tempfile.mkdtemp(prefix="trainguard-slurm-", dir="/tmp"))).start()
+
+
+def node_drained(cluster: SlurmCluster, timeout: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout
+    while "DRAIN" not in cluster.node_info()["State"]:
+        if time.monotonic() > deadline:
+            sys.exit("the node was not drained")
+    return time.time()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
+    parser.add_argument("--slurm", action="store_true", help="also drain: start the tests' one-node SLURM cluster and "
+                                                             "time the node turning DRAIN in the controller")
     args = parser.parse_args()
     if not os.access("/dev/kmsg", os.W_OK):
         sys.exit("needs a writable /dev/kmsg (run as root)")
@@ -63,14 +75,15 @@ def main() -> int:
     if old_knob is not None:
         knob.write_text("on\n")  # lift userspace rate limiting for the injected records
     state = tempfile.mkdtemp(prefix="trainguard-bench-")
-    raw = {"agent": {"state_dir": state, "node_name": "bench", "listen": ""},
+    cluster = start_cluster() if args.slurm else None
+    raw = {"agent": {"state_dir": state, "node_name": cluster.node if cluster else "bench", "listen": ""},
            "jobs": {"sources": ["process"], "refresh": "60s", "processes": {"bench": {"cmdline": tag}}},
-           "checks": {"xid": {"actions": {"critical": ["signal"]}}},
+           "checks": {"xid": {"actions": {"critical": ["signal", "drain"] if cluster else ["signal"]}}},
            "notifiers": {"console": {"min_severity": "CRITICAL", "send_resolved": False}}}
     engine = Engine(parse_config(raw, "benchmark"))
     engine.store.put(CURSOR_KEY, cursor_at_end())
     engine.start()
-    fired, acted, delivered = [], [], []
+    fired, acted, delivered, drained = [], [], [], []
     fd = os.open("/dev/kmsg", os.O_WRONLY)
     try:
         engine.actions.catalog.view()  # warm the job cache, as a running agent has it
@@ -92,22 +105,31 @@ def main() -> int:
             fired.append((incident.fired_at - written) * 1000)
             acted.append((incident.actions[0]["at"] - written) * 1000)
             delivered.append((got - written) * 1000)
+            if cluster is not None:
+                drained.append((node_drained(cluster) - written) * 1000)
+                cluster.resume_node()
+                while "DRAIN" in cluster.node_info()["State"]:
+                    time.sleep(0.05)
             time.sleep(0.05)
     finally:
         os.close(fd)
         engine.stop()
         target.kill()
+        if cluster is not None:
+            cluster.stop()
         if old_knob is not None:
             knob.write_text(old_knob + "\n")
 
-    print(f"**XID fault-to-action latency, {args.trials} trials, {time.strftime('%Y-%m-%d')}, {platform.node()} "
-          f"({os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()})**\n")
+    print(heading(f"XID fault-to-action latency, {args.trials} trials"))
     print("| kmsg record written -> | median | p99 | max |")
     print("|---|---|---|---|")
-    for what, values in (("incident fired", fired), ("first action started", acted), ("SIGUSR1 received by the job", delivered)):
+    rows = [("incident fired", fired), ("first action started", acted), ("SIGUSR1 received by the job", delivered)]
+    if drained:
+        rows.append(("node DRAIN in slurmctld (`scontrol show node` polled)", drained))
+    for what, values in rows:
         print(f"| {what} | {statistics.median(values):.1f} ms | {percentile(values, 0.99):.1f} ms | {max(values):.1f} ms |")
     if args.json:
-        print(json.dumps({"fired_ms": fired, "action_ms": acted, "delivered_ms": delivered}))
+        print(json.dumps({"fired_ms": fired, "action_ms": acted, "delivered_ms": delivered, "drained_ms": drained}))
     return 0
 
 

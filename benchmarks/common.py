@@ -1,0 +1,52 @@
+"""What every benchmark prints the same way: the table heading naming the date and machine, and percentiles."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def heading(title: str) -> str:
+    """`**TITLE, DATE, HOST (N CPUs, Linux X, Python Y)**`: a table's numbers only mean something with these."""
+    return (f"**{title}, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs, Linux "
+            f"{platform.release()}, Python {platform.python_version()})**\n")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# A stand-in trainer: one step line a second, its marker in argv for a process job to match.
+WRITER = ("import sys, time\nstep = 0\nwhile True:\n    print(f'step {step} loss=1.2345', flush=True)\n"
+          "    step += 1\n    time.sleep(1)\n")
+
+
+@contextlib.contextmanager
+def log_writers(directory: Path, count: int) -> Iterator[list[Path]]:
+    """`count` processes, `tg-bench-writer-N` in their argv, each appending a step line a second to its own log."""
+    directory.mkdir(parents=True, exist_ok=True)
+    writers: list[subprocess.Popen[bytes]] = []
+    paths = []
+    try:
+        for i in range(count):
+            log = directory / f"rank{i}.log"
+            paths.append(log)
+            with log.open("ab") as out:
+                writers.append(subprocess.Popen([sys.executable, "-c", WRITER, f"tg-bench-writer-{i}"], stdout=out))
+        yield paths
+    finally:
+        for w in writers:
+            w.kill()
+            w.wait()
+
+
+def writer_jobs(logs: list[Path]) -> dict[str, dict[str, object]]:
+    """The `[jobs.processes]` tables declaring the log writers as process jobs."""
+    return {f"trainer{i}": {"cmdline": f"tg-bench-writer-{i}$", "logs": [str(log)]} for i, log in enumerate(logs)}

@@ -1,0 +1,178 @@
+"""Footprint and /metrics latency of `trainguard run`, side by side with Debian's prometheus-node-exporter.
+
+The agent runs its built-in default config plus the gpu_memory check over 8 simulated GPUs (the scripted NVML of
+the tests), with 10 process jobs whose logs it watches and 4 tmpfs mounts in the disk check; the checks keep their
+default intervals. node_exporter runs with its default collectors. Both are scraped every 15 s, as Prometheus
+would, for the whole run; RSS is sampled every 5 s and CPU is the processes' own CPU time over the run. At the end
+each endpoint gets a burst of back-to-back scrapes for the latency table. Needs root (tmpfs mounts).
+
+    sudo python -m benchmarks.footprint --minutes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+import tomli_w
+
+from benchmarks.common import heading, log_writers, percentile, writer_jobs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> float:
+    t = time.perf_counter()
+    r = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    r.raise_for_status()
+    return time.perf_counter() - t
+
+
+def wait_ready(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited {proc.returncode}")
+        with contextlib.suppress(requests.RequestException):
+            scrape(port)
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"{what} did not answer on :{port}")
+
+
+def cpu_seconds(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@contextlib.contextmanager
+def tmpfs_mounts(tmp: Path, count: int) -> Iterator[list[Path]]:
+    mounted: list[Path] = []
+    try:
+        for i in range(count):
+            target = tmp / f"mnt{i}"
+            target.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(target)], check=True, timeout=10)
+            mounted.append(target)
+        yield mounted
+    finally:
+        for target in mounted:
+            subprocess.run(["umount", "-l", str(target)], check=False, timeout=10)
+
+
+def agent_config(tmp: Path, port: int, mounts: list[Path], logs: list[Path]) -> Path:
+    raw: dict[str, Any] = tomllib.loads((REPO / "trainguard" / "default.toml").read_text())
+    raw["agent"] = {"listen": f"127.0.0.1:{port}", "state_dir": str(tmp / "state")}
+    raw["jobs"] = {"sources": ["process"], "processes": writer_jobs(logs)}
+    raw["checks"]["disk"]["paths"] = [str(m) for m in mounts]
+    raw["checks"]["gpu_memory"] = {}
+    raw["notifiers"] = {"console": {}}
+    path = tmp / "trainguard.toml"
+    path.write_text(tomli_w.dumps(raw))
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--scrape-every", type=float, default=15.0)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--logs", type=int, default=10)
+    parser.add_argument("--mounts", type=int, default=4)
+    parser.add_argument("--burst", type=int, default=200, help="back-to-back scrapes of each for the latency table")
+    args = parser.parse_args()
+    exporter = shutil.which("prometheus-node-exporter")
+    if exporter is None:
+        raise SystemExit("needs prometheus-node-exporter (apt install prometheus-node-exporter)")
+    tmp = Path(tempfile.mkdtemp(prefix="trainguard-footprint-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with tmpfs_mounts(tmp, args.mounts) as mounts, log_writers(tmp / "logs", args.logs) as logs:
+            agent_port, ne_port = free_port(), free_port()
+            config = agent_config(tmp, agent_port, mounts, logs)
+            env = {**os.environ, "TRAINGUARD_FAKE_GPUS": str(args.gpus)}
+            with (tmp / "agent.log").open("ab") as out:
+                agent = subprocess.Popen([sys.executable, "-m", "tests.helpers.fake_gpu_agent", "run", "--config",
+                                          str(config)], stdout=out, stderr=out, env=env, cwd=REPO)
+            node_exporter = subprocess.Popen([exporter, f"--web.listen-address=127.0.0.1:{ne_port}"],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs += [agent, node_exporter]
+            wait_ready(agent_port, agent, "trainguard")
+            wait_ready(ne_port, node_exporter, "node_exporter")
+            time.sleep(20)  # past start-up: every check has run once
+            who = {"trainguard": (psutil.Process(agent.pid), agent_port),
+                   "node_exporter": (psutil.Process(node_exporter.pid), ne_port)}
+            rss: dict[str, list[int]] = {k: [] for k in who}
+            lat: dict[str, list[float]] = {k: [] for k in who}
+            cpu0 = {k: cpu_seconds(p) for k, (p, _) in who.items()}
+            t0 = time.monotonic()
+            next_scrape = t0
+            while time.monotonic() - t0 < args.minutes * 60:
+                now = time.monotonic()
+                if now >= next_scrape:
+                    for k, (_, port) in who.items():
+                        lat[k].append(scrape(port))
+                    next_scrape += args.scrape_every
+                for k, (p, _) in who.items():
+                    rss[k].append(p.memory_info().rss)
+                time.sleep(5)
+            wall = time.monotonic() - t0
+            cpu = {k: cpu_seconds(p) - cpu0[k] for k, (p, _) in who.items()}
+            burst: dict[str, list[float]] = {k: [] for k in who}
+            for _ in range(args.burst):
+                for k, (_, port) in who.items():
+                    burst[k].append(scrape(port))
+            sizes = {k: len(requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).content)
+                     for k, (_, port) in who.items()}
+    finally:
+        for p in procs:
+            p.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(15)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    mib = 2**20
+    print(heading(f"Footprint over {wall / 60:.0f} min, scraped every {args.scrape_every:g}s"))
+    print("| process | RSS mean | RSS max | CPU (of one core) | scrapes | /metrics size |")
+    print("|---|---|---|---|---|---|")
+    for k in who:
+        print(f"| {k} | {statistics.mean(rss[k]) / mib:.1f} MiB | {max(rss[k]) / mib:.1f} MiB | "
+              f"{100 * cpu[k] / wall:.3f}% | {len(lat[k])} | {sizes[k] / 1024:.0f} KiB |")
+    print(f"\ntrainguard: {args.gpus} simulated GPUs, {args.logs} watched logs, {args.mounts} tmpfs mounts, default checks "
+          "and intervals, plus gpu_memory.\n")
+    print(heading(f"/metrics latency, {args.burst} back-to-back scrapes each"))
+    print("| endpoint | median | p99 | max |")
+    print("|---|---|---|---|")
+    for k in who:
+        ms = [1000 * s for s in burst[k]]
+        print(f"| {k} | {statistics.median(ms):.2f} ms | {percentile(ms, 0.99):.2f} ms | {max(ms):.2f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
