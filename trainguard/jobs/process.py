@@ -40,7 +40,7 @@ class ProcessSource:
     def __init__(self, jobs: dict[str, ProcessJobSettings]) -> None:
         self.declared = jobs
 
-    def _find(self, spec: ProcessJobSettings) -> list[psutil.Process]:
+    def _find(self, spec: ProcessJobSettings, table: list[tuple[psutil.Process, str]]) -> list[psutil.Process]:
         me = os.getpid()
         if spec.pidfile is not None:
             pid = _read_pid(spec.pidfile)
@@ -50,11 +50,7 @@ class ProcessSource:
         else:
             assert spec.cmdline is not None
             pattern = re.compile(spec.cmdline)
-            procs = []
-            for p in psutil.process_iter(["pid", "cmdline"]):
-                cmd = " ".join(p.info.get("cmdline") or [])
-                if p.info["pid"] not in (1, me) and cmd and pattern.search(cmd):
-                    procs.append(p)
+            procs = [p for p, cmd in table if p.pid not in (1, me) and pattern.search(cmd)]
         if spec.user is not None:
             procs = [p for p in procs if _username(p) == spec.user]
         pids = {p.pid for p in procs}
@@ -63,8 +59,12 @@ class ProcessSource:
 
     def jobs(self) -> Sequence[Job]:
         jobs = []
+        # One pass over /proc for all declared jobs: reading every command line is most of a refresh's cost.
+        table: list[tuple[psutil.Process, str]] = []
+        if any(spec.pidfile is None for spec in self.declared.values()):
+            table = [(p, cmd) for p in psutil.process_iter(["cmdline"]) if (cmd := " ".join(p.info.get("cmdline") or []))]
         for name, spec in self.declared.items():
-            roots = self._find(spec)
+            roots = self._find(spec, table)
             refs = tuple(r for r in (ProcessRef.of(p.pid) for p in roots) if r)
             user = _username(roots[0]) if roots else spec.user
             uid = _uid(roots[0]) if roots else None
