@@ -12,8 +12,6 @@ from tests.e2e.stack import Stack, Timeline
 from tests.peers import alertmanager_server, slack_emulator, smtp_server
 from tests.slurm_cluster import SlurmCluster
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
 
 @pytest.fixture
 def stack(slurm: SlurmCluster, tmp_path: Path, request: pytest.FixtureRequest,
