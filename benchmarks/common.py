@@ -10,12 +10,25 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from trainguard.install import DEFAULT_CONFIG
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 def heading(title: str) -> str:
     """`**TITLE, DATE, HOST (N CPUs, Linux X, Python Y)**`: a table's numbers only mean something with these."""
     return (f"**{title}, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs, Linux "
             f"{platform.release()}, Python {platform.python_version()})**\n")
+
+
+def installed_config() -> dict[str, Any]:
+    """The config `trainguard install` writes (every check at its defaults), as raw tables to adjust."""
+    return tomllib.loads(DEFAULT_CONFIG.read_text())
 
 
 def percentile(values: list[float], q: float) -> float:

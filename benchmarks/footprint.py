@@ -1,6 +1,6 @@
 """Footprint and /metrics latency of `trainguard run`, side by side with Debian's prometheus-node-exporter.
 
-The agent runs its built-in default config plus the gpu_memory check over 8 simulated GPUs (the scripted NVML of
+The agent runs the config `trainguard install` writes plus the gpu_memory check over 8 simulated GPUs (the scripted NVML of
 the tests), with 10 process jobs whose logs it watches and 4 tmpfs mounts in the disk check; the checks keep their
 default intervals. node_exporter runs with its default collectors. Both are scraped every 15 s, as Prometheus
 would, for the whole run; RSS is sampled every 5 s and CPU is the processes' own CPU time over the run. At the end
@@ -22,28 +22,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import requests
 import tomli_w
 
-from benchmarks.common import heading, log_writers, percentile, writer_jobs
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from benchmarks.common import heading, installed_config, log_writers, percentile, writer_jobs
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> float:
@@ -86,7 +73,7 @@ def tmpfs_mounts(tmp: Path, count: int) -> Iterator[list[Path]]:
 
 
 def agent_config(tmp: Path, port: int, mounts: list[Path], logs: list[Path]) -> Path:
-    raw: dict[str, Any] = tomllib.loads((REPO / "trainguard" / "default.toml").read_text())
+    raw = installed_config()
     raw["agent"] = {"listen": f"127.0.0.1:{port}", "state_dir": str(tmp / "state")}
     raw["jobs"] = {"sources": ["process"], "processes": writer_jobs(logs)}
     raw["checks"]["disk"]["paths"] = [str(m) for m in mounts]

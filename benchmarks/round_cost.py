@@ -1,7 +1,7 @@
 """How the cost of a check round grows with the node: CPU time per round of the default checks with 1, 8 and 64
 jobs and 1, 8 and 16 GPUs.
 
-A real engine runs in this process with the built-in default config plus gpu_memory; the jobs are process jobs
+A real engine runs in this process with the config `trainguard install` writes, plus gpu_memory; the jobs are process jobs
 (a stand-in trainer each, logging a step a second, whose log the hang and training_log checks read) and the GPUs
 are the tests' scripted NVML, or with `--nvml real` this node's own GPUs. Each cell is the median CPU time
 (all threads) of one round over `--rounds` rounds, after two warm-up rounds.
@@ -18,23 +18,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 
-from benchmarks.common import heading, log_writers, writer_jobs
+from benchmarks.common import heading, installed_config, log_writers, writer_jobs
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
-from trainguard.agent.config import load_config, parse_config
+from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
 from trainguard.nvml import Nvml
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def engine(tmp: Path, logs: list[Path], nvml: Nvml) -> Engine:
-    raw: dict[str, Any] = load_config(str(REPO / "trainguard" / "default.toml")).to_dict()
     # No actions: the cost of deciding is measured, not of signalling the stand-in trainers.
-    checks = {name: {"type": s["type"], "actions": {"critical": [], "warning": []}} for name, s in raw["checks"].items()}
+    checks = {name: {**table, "actions": {"critical": [], "warning": []}}
+              for name, table in installed_config()["checks"].items()}
     checks["disk"]["paths"] = ["/"]
     checks["gpu_memory"] = {}
     config = {"agent": {"state_dir": str(tmp / "state"), "listen": ""},

@@ -15,6 +15,7 @@ from typing import Any
 
 import requests
 import tomli_w
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import AgentProcess, free_port, wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, alertmanager_alerts, prometheus_query, prometheus_server
@@ -141,10 +142,18 @@ class Stack:
         wait_until(predicate, timeout, interval, what=what)
         return self.timeline.mark(source, what)
 
-    def actions(self, check: str) -> list[tuple[str, str]]:
-        """(action, outcome) of every action the agents ran for this check, from their audit lines."""
-        return [(f["action"], f["outcome"]) for agent in self.agents for f in map(parse_log_line, agent.output().splitlines())
-                if f.get("msg") == "action" and f.get("check") == check]
+    def audit(self, **match: str) -> list[dict[str, str]]:
+        """The action audit lines of every agent whose fields equal `match` (e.g. check=, subject=), as dicts."""
+        return [f for agent in self.agents for f in map(parse_log_line, agent.output().splitlines())
+                if f.get("msg") == "action" and all(f.get(k) == v for k, v in match.items())]
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of the agent's /metrics, read with prometheus_client's own parser."""
+        for family in text_string_to_metric_families(self.metrics()):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return None
 
     # what the peers received ------------------------------------------------------------------
     def slack_posts(self, text: str) -> list[dict[str, Any]]:
@@ -165,8 +174,9 @@ class Stack:
     def mark_deliveries(self, text: str) -> None:
         for p in self.slack_posts(text):
             self.timeline.mark("slack", "message: " + p["json"].get("text", "")[:160], p["at"])
+        wanted = self.emails(text)
         for m, at in zip(self.mailbox.messages, self.mailbox.arrived, strict=True):
-            if m in self.emails(text):
+            if m in wanted:
                 self.timeline.mark("email", "message: " + str(m["Subject"])[:160], at)
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import MemoryCgroup, wait_until
-from tests.e2e.stack import FAST, Stack, log_time, parse_log_line
+from tests.e2e.stack import FAST, Stack
 from tests.slurm_cluster import JOB_USER, sh
 
 MiB = 2**20
@@ -16,14 +16,6 @@ MiB = 2**20
 def text(path: str | Path) -> str:
     p = Path(path)
     return p.read_text(errors="replace") if p.exists() else ""
-
-
-def fired_at(log: str, check: str) -> float | None:
-    for line in log.splitlines():
-        f = parse_log_line(line)
-        if f.get("msg") == "incident event" and f.get("check") == check and f.get("event") == "fired":
-            return log_time(f["ts"])
-    return None
 
 
 def test_a_hung_trainer_gets_a_stack_dump_a_save_request_and_an_alert_within_stale_after_plus_2s(stack: Stack) -> None:
@@ -129,7 +121,7 @@ def test_the_kill_switch_stops_the_job_with_a_checkpoint_and_holds_the_array(sta
 
     [pending] = stack.wait_mark("slurm", "pending array tasks held", held, 20) and held()
     assert pending["ArrayTaskId"].split("%")[0] == "1-3", pending  # held before the next task could start
-    wait_until(lambda: ("hold-array", "ok") in stack.actions("stop"), 10, what="the hold-array audit line")
+    wait_until(lambda: stack.audit(check="stop", action="hold-array", outcome="ok"), 10, what="the hold-array audit line")
     stack.wait_mark("slack", "switch alert received", lambda: stack.slack_posts("stop"), 10)
 
 

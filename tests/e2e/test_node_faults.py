@@ -13,25 +13,8 @@ import psutil
 import requests
 
 from tests.conftest import unique_bus, wait_until, xid79
-from tests.e2e.stack import FAST, Stack, log_time, parse_log_line
+from tests.e2e.stack import FAST, Stack, log_time
 from tests.slurm_cluster import JOB_USER
-
-
-def action_times(text: str, subject: str) -> dict[str, tuple[float, str]]:
-    """action -> (when its audit line was written, outcome), from the agent's log."""
-    out = {}
-    for line in text.splitlines():
-        f = parse_log_line(line)
-        if f.get("msg") == "action" and f.get("subject") == subject:
-            out[f["action"]] = (log_time(f["ts"]), f["outcome"])
-    return out
-
-
-def metric_value(text: str, name: str, **labels: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 def test_xid79_signals_drains_and_requeues_within_a_second_and_alerts_once_per_channel(stack: Stack, kmsg: Any) -> None:
@@ -50,8 +33,8 @@ def test_xid79_signals_drains_and_requeues_within_a_second_and_alerts_once_per_c
     drained = stack.wait_mark("slurm", "node state DRAIN", lambda: "DRAIN" in slurm.node_info()["State"], 10, 0.02)
     requeued = stack.wait_mark("slurm", f"job {job_id} requeued (Restarts=1)",
                                lambda: slurm.job(job_id).get("Restarts") == "1", 15, 0.02)
-    wait_until(lambda: len(action_times(agent.output(), subject)) == 3, 15, what="three action audit lines")
-    done = action_times(agent.output(), subject)
+    wait_until(lambda: len(stack.audit(subject=subject)) == 3, 15, what="three action audit lines")
+    done = {f["action"]: (log_time(f["ts"]), f["outcome"]) for f in stack.audit(subject=subject)}
     assert {a: o for a, (_, o) in done.items()} == {"signal": "ok", "drain": "ok", "requeue": "ok"}, agent.output()
     signalled = done["signal"][0]
     reason = slurm.node_info()["Reason"]
@@ -99,7 +82,7 @@ def test_a_flood_of_10000_xids_is_one_grouped_alert_at_bounded_cost(stack: Stack
             time.sleep(0.05)
 
     def sample(name: str, **labels: str) -> float:
-        return metric_value(stack.metrics(), name, **labels) or 0.0
+        return stack.metric(name, **labels) or 0.0
 
     runs_before, cpu_before = sample("trainguard_check_runs_total", check="xid"), sum(proc.cpu_times()[:2])
     scraper = threading.Thread(target=scrape, daemon=True)
