@@ -22,13 +22,13 @@ from trainguard.actions.signal import SignalAction, SignalSettings, signal_proce
 from trainguard.actions.switch import create_switch
 from trainguard.agent.config import ConfigError, parse_config
 from trainguard.agent.engine import Engine
-from trainguard.agent.events import Event, EventKind
 from trainguard.agent.store import Store
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.process import ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
-from trainguard.model import Status
 from trainguard.trainer import Trainer
 
 

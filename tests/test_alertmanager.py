@@ -13,8 +13,8 @@ from tests.test_engine import REGISTRY, Flaky
 from tests.test_notifiers import event
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
-from trainguard.agent.events import Event, EventKind
-from trainguard.model import Status
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Status
 from trainguard.notifiers.alertmanager import AlertmanagerNotifier, AlertmanagerSettings
 
 

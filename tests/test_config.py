@@ -11,10 +11,10 @@ from pydantic import SecretStr, ValidationError
 
 from trainguard.agent.config import ConfigError, default_config, load_config, parse_config
 from trainguard.checks.disk import DiskSettings
+from trainguard.core.settings import SettingsModel
+from trainguard.core.units import Limit
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.registry import Registry
-from trainguard.settings import SettingsModel
-from trainguard.units import Limit
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,9 @@ import pytest
 from tests.conftest import HungMount, wait_until
 from trainguard.checks.base import CheckContext
 from trainguard.checks.disk import DiskCheck, DiskSettings, Usage, evaluate, summarize
-from trainguard.checks.forecast import Forecast
 from trainguard.checks.mounts import StatfsProbe, Stuck, mount_of, read_mounts, real_mounts
-from trainguard.model import Status
+from trainguard.core.forecast import Forecast
+from trainguard.core.model import Status
 
 GiB = 2**30
 

@@ -9,7 +9,7 @@ from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost, NVML
 from trainguard.agent.store import Store
 from trainguard.checks.base import CheckContext
 from trainguard.checks.gpu import GpuCheck, GpuSettings
-from trainguard.model import Result, Status
+from trainguard.core.model import Result, Status
 from trainguard.nvml import Nvml, normalize_bus_id
 
 

@@ -15,9 +15,9 @@ from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost, NVML
 from tests.test_gpu import Clock
 from trainguard.checks.base import CheckContext
 from trainguard.checks.gpu_memory import GpuMemoryCheck, GpuMemorySettings
+from trainguard.core.model import Result, Status
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.process import ProcessJobSettings
-from trainguard.model import Result, Status
 from trainguard.nvml import Nvml
 
 GiB = 2**30

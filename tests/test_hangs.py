@@ -14,7 +14,7 @@ from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
 from trainguard.agent.incidents import Incident
 from trainguard.checks.stacks import find_py_spy, innermost
-from trainguard.model import Status
+from trainguard.core.model import Status
 
 
 def hang_engine(tmp_path: Path, marker: str, job: dict[str, Any], **check: Any) -> Engine:

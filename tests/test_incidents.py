@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.agent.events import Event, EventKind
 from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
 from trainguard.agent.store import Store
-from trainguard.model import Result, Status
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Result, Status
 
 
 class Clock:

@@ -15,10 +15,10 @@ import pytest
 from tests.conftest import REPO, MemoryCgroup, wait_until
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
-from trainguard.checks.forecast import Forecast
 from trainguard.checks.leak import JobMemory, JobMemorySettings, evaluate
+from trainguard.core.forecast import Forecast
+from trainguard.core.model import Status
 from trainguard.jobs.cgroup import CgroupMemory, memory_limit
-from trainguard.model import Status
 
 MiB = 2**20
 GiB = 2**30

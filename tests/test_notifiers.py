@@ -17,9 +17,9 @@ import pytest
 from tests.conftest import free_port, wait_until
 from tests.peers import SlackEmulator, slack_emulator
 from trainguard.agent.dispatch import Dispatcher
-from trainguard.agent.events import Event, EventKind
 from trainguard.agent.store import Store
-from trainguard.model import Status
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Status
 from trainguard.notifiers.base import NotifierError
 from trainguard.notifiers.slack import SlackNotifier, SlackSettings, slack_message
 from trainguard.notifiers.text import headline

@@ -13,7 +13,7 @@ import pytest
 
 from trainguard.checks.base import CheckContext
 from trainguard.checks.quota import QuotaCheck, QuotaSettings
-from trainguard.model import Status
+from trainguard.core.model import Status
 from trainguard.quota.budget import BudgetWalker
 from trainguard.quota.parsers import grace_seconds, parse_beegfs, parse_lfs, parse_mmlsquota, parse_quota
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from trainguard.agent.runner import CheckRunner
 from trainguard.checks.base import Check, CheckContext, CheckSettings
-from trainguard.model import Result, Status
+from trainguard.core.model import Result, Status
 
 CTX = CheckContext("node1", Path("/tmp"))
 

@@ -20,12 +20,12 @@ from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
 from trainguard.actions.base import ActionContext
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
-from trainguard.agent.events import Event, EventKind
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.kmsg import cursor_at_end
-from trainguard.model import Status
 
 
 def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], actions: dict[str, Any] | None = None,

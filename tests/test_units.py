@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.checks.forecast import SeriesWindow, theil_sen_slope
-from trainguard.model import Status, worst
-from trainguard.units import (
+from trainguard.core.forecast import SeriesWindow, theil_sen_slope
+from trainguard.core.model import Status, worst
+from trainguard.core.units import (
     Limit,
     format_bytes,
     format_duration,

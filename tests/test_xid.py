@@ -17,10 +17,10 @@ from trainguard.agent.http import HttpEndpoint
 from trainguard.agent.store import Store
 from trainguard.checks.base import CheckContext
 from trainguard.checks.xid import XidCheck, XidSettings, classify
+from trainguard.core.model import Status
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.xid import XidEvent, XidParser, describe
 from trainguard.kmsg import KernelRecord, KmsgFollower, parse_journal, parse_kmsg
-from trainguard.model import Status
 
 # (line, xid, bus id, pid, process) -- formats from driver sources and public reports
 MATCHING = [

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard import __version__
 from trainguard.agent.config import Config, ConfigError, default_state_dir, load_config
-from trainguard.agent.logs import setup_logging
-from trainguard.model import worst
+from trainguard.core.logs import setup_logging
+from trainguard.core.model import worst
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster
     from trainguard.agent.engine import Engine
-    from trainguard.model import Result
+    from trainguard.core.model import Result
 
 EXIT_CONFIG = 2
 
@@ -90,7 +90,7 @@ def _table(rows: list[list[str]]) -> str:
 def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
     from trainguard.agent.engine import Engine
     from trainguard.agent.store import Store
-    from trainguard.model import Status
+    from trainguard.core.model import Status
 
     engine = Engine(config, store=Store(None), notifiers={})
     reports = engine.run_round(ingest=False)
@@ -119,8 +119,8 @@ def _drain(engine: Engine, critical: list[Result]) -> str | None:
     import uuid
 
     from trainguard.actions.base import ActionContext
-    from trainguard.agent.events import Event, EventKind
-    from trainguard.model import Status
+    from trainguard.core.events import Event, EventKind
+    from trainguard.core.model import Status
 
     if not critical:
         return None
@@ -141,9 +141,9 @@ def cmd_notify_test(config: Config, channel: str | None) -> int:
     import uuid
 
     from trainguard.agent.engine import Engine
-    from trainguard.agent.events import Event, EventKind
     from trainguard.agent.store import Store
-    from trainguard.model import Status
+    from trainguard.core.events import Event, EventKind
+    from trainguard.core.model import Status
     from trainguard.notifiers.base import NotifierError
 
     notifiers = Engine(config, store=Store(None)).notifiers

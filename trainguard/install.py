@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard.tools import run_tool
+from trainguard.core.tools import run_tool
 
 PACKAGE = Path(__file__).resolve().parent
 UNIT_SOURCE = PACKAGE.parent / "systemd" / "trainguard.service"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainguard.agent.logs import kv
+from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.kmsg")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
-from trainguard.agent.logs import kv
+from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.nvml")
 T = TypeVar("T")

@@ -9,10 +9,10 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from trainguard.agent.events import Event
+from trainguard.core.events import Event
+from trainguard.core.settings import Duration, SettingsModel
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
-from trainguard.settings import Duration, SettingsModel
 
 
 class ActionSettings(SettingsModel):

@@ -11,9 +11,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
-from trainguard.agent.logs import kv
+from trainguard.core.logs import kv
+from trainguard.core.settings import Duration
 from trainguard.jobs.model import Job, ProcessRef
-from trainguard.settings import Duration
 
 log = logging.getLogger("trainguard.actions.signal")
 

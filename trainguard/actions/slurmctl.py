@@ -9,8 +9,8 @@ from typing import Literal, TypeVar
 from pydantic import Field, model_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
+from trainguard.core.settings import Duration
 from trainguard.jobs.slurm import SlurmError
-from trainguard.settings import Duration
 
 DRAIN_TAG = "trainguard:"
 T = TypeVar("T")

@@ -15,14 +15,14 @@ from typing import Any
 
 from trainguard.actions.base import Action, ActionContext, ActionError
 from trainguard.agent.config import Config
-from trainguard.agent.events import Event, EventKind
 from trainguard.agent.incidents import IncidentTracker
-from trainguard.agent.logs import kv
 from trainguard.checks.base import ActionBinding
+from trainguard.core.events import Event, EventKind
+from trainguard.core.logs import kv
+from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
-from trainguard.model import Status
 from trainguard.registry import Registry
 
 log = logging.getLogger("trainguard.actions")

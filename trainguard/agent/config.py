@@ -20,12 +20,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from trainguard.actions.base import ActionSettings
-from trainguard.agent.logs import kv
 from trainguard.checks.base import CheckSettings
+from trainguard.core.logs import kv
+from trainguard.core.settings import SettingsModel, is_secret
 from trainguard.jobs.catalog import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
-from trainguard.settings import SettingsModel, is_secret
 
 log = logging.getLogger("trainguard.config")
 

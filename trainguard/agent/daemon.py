@@ -12,8 +12,8 @@ from trainguard import __version__
 from trainguard.agent.config import Config
 from trainguard.agent.engine import Engine
 from trainguard.agent.http import HttpEndpoint
-from trainguard.agent.logs import kv
 from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
+from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.daemon")
 

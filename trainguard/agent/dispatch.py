@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from trainguard.agent.events import Event
-from trainguard.agent.logs import kv
 from trainguard.agent.store import Store
+from trainguard.core.events import Event
+from trainguard.core.logs import kv
 from trainguard.notifiers.base import Notifier, NotifierError
 
 log = logging.getLogger("trainguard.dispatch")

@@ -15,14 +15,14 @@ from trainguard import __version__
 from trainguard.agent.actions import ActionRunner
 from trainguard.agent.config import Config
 from trainguard.agent.dispatch import Dispatcher
-from trainguard.agent.events import Event, EventKind
 from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
-from trainguard.agent.logs import kv
 from trainguard.agent.runner import CheckRunner, RunReport
 from trainguard.agent.store import Store
 from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.core.events import Event, EventKind
+from trainguard.core.logs import kv
+from trainguard.core.model import Result, Status
 from trainguard.jobs.catalog import JobCatalog
-from trainguard.model import Result, Status
 from trainguard.notifiers.base import Notifier
 from trainguard.registry import DEFAULT_REGISTRY, Registry
 

@@ -11,8 +11,8 @@ from typing import Any
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from trainguard.agent.engine import Engine
-from trainguard.agent.logs import kv
 from trainguard.agent.metrics import build_registry
+from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.http")
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainguard.agent.events import Event, EventKind
 from trainguard.agent.store import Store
-from trainguard.model import Result, Status
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Result, Status
 
 
 @dataclass(frozen=True)

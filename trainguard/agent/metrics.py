@@ -9,7 +9,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard import __version__
 from trainguard.agent.engine import Snapshot
-from trainguard.model import Sample, Status
+from trainguard.core.model import Sample, Status
 
 
 class SnapshotCollector(Collector):

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainguard.agent.logs import kv
 from trainguard.checks.base import Check
-from trainguard.model import Result, Status
-from trainguard.units import format_duration
+from trainguard.core.logs import kv
+from trainguard.core.model import Result, Status
+from trainguard.core.units import format_duration
 
 log = logging.getLogger("trainguard.runner")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.logs import kv
+from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.store")
 

@@ -8,7 +8,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 
-from trainguard.agent.logs import kv
+from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.systemd")
 

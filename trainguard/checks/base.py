@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field, PositiveInt
 
-from trainguard.agent.logs import kv
+from trainguard.core.logs import kv
+from trainguard.core.model import Result, Sample, Status
+from trainguard.core.settings import Duration, SettingsModel
 from trainguard.jobs.catalog import JobCatalog
-from trainguard.model import Result, Sample, Status
-from trainguard.settings import Duration, SettingsModel
 
 log = logging.getLogger("trainguard.checks")
 

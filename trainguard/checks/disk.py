@@ -10,8 +10,6 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
-from trainguard.checks.forecast import Forecast, SeriesWindow
-from trainguard.checks.levels import Floors
 from trainguard.checks.mounts import (
     PSEUDO_FSTYPES,
     PSEUDO_MOUNTPOINTS,
@@ -22,9 +20,11 @@ from trainguard.checks.mounts import (
     read_mounts,
     real_mounts,
 )
-from trainguard.model import Result, Sample, Status, worst
-from trainguard.settings import CountLimit, Duration, Regex, SizeLimit
-from trainguard.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
+from trainguard.core.forecast import Forecast, SeriesWindow
+from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.settings import CountLimit, Duration, Regex, SizeLimit
+from trainguard.core.thresholds import Floors
+from trainguard.core.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
 
 
 class CapacitySettings(CheckSettings):

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from trainguard.agent.logs import kv
 from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
-from trainguard.model import Result, Sample, Status, worst
+from trainguard.core.logs import kv
+from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.settings import Duration
+from trainguard.core.units import format_bytes, format_duration
 from trainguard.nvml import CLOCK_EVENTS, GpuState, Nvml, NvmlUnavailableError
-from trainguard.settings import Duration
-from trainguard.units import format_bytes, format_duration
 
 COUNT_KEY = "gpu.max_count"
 

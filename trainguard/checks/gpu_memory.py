@@ -15,15 +15,15 @@ import psutil
 from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings
-from trainguard.checks.forecast import Forecast, SeriesWindow
 from trainguard.checks.gpu import NvmlCheck, unreachable
-from trainguard.checks.levels import Floors
+from trainguard.core.forecast import Forecast, SeriesWindow
+from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.settings import Duration, Size, SizeLimit, StatusName
+from trainguard.core.thresholds import Floors
+from trainguard.core.units import format_bytes, format_duration, parse_size
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_processes
-from trainguard.model import Result, Sample, Status, worst
 from trainguard.nvml import GpuState
-from trainguard.settings import Duration, Size, SizeLimit, StatusName
-from trainguard.units import format_bytes, format_duration, parse_size
 
 
 class GpuMemorySettings(CheckSettings):

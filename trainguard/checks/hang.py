@@ -23,16 +23,16 @@ from typing import Any
 import psutil
 from pydantic import Field
 
-from trainguard.agent.logs import kv
 from trainguard.checks.base import CheckContext, CheckSettings
 from trainguard.checks.jobs import JobCheck
 from trainguard.checks.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
-from trainguard.checks.timer import WakeTimer
+from trainguard.core.logs import kv
+from trainguard.core.model import Result, Sample, Status
+from trainguard.core.settings import Duration
+from trainguard.core.timer import WakeTimer
+from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes
-from trainguard.model import Result, Sample, Status
-from trainguard.settings import Duration
-from trainguard.units import format_duration
 
 log = logging.getLogger("trainguard.checks.hang")
 

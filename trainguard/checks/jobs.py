@@ -16,12 +16,12 @@ from typing import Literal
 from pydantic import Field
 
 from trainguard.checks.base import Check, CheckSettings
+from trainguard.core.model import Result, Sample, Status
+from trainguard.core.settings import Duration
+from trainguard.core.units import format_duration
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmError
-from trainguard.model import Result, Sample, Status
-from trainguard.settings import Duration
-from trainguard.units import format_duration
 
 
 class JobCheck(Check):

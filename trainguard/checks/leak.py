@@ -16,15 +16,15 @@ import psutil
 from pydantic import Field
 
 from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings
-from trainguard.checks.forecast import Forecast, SeriesWindow
 from trainguard.checks.jobs import JobCheck
-from trainguard.checks.levels import Floors
+from trainguard.core.forecast import Forecast, SeriesWindow
+from trainguard.core.model import Result, Sample, Status
+from trainguard.core.settings import Duration, SizeLimit
+from trainguard.core.thresholds import Floors
+from trainguard.core.units import format_bytes, format_duration, parse_size_limit
 from trainguard.jobs.cgroup import CgroupMemory, memory_limit
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_processes
-from trainguard.model import Result, Sample, Status
-from trainguard.settings import Duration, SizeLimit
-from trainguard.units import format_bytes, format_duration, parse_size_limit
 
 
 class JobMemorySettings(CheckSettings):

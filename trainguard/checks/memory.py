@@ -10,10 +10,10 @@ import psutil
 from pydantic import Field
 
 from trainguard.checks.base import Check, CheckSettings
-from trainguard.checks.levels import Floors
-from trainguard.model import Result, Sample, Status, worst
-from trainguard.settings import SizeLimit
-from trainguard.units import format_bytes, parse_size_limit
+from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.settings import SizeLimit
+from trainguard.core.thresholds import Floors
+from trainguard.core.units import format_bytes, parse_size_limit
 
 
 class MemorySettings(CheckSettings):

@@ -16,12 +16,12 @@ from pydantic import Field, model_validator
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.disk import CapacitySettings, CapacityTracker, Usage, Verdict, summarize, time_to_full
-from trainguard.model import Result, Sample, Status, worst
+from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.settings import Duration, Size
+from trainguard.core.units import format_duration
 from trainguard.quota.parsers import QuotaUsage
 from trainguard.quota.providers import Provider, QuotaError
 from trainguard.registry import QUOTA_PROVIDERS, load
-from trainguard.settings import Duration, Size
-from trainguard.units import format_duration
 
 Kind = Literal["user", "group", "project", "fileset", "dir"]
 

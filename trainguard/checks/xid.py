@@ -14,15 +14,15 @@ from typing import Any
 
 from pydantic import Field
 
-from trainguard.agent.logs import kv
 from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
+from trainguard.core.logs import kv
+from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.settings import Duration, StatusName
+from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.xid import XidParser, describe
 from trainguard.kmsg import KernelRecord, KmsgFollower
-from trainguard.model import Result, Sample, Status, worst
 from trainguard.nvml import Nvml
-from trainguard.settings import Duration, StatusName
-from trainguard.units import format_duration
 
 log = logging.getLogger("trainguard.checks.xid")
 

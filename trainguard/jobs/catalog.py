@@ -16,10 +16,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from trainguard.core.settings import Duration, SettingsModel
 from trainguard.jobs.model import Job
 from trainguard.jobs.process import ProcessJobSettings, ProcessSource
 from trainguard.jobs.slurm import SlurmClient, SlurmError, SlurmSource
-from trainguard.settings import Duration, SettingsModel
 
 
 def _default_sources() -> list[str]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 from pydantic import Field, model_validator
 
+from trainguard.core.settings import Regex, SettingsModel
 from trainguard.jobs.model import Job, ProcessRef
-from trainguard.settings import Regex, SettingsModel
 
 
 class ProcessJobSettings(SettingsModel):

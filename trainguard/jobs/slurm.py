@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.agent.logs import kv
+from trainguard.core.logs import kv
+from trainguard.core.tools import run_tool
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
-from trainguard.tools import run_tool
 
 log = logging.getLogger("trainguard.slurm")
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.units import format_bytes, parse_size
+from trainguard.core.units import format_bytes, parse_size
 
 _SIZE = r"([\d.]+ ?(?:bytes|[KMGT]iB|B))"
 _RANK = re.compile(r"^\[rank(\d+)\]:\s*")

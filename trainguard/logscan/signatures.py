@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import ahocorasick_rs
 from pydantic import Field
 
-from trainguard.model import Status
-from trainguard.settings import Regex, SettingsModel, StatusName
+from trainguard.core.model import Status
+from trainguard.core.settings import Regex, SettingsModel, StatusName
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from typing import Any
 
 from pydantic import Field
 
-from trainguard.agent.events import Event, EventKind
-from trainguard.agent.logs import kv
+from trainguard.core.events import Event, EventKind
+from trainguard.core.logs import kv
+from trainguard.core.settings import Duration
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import actions_done, event_line
-from trainguard.settings import Duration
 
 log = logging.getLogger("trainguard.notifiers.alertmanager")
 

@@ -8,9 +8,9 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from trainguard.agent.events import Event, EventKind
-from trainguard.model import Status
-from trainguard.settings import Duration, SettingsModel, StatusName
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Status
+from trainguard.core.settings import Duration, SettingsModel, StatusName
 
 
 class NotifierSettings(SettingsModel):

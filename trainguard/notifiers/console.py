@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from trainguard.agent.events import Event
-from trainguard.agent.logs import format_fields
+from trainguard.core.events import Event
+from trainguard.core.logs import format_fields
+from trainguard.core.units import format_duration
 from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
-from trainguard.units import format_duration
 
 
 class ConsoleNotifier(Notifier):

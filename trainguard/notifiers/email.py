@@ -13,10 +13,10 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from trainguard.agent.events import Event
+from trainguard.core.events import Event
+from trainguard.core.settings import Duration
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.text import actions_done, event_line, headline
-from trainguard.settings import Duration
 
 
 class EmailSettings(NotifierSettings):

@@ -7,12 +7,12 @@ from typing import Any
 
 from pydantic import Field, SecretStr
 
-from trainguard.agent.events import Event, EventKind
-from trainguard.model import Status, worst
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Status, worst
+from trainguard.core.settings import Duration
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import actions_done, event_line, headline
-from trainguard.settings import Duration
 
 COLORS = {Status.CRITICAL: "#d32f2f", Status.WARNING: "#f9a825", Status.UNKNOWN: "#757575", Status.OK: "#2e7d32"}
 MAX_BLOCK_EVENTS = 20  # Slack allows 50 blocks; the rest is counted, not listed

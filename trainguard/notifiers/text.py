@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from trainguard.agent.events import Event, EventKind
-from trainguard.model import worst
-from trainguard.units import format_duration
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import worst
+from trainguard.core.units import format_duration
 
 # What a successful action did, in the words of a headline.
 _DONE = {"signal": "job signalled", "save": "save requested", "stop": "stop requested", "drain": "node drained",

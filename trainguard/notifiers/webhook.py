@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 from pydantic import Field, SecretStr
 
-from trainguard.agent.events import Event
+from trainguard.core.events import Event
+from trainguard.core.settings import Duration
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import headline
-from trainguard.settings import Duration
 
 SIGNATURE_HEADER = "X-Trainguard-Signature"
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainguard.units import parse_size
+from trainguard.core.units import parse_size
 
 KIB = 1024
 

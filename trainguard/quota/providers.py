@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
+from trainguard.core.tools import run_tool
+from trainguard.core.units import parse_size
 from trainguard.quota.budget import BudgetWalker
 from trainguard.quota.parsers import (
     QuotaUsage,
@@ -21,8 +23,6 @@ from trainguard.quota.parsers import (
     parse_mmlsquota,
     parse_quota,
 )
-from trainguard.tools import run_tool
-from trainguard.units import parse_size
 
 _FLAG = {"user": "-u", "group": "-g", "project": "-p"}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainguard.model import Status
-from trainguard.units import Limit
+from trainguard.core.model import Status
+from trainguard.core.units import Limit
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from trainguard.model import Status
-from trainguard.units import Limit, parse_count_limit, parse_duration, parse_size, parse_size_limit
+from trainguard.core.model import Status
+from trainguard.core.units import Limit, parse_count_limit, parse_duration, parse_size, parse_size_limit
 
 Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda s: f"{s:g}s", return_type=str)]
 Size = Annotated[int, BeforeValidator(parse_size)]

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.model import Status
+from trainguard.core.model import Status
 
 
 class EventKind(str, enum.Enum):
