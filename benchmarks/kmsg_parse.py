@@ -17,7 +17,7 @@ import time
 
 from benchmarks.common import heading
 from trainguard.gpu.xid import XidParser
-from trainguard.kmsg import KernelRecord, KmsgFollower, parse_kmsg
+from trainguard.node.kmsg import KernelRecord, KmsgFollower, parse_kmsg
 
 XIDS = [
     "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",

@@ -25,7 +25,7 @@ from benchmarks.common import heading, installed_config, log_writers, writer_job
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
-from trainguard.nvml import Nvml
+from trainguard.gpu.nvml import Nvml
 
 
 def engine(tmp: Path, logs: list[Path], nvml: Nvml) -> Engine:

@@ -27,7 +27,7 @@ from benchmarks.common import heading, percentile
 from tests.slurm_cluster import SlurmCluster
 from trainguard.agent.config import parse_config
 from trainguard.agent.engine import Engine
-from trainguard.kmsg import CURSOR_KEY, cursor_at_end
+from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 
 TARGET = """
 import signal, sys, time

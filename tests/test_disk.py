@@ -11,9 +11,9 @@ import pytest
 from tests.conftest import HungMount, wait_until
 from trainguard.checks.base import CheckContext
 from trainguard.checks.disk import DiskCheck, DiskSettings, Usage, evaluate, summarize
-from trainguard.checks.mounts import StatfsProbe, Stuck, mount_of, read_mounts, real_mounts
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status
+from trainguard.node.mounts import StatfsProbe, Stuck, mount_of, parse_mountinfo, read_mounts, real_mounts
 
 GiB = 2**30
 
@@ -69,10 +69,8 @@ def test_mount_table_excludes_pseudo_filesystems() -> None:
 
 
 def test_mountinfo_escapes(tmp_path: Path) -> None:
-    info = tmp_path / "mountinfo"
-    info.write_text("36 35 98:0 / /mnt/my\\040disk rw,noatime master:1 - ext3 /dev/root rw,errors=continue\n"
-                    "garbage line\n")
-    [m] = read_mounts(info)
+    [m] = parse_mountinfo("36 35 98:0 / /mnt/my\\040disk rw,noatime master:1 - ext3 /dev/root rw,errors=continue\n"
+                          "garbage line\n")
     assert m.mountpoint == "/mnt/my disk"
     assert (m.fstype, m.device, m.dev_id) == ("ext3", "/dev/root", "98:0")
 

@@ -10,7 +10,7 @@ from trainguard.agent.store import Store
 from trainguard.checks.base import CheckContext
 from trainguard.checks.gpu import GpuCheck, GpuSettings
 from trainguard.core.model import Result, Status
-from trainguard.nvml import Nvml, normalize_bus_id
+from trainguard.gpu.nvml import Nvml, normalize_bus_id
 
 
 class Clock:
@@ -143,7 +143,7 @@ def test_bus_id_normalisation(raw: str | bytes, norm: str) -> None:
 
 def test_real_pynvml_on_this_machine() -> None:
     """With no GPU here, real NVML must fail cleanly; on a GPU node it must list the GPUs."""
-    from trainguard.nvml import probe
+    from trainguard.gpu.nvml import probe
 
     reason = probe()
     results = GpuCheck("gpu", GpuSettings(), CheckContext("n", Path("/tmp"))).run()

@@ -16,9 +16,9 @@ from tests.test_gpu import Clock
 from trainguard.checks.base import CheckContext
 from trainguard.checks.gpu_memory import GpuMemoryCheck, GpuMemorySettings
 from trainguard.core.model import Result, Status
+from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.process import ProcessJobSettings
-from trainguard.nvml import Nvml
 
 GiB = 2**30
 

@@ -18,7 +18,8 @@ from trainguard.agent.engine import Engine
 from trainguard.checks.leak import JobMemory, JobMemorySettings, evaluate
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status
-from trainguard.jobs.cgroup import CgroupMemory, memory_limit
+from trainguard.node.cgroup import CgroupMemory, memory_limit
+from trainguard.node.procfs import ProcFS
 
 MiB = 2**20
 GiB = 2**30
@@ -128,10 +129,10 @@ def test_cgroup_limit_is_the_tightest_on_the_path(tmp_path: Path, version: int) 
     (job / usage_file).write_text(f"{5 * GiB}\n")
     (job / "memory.stat").write_text(f"anon 1\n{inactive} {GiB}\n")
     (job.parent / limit_file).write_text(f"{64 * GiB}\n")
-    found = memory_limit(777, proc)
+    found = memory_limit(777, ProcFS(proc))
     assert found is not None
     assert (found.path, found.version, found.limit, found.usage, found.headroom) == (job, version, 8 * GiB, 4 * GiB,
                                                                                       4 * GiB)
     (job / limit_file).write_text("max\n" if version == 2 else "9223372036854771712\n")
     (job.parent / limit_file).write_text("max\n" if version == 2 else "9223372036854771712\n")
-    assert memory_limit(777, proc) is None  # unlimited all the way up
+    assert memory_limit(777, ProcFS(proc)) is None  # unlimited all the way up

@@ -25,7 +25,7 @@ from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
-from trainguard.kmsg import cursor_at_end
+from trainguard.node.kmsg import cursor_at_end
 
 
 def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], actions: dict[str, Any] | None = None,

@@ -16,13 +16,13 @@ from trainguard.agent.store import Store
 from trainguard.checks.base import CheckContext
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
+from trainguard.gpu.nvml import GpuProcess, GpuState, Nvml
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.process import ProcessJobSettings
 from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import FRAGMENTATION_ADVICE, TRUE_OOM_ADVICE, diagnose_cuda, diagnose_nccl, diagnose_oom
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
-from trainguard.nvml import GpuProcess, GpuState, Nvml
 
 from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError
 from .slurm_cluster import SlurmCluster

@@ -20,7 +20,7 @@ from trainguard.checks.xid import XidCheck, XidSettings, classify
 from trainguard.core.model import Status
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.xid import XidEvent, XidParser, describe
-from trainguard.kmsg import KernelRecord, KmsgFollower, parse_journal, parse_kmsg
+from trainguard.node.kmsg import KernelRecord, KmsgFollower, parse_journal, parse_kmsg
 
 # (line, xid, bus id, pid, process) -- formats from driver sources and public reports
 MATCHING = [

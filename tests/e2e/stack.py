@@ -21,7 +21,7 @@ from tests.conftest import AgentProcess, free_port, wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, alertmanager_alerts, prometheus_query, prometheus_server
 from tests.slurm_cluster import SlurmCluster, sh
 from trainguard.agent.store import Store
-from trainguard.kmsg import CURSOR_KEY, cursor_at_end
+from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "trainguard-rules.yml"
 FAST = {"interval": "1s", "jitter": "0s"}

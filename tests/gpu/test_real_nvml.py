@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
-from trainguard.nvml import Nvml, normalize_bus_id
+from trainguard.gpu.nvml import Nvml, normalize_bus_id
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]

@@ -244,7 +244,7 @@ def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
         "notifiers": {"console": {}},
     }
     if "gpu" in registry.checks:
-        from trainguard import nvml
+        from trainguard.gpu import nvml
 
         reason = nvml.probe()
         if reason is None:

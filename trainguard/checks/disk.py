@@ -10,7 +10,12 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
-from trainguard.checks.mounts import (
+from trainguard.core.forecast import Forecast, SeriesWindow
+from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.settings import CountLimit, Duration, Regex, SizeLimit
+from trainguard.core.thresholds import Floors
+from trainguard.core.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
+from trainguard.node.mounts import (
     PSEUDO_FSTYPES,
     PSEUDO_MOUNTPOINTS,
     Mount,
@@ -20,11 +25,6 @@ from trainguard.checks.mounts import (
     read_mounts,
     real_mounts,
 )
-from trainguard.core.forecast import Forecast, SeriesWindow
-from trainguard.core.model import Result, Sample, Status, worst
-from trainguard.core.settings import CountLimit, Duration, Regex, SizeLimit
-from trainguard.core.thresholds import Floors
-from trainguard.core.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
 
 
 class CapacitySettings(CheckSettings):

@@ -12,7 +12,8 @@ from trainguard.core.logs import kv
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration
 from trainguard.core.units import format_bytes, format_duration
-from trainguard.nvml import CLOCK_EVENTS, GpuState, Nvml, NvmlUnavailableError
+from trainguard.gpu.health import unreachable
+from trainguard.gpu.nvml import CLOCK_EVENTS, GpuState, Nvml, NvmlUnavailableError
 
 COUNT_KEY = "gpu.max_count"
 
@@ -26,15 +27,6 @@ class GpuSettings(CheckSettings):
     temperature_critical: int = Field(92, description="CRITICAL at or above this GPU temperature (Celsius).")
     throttle_for: Duration = Field(300.0, ge=0, description="WARNING when a hardware or thermal slowdown lasts this long.")
     actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]))
-
-
-def unreachable(gpu: GpuState) -> tuple[Status, str] | None:
-    """A lost GPU is CRITICAL; one NVML can't read is UNKNOWN; None when the GPU answered."""
-    if gpu.lost:
-        return Status.CRITICAL, f"GPU {gpu.index} lost ({gpu.error}); reset or reboot needed"
-    if gpu.error:
-        return Status.UNKNOWN, f"GPU {gpu.index}: NVML error: {gpu.error}"
-    return None
 
 
 def evaluate(gpu: GpuState, s: GpuSettings, throttled_for: float = 0.0) -> tuple[Status, str]:

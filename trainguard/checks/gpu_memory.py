@@ -15,15 +15,16 @@ import psutil
 from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings
-from trainguard.checks.gpu import NvmlCheck, unreachable
+from trainguard.checks.gpu import NvmlCheck
 from trainguard.core.forecast import Forecast, SeriesWindow
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration, Size, SizeLimit, StatusName
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size
+from trainguard.gpu.health import unreachable
+from trainguard.gpu.nvml import GpuState
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_processes
-from trainguard.nvml import GpuState
 
 
 class GpuMemorySettings(CheckSettings):

@@ -12,7 +12,6 @@ job hung captures its stacks (py-spy) before the incident fires and any action t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -25,14 +24,15 @@ from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings
 from trainguard.checks.jobs import JobCheck
-from trainguard.checks.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Sample, Status
 from trainguard.core.settings import Duration
 from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes
+from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes, read_heartbeat
+from trainguard.node.procfs import ProcFS
+from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
 
 log = logging.getLogger("trainguard.checks.hang")
 
@@ -65,9 +65,10 @@ class Signal:
 
 
 def log_signal(job: Job, patterns: Sequence[str], procs: list[psutil.Process], open_files: bool,
-               skip_dir: str | None = None) -> Signal | None:
+               skip_dir: str | None = None, procfs: ProcFS | None = None) -> Signal | None:
     """The newest write among the job's log files and the files it holds open for writing (except in
     `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress)."""
+    procfs = procfs or ProcFS()
     best: Signal | None = None
     paths = job_log_files(job, patterns)
     for path in paths:
@@ -86,30 +87,12 @@ def log_signal(job: Job, patterns: Sequence[str], procs: list[psutil.Process], o
             for f in files:
                 if getattr(f, "mode", "r") not in _WRITE_MODES or (skip_dir and f.path.startswith(skip_dir + "/")):
                     continue
-                try:  # through the fd: a log renamed by rotation or deleted is still the file being written
-                    mtime = os.stat(f"/proc/{proc.pid}/fd/{f.fd}").st_mtime
-                except OSError:
+                mtime = procfs.fd_mtime(proc.pid, f.fd)  # a log renamed by rotation is still the file being written
+                if mtime is None:
                     continue
                 if best is None or mtime > best.at:
                     best = Signal(mtime, f"log {f.path}")
     return best
-
-
-def read_heartbeat(path: str) -> tuple[int | None, dict[str, Any]]:
-    """The heartbeat's step and metrics (`trainguard.trainer` writes non-finite values as strings)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None, {}
-    if not isinstance(data, dict):
-        return None, {}
-    step, metrics = data.get("step"), data.get("metrics")
-    return (step if isinstance(step, int) and not isinstance(step, bool) else None,
-            metrics if isinstance(metrics, dict) else {})
-
-
-def read_step(path: str) -> int | None:
-    return read_heartbeat(path)[0]
 
 
 def io_written(procs: list[psutil.Process]) -> int | None:
@@ -186,7 +169,7 @@ class HangCheck(JobCheck):
         if logged is not None:
             signals.append(logged)
         beat = heartbeat_path(job, self.settings.heartbeat)
-        step = read_step(beat) if beat else None
+        step = read_heartbeat(beat)[0] if beat else None
         if step is not None:
             try:  # the new step was written at the latest by the file's last write, not when we noticed it
                 written = os.stat(beat).st_mtime

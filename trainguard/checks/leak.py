@@ -22,9 +22,9 @@ from trainguard.core.model import Result, Sample, Status
 from trainguard.core.settings import Duration, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size_limit
-from trainguard.jobs.cgroup import CgroupMemory, memory_limit
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_processes
+from trainguard.node.cgroup import CgroupMemory, memory_limit
 
 
 class JobMemorySettings(CheckSettings):

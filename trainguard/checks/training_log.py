@@ -13,19 +13,18 @@ from typing import Any
 from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings
-from trainguard.checks.hang import read_heartbeat
 from trainguard.checks.jobs import JobCheck
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration, Size
 from trainguard.core.units import format_bytes, parse_size
 from trainguard.gpu.faults import XidLedger
+from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import heartbeat_path, job_fields, job_log_files, job_processes
+from trainguard.jobs.tree import heartbeat_path, job_fields, job_log_files, job_processes, read_heartbeat
 from trainguard.logscan.context import finite_loss, last_step, oom_gpu
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, diagnose_oom, rank_of
 from trainguard.logscan.reader import LogTail, Position
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
-from trainguard.nvml import Nvml
 
 POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"

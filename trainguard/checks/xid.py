@@ -20,9 +20,9 @@ from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration, StatusName
 from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry, XidLedger
+from trainguard.gpu.nvml import Nvml
 from trainguard.gpu.xid import XidParser, describe
-from trainguard.kmsg import KernelRecord, KmsgFollower
-from trainguard.nvml import Nvml
+from trainguard.node.kmsg import KernelRecord, KmsgFollower
 
 log = logging.getLogger("trainguard.checks.xid")
 

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from trainguard.gpu.xid import XidEvent
-from trainguard.kmsg import KeyValue, boot_id
+from trainguard.node.kmsg import KeyValue
+from trainguard.node.procfs import ProcFS
 
 LEDGER_KEY = "xid.ledger"
 MAX_ENTRIES = 512  # distinct (gpu, xid) pairs kept: bounded memory whatever the kernel prints
@@ -33,7 +34,8 @@ class XidEntry:
 
 
 class XidLedger:
-    def __init__(self, store: KeyValue | None, clock: Callable[[], float] = time.time, save_every_s: float = 1.0) -> None:
+    def __init__(self, store: KeyValue | None, clock: Callable[[], float] = time.time, save_every_s: float = 1.0,
+                 proc: ProcFS | None = None) -> None:
         self._store = store
         self._clock = clock
         self._lock = threading.Lock()
@@ -41,7 +43,7 @@ class XidLedger:
         self._dirty = False
         self._saved_at = 0.0
         self._save_every_s = save_every_s
-        self.boot_id = boot_id()
+        self.boot_id = (proc or ProcFS()).boot_id()
         self._load()
 
     def _load(self) -> None:

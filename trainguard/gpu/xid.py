@@ -13,7 +13,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from trainguard.nvml import normalize_bus_id
+from trainguard.gpu.nvml import normalize_bus_id
 
 # Prefixes tools add before the kernel's text: dmesg, dmesg -T, dmesg -x, journald/syslog.
 _PREFIX = (r"^(?:\[\s*[\d.]+\]\s*|\[[A-Z][a-z]{2} [^\]]+\]\s*|kern\s*:\s*\w+\s*:\s*(?:\S+\s+)?"

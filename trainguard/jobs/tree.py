@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import glob
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -53,3 +56,16 @@ def heartbeat_path(job: Job, template: str = HEARTBEAT) -> str | None:
     if not template or (not job.switch_dir and "{switch_dir}" in template):
         return None
     return template.format(**job_fields(job))
+
+
+def read_heartbeat(path: str) -> tuple[int | None, dict[str, Any]]:
+    """The heartbeat's step and metrics (`trainguard.trainer` writes non-finite values as strings)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None, {}
+    if not isinstance(data, dict):
+        return None, {}
+    step, metrics = data.get("step"), data.get("metrics")
+    return (step if isinstance(step, int) and not isinstance(step, bool) else None,
+            metrics if isinstance(metrics, dict) else {})

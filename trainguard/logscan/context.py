@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from trainguard.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.gpu.health import gpu_faults
+from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.node.procfs import ProcFS
 
 STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one is close by
 # `step 100`, `Step: 100`, `global_step=100`, Megatron's `iteration      100/  500000`; not `Skipping step.`
@@ -32,16 +33,13 @@ def finite_loss(data: bytes, start: int, end: int) -> bool:
     return _FINITE_LOSS.search(data, start, end) is not None
 
 
-def visible_devices(pids: Collection[int]) -> list[str] | None:
+def visible_devices(pids: Collection[int], proc: ProcFS | None = None) -> list[str] | None:
     """CUDA_VISIBLE_DEVICES of the first of these processes that sets it: how the job's ordinals map to GPUs."""
+    proc = proc or ProcFS()
     for pid in pids:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        for entry in environ.split(b"\0"):
-            if entry.startswith(b"CUDA_VISIBLE_DEVICES="):
-                return [d.strip() for d in entry.split(b"=", 1)[1].decode(errors="replace").split(",") if d.strip()]
+        value = proc.environ_var(pid, "CUDA_VISIBLE_DEVICES")
+        if value is not None:
+            return [d.strip() for d in value.split(",") if d.strip()]
     return None
 
 
@@ -62,21 +60,6 @@ def pick_gpu(gpus: list[GpuState], ordinal: int | None, job_pids: Collection[int
     return None
 
 
-def gpu_faults(gpu: GpuState) -> list[str]:
-    faults = []
-    if gpu.lost:
-        faults.append("lost (fell off the bus)")
-    if gpu.ecc_uncorrected_volatile:
-        faults.append(f"{gpu.ecc_uncorrected_volatile} uncorrected ECC errors since the driver loaded")
-    if gpu.remap_failed:
-        faults.append("row remapping failed")
-    if gpu.remap_pending:
-        faults.append("row remapping pending")
-    if gpu.retired_pages_pending:
-        faults.append("retired pages pending")
-    return faults
-
-
 def _command(pid: int) -> str | None:
     try:
         return psutil.Process(pid).name()
@@ -84,14 +67,15 @@ def _command(pid: int) -> str | None:
         return None
 
 
-def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int]) -> dict[str, Any] | None:
+def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int],
+            proc: ProcFS | None = None) -> dict[str, Any] | None:
     """The OOMed GPU as NVML sees it now: other processes holding its memory, and its fault state.
     None when NVML is not available or the GPU can't be told."""
     try:
         gpus = nvml.gpus()
     except NvmlUnavailableError:
         return None
-    gpu = pick_gpu(gpus, ordinal, job_pids, visible_devices(job_pids))
+    gpu = pick_gpu(gpus, ordinal, job_pids, visible_devices(job_pids, proc))
     if gpu is None:
         return None
     others = [{"pid": p.pid, "bytes": p.used, "command": _command(p.pid)}

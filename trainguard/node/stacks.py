@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from trainguard.node.procfs import ProcFS
+
 _FRAME = re.compile(r"^\s+(\S.*?) \((.+?)\)\s*$")
 _THREAD = re.compile(r'^Thread (\S+) \(([^)]*)\)(?:: "(.*)")?')
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "LOCAL_RANK")
@@ -76,14 +78,6 @@ def _is_python(proc: psutil.Process) -> bool:
     return any(n.startswith("python") for n in names)
 
 
-def _wchan(pid: int) -> str | None:
-    try:
-        text = Path(f"/proc/{pid}/wchan").read_text().strip()
-    except OSError:
-        return None
-    return text if text not in ("", "0") else None  # "0": running, or hidden from us
-
-
 def find_py_spy(configured: str = "") -> str | None:
     if configured:
         return configured if shutil.which(configured) else None
@@ -92,10 +86,11 @@ def find_py_spy(configured: str = "") -> str | None:
 
 
 class StackDumper:
-    def __init__(self, py_spy: str | None, native: bool = False, timeout: float = 10.0) -> None:
+    def __init__(self, py_spy: str | None, native: bool = False, timeout: float = 10.0, proc: ProcFS | None = None) -> None:
         self.py_spy = py_spy
         self.native = native
         self.timeout = timeout
+        self.proc = proc or ProcFS()
 
     def dump(self, procs: list[psutil.Process]) -> list[ProcessStack]:
         stacks: dict[int, ProcessStack] = {}
@@ -105,7 +100,7 @@ class StackDumper:
                 state = proc.status()
             except psutil.Error:
                 continue
-            rank, wchan = _rank(proc), _wchan(proc.pid)
+            rank, wchan = _rank(proc), self.proc.wchan(proc.pid)
             if state == psutil.STATUS_DISK_SLEEP:
                 stacks[proc.pid] = ProcessStack(proc.pid, rank, state, f"D state (uninterruptible) in kernel "
                                                                        f"{wchan or '?'}", wchan=wchan)

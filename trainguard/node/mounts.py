@@ -13,7 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+
+from trainguard.node.procfs import ProcFS
 
 PSEUDO_FSTYPES = (
     "autofs", "binfmt_misc", "bpf", "cgroup", "cgroup2", "configfs", "debugfs", "devpts", "devtmpfs", "efivarfs",
@@ -37,9 +38,13 @@ class Mount:
     dev_id: str  # major:minor
 
 
-def read_mounts(mountinfo: Path = Path("/proc/self/mountinfo")) -> list[Mount]:
+def read_mounts(proc: ProcFS | None = None) -> list[Mount]:
+    return parse_mountinfo((proc or ProcFS()).mountinfo())
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
     mounts = []
-    for line in mountinfo.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in text.splitlines():
         left, sep, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         if not sep or len(fields) < 5 or len(tail) < 2:

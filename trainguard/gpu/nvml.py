@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from trainguard.core.logs import kv
 
-log = logging.getLogger("trainguard.nvml")
+log = logging.getLogger("trainguard.gpu.nvml")
 T = TypeVar("T")
 
 _UNAVAILABLE = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_FunctionNotFound",

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard.node.procfs import ProcFS
+
 _V1_UNLIMITED = 1 << 60  # v1 reports "no limit" as a page-rounded LONG_MAX
 
 
@@ -88,12 +90,11 @@ def _tightest(root: Path, rel: str, limit_file: str, unlimited: int) -> tuple[Pa
         current = current.parent
 
 
-def memory_limit(pid: int, proc: Path = Path("/proc")) -> CgroupMemory | None:
+def memory_limit(pid: int, proc: ProcFS | None = None) -> CgroupMemory | None:
     """The tightest cgroup memory limit over `pid`, with that cgroup's working set; None when unlimited."""
-    try:
-        own = (proc / str(pid) / "cgroup").read_text()
-        mountinfo = (proc / "self" / "mountinfo").read_text()
-    except OSError:
+    proc = proc or ProcFS()
+    own, mountinfo = proc.cgroup(pid), proc.mountinfo()
+    if own is None or not mountinfo:
         return None
     v2_mount, v1_mount = _mounts(mountinfo)
     v2_path, v1_path = _cgroup_paths(own)

@@ -21,14 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from trainguard.core.logs import kv
+from trainguard.node.procfs import ProcFS
 
-log = logging.getLogger("trainguard.kmsg")
+log = logging.getLogger("trainguard.node.kmsg")
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 CURSOR_KEY = "kmsg.cursor"
 _ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
@@ -83,14 +82,7 @@ def parse_journal(line: str) -> tuple[KernelRecord, str] | None:
     return KernelRecord(-1, prio, 0, usec, message), str(entry["__CURSOR"])
 
 
-def boot_id() -> str:
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
-def cursor_at_end(path: str = "/dev/kmsg") -> str:
+def cursor_at_end(path: str = "/dev/kmsg", proc: ProcFS | None = None) -> str:
     """A saved position just past the newest record: a follower resuming from it sees only what comes next."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     last = -1
@@ -106,13 +98,15 @@ def cursor_at_end(path: str = "/dev/kmsg") -> str:
                 last = record.seq
     finally:
         os.close(fd)
-    return json.dumps({"source": "kmsg", "boot_id": boot_id(), "seq": last})
+    return json.dumps({"source": "kmsg", "boot_id": (proc or ProcFS()).boot_id(), "seq": last})
 
 
 class KmsgFollower:
     def __init__(self, on_record: Callable[[KernelRecord], None], cursor: KeyValue | None = None,
-                 path: str = "/dev/kmsg", journalctl: str = "journalctl", save_every_s: float = 1.0) -> None:
+                 path: str = "/dev/kmsg", journalctl: str = "journalctl", save_every_s: float = 1.0,
+                 proc: ProcFS | None = None) -> None:
         self.on_record = on_record
+        self.boot_id = (proc or ProcFS()).boot_id()
         self.cursor = cursor
         self.path = path
         self.journalctl = journalctl
@@ -195,7 +189,7 @@ class KmsgFollower:
             saved = json.loads(self.cursor.get(CURSOR_KEY) or "{}")
         except ValueError:
             return -1
-        if saved.get("source") == "kmsg" and saved.get("boot_id") == boot_id():
+        if saved.get("source") == "kmsg" and saved.get("boot_id") == self.boot_id:
             return int(saved.get("seq", -1))
         return -1  # another boot: its buffer is new, read it from the start
 
@@ -285,7 +279,7 @@ class KmsgFollower:
         if self.cursor is None or (not force and time.monotonic() - self._saved_at < self.save_every_s):
             return
         if self.source == "kmsg" and self.last_seq >= 0:
-            value = {"source": "kmsg", "boot_id": boot_id(), "seq": self.last_seq}
+            value = {"source": "kmsg", "boot_id": self.boot_id, "seq": self.last_seq}
         elif self.source == "journal" and self._journal_cursor:
             value = {"source": "journal", "cursor": self._journal_cursor}
         else:

@@ -1,0 +1,57 @@
+"""ProcFS: the one place that names /proc. Its root is a parameter (node_exporter's --path.procfs), so a test or a
+container can point the agent at another tree. Every read returns None on any OSError: a process that exited
+between listing and reading is the normal case, not an error."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ProcFS:
+    root: Path = Path("/proc")
+
+    def path(self, *parts: str | int) -> Path:
+        return self.root.joinpath(*(str(p) for p in parts))
+
+    def read_text(self, *parts: str | int) -> str | None:
+        try:
+            return self.path(*parts).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+
+    def boot_id(self) -> str:
+        """This boot's id: persisted cursors and ledgers from another boot describe hardware that was reset."""
+        return (self.read_text("sys", "kernel", "random", "boot_id") or "").strip()
+
+    def mountinfo(self) -> str:
+        return self.read_text("self", "mountinfo") or ""
+
+    def wchan(self, pid: int) -> str | None:
+        """The kernel function a process sleeps in; None when running or hidden from us ("0")."""
+        text = (self.read_text(pid, "wchan") or "").strip()
+        return text if text not in ("", "0") else None
+
+    def environ_var(self, pid: int, name: str) -> str | None:
+        """One variable of a process's environment (needs the right to ptrace-read it: same user or CAP_SYS_PTRACE)."""
+        try:
+            environ = self.path(pid, "environ").read_bytes()
+        except OSError:
+            return None
+        prefix = name.encode() + b"="
+        for entry in environ.split(b"\0"):
+            if entry.startswith(prefix):
+                return entry[len(prefix):].decode(errors="replace")
+        return None
+
+    def fd_mtime(self, pid: int, fd: int) -> float | None:
+        """mtime of the file behind an open descriptor: a log renamed by rotation or deleted is still this file."""
+        try:
+            return os.stat(self.path(pid, "fd", fd)).st_mtime
+        except OSError:
+            return None
+
+    def cgroup(self, pid: int) -> str | None:
+        return self.read_text(pid, "cgroup")
