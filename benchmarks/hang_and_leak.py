@@ -25,9 +25,9 @@ from typing import Any
 
 from benchmarks.common import heading
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
 from trainguard.checks.hang import HangSettings
 from trainguard.checks.leak import JobMemorySettings
+from trainguard.pipeline.engine import Engine
 
 WORKER = """
 import sys, time

@@ -24,8 +24,8 @@ import psutil
 from benchmarks.common import heading, installed_config, log_writers, writer_jobs
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
 from trainguard.gpu.nvml import Nvml
+from trainguard.pipeline.engine import Engine
 
 
 def engine(tmp: Path, logs: list[Path], nvml: Nvml) -> Engine:

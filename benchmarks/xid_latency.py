@@ -26,8 +26,8 @@ from pathlib import Path
 from benchmarks.common import heading, percentile
 from tests.slurm_cluster import SlurmCluster
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
+from trainguard.pipeline.engine import Engine
 
 TARGET = """
 import signal, sys, time
@@ -86,7 +86,7 @@ def main() -> int:
     fired, acted, delivered, drained = [], [], [], []
     fd = os.open("/dev/kmsg", os.O_WRONLY)
     try:
-        engine.actions.catalog.view()  # warm the job cache, as a running agent has it
+        engine.responder.catalog.view()  # warm the job cache, as a running agent has it
         for trial in range(args.trials):
             bus = f"00{0x40 + trial % 0xbf:02x}:{random.randint(0, 255):02x}:00"
             line = f"<4>NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus. [{tag}]\n"

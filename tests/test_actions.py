@@ -21,14 +21,14 @@ from trainguard.actions.exec import ExecAction, ExecSettings
 from trainguard.actions.signal import SignalAction, SignalSettings, signal_process
 from trainguard.actions.switch import create_switch
 from trainguard.agent.config import ConfigError, parse_config
-from trainguard.agent.engine import Engine
-from trainguard.agent.store import Store
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.process import ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
+from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.store import Store
 from trainguard.trainer import Trainer
 
 
@@ -192,7 +192,7 @@ def test_actions_run_once_per_incident_with_audit_and_dry_run(tmp_path: Path,
         with caplog.at_level("WARNING"):
             for _ in range(3):
                 engine.run_round()
-                for t in engine.actions.threads:
+                for t in engine.responder.threads:
                     t.join(5)
         assert marker.read_text() == "x\n"  # fired once, not on every bad sample
         [incident] = engine.tracker.incidents()

@@ -11,10 +11,10 @@ import pytest
 from tests.conftest import wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, smtp_server
 from tests.test_notifiers import event
-from trainguard.agent.dispatch import Dispatcher
-from trainguard.agent.store import Store
 from trainguard.notifiers.base import NotifierError
 from trainguard.notifiers.email import EmailNotifier, EmailSettings
+from trainguard.pipeline.dispatch import Dispatcher
+from trainguard.pipeline.store import Store
 
 USER, PASSWORD = SMTP_USER, SMTP_PASSWORD
 

@@ -12,13 +12,13 @@ import requests
 
 from tests.conftest import HungMount, require_tool, wait_until
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
 from trainguard.agent.http import HttpEndpoint
-from trainguard.agent.store import Store
 from trainguard.checks.base import Check
 from trainguard.core.events import Event
 from trainguard.core.model import Result, Sample, Status
 from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
+from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.store import Store
 from trainguard.registry import CHECKS, NOTIFIERS, Registry
 
 

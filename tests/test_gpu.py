@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost, NVMLError_LibraryNotFound, NVMLError_NotSupported
-from trainguard.agent.store import Store
 from trainguard.checks.base import CheckContext
 from trainguard.checks.gpu import GpuCheck, GpuSettings
 from trainguard.core.model import Result, Status
 from trainguard.gpu.nvml import Nvml, normalize_bus_id
+from trainguard.pipeline.store import Store
 
 
 class Clock:

@@ -11,10 +11,10 @@ from typing import Any
 
 from tests.conftest import REPO, HungMount, require, wait_until
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
-from trainguard.agent.incidents import Incident
 from trainguard.core.model import Status
 from trainguard.node.stacks import find_py_spy, innermost
+from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.incidents import Incident
 
 
 def hang_engine(tmp_path: Path, marker: str, job: dict[str, Any], **check: Any) -> Engine:

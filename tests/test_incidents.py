@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
-from trainguard.agent.store import Store
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
+from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.store import Store
 
 
 class Clock:

@@ -14,12 +14,12 @@ import pytest
 
 from tests.conftest import REPO, MemoryCgroup, wait_until
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
 from trainguard.checks.leak import JobMemory, JobMemorySettings, evaluate
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status
 from trainguard.node.cgroup import CgroupMemory, memory_limit
 from trainguard.node.procfs import ProcFS
+from trainguard.pipeline.engine import Engine
 
 MiB = 2**20
 GiB = 2**30

@@ -16,14 +16,14 @@ import pytest
 
 from tests.conftest import free_port, wait_until
 from tests.peers import SlackEmulator, slack_emulator
-from trainguard.agent.dispatch import Dispatcher
-from trainguard.agent.store import Store
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.notifiers.base import NotifierError
 from trainguard.notifiers.slack import SlackNotifier, SlackSettings, slack_message
 from trainguard.notifiers.text import headline
 from trainguard.notifiers.webhook import SIGNATURE_HEADER, WebhookNotifier, WebhookSettings
+from trainguard.pipeline.dispatch import Dispatcher
+from trainguard.pipeline.store import Store
 
 Receiver = SlackEmulator
 
@@ -159,7 +159,7 @@ def test_outage_then_recovery_delivers_all_in_order_without_duplicates(tmp_path:
 def test_grouped_message_says_what_the_agent_already_did(tmp_path: Path, receiver: Receiver) -> None:
     from tests.test_engine import REGISTRY, Flaky
     from trainguard.agent.config import parse_config
-    from trainguard.agent.engine import Engine
+    from trainguard.pipeline.engine import Engine
 
     raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
            "jobs": {"sources": []},

@@ -5,9 +5,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainguard.agent.runner import CheckRunner
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.core.model import Result, Status
+from trainguard.pipeline.runner import CheckRunner
 
 CTX = CheckContext("node1", Path("/tmp"))
 

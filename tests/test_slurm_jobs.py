@@ -17,15 +17,14 @@ import requests
 
 from tests.conftest import AgentProcess, free_port, unique_bus, wait_until, xid79
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
-from trainguard.actions.base import ActionContext
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.kmsg import cursor_at_end
+from trainguard.pipeline.engine import Engine
 
 
 def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], actions: dict[str, Any] | None = None,
@@ -58,8 +57,7 @@ def find_job(slurm: SlurmCluster, job_id: str) -> Job:
 
 def run_action(engine: Engine, name: str, ev: Event, jobs: tuple[Job, ...],
                others_critical: tuple[str, ...] = ()) -> dict[str, Any]:
-    ctx = ActionContext(ev, jobs, engine.actions.node, engine.actions.slurm, time.time, others_critical)
-    return engine.actions.run_one(engine.actions.actions[name], ctx)
+    return engine.responder.run_named(name, ev, jobs, others_critical)
 
 
 def log_has(path: str, text: str) -> bool:

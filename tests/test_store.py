@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.agent.store import Store
+from trainguard.pipeline.store import Store
 
 
 def test_corrupt_state_file_is_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trainguard.agent.store import Store
 from trainguard.checks.base import CheckContext
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
@@ -23,6 +22,7 @@ from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import FRAGMENTATION_ADVICE, TRUE_OOM_ADVICE, diagnose_cuda, diagnose_nccl, diagnose_oom
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
+from trainguard.pipeline.store import Store
 
 from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError
 from .slurm_cluster import SlurmCluster

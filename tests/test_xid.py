@@ -12,15 +12,15 @@ import requests
 
 from tests.conftest import unique_bus, wait_until, xid79
 from trainguard.agent.config import parse_config
-from trainguard.agent.engine import Engine
 from trainguard.agent.http import HttpEndpoint
-from trainguard.agent.store import Store
 from trainguard.checks.base import CheckContext
 from trainguard.checks.xid import XidCheck, XidSettings, classify
 from trainguard.core.model import Status
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.xid import XidEvent, XidParser, describe
 from trainguard.node.kmsg import KernelRecord, KmsgFollower, parse_journal, parse_kmsg
+from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.store import Store
 
 # (line, xid, bus id, pid, process) -- formats from driver sources and public reports
 MATCHING = [

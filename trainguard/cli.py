@@ -9,13 +9,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainguard import __version__
-from trainguard.agent.config import Config, ConfigError, default_state_dir, load_config
+from trainguard.agent.config import ConfigError, load_config
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import worst
+from trainguard.pipeline.config import Config, default_state_dir
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster
-    from trainguard.agent.engine import Engine
     from trainguard.core.model import Result
+    from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
 
@@ -88,9 +89,9 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
-    from trainguard.agent.engine import Engine
-    from trainguard.agent.store import Store
     from trainguard.core.model import Status
+    from trainguard.pipeline.engine import Engine
+    from trainguard.pipeline.store import Store
 
     engine = Engine(config, store=Store(None), notifiers={})
     reports = engine.run_round(ingest=False)
@@ -118,21 +119,18 @@ def _drain(engine: Engine, critical: list[Result]) -> str | None:
     import time
     import uuid
 
-    from trainguard.actions.base import ActionContext
     from trainguard.core.events import Event, EventKind
     from trainguard.core.model import Status
 
     if not critical:
         return None
-    action = engine.actions.actions.get("drain")
-    if action is None:
+    if "drain" not in engine.responder.actions:
         return "drain: no `drain` action configured"
     summary = "; ".join(f"{r.check}: {r.summary}" for r in critical)
     now = time.time()
     event = Event(EventKind.FIRED, f"check-{uuid.uuid4().hex[:8]}", critical[0].check, critical[0].subject,
-                  Status.CRITICAL, summary, engine.actions.node, now, now)
-    record = engine.actions.run_one(action, ActionContext(event, (), engine.actions.node, engine.actions.slurm,
-                                                          time.time, ()))
+                  Status.CRITICAL, summary, engine.responder.node, now, now)
+    record = engine.responder.run_named("drain", event)
     return f"drain: {record['outcome']}: {record['detail']}"
 
 
@@ -140,11 +138,11 @@ def cmd_notify_test(config: Config, channel: str | None) -> int:
     import time
     import uuid
 
-    from trainguard.agent.engine import Engine
-    from trainguard.agent.store import Store
     from trainguard.core.events import Event, EventKind
     from trainguard.core.model import Status
     from trainguard.notifiers.base import NotifierError
+    from trainguard.pipeline.engine import Engine
+    from trainguard.pipeline.store import Store
 
     notifiers = Engine(config, store=Store(None)).notifiers
     if channel is not None and channel not in notifiers:

@@ -16,10 +16,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from trainguard.actions.base import ActionSettings
-from trainguard.agent.config import AgentSettings
 from trainguard.checks.base import CheckSettings
 from trainguard.jobs.catalog import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
+from trainguard.pipeline.config import AgentSettings
 from trainguard.registry import DEFAULT_REGISTRY, Registry
 
 HEADER = """# Configuration reference

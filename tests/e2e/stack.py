@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import AgentProcess, free_port, wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, alertmanager_alerts, prometheus_query, prometheus_server
 from tests.slurm_cluster import SlurmCluster, sh
-from trainguard.agent.store import Store
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
+from trainguard.pipeline.store import Store
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "trainguard-rules.yml"
 FAST = {"interval": "1s", "jitter": "0s"}

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import socket
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,84 +18,16 @@ else:  # pragma: no cover
 from trainguard.actions.base import ActionSettings
 from trainguard.checks.base import CheckSettings
 from trainguard.core.logs import kv
-from trainguard.core.settings import SettingsModel, is_secret
+from trainguard.core.settings import is_secret
 from trainguard.jobs.catalog import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
+from trainguard.pipeline.config import AgentSettings, Config
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.config")
 
 DEFAULT_CONFIG_PATH = Path("/etc/trainguard/trainguard.toml")
 CONFIG_ENV = "TRAINGUARD_CONFIG"
-
-
-def default_state_dir() -> Path:
-    # systemd's StateDirectory= sets STATE_DIRECTORY; a non-root user can't write /var/lib.
-    if os.environ.get("STATE_DIRECTORY"):
-        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
-    if os.geteuid() == 0:
-        return Path("/var/lib/trainguard")
-    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "trainguard"
-
-
-_LISTEN = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*):(?P<port>\d{1,5})$")
-
-
-class AgentSettings(SettingsModel):
-    node_name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0],
-                           description="Name of this node in alerts.", json_schema_extra={"default_doc": "short hostname"})
-    state_dir: Path = Field(default_factory=default_state_dir, description="Where incidents and the outbox persist.",
-                            json_schema_extra={"default_doc": "`$STATE_DIRECTORY` (systemd), `/var/lib/trainguard` as root, "
-                                                              "else `~/.local/state/trainguard`"})
-    listen: str = Field("127.0.0.1:9721", description="HTTP address for /metrics, /healthz and /status; empty: off.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-    @field_validator("listen")
-    @classmethod
-    def _check_listen(cls, value: str) -> str:
-        if value == "":
-            return value
-        match = _LISTEN.match(value)
-        if not match or int(match.group("port")) > 65535:
-            raise ValueError(f"invalid listen address {value!r}: expected HOST:PORT, e.g. '127.0.0.1:9721'")
-        return value
-
-    def listen_address(self) -> tuple[str, int]:
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]") or "0.0.0.0", int(port)
-
-
-@dataclass(frozen=True)
-class Config:
-    agent: AgentSettings
-    checks: Mapping[str, CheckSettings] = field(default_factory=dict)
-    notifiers: Mapping[str, NotifierSettings] = field(default_factory=dict)
-    source: Path | None = None
-    jobs: JobsSettings = field(default_factory=JobsSettings)
-    actions: Mapping[str, ActionSettings] = field(default_factory=dict)
-
-    def kind_of_check(self, name: str) -> str:
-        return self.checks[name].type or name
-
-    def kind_of_notifier(self, name: str) -> str:
-        return self.notifiers[name].type or name
-
-    def kind_of_action(self, name: str) -> str:
-        return self.actions[name].type or name
-
-    def to_dict(self) -> dict[str, Any]:
-        """The effective config; secrets come out as '**********'."""
-        return {
-            "source": str(self.source) if self.source else "(built-in default)",
-            "agent": self.agent.model_dump(mode="json"),
-            "checks": {n: {"type": self.kind_of_check(n), **s.model_dump(mode="json", exclude={"type"})}
-                       for n, s in self.checks.items()},
-            "notifiers": {n: {"type": self.kind_of_notifier(n), **s.model_dump(mode="json", exclude={"type"})}
-                          for n, s in self.notifiers.items()},
-            "jobs": self.jobs.model_dump(mode="json"),
-            "actions": {n: {"type": self.kind_of_action(n), **s.model_dump(mode="json", exclude={"type"})}
-                        for n, s in self.actions.items()},
-        }
 
 
 class ConfigError(Exception):

@@ -9,11 +9,11 @@ import time
 from types import FrameType
 
 from trainguard import __version__
-from trainguard.agent.config import Config
-from trainguard.agent.engine import Engine
 from trainguard.agent.http import HttpEndpoint
 from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
 from trainguard.core.logs import kv
+from trainguard.pipeline.config import Config
+from trainguard.pipeline.engine import Engine
 
 log = logging.getLogger("trainguard.daemon")
 

@@ -10,9 +10,10 @@ from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from trainguard.agent.engine import Engine
 from trainguard.agent.metrics import build_registry
+from trainguard.agent.status import status_document
 from trainguard.core.logs import kv
+from trainguard.pipeline.engine import Engine
 
 log = logging.getLogger("trainguard.http")
 
@@ -38,7 +39,7 @@ class HttpEndpoint:
                     healthy = engine.healthy()
                     self._reply(200 if healthy else 503, b"ok\n" if healthy else b"engine not making progress\n")
                 elif path == "/status":
-                    self._reply(200, json.dumps(engine.status(), indent=1).encode(), "application/json")
+                    self._reply(200, json.dumps(status_document(engine), indent=1).encode(), "application/json")
                 elif path == "/":
                     self._reply(200, b"trainguard: /metrics /healthz /status\n")
                 else:

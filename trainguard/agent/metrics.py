@@ -8,8 +8,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard import __version__
-from trainguard.agent.engine import Snapshot
 from trainguard.core.model import Sample, Status
+from trainguard.pipeline.engine import Snapshot
 
 
 class SnapshotCollector(Collector):

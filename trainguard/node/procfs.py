@@ -55,3 +55,15 @@ class ProcFS:
 
     def cgroup(self, pid: int) -> str | None:
         return self.read_text(pid, "cgroup")
+
+
+def own_usage() -> dict[str, float]:
+    """This process's resident memory, CPU seconds and threads, for the agent's self metrics; {} if unreadable."""
+    import psutil
+
+    try:
+        proc = psutil.Process()
+        times = proc.cpu_times()
+        return {"rss": float(proc.memory_info().rss), "cpu": times.user + times.system, "threads": float(proc.num_threads())}
+    except psutil.Error:
+        return {}

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainguard.agent.store import Store
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
+from trainguard.pipeline.store import Store
 
 
 @dataclass(frozen=True)

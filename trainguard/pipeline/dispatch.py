@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from trainguard.agent.store import Store
 from trainguard.core.events import Event
 from trainguard.core.logs import kv
 from trainguard.notifiers.base import Notifier, NotifierError
+from trainguard.pipeline.store import Store
 
 log = logging.getLogger("trainguard.dispatch")
 

@@ -1,4 +1,4 @@
-"""Runs the named actions bound to a check when its incidents fire or escalate.
+"""The responder: runs the named actions bound to a check when its incidents fire or escalate.
 
 Each action runs in its own daemon thread with a timeout, logs an audit line, and its outcome is
 recorded on the incident. An action runs at most once per incident unless it sets `repeat`.
@@ -14,8 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from trainguard.actions.base import Action, ActionContext, ActionError
-from trainguard.agent.config import Config
-from trainguard.agent.incidents import IncidentTracker
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
@@ -23,12 +21,14 @@ from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
+from trainguard.pipeline.config import Config
+from trainguard.pipeline.incidents import IncidentTracker
 from trainguard.registry import Registry
 
 log = logging.getLogger("trainguard.actions")
 
 
-class ActionRunner:
+class Responder:
     def __init__(self, config: Config, registry: Registry, catalog: JobCatalog | None, tracker: IncidentTracker,
                  clock: Callable[[], float] = time.time) -> None:
         self.actions: dict[str, Action] = {
@@ -81,6 +81,14 @@ class ActionRunner:
         for name in names:
             record = self.run_one(self.actions[name], ctx)
             self.tracker.record_action(event.check, event.subject, record)
+
+    def run_named(self, name: str, event: Event, jobs: tuple[Job, ...] = (),
+                  others_critical: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Run one configured action for `event` now (the `check --drain` path, tests); its outcome record."""
+        if name not in self.actions:
+            return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical)
+        return self.run_one(self.actions[name], ctx)
 
     def run_one(self, action: Action, ctx: ActionContext) -> dict[str, Any]:
         started = self.clock()

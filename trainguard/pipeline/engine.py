@@ -4,32 +4,29 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainguard import __version__
-from trainguard.agent.actions import ActionRunner
-from trainguard.agent.config import Config
-from trainguard.agent.dispatch import Dispatcher
-from trainguard.agent.incidents import IncidentPolicy, IncidentTracker
-from trainguard.agent.runner import CheckRunner, RunReport
-from trainguard.agent.store import Store
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
 from trainguard.jobs.catalog import JobCatalog
+from trainguard.node.procfs import own_usage
 from trainguard.notifiers.base import Notifier
+from trainguard.pipeline.config import Config
+from trainguard.pipeline.dispatch import Dispatcher
+from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.responder import Responder
+from trainguard.pipeline.runner import CheckRunner, RunReport
+from trainguard.pipeline.schedule import Schedule
+from trainguard.pipeline.store import Store
 from trainguard.registry import DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.engine")
-
-TICK_S = 1.0
-
 
 class BrokenCheck(Check):
     """Stands in for a check whose constructor failed, so the failure shows up as data."""
@@ -96,16 +93,15 @@ class Engine:
         self.notifiers = dict(notifiers)
         self.tracker = IncidentTracker(self.store, self.node, clock)
         self.dispatcher = Dispatcher(self.store, self.notifiers, clock, annotator=self._actions_taken)
-        self.actions = ActionRunner(config, registry, self.catalog, self.tracker, clock)
+        self.responder = Responder(config, registry, self.catalog, self.tracker, clock)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
         self._started = clock()
         self._last_tick = time.monotonic()
         self._outbox: dict[str, tuple[int, float | None]] = {}
         self._agent: dict[str, float] = {}
-        self._scheduler: Any = None
+        self._schedule: Schedule | None = None
         self._run_locks = {name: threading.Lock() for name in self.checks}
-        self._queued: set[str] = set()
 
     @staticmethod
     def _build_check(registry: Registry, kind: str, name: str, settings: CheckSettings,
@@ -158,19 +154,9 @@ class Engine:
                     log.exception("ingesting check results failed", extra=kv(check=name))
 
     def trigger(self, name: str) -> None:
-        """Run a check now (an event-driven check saw something). At most one run waits per check,
-        so a flood of events costs a bounded number of runs."""
-        with self._lock:
-            if name in self._queued or self.stop_event.is_set():
-                return
-            self._queued.add(name)
-
-        def run() -> None:
-            with self._lock:
-                self._queued.discard(name)
-            self.run_check(name)
-
-        threading.Thread(target=run, name=f"trigger-{name}", daemon=True).start()
+        """Run a check now, from an event-driven check's watcher."""
+        if self._schedule is not None:
+            self._schedule.trigger(name)
 
     def ingest(self, report: RunReport) -> None:
         if self.stop_event.is_set():  # state was flushed at shutdown; late results are dropped
@@ -189,7 +175,7 @@ class Engine:
         for event in events:
             log.info("incident event", extra=kv(event=event.kind.value, check=event.check, subject=event.subject,
                                                 status=event.status.name, incident=event.incident_id))
-            self.actions.handle(event, s.actions)
+            self.responder.handle(event, s.actions)
         if events:
             self.dispatcher.wake()
 
@@ -201,16 +187,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - the tick is the liveness signal: it must not die
             log.warning("reading outbox stats failed", extra=kv(error=exc))
             outbox = self._outbox
-        agent = {}
-        try:
-            import psutil
-
-            proc = psutil.Process()
-            times = proc.cpu_times()
-            agent = {"rss": float(proc.memory_info().rss), "cpu": times.user + times.system,
-                     "threads": float(proc.num_threads())}
-        except Exception as exc:  # noqa: BLE001 - self metrics are optional
-            log.debug("self metrics failed", extra=kv(error=exc))
+        agent = own_usage()
         with self._lock:
             self._outbox = outbox
             self._agent = agent
@@ -221,35 +198,19 @@ class Engine:
 
     # lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        from apscheduler.executors.pool import ThreadPoolExecutor
-        from apscheduler.schedulers.background import BackgroundScheduler
-        from apscheduler.triggers.interval import IntervalTrigger
-
         self.dispatcher.start()
         for notifier in self.notifiers.values():
             notifier.start(self.firing_events)
         self.tick()
+        self._schedule = Schedule({n: (c.settings.interval, c.settings.jitter) for n, c in self.checks.items()},
+                                  self.run_check, self.tick)
         for name, check in self.checks.items():
             try:
                 check.start(lambda name=name: self.trigger(name))
             except Exception as exc:  # noqa: BLE001 - its runs will show the failure
                 log.error("check watcher could not start", extra=kv(check=name, error=exc))
         self.run_round()
-        self._scheduler = BackgroundScheduler(
-            executors={"default": ThreadPoolExecutor(max(4, len(self.runners) + 2)), "tick": ThreadPoolExecutor(1)},
-            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
-            timezone="UTC",
-        )
-        from datetime import datetime, timedelta, timezone
-
-        now = datetime.now(timezone.utc)
-        for name, check in self.checks.items():
-            interval = check.settings.interval
-            self._scheduler.add_job(
-                self.run_check, IntervalTrigger(seconds=interval, jitter=check.settings.jitter or None),
-                args=[name], id=f"check:{name}", name=name, next_run_time=now + timedelta(seconds=interval))
-        self._scheduler.add_job(self.tick, IntervalTrigger(seconds=TICK_S), id="tick", executor="tick")
-        self._scheduler.start()
+        self._schedule.start()
         log.info("engine started", extra=kv(checks=",".join(self.checks) or "-",
                                              notifiers=",".join(self.notifiers) or "-"))
 
@@ -257,9 +218,8 @@ class Engine:
         if self.stop_event.is_set():
             return
         self.stop_event.set()
-        if self._scheduler is not None:
-            self._scheduler.shutdown(wait=False)
-            self._scheduler = None
+        if self._schedule is not None:
+            self._schedule.stop()
         for check in self.checks.values():
             try:
                 check.stop()
@@ -278,30 +238,3 @@ class Engine:
             agent = dict(self._agent, start_time=self._started, now=self.clock())
         delivery = {n: (s.sent, s.failed, s.dropped) for n, s in self.dispatcher.stats.items()}
         return Snapshot(self.node, self._started, checks, self.tracker.firing_by_status(), outbox, delivery, agent)
-
-    def status(self) -> dict[str, Any]:
-        snap = self.snapshot()
-        return {
-            "node": snap.node,
-            "version": __version__,
-            "pid": os.getpid(),
-            "started": snap.started,
-            "healthy": self.healthy(),
-            "checks": {
-                name: {
-                    "type": st.kind,
-                    "interval_s": st.interval,
-                    "last_run": st.last.started if st.last else None,
-                    "duration_s": round(st.last.duration, 4) if st.last else None,
-                    "outcome": st.last.outcome if st.last else None,
-                    "runs": st.runs,
-                    "timeouts": st.timeouts,
-                    "results": [r.to_dict() for r in st.last.results] if st.last else [],
-                }
-                for name, st in snap.checks.items()
-            },
-            "incidents": [i.to_dict() for i in self.tracker.incidents()],
-            "jobs": {"sources": self.catalog.sources, "errors": view.errors, "jobs": [j.to_dict() for j in view.on_node()]}
-            if self.catalog and (view := self.catalog.cached()) else None,
-            "outbox": {ch: {"queued": n, "oldest": oldest} for ch, (n, oldest) in snap.outbox.items()},
-        }
