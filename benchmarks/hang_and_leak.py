@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.common import heading
 from trainguard.agent.config import parse_config
 from trainguard.checks.hang import HangSettings
-from trainguard.checks.leak import JobMemorySettings
+from trainguard.checks.job_memory import JobMemorySettings
 from trainguard.pipeline.engine import Engine
 
 WORKER = """

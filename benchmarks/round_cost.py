@@ -37,7 +37,7 @@ def engine(tmp: Path, logs: list[Path], nvml: Nvml) -> Engine:
     config = {"agent": {"state_dir": str(tmp / "state"), "listen": ""},
               "jobs": {"sources": ["process"], "processes": writer_jobs(logs)},
               "checks": checks, "notifiers": {}}
-    return Engine(parse_config(config, "benchmark"), context_extras={"nvml": nvml})
+    return Engine(parse_config(config, "benchmark"), nvml=nvml)
 
 
 def fake_nvml(gpus: int, pids: list[int]) -> Nvml:

@@ -26,6 +26,7 @@ from pathlib import Path
 from benchmarks.common import heading, percentile
 from tests.slurm_cluster import SlurmCluster
 from trainguard.agent.config import parse_config
+from trainguard.core.state import scoped_key
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine
 
@@ -81,7 +82,7 @@ def main() -> int:
            "checks": {"xid": {"actions": {"critical": ["signal", "drain"] if cluster else ["signal"]}}},
            "notifiers": {"console": {"min_severity": "CRITICAL", "send_resolved": False}}}
     engine = Engine(parse_config(raw, "benchmark"))
-    engine.store.put(CURSOR_KEY, cursor_at_end())
+    engine.store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())
     engine.start()
     fired, acted, delivered, drained = [], [], [], []
     fd = os.open("/dev/kmsg", os.O_WRONLY)

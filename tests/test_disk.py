@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import HungMount, wait_until
 from trainguard.checks.base import CheckContext
-from trainguard.checks.disk import DiskCheck, DiskSettings, Usage, evaluate, summarize
+from trainguard.checks.capacity import Usage, evaluate, summarize
+from trainguard.checks.disk import DiskCheck, DiskSettings
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status
 from trainguard.node.mounts import StatfsProbe, Stuck, mount_of, parse_mountinfo, read_mounts, real_mounts

@@ -9,6 +9,7 @@ from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost, NVML
 from trainguard.checks.base import CheckContext
 from trainguard.checks.gpu import GpuCheck, GpuSettings
 from trainguard.core.model import Result, Status
+from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import Nvml, normalize_bus_id
 from trainguard.pipeline.store import Store
 
@@ -21,7 +22,7 @@ class Clock:
 
 
 def check(fake: FakeNvml, store: Store | None = None, clock: Clock | None = None, **settings: object) -> GpuCheck:
-    ctx = CheckContext("node1", Path("/tmp"), clock or Clock(), extras={"nvml": Nvml(fake)}, store=store)
+    ctx = CheckContext("node1", Path("/tmp"), clock or Clock(), nvml=Nvml(fake), state=ScopedState(store, "check/gpu"))
     return GpuCheck("gpu", GpuSettings.model_validate(settings), ctx)
 
 

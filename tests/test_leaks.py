@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO, MemoryCgroup, wait_until
 from trainguard.agent.config import parse_config
-from trainguard.checks.leak import JobMemory, JobMemorySettings, evaluate
+from trainguard.checks.job_memory import JobMemory, JobMemorySettings, evaluate
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status
 from trainguard.node.cgroup import CgroupMemory, memory_limit

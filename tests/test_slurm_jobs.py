@@ -20,10 +20,11 @@ from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
 from trainguard.agent.config import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
+from trainguard.core.state import scoped_key
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
-from trainguard.node.kmsg import cursor_at_end
+from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine
 
 
@@ -325,7 +326,7 @@ def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: An
     engine = engine_for(slurm, tmp_path, {"xid": {"actions": {"critical": ["signal", "drain", "requeue"],
                                                               "resolved": ["resume"]}}})
     engines.append(engine)
-    engine.store.put("kmsg.cursor", cursor_at_end())  # only this test's records count
+    engine.store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())  # only this test's records count
     workdir = slurm.workdir()
     job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-xid")
     info = slurm.wait_state(job_id, ("RUNNING",))

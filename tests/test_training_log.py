@@ -15,6 +15,7 @@ import pytest
 from trainguard.checks.base import CheckContext
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
+from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import GpuProcess, GpuState, Nvml
 from trainguard.jobs.catalog import JobCatalog, JobsSettings
 from trainguard.jobs.process import ProcessJobSettings
@@ -169,7 +170,8 @@ def check(tmp_path: Path, marker: str, store: Store, nvml: FakeNvml | None = Non
         "trainer": ProcessJobSettings(cmdline=marker, logs=[str(tmp_path / "rank-logs" / "*.log")],
                                       switch_dir=str(tmp_path / "switch"))}), "node1")
     return TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
-        "node1", tmp_path, jobs=jobs, store=store, extras={"nvml": Nvml(nvml or FakeNvml(init_error=NVMLError))}))
+        "node1", tmp_path, jobs=jobs, state=ScopedState(store, "check/logs"),
+        nvml=Nvml(nvml or FakeNvml(init_error=NVMLError))))
 
 
 def test_check_reports_the_diagnosis_once_and_remembers_it(tmp_path: Path, trainer: tuple[str, Path]) -> None:
@@ -301,7 +303,7 @@ def test_a_failed_slurm_job_gets_its_exit_code_and_final_exception(slurm: SlurmC
     slurm.wait_state(job_id, ("FAILED",))
     jobs = JobCatalog(JobsSettings(sources=["slurm"], refresh=0), slurm.node)
     watch = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
-        slurm.node, tmp_path, jobs=jobs, store=Store(None), extras={"nvml": Nvml(FakeNvml(init_error=NVMLError))}))
+        slurm.node, tmp_path, jobs=jobs, nvml=Nvml(FakeNvml(init_error=NVMLError))))
     [result] = [r for r in watch.run() if r.subject == f"slurm:{job_id}"]
     assert result.status is Status.CRITICAL
     assert ": the job ended FAILED with exit code 3:0: ValueError: bad shard 7 — " in result.summary

@@ -16,6 +16,7 @@ from trainguard.agent.http import HttpEndpoint
 from trainguard.checks.base import CheckContext
 from trainguard.checks.xid import XidCheck, XidSettings, classify
 from trainguard.core.model import Status
+from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.xid import XidEvent, XidParser, describe
 from trainguard.node.kmsg import KernelRecord, KmsgFollower, parse_journal, parse_kmsg
@@ -320,7 +321,7 @@ sleep 30
 
 def test_no_kernel_log_source_is_unknown(tmp_path: Path) -> None:
     check = XidCheck("xid", XidSettings(kmsg_path=str(tmp_path / "none"), journalctl=str(tmp_path / "nojournal")),
-                     CheckContext("n", tmp_path, store=Store(None)))
+                     CheckContext("n", tmp_path, state=ScopedState(Store(None), "check/xid")))
     check.start(lambda: None)
     wait_until(lambda: check.follower.error is not None, 5)
     [result] = check.run()

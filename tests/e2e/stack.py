@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import AgentProcess, free_port, wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, alertmanager_alerts, prometheus_query, prometheus_server
 from tests.slurm_cluster import SlurmCluster, sh
+from trainguard.core.state import scoped_key
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.store import Store
 
@@ -117,7 +118,7 @@ class Stack:
         """`trainguard run` as a subprocess; the first one also starts Prometheus scraping it."""
         if not self.agents:  # kernel records of earlier tests are not this scenario's; a running agent is past them
             store = Store(self.state_dir)
-            store.put(CURSOR_KEY, cursor_at_end())
+            store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())
             store.close()
         agent = AgentProcess(config, self.tmp_path / log_name).start()
         self.agents.append(agent)

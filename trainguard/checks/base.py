@@ -1,8 +1,8 @@
-"""The check interface: a small class with a name, validated settings and `run()` returning results."""
+"""The check interface: a small class with a name, validated settings and `run()` returning results; and the two
+family base classes, JobCheck (checks over the jobs on this node) and NvmlCheck (checks over the GPUs)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -16,7 +16,12 @@ from pydantic import Field, PositiveInt
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Sample, Status
 from trainguard.core.settings import Duration, SettingsModel
-from trainguard.jobs.catalog import JobCatalog
+from trainguard.core.state import ScopedState
+from trainguard.gpu.faults import XidLedger
+from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.jobs.catalog import JobCatalog, JobView
+from trainguard.jobs.model import Job
+from trainguard.node.procfs import ProcFS
 
 log = logging.getLogger("trainguard.checks")
 
@@ -50,14 +55,20 @@ class CheckSettings(SettingsModel):
 
 @dataclass(frozen=True)
 class CheckContext:
-    """What the agent hands every check: where it runs and the seams tests drive."""
+    """What the engine hands each check: where it runs, and the node's sources and services, typed.
+
+    `state` is this check instance's own store (keys scoped to its name). `xid_history` is the node's XID ledger
+    this boot: the xid check records into it and other checks (training_log) read it.
+    """
 
     node: str
     state_dir: Path
     clock: Callable[[], float] = time.time
-    extras: Mapping[str, Any] = field(default_factory=dict)
     jobs: JobCatalog | None = None
-    store: Any = None  # key/value persistence (get/put) for cursors and offsets
+    nvml: Nvml = field(default_factory=Nvml)
+    proc: ProcFS = field(default_factory=ProcFS)
+    state: ScopedState = field(default_factory=lambda: ScopedState(None, "check"))
+    xid_history: XidLedger = field(default_factory=lambda: XidLedger(None))
 
 
 class Check(ABC):
@@ -81,23 +92,12 @@ class Check(ABC):
         """Stop what `start` started."""
 
     def load_state(self, key: str) -> dict[str, Any]:
-        """A JSON object this check saved in the store (counters, positions); {} when absent or unreadable."""
-        store = self.context.store
-        try:
-            data = json.loads((store.get(key) if store is not None else None) or "{}")
-        except ValueError:
-            return {}
-        return data if isinstance(data, dict) else {}
+        """A JSON object this check saved (counters, positions); {} when absent or unreadable."""
+        return self.context.state.load_json(key)
 
     def save_state(self, key: str, data: Mapping[str, Any]) -> None:
         """Save what `load_state` reads back; a failure is logged, never raised: state is only a head start."""
-        store = self.context.store
-        if store is None:
-            return
-        try:
-            store.put(key, json.dumps(data))
-        except Exception as exc:  # noqa: BLE001 - the store may be closing or broken; the run's results still count
-            log.warning("saving check state failed", extra=kv(check=self.name, key=key, error=exc))
+        self.context.state.save_json(key, data)
 
     def result(
         self,
@@ -108,3 +108,43 @@ class Check(ABC):
         samples: Sequence[Sample] = (),
     ) -> Result:
         return Result(self.name, subject, status, summary, details or {}, tuple(samples))
+
+
+class JobCheck(Check):
+    """Shared plumbing: the job view, and one UNKNOWN per failed source instead of a crash."""
+
+    def view(self) -> JobView:
+        if self.context.jobs is None:
+            raise RuntimeError("no job source configured ([jobs] sources)")
+        return self.context.jobs.view()
+
+    def source_errors(self, view: JobView, sources: Sequence[str] | None = None) -> list[Result]:
+        """One UNKNOWN per failed source (of `sources`; None: every source)."""
+        return [self.result(f"source:{name}", Status.UNKNOWN, f"job source {name}: {error}", {"source": name})
+                for name, error in view.errors.items() if sources is None or name in sources]
+
+    @staticmethod
+    def jobs_here(view: JobView, names: Sequence[str] = ()) -> list[Job]:
+        """Jobs running on this node, only those named when `names` is given."""
+        return [j for j in view.on_node() if not names or j.name in names]
+
+
+class NvmlCheck(Check):
+    """A check over NVML: on a node without it, one UNKNOWN `NVML not available` and one log line."""
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.nvml = context.nvml
+        self._reported_unavailable = False
+
+    def gpus(self) -> tuple[list[GpuState], Result | None]:
+        """The GPUs, or no GPUs and the UNKNOWN result saying why NVML can't be used."""
+        try:
+            gpus = self.nvml.gpus()
+        except NvmlUnavailableError as exc:
+            if not self._reported_unavailable:  # one log line, not a traceback per run
+                log.warning("GPU checks off", extra=kv(check=self.name, reason=str(exc)))
+                self._reported_unavailable = True
+            return [], self.result("nvml", Status.UNKNOWN, str(exc))
+        self._reported_unavailable = False
+        return gpus, None

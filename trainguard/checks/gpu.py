@@ -7,13 +7,12 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
-from trainguard.core.logs import kv
+from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, NvmlCheck
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration
 from trainguard.core.units import format_bytes, format_duration
 from trainguard.gpu.health import unreachable
-from trainguard.gpu.nvml import CLOCK_EVENTS, GpuState, Nvml, NvmlUnavailableError
+from trainguard.gpu.nvml import CLOCK_EVENTS, GpuState
 
 COUNT_KEY = "gpu.max_count"
 
@@ -64,27 +63,6 @@ def evaluate(gpu: GpuState, s: GpuSettings, throttled_for: float = 0.0) -> tuple
 
 def throttle_names(mask: int | None) -> list[str]:
     return [name for bit, name in CLOCK_EVENTS.items() if mask and mask & bit]
-
-
-class NvmlCheck(Check):
-    """A check over NVML: on a node without it, one UNKNOWN `NVML not available` and one log line."""
-
-    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
-        super().__init__(name, settings, context)
-        self.nvml: Nvml = context.extras.get("nvml") or Nvml()
-        self._reported_unavailable = False
-
-    def gpus(self) -> tuple[list[GpuState], Result | None]:
-        """The GPUs, or no GPUs and the UNKNOWN result saying why NVML can't be used."""
-        try:
-            gpus = self.nvml.gpus()
-        except NvmlUnavailableError as exc:
-            if not self._reported_unavailable:  # one log line, not a traceback per run
-                log.warning("GPU checks off", extra=kv(check=self.name, reason=str(exc)))
-                self._reported_unavailable = True
-            return [], self.result("nvml", Status.UNKNOWN, str(exc))
-        self._reported_unavailable = False
-        return gpus, None
 
 
 class GpuCheck(NvmlCheck):
@@ -147,10 +125,10 @@ class GpuCheck(NvmlCheck):
         expected = self.settings.expected_count
         source = "configured"
         if expected is None:
-            store = self.context.store
-            seen = int(store.get(COUNT_KEY) or 0) if store is not None else 0
-            if len(gpus) > seen and store is not None:
-                store.put(COUNT_KEY, str(len(gpus)))
+            state = self.context.state
+            seen = int(state.get(COUNT_KEY) or 0)
+            if len(gpus) > seen:
+                state.put(COUNT_KEY, str(len(gpus)))
             expected, source = max(seen, len(gpus)), "seen on this node"
         status = Status.CRITICAL if answering < expected else Status.OK
         return self.result("count", status, f"{answering} of {expected} GPUs answering ({expected} {source})",

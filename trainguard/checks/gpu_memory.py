@@ -14,8 +14,7 @@ from typing import Any
 import psutil
 from pydantic import Field
 
-from trainguard.checks.base import CheckContext, CheckSettings
-from trainguard.checks.gpu import NvmlCheck
+from trainguard.checks.base import CheckContext, CheckSettings, NvmlCheck
 from trainguard.core.forecast import Forecast, SeriesWindow
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration, Size, SizeLimit, StatusName

@@ -22,8 +22,7 @@ from typing import Any
 import psutil
 from pydantic import Field
 
-from trainguard.checks.base import CheckContext, CheckSettings
-from trainguard.checks.jobs import JobCheck
+from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Sample, Status
 from trainguard.core.settings import Duration
@@ -138,7 +137,8 @@ class HangCheck(JobCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self.settings.native, self.settings.dump_timeout)
+        self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self.settings.native, self.settings.dump_timeout,
+                                  context.proc)
         self._counters = self.load_state(STATE_KEY)  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
         self._dumps: dict[str, tuple[float, list[ProcessStack], Path | None]] = {}
         self._timer: WakeTimer | None = None
@@ -165,7 +165,7 @@ class HangCheck(JobCheck):
     def progress(self, job: Job, procs: list[psutil.Process], now: float) -> Progress:
         started = job.start_time or min((p.create_time() for p in procs), default=now)
         signals = [Signal(started, "job start")]
-        logged = log_signal(job, self.settings.logs, procs, self.settings.open_files, job.switch_dir)
+        logged = log_signal(job, self.settings.logs, procs, self.settings.open_files, job.switch_dir, self.context.proc)
         if logged is not None:
             signals.append(logged)
         beat = heartbeat_path(job, self.settings.heartbeat)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
-from trainguard.checks.disk import CapacitySettings, CapacityTracker, Usage, Verdict, summarize, time_to_full
+from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage, Verdict, summarize, time_to_full
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration, Size
 from trainguard.core.units import format_duration

@@ -12,13 +12,10 @@ from typing import Any
 
 from pydantic import Field
 
-from trainguard.checks.base import CheckContext, CheckSettings
-from trainguard.checks.jobs import JobCheck
+from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration, Size
 from trainguard.core.units import format_bytes, parse_size
-from trainguard.gpu.faults import XidLedger
-from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import heartbeat_path, job_fields, job_log_files, job_processes, read_heartbeat
 from trainguard.logscan.context import finite_loss, last_step, oom_gpu
@@ -54,7 +51,7 @@ class TrainingLogCheck(JobCheck):
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
         self.scanner = Scanner(BUILTIN + custom(self.settings.signatures))
-        self.nvml: Nvml = context.extras.get("nvml") or Nvml()
+        self.nvml = context.nvml
         self._positions: dict[str, Position] = {
             p: Position.from_list(v) for p, v in self.load_state(POSITIONS_KEY).items() if isinstance(v, list)}
         self._findings: dict[str, list[dict[str, Any]]] = self.load_state(FINDINGS_KEY)
@@ -175,7 +172,7 @@ class TrainingLogCheck(JobCheck):
                     if step <= self.settings.warmup_steps else f"mid-run at step {step}: a growing working set "
                     "or progressive fragmentation")
             title = f"{d.title}; {when}"
-            gpu = oom_gpu(self.nvml, d.fields.get("gpu"), {p.pid for p in job_processes(job)})
+            gpu = oom_gpu(self.nvml, d.fields.get("gpu"), {p.pid for p in job_processes(job)}, self.context.proc)
             if gpu is not None:
                 others = ", ".join(f"pid {p['pid']} ({p['command'] or '?'})"
                                    + (f" {format_bytes(p['bytes'])}" if p["bytes"] is not None else "")
@@ -219,11 +216,8 @@ class TrainingLogCheck(JobCheck):
         return step
 
     def _xids_near(self, when: float, window: float = 120.0) -> list[str]:
-        """XIDs the kernel log reported on this node within `window` (as the xid check saved them)."""
-        if self.context.store is None:
-            return []
-        ledger = XidLedger(self.context.store, self.context.clock)  # read fresh: the xid check keeps it current
-        return [f"XID {e.xid} on {e.bus_id}" for e in ledger.entries() if abs(e.last - when) <= window]
+        """XIDs the kernel log reported on this node within `window` (as the xid check recorded them)."""
+        return [f"XID {e.xid} on {e.bus_id}" for e in self.context.xid_history.entries() if abs(e.last - when) <= window]
 
     def _result(self, job: Job) -> Result:
         findings = self._findings.get(job.key, [])

@@ -19,8 +19,7 @@ from trainguard.core.logs import kv
 from trainguard.core.model import Result, Sample, Status, worst
 from trainguard.core.settings import Duration, StatusName
 from trainguard.core.units import format_duration
-from trainguard.gpu.faults import XidEntry, XidLedger
-from trainguard.gpu.nvml import Nvml
+from trainguard.gpu.faults import XidEntry
 from trainguard.gpu.xid import XidParser, describe
 from trainguard.node.kmsg import KernelRecord, KmsgFollower
 
@@ -102,9 +101,10 @@ class XidCheck(Check):
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
         self.parser = XidParser()
-        self.ledger = XidLedger(context.store, context.clock)
-        self.follower = KmsgFollower(self._on_record, context.store, self.settings.kmsg_path, self.settings.journalctl)
-        self.nvml: Nvml = context.extras.get("nvml") or Nvml()
+        self.ledger = context.xid_history
+        self.follower = KmsgFollower(self._on_record, context.state, self.settings.kmsg_path, self.settings.journalctl,
+                                     proc=context.proc)
+        self.nvml = context.nvml
         self._gpu_names: dict[str, tuple[int | None, str | None]] = {}
         self._wake: Callable[[], None] | None = None
         self._started = False

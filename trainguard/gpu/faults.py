@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from trainguard.core.state import KeyValue
 from trainguard.gpu.xid import XidEvent
-from trainguard.node.kmsg import KeyValue
 from trainguard.node.procfs import ProcFS
 
 LEDGER_KEY = "xid.ledger"

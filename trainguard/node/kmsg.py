@@ -21,20 +21,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from trainguard.core.logs import kv
+from trainguard.core.state import KeyValue
 from trainguard.node.procfs import ProcFS
 
 log = logging.getLogger("trainguard.node.kmsg")
 
 CURSOR_KEY = "kmsg.cursor"
 _ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
-
-
-class KeyValue(Protocol):
-    def get(self, key: str) -> str | None: ...
-    def put(self, key: str, value: str) -> None: ...
 
 
 @dataclass(frozen=True)

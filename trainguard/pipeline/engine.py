@@ -14,8 +14,11 @@ from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
+from trainguard.core.state import ScopedState
+from trainguard.gpu.faults import XidLedger
+from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
-from trainguard.node.procfs import own_usage
+from trainguard.node.procfs import ProcFS, own_usage
 from trainguard.notifiers.base import Notifier
 from trainguard.pipeline.config import Config
 from trainguard.pipeline.dispatch import Dispatcher
@@ -70,7 +73,7 @@ class Engine:
         store: Store | None = None,
         notifiers: Mapping[str, Notifier] | None = None,
         clock: Callable[[], float] = time.time,
-        context_extras: Mapping[str, Any] | None = None,
+        nvml: Nvml | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -78,11 +81,14 @@ class Engine:
         jobs = config.jobs
         self.catalog = JobCatalog(jobs, self.node, clock) if jobs.sources or jobs.processes else None
         self.store = store if store is not None else Store(config.agent.state_dir)
-        context = CheckContext(config.agent.node_name, config.agent.state_dir, clock, dict(context_extras or {}),
-                               self.catalog, self.store)
+        proc = ProcFS()
+        # One of each per agent, shared by every check: one NVML session, one ledger of this boot's XIDs.
+        shared = CheckContext(config.agent.node_name, config.agent.state_dir, clock, self.catalog,
+                              nvml if nvml is not None else Nvml(), proc, xid_history=XidLedger(self.store, clock, proc=proc))
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
             if settings.enabled:
+                context = replace(shared, state=ScopedState(self.store, f"check/{name}", legacy=self.store))
                 self.checks[name] = self._build_check(registry, config.kind_of_check(name), name, settings, context)
         self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name), c.settings.interval)

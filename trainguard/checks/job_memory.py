@@ -15,8 +15,7 @@ from typing import Any
 import psutil
 from pydantic import Field
 
-from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings
-from trainguard.checks.jobs import JobCheck
+from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, JobCheck
 from trainguard.core.forecast import Forecast, SeriesWindow
 from trainguard.core.model import Result, Sample, Status
 from trainguard.core.settings import Duration, SizeLimit
@@ -25,6 +24,7 @@ from trainguard.core.units import format_bytes, format_duration, parse_size_limi
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_processes
 from trainguard.node.cgroup import CgroupMemory, memory_limit
+from trainguard.node.procfs import ProcFS
 
 
 class JobMemorySettings(CheckSettings):
@@ -66,7 +66,7 @@ class JobMemory:
         return self.cgroup.describe() if self.cgroup else "host memory"
 
 
-def gather(job: Job, pss: bool = False) -> JobMemory | None:
+def gather(job: Job, pss: bool = False, proc: ProcFS | None = None) -> JobMemory | None:
     procs = job_processes(job)
     if not procs:
         return None
@@ -77,7 +77,7 @@ def gather(job: Job, pss: bool = False) -> JobMemory | None:
         except psutil.Error:
             continue
     vm = psutil.virtual_memory()
-    return JobMemory(used, len(procs), memory_limit(procs[0].pid), vm.total, vm.available)
+    return JobMemory(used, len(procs), memory_limit(procs[0].pid, proc), vm.total, vm.available)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class JobMemoryCheck(JobCheck):
         results = self.source_errors(view)
         seen = set()
         for job in self.jobs_here(view, self.settings.names):
-            m = gather(job, self.settings.pss)
+            m = gather(job, self.settings.pss, self.context.proc)
             if m is None:
                 continue
             seen.add(job.key)

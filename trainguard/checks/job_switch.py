@@ -1,0 +1,99 @@
+"""SwitchCheck: the kill and save switch files a job's owner (or root) touches, relayed to the bound actions."""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from trainguard.checks.base import CheckSettings, JobCheck
+from trainguard.core.model import Result, Status
+from trainguard.core.settings import Duration
+from trainguard.jobs.catalog import JobView
+from trainguard.jobs.model import Job
+
+
+class SwitchCheckSettings(CheckSettings):
+    switch: Literal["stop", "save"] = Field("stop", description="Which switch file this check watches.")
+    interval: Duration = Field(2.0, gt=0, description="Time between runs.")
+    jitter: Duration = Field(0.0, ge=0)
+
+
+@dataclass(frozen=True)
+class SwitchFile:
+    path: Path
+    uid: int
+    mtime: float
+
+
+def find_switch(job: Job, switch: str, stop_dir: Path) -> list[SwitchFile]:
+    candidates = []
+    if job.switch_dir:
+        candidates.append(Path(job.switch_dir) / switch)
+    if switch == "stop":
+        candidates.append(stop_dir / job.name)  # the operator's per-job-name stop file
+    found = []
+    for path in candidates:
+        try:
+            st = os.lstat(path)
+        except OSError:  # absent, or the switch dir is gone or unreadable: no request
+            continue
+        found.append(SwitchFile(path, st.st_uid, st.st_mtime))
+    return found
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+class SwitchCheck(JobCheck):
+    """A switch touched by the job's owner (or root) is a request: WARNING, so the bound actions relay it.
+
+    One created by anyone else is ignored: UNKNOWN, naming that user.
+    """
+
+    Settings = SwitchCheckSettings
+    settings: SwitchCheckSettings
+
+    def candidates(self, view: JobView) -> list[Job]:
+        """Running jobs; for `stop`, also finished tasks of an array that still has tasks pending,
+        since the trainer may honour the switch and exit before this check next runs."""
+        running = view.on_node()
+        if self.settings.switch != "stop":
+            return running
+        pending = {j.array_job_id for j in view.jobs if j.state == "PENDING" and j.array_job_id}
+        finished = [j for j in view.jobs if j.on_this_node and not j.running and j.array_job_id in pending]
+        return running + finished
+
+    def run(self) -> Sequence[Result]:
+        view = self.view()
+        stop_dir = self.context.jobs.settings.stop_dir if self.context.jobs else Path("/run/trainguard/stop")
+        out = self.source_errors(view, ["slurm", "process"])
+        seen: set[Path] = set()
+        for job in self.candidates(view):
+            for sw in find_switch(job, self.settings.switch, stop_dir):
+                if sw.path in seen:  # array tasks share a switch dir: one request, one incident
+                    break
+                seen.add(sw.path)
+                details = {"job_key": job.key, "job_id": job.job_id, "path": str(sw.path), "by": _user(sw.uid),
+                           "switch": self.settings.switch}
+                subject = f"{job.key}:{self.settings.switch}"
+                if sw.uid not in (0, job.uid):
+                    out.append(self.result(subject, Status.UNKNOWN,
+                                           f"ignored {self.settings.switch} switch for {job.label()}: {sw.path} was "
+                                           f"created by {_user(sw.uid)}, not by the job's owner {job.user} or root",
+                                           details))
+                else:
+                    out.append(self.result(subject, Status.WARNING,
+                                           f"{self.settings.switch} switch touched for {job.label()} by {_user(sw.uid)}",
+                                           details))
+                break
+        return out
