@@ -23,9 +23,9 @@ from trainguard.actions.switch import create_switch
 from trainguard.agent.config import ConfigError, parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
-from trainguard.jobs.catalog import JobCatalog, JobsSettings
+from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job, ProcessRef
-from trainguard.jobs.process import ProcessJobSettings
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from trainguard.reference import declared_metrics
+
 from .conftest import REPO, AgentProcess, free_port, require_tool, wait_until
 from .peers import prometheus_query, prometheus_server
 from .slurm_cluster import SlurmCluster
@@ -122,3 +124,6 @@ names = ["{name}"]
             values = {s["metric"].get(m.group(2)) for s in query(url, m.group(1).replace("$node", ".*"))}
             assert values - {None}, f"variable {var['name']} lists nothing"
     assert job_id in {s["metric"].get("job_id") for s in query(url, "trainguard_job_hung")}
+    exported = {s["metric"]["__name__"] for s in query(url, '{__name__=~"trainguard_.+"}')}
+    declared = {m.name for metrics in declared_metrics().values() for m in metrics}
+    assert exported - declared == set(), f"exported but not declared (docs/metrics.md): {sorted(exported - declared)}"

@@ -15,7 +15,7 @@ from trainguard.agent.config import parse_config
 from trainguard.agent.http import HttpEndpoint
 from trainguard.checks.base import Check
 from trainguard.core.events import Event
-from trainguard.core.model import Result, Sample, Status
+from trainguard.core.model import Metric, Result, Status
 from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
@@ -32,14 +32,18 @@ class Wedged(Check):
         return []
 
 
+TEST_VALUE = Metric("trainguard_test_value", "A test value.", ("thing",))
+
+
 class Flaky(Check):
     """Reports whatever status the test sets."""
 
     status = Status.OK
+    metrics = (TEST_VALUE,)
 
     def run(self) -> Sequence[Result]:
         return [self.result("thing", self.status, f"thing is {self.status.name}",
-                            samples=[Sample("trainguard_test_value", 1.5, {"thing": "a"}, "A test value.")])]
+                            samples=[TEST_VALUE(1.5, {"thing": "a"})])]
 
 
 class Recording(Notifier):

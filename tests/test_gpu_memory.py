@@ -17,8 +17,8 @@ from trainguard.checks.base import CheckContext
 from trainguard.checks.gpu_memory import GpuMemoryCheck, GpuMemorySettings
 from trainguard.core.model import Result, Status
 from trainguard.gpu.nvml import Nvml
-from trainguard.jobs.catalog import JobCatalog, JobsSettings
-from trainguard.jobs.process import ProcessJobSettings
+from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 
 GiB = 2**30
 

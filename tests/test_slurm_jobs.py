@@ -21,8 +21,9 @@ from trainguard.agent.config import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.core.state import scoped_key
-from trainguard.jobs.catalog import JobCatalog, JobsSettings
+from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
+from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine

@@ -17,8 +17,8 @@ from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import GpuProcess, GpuState, Nvml
-from trainguard.jobs.catalog import JobCatalog, JobsSettings
-from trainguard.jobs.process import ProcessJobSettings
+from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import FRAGMENTATION_ADVICE, TRUE_OOM_ADVICE, diagnose_cuda, diagnose_nccl, diagnose_oom
 from trainguard.logscan.reader import LogTail

@@ -1,4 +1,5 @@
-"""The `trainguard` command: run, check, status, validate, notify-test, install, uninstall, config-reference."""
+"""The `trainguard` command: run, check, status, validate, notify-test, install, uninstall, config-reference,
+metrics-reference."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
     p.add_argument("--purge", action="store_true", help="also remove /etc/trainguard, /var/lib/trainguard and the user")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
+    sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     return parser
 
 
@@ -237,10 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("install", "uninstall"):
         return cmd_install(args)
-    if args.command == "config-reference":
-        from trainguard.reference import markdown
+    if args.command in ("config-reference", "metrics-reference"):
+        from trainguard.reference import markdown, metrics_markdown
 
-        print(markdown(), end="")
+        print(markdown() if args.command == "config-reference" else metrics_markdown(), end="")
         return 0
     try:
         config = _load(args)

@@ -1,4 +1,5 @@
-"""The explicit tables of check and notifier types. A new one is one module plus one line here.
+"""The explicit tables of check, action, notifier, job source and quota provider types. A new one is one module plus
+one line here.
 
 Entries are import paths so a type's heavy dependencies load only when it is configured.
 """
@@ -44,6 +45,13 @@ BUILTIN_ACTIONS: Mapping[str, Mapping[str, str]] = {
     "resume": {"type": "resume"},
     "requeue": {"type": "requeue"},
     "hold-array": {"type": "array", "mode": "hold"},
+}
+
+# Where jobs come from (`[jobs] sources`): each a class built with (JobsSettings, node name, SlurmClient) whose
+# `jobs()` lists them.
+JOB_SOURCES: Mapping[str, str] = {
+    "slurm": "trainguard.jobs.slurm:SlurmSource",
+    "process": "trainguard.jobs.process:ProcessSource",
 }
 
 # Where the quota check gets its figures (`provider = "..."`).

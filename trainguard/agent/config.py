@@ -19,7 +19,7 @@ from trainguard.actions.base import ActionSettings
 from trainguard.checks.base import CheckSettings
 from trainguard.core.logs import kv
 from trainguard.core.settings import is_secret
-from trainguard.jobs.catalog import JobsSettings
+from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.pipeline.config import AgentSettings, Config
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry

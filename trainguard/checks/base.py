@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from pydantic import Field, PositiveInt
 
 from trainguard.core.logs import kv
-from trainguard.core.model import Result, Sample, Status
+from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.settings import Duration, SettingsModel
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
@@ -75,6 +75,7 @@ class Check(ABC):
     """Subclasses set `Settings` and implement `run()`. They hold no alert state; the agent owns incidents."""
 
     Settings: ClassVar[type[CheckSettings]] = CheckSettings
+    metrics: ClassVar[tuple[Metric, ...]] = ()  # every metric its results may carry (docs/metrics.md lists them)
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         self.name = name

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from trainguard.checks.base import CheckSettings
 from trainguard.core.forecast import Forecast, SeriesWindow
-from trainguard.core.model import Sample, Status, worst
+from trainguard.core.model import Metric, Sample, Status, worst
 from trainguard.core.settings import CountLimit, Duration, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
@@ -82,15 +82,15 @@ def summarize(u: Usage, v: Verdict) -> str:
     return f"{u.path}: {space}{inodes}"
 
 
-def time_to_full(metric: str, help_text: str, labels: dict[str, str], bytes_fc: Forecast | None,
-                 inodes_fc: Forecast | None, details: dict[str, Any]) -> list[Sample]:
+def time_to_full(metric: Metric, labels: dict[str, str], bytes_fc: Forecast | None, inodes_fc: Forecast | None,
+                 details: dict[str, Any]) -> list[Sample]:
     """A time-to-full sample per forecast resource (+Inf while it is not filling, so the series exists), and the
     finite ones as `<resource>_time_to_full_s` in the details."""
     samples = []
     for resource, fc in (("bytes", bytes_fc), ("inodes", inodes_fc)):
         if fc is None:
             continue
-        samples.append(Sample(metric, fc.eta_metric, {**labels, "resource": resource}, help_text))
+        samples.append(metric(fc.eta_metric, {**labels, "resource": resource}))
         if fc.seconds_to_limit is not None:
             details[f"{resource}_time_to_full_s"] = round(fc.seconds_to_limit)
     return samples

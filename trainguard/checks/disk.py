@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage, summarize, time_to_full
-from trainguard.core.model import Result, Sample, Status
+from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration, Regex
 from trainguard.core.units import format_duration
 from trainguard.node.mounts import (
@@ -22,6 +22,17 @@ from trainguard.node.mounts import (
     read_mounts,
     real_mounts,
 )
+
+_FS = ("path", "device", "fstype")
+SIZE = Metric("trainguard_filesystem_size_bytes", "Filesystem size in bytes.", _FS)
+AVAIL = Metric("trainguard_filesystem_avail_bytes", "Bytes available to unprivileged users.", _FS)
+FILES = Metric("trainguard_filesystem_files", "Inodes in the filesystem.", _FS)
+FILES_FREE = Metric("trainguard_filesystem_files_free", "Inodes available to unprivileged users.", _FS)
+DEVICE_ERROR = Metric("trainguard_filesystem_device_error", "1 if the filesystem could not be read (statvfs failed or hung).",
+                      _FS)
+TIME_TO_FULL = Metric("trainguard_filesystem_time_to_full_seconds",
+                      "Forecast time until full at the current robust growth trend (+Inf: never).", (*_FS, "resource"))
+METRICS = (SIZE, AVAIL, FILES, FILES_FREE, DEVICE_ERROR, TIME_TO_FULL)
 
 
 class DiskSettings(CapacitySettings):
@@ -53,6 +64,7 @@ def gather(path: str, st: os.statvfs_result, mount: Mount | None) -> Usage:
 
 class DiskCheck(Check):
     Settings = DiskSettings
+    metrics = METRICS
     settings: DiskSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -72,8 +84,7 @@ class DiskCheck(Check):
 
     def _one(self, path: str, mount: Mount | None) -> Result:
         labels = {"path": path, "device": mount.device if mount else "", "fstype": mount.fstype if mount else ""}
-        error = Sample("trainguard_filesystem_device_error", 1, labels,
-                       "1 if the filesystem could not be read (statvfs failed or hung).")
+        error = DEVICE_ERROR(1, labels)
         outcome = self.probe.stat(path, self.settings.mount_timeout)
         now = self.context.clock()
         if isinstance(outcome, Stuck):
@@ -85,19 +96,9 @@ class DiskCheck(Check):
                                {"errno": outcome.errno, **labels}, [error])
         usage = gather(path, outcome, mount)
         verdict, bytes_fc, inodes_fc = self.tracker.assess(path, usage, now)
-        samples = [
-            Sample("trainguard_filesystem_size_bytes", usage.size, labels, "Filesystem size in bytes."),
-            Sample("trainguard_filesystem_avail_bytes", usage.avail, labels,
-                   "Bytes available to unprivileged users."),
-            Sample("trainguard_filesystem_files", usage.files, labels, "Inodes in the filesystem."),
-            Sample("trainguard_filesystem_files_free", usage.files_free, labels,
-                   "Inodes available to unprivileged users."),
-            Sample("trainguard_filesystem_device_error", 0, labels,
-                   "1 if the filesystem could not be read (statvfs failed or hung)."),
-        ]
+        samples = [SIZE(usage.size, labels), AVAIL(usage.avail, labels), FILES(usage.files, labels),
+                   FILES_FREE(usage.files_free, labels), DEVICE_ERROR(0, labels)]
         details = {**labels, "size_bytes": usage.size, "avail_bytes": usage.avail, "files": usage.files,
                    "files_free": usage.files_free}
-        samples += time_to_full("trainguard_filesystem_time_to_full_seconds",
-                                "Forecast time until full at the current robust growth trend (+Inf: never).",
-                                labels, bytes_fc, inodes_fc, details)
+        samples += time_to_full(TIME_TO_FULL, labels, bytes_fc, inodes_fc, details)
         return self.result(path, verdict.status, summarize(usage, verdict), details, samples)

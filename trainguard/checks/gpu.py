@@ -8,13 +8,29 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, NvmlCheck
-from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration
 from trainguard.core.units import format_bytes, format_duration
 from trainguard.gpu.health import unreachable
 from trainguard.gpu.nvml import CLOCK_EVENTS, GpuState
 
 COUNT_KEY = "gpu.max_count"
+
+_GPU = ("gpu", "uuid")
+UP = Metric("trainguard_gpu_up", "1 if the GPU answers NVML, 0 if it is lost or erroring.", _GPU)
+MEMORY_TOTAL = Metric("trainguard_gpu_memory_total_bytes", "GPU framebuffer memory.", _GPU)
+MEMORY_USED = Metric("trainguard_gpu_memory_used_bytes", "GPU framebuffer memory in use.", _GPU)
+TEMPERATURE = Metric("trainguard_gpu_temperature_celsius", "GPU core temperature.", _GPU)
+ECC_VOLATILE = Metric("trainguard_gpu_ecc_uncorrected_volatile", "Uncorrected ECC errors since the driver loaded.", _GPU)
+ECC_AGGREGATE = Metric("trainguard_gpu_ecc_uncorrected_aggregate", "Uncorrected ECC errors over the GPU's lifetime.", _GPU)
+RETIRED_PENDING = Metric("trainguard_gpu_retired_pages_pending", "1 if retired pages await a reset.", _GPU)
+REMAP_PENDING = Metric("trainguard_gpu_row_remap_pending", "1 if a row remap awaits a GPU reset.", _GPU)
+REMAP_FAILED = Metric("trainguard_gpu_row_remap_failed", "1 if a row remap failed (hardware fault).", _GPU)
+CLOCK_EVENT = Metric("trainguard_gpu_clock_event_active", "1 while this clock slowdown reason is active.", (*_GPU, "reason"))
+COUNT = Metric("trainguard_gpu_count", "GPUs answering NVML.")
+EXPECTED = Metric("trainguard_gpu_expected_count", "GPUs this node should have.")
+METRICS = (UP, MEMORY_TOTAL, MEMORY_USED, TEMPERATURE, ECC_VOLATILE, ECC_AGGREGATE, RETIRED_PENDING, REMAP_PENDING,
+           REMAP_FAILED, CLOCK_EVENT, COUNT, EXPECTED)
 
 log = logging.getLogger("trainguard.checks.gpu")
 
@@ -67,6 +83,7 @@ def throttle_names(mask: int | None) -> list[str]:
 
 class GpuCheck(NvmlCheck):
     Settings = GpuSettings
+    metrics = METRICS
     settings: GpuSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -91,26 +108,16 @@ class GpuCheck(NvmlCheck):
             since = now
         status, summary = evaluate(gpu, self.settings, now - since)
         labels = {"gpu": str(gpu.index), "uuid": gpu.uuid}
-        samples = [Sample("trainguard_gpu_up", 0 if gpu.lost or gpu.error else 1, labels,
-                          "1 if the GPU answers NVML, 0 if it is lost or erroring.")]
-        for metric, value, help_text in (
-            ("trainguard_gpu_memory_total_bytes", gpu.memory_total, "GPU framebuffer memory."),
-            ("trainguard_gpu_memory_used_bytes", gpu.memory_used, "GPU framebuffer memory in use."),
-            ("trainguard_gpu_temperature_celsius", gpu.temperature_c, "GPU core temperature."),
-            ("trainguard_gpu_ecc_uncorrected_volatile", gpu.ecc_uncorrected_volatile,
-             "Uncorrected ECC errors since the driver loaded."),
-            ("trainguard_gpu_ecc_uncorrected_aggregate", gpu.ecc_uncorrected_aggregate,
-             "Uncorrected ECC errors over the GPU's lifetime."),
-            ("trainguard_gpu_retired_pages_pending", gpu.retired_pages_pending, "1 if retired pages await a reset."),
-            ("trainguard_gpu_row_remap_pending", gpu.remap_pending, "1 if a row remap awaits a GPU reset."),
-            ("trainguard_gpu_row_remap_failed", gpu.remap_failed, "1 if a row remap failed (hardware fault)."),
-        ):
+        samples = [UP(0 if gpu.lost or gpu.error else 1, labels)]
+        for metric, value in ((MEMORY_TOTAL, gpu.memory_total), (MEMORY_USED, gpu.memory_used),
+                              (TEMPERATURE, gpu.temperature_c), (ECC_VOLATILE, gpu.ecc_uncorrected_volatile),
+                              (ECC_AGGREGATE, gpu.ecc_uncorrected_aggregate), (RETIRED_PENDING, gpu.retired_pages_pending),
+                              (REMAP_PENDING, gpu.remap_pending), (REMAP_FAILED, gpu.remap_failed)):
             if value is not None:
-                samples.append(Sample(metric, float(value), labels, help_text))
+                samples.append(metric(float(value), labels))
         if gpu.clock_event_reasons is not None:
             for bit, reason in CLOCK_EVENTS.items():
-                samples.append(Sample("trainguard_gpu_clock_event_active", 1 if gpu.clock_event_reasons & bit else 0,
-                                      {**labels, "reason": reason}, "1 while this clock slowdown reason is active."))
+                samples.append(CLOCK_EVENT(1 if gpu.clock_event_reasons & bit else 0, {**labels, "reason": reason}))
         details = {"index": gpu.index, "uuid": gpu.uuid, "name": gpu.name, "bus_id": gpu.bus_id,
                    "memory_total_bytes": gpu.memory_total, "memory_used_bytes": gpu.memory_used,
                    "temperature_c": gpu.temperature_c, "ecc_uncorrected_volatile": gpu.ecc_uncorrected_volatile,
@@ -133,5 +140,4 @@ class GpuCheck(NvmlCheck):
         status = Status.CRITICAL if answering < expected else Status.OK
         return self.result("count", status, f"{answering} of {expected} GPUs answering ({expected} {source})",
                            {"answering": answering, "expected": expected, "source": source},
-                           [Sample("trainguard_gpu_count", answering, {}, "GPUs answering NVML."),
-                            Sample("trainguard_gpu_expected_count", expected, {}, "GPUs this node should have.")])
+                           [COUNT(answering), EXPECTED(expected)])

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings, NvmlCheck
 from trainguard.core.forecast import Forecast, SeriesWindow
-from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Size, SizeLimit, StatusName
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size
@@ -24,6 +24,12 @@ from trainguard.gpu.health import unreachable
 from trainguard.gpu.nvml import GpuState
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_processes
+
+SECONDS_TO_FULL = Metric("trainguard_gpu_memory_seconds_to_full",
+                         "Forecast time until the GPU's memory is full at the current trend (+Inf: never).", ("gpu", "uuid"))
+PROCESS_MEMORY = Metric("trainguard_gpu_process_memory_bytes", "GPU memory held by one process.",
+                        ("gpu", "uuid", "pid", "job_id"))
+METRICS = (SECONDS_TO_FULL, PROCESS_MEMORY)
 
 
 class GpuMemorySettings(CheckSettings):
@@ -109,6 +115,7 @@ def summarize(gpu: GpuState, v: Verdict, found: list[Holder]) -> str:
 
 class GpuMemoryCheck(NvmlCheck):
     Settings = GpuMemorySettings
+    metrics = METRICS
     settings: GpuMemorySettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -146,14 +153,11 @@ class GpuMemoryCheck(NvmlCheck):
         labels = {"gpu": str(gpu.index), "uuid": gpu.uuid}
         samples = []
         if forecast is not None:
-            samples.append(Sample("trainguard_gpu_memory_seconds_to_full", forecast.eta_metric, labels,
-                                  "Forecast time until the GPU's memory is full at the current trend (+Inf: never)."))
+            samples.append(SECONDS_TO_FULL(forecast.eta_metric, labels))
         for h in found:
             if h.used is not None:
-                samples.append(Sample("trainguard_gpu_process_memory_bytes", h.used,
-                                      {**labels, "pid": str(h.pid),
-                                       "job_id": (h.job.job_id or h.job.name) if h.job else ""},
-                                      "GPU memory held by one process."))
+                samples.append(PROCESS_MEMORY(h.used, {**labels, "pid": h.pid,
+                                                       "job_id": (h.job.job_id or h.job.name) if h.job else ""}))
         owners = {h.job.key for h in found if h.job}
         details: dict[str, Any] = {
             "index": gpu.index, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total,

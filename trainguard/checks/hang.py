@@ -24,7 +24,7 @@ from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.logs import kv
-from trainguard.core.model import Result, Sample, Status
+from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration
 from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration
@@ -37,6 +37,13 @@ log = logging.getLogger("trainguard.checks.hang")
 
 STATE_KEY = "hang.counters"
 _WRITE_MODES = ("w", "a", "r+", "w+", "a+")
+
+_JOB = ("job_id", "name")
+LAST_PROGRESS = Metric("trainguard_job_last_progress_timestamp_seconds",
+                       "Unix time of the job's latest progress (log write, heartbeat step, I/O).", _JOB)
+STALE_AFTER = Metric("trainguard_job_stale_after_seconds", "How long without progress before the job counts as hung.", _JOB)
+HUNG = Metric("trainguard_job_hung", "1 while the job is hung.", _JOB)
+METRICS = (LAST_PROGRESS, STALE_AFTER, HUNG)
 
 
 class HangSettings(CheckSettings):
@@ -133,6 +140,7 @@ def summarize(job: Job, progress: Progress, stale_after: float, now: float, stac
 
 class HangCheck(JobCheck):
     Settings = HangSettings
+    metrics = METRICS
     settings: HangSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -239,11 +247,8 @@ class HangCheck(JobCheck):
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
                 stacks: list[ProcessStack], dump_path: Path | None) -> Result:
         labels = {"job_id": job.job_id or job.name, "name": job.name}
-        samples = [Sample("trainguard_job_last_progress_timestamp_seconds", progress.last.at, labels,
-                          "Unix time of the job's latest progress (log write, heartbeat step, I/O)."),
-                   Sample("trainguard_job_stale_after_seconds", limit, labels,
-                          "How long without progress before the job counts as hung."),
-                   Sample("trainguard_job_hung", 1 if status is not Status.OK else 0, labels, "1 while the job is hung.")]
+        samples = [LAST_PROGRESS(progress.last.at, labels), STALE_AFTER(limit, labels),
+                   HUNG(1 if status is not Status.OK else 0, labels)]
         details: dict[str, Any] = {
             "job_key": job.key, "job_id": job.job_id, "last_progress": progress.last.at,
             "last_signal": progress.last.what, "idle_seconds": now - progress.last.at, "stale_after": limit,

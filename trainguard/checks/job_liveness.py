@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from trainguard.checks.base import CheckSettings, JobCheck
-from trainguard.core.model import Result, Sample, Status
+from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration
 from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmError
+
+ALIVE = Metric("trainguard_job_alive", "1 if a job of this name is running or pending.", ("name",))
 
 
 class LivenessSettings(CheckSettings):
@@ -57,6 +59,7 @@ def evaluate_liveness(name: str, jobs: list[Job], now: float,
 
 class JobLivenessCheck(JobCheck):
     Settings = LivenessSettings
+    metrics = (ALIVE,)
     settings: LivenessSettings
 
     def run(self) -> Sequence[Result]:
@@ -76,8 +79,7 @@ class JobLivenessCheck(JobCheck):
             if name in down and history_error:
                 details = {**details, "accounting_error": history_error}
             out.append(self.result(name, status, summary, details,
-                                   [Sample("trainguard_job_alive", 0 if status is Status.CRITICAL else 1,
-                                           {"name": name}, "1 if a job of this name is running or pending.")]))
+                                   [ALIVE(0 if status is Status.CRITICAL else 1, {"name": name})]))
         return out
 
     def _history(self, names: list[str]) -> tuple[list[Job] | None, str | None]:

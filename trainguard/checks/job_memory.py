@@ -17,7 +17,7 @@ from pydantic import Field
 
 from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, JobCheck
 from trainguard.core.forecast import Forecast, SeriesWindow
-from trainguard.core.model import Result, Sample, Status
+from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size_limit
@@ -25,6 +25,15 @@ from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_processes
 from trainguard.node.cgroup import CgroupMemory, memory_limit
 from trainguard.node.procfs import ProcFS
+
+_JOB = ("job_id", "name")
+USED = Metric("trainguard_job_memory_bytes", "Memory of the job's processes here (RSS or PSS).", _JOB)
+LIMIT = Metric("trainguard_job_memory_limit_bytes", "The limit the job's memory is held to: its cgroup's, else the host's.",
+               _JOB)
+HEADROOM = Metric("trainguard_job_memory_headroom_bytes", "Memory the job can still take before the OOM killer.", _JOB)
+SECONDS_TO_LIMIT = Metric("trainguard_job_memory_seconds_to_limit",
+                          "Forecast time until the job's memory reaches its limit at the current trend (+Inf: never).", _JOB)
+METRICS = (USED, LIMIT, HEADROOM, SECONDS_TO_LIMIT)
 
 
 class JobMemorySettings(CheckSettings):
@@ -117,6 +126,7 @@ def summarize(job: Job, m: JobMemory, v: Verdict) -> str:
 
 class JobMemoryCheck(JobCheck):
     Settings = JobMemorySettings
+    metrics = METRICS
     settings: JobMemorySettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -144,16 +154,10 @@ class JobMemoryCheck(JobCheck):
 
     def _result(self, job: Job, m: JobMemory, v: Verdict) -> Result:
         labels = {"job_id": job.job_id or job.name, "name": job.name}
-        samples = [Sample("trainguard_job_memory_bytes", m.used, labels, "Memory of the job's processes here (RSS or PSS)."),
-                   Sample("trainguard_job_memory_limit_bytes", m.limit, labels,
-                          "The limit the job's memory is held to: its cgroup's, else the host's."),
-                   Sample("trainguard_job_memory_headroom_bytes", m.headroom, labels,
-                          "Memory the job can still take before the OOM killer.")]
+        samples = [USED(m.used, labels), LIMIT(m.limit, labels), HEADROOM(m.headroom, labels)]
         eta = v.forecast.seconds_to_limit if v.forecast else None
         if v.forecast is not None:
-            samples.append(Sample("trainguard_job_memory_seconds_to_limit", v.forecast.eta_metric, labels,
-                                  "Forecast time until the job's memory reaches its limit at the current trend "
-                                  "(+Inf: never)."))
+            samples.append(SECONDS_TO_LIMIT(v.forecast.eta_metric, labels))
         details: dict[str, Any] = {
             "job_key": job.key, "job_id": job.job_id, "used_bytes": m.used, "processes": m.processes,
             "limit_bytes": m.limit, "limit": m.limit_text(), "headroom_bytes": m.headroom, "tracked_bytes": m.tracked,

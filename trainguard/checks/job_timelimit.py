@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from trainguard.checks.base import CheckSettings, JobCheck
-from trainguard.core.model import Result, Sample, Status
+from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration
 from trainguard.core.units import format_duration
+
+TIME_LEFT = Metric("trainguard_job_time_left_seconds", "Seconds until the job's time limit.", ("job_id",))
 
 
 class TimeLimitSettings(CheckSettings):
@@ -23,6 +25,7 @@ class TimeLimitCheck(JobCheck):
 
     Settings = TimeLimitSettings
     settings: TimeLimitSettings
+    metrics = (TIME_LEFT,)
 
     def run(self) -> Sequence[Result]:
         view = self.view()
@@ -34,8 +37,7 @@ class TimeLimitCheck(JobCheck):
             left = job.end_time - now
             end = time.strftime("%H:%M:%S", time.localtime(job.end_time))
             details = {"job_key": job.key, "job_id": job.job_id, "end_time": job.end_time, "seconds_left": round(left)}
-            sample = Sample("trainguard_job_time_left_seconds", left, {"job_id": job.job_id or ""},
-                            "Seconds until the job's time limit.")
+            sample = TIME_LEFT(left, {"job_id": job.job_id or ""})
             if left <= self.settings.margin:
                 out.append(self.result(job.key, Status.WARNING, f"{job.label()} reaches its time limit at {end} "
                                        f"(in {format_duration(left)}): save and exit now", details, [sample]))

@@ -10,10 +10,16 @@ import psutil
 from pydantic import Field
 
 from trainguard.checks.base import Check, CheckSettings
-from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, parse_size_limit
+
+TOTAL = Metric("trainguard_memory_total_bytes", "Host memory in bytes.")
+AVAILABLE = Metric("trainguard_memory_available_bytes", "Host memory available for new work.")
+SWAP_TOTAL = Metric("trainguard_swap_total_bytes", "Swap space in bytes.")
+SWAP_FREE = Metric("trainguard_swap_free_bytes", "Free swap in bytes.")
+METRICS = (TOTAL, AVAILABLE, SWAP_TOTAL, SWAP_FREE)
 
 
 class MemorySettings(CheckSettings):
@@ -76,18 +82,14 @@ def summarize(u: MemoryUsage, reasons: list[str], top: list[dict[str, Any]]) -> 
 
 class MemoryCheck(Check):
     Settings = MemorySettings
+    metrics = METRICS
     settings: MemorySettings
 
     def run(self) -> Sequence[Result]:
         u = gather()
         status, reasons = evaluate(u, self.settings)
         top = top_consumers(self.settings.top)
-        samples = [
-            Sample("trainguard_memory_total_bytes", u.total, {}, "Host memory in bytes."),
-            Sample("trainguard_memory_available_bytes", u.available, {}, "Host memory available for new work."),
-            Sample("trainguard_swap_total_bytes", u.swap_total, {}, "Swap space in bytes."),
-            Sample("trainguard_swap_free_bytes", u.swap_free, {}, "Free swap in bytes."),
-        ]
+        samples = [TOTAL(u.total), AVAILABLE(u.available), SWAP_TOTAL(u.swap_total), SWAP_FREE(u.swap_free)]
         details = {"total_bytes": u.total, "available_bytes": u.available, "swap_total_bytes": u.swap_total,
                    "swap_free_bytes": u.swap_free, "top": top}
         return [self.result("host", status, summarize(u, reasons, top), details, samples)]

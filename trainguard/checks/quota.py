@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage, Verdict, summarize, time_to_full
-from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Size
 from trainguard.core.units import format_duration
 from trainguard.quota.parsers import QuotaUsage
@@ -24,6 +24,15 @@ from trainguard.quota.providers import Provider, QuotaError
 from trainguard.registry import QUOTA_PROVIDERS, load
 
 Kind = Literal["user", "group", "project", "fileset", "dir"]
+
+_Q = ("filesystem", "kind", "owner")
+USED_BYTES = Metric("trainguard_quota_used_bytes", "Bytes counted against the quota.", _Q)
+LIMIT_BYTES = Metric("trainguard_quota_limit_bytes", "The quota's byte limit in use (hard or soft).", _Q)
+USED_INODES = Metric("trainguard_quota_used_inodes", "Inodes counted against the quota.", _Q)
+LIMIT_INODES = Metric("trainguard_quota_limit_inodes", "The quota's inode limit in use.", _Q)
+TIME_TO_FULL = Metric("trainguard_quota_time_to_full_seconds", "Forecast time until the quota is full (+Inf: never).",
+                      (*_Q, "resource"))
+METRICS = (USED_BYTES, LIMIT_BYTES, USED_INODES, LIMIT_INODES, TIME_TO_FULL)
 
 
 class QuotaSettings(CapacitySettings):
@@ -108,6 +117,7 @@ def job_owners(context: CheckContext) -> dict[str, list[str]]:
 
 class QuotaCheck(Check):
     Settings = QuotaSettings
+    metrics = METRICS
     settings: QuotaSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -154,16 +164,10 @@ class QuotaCheck(Check):
             summary += f" (measured {format_duration(max(0.0, now - q.measured_at))} ago)"
         labels = {"filesystem": q.filesystem, "kind": q.kind, "owner": q.owner}
         samples = []
-        for metric, value, help_text in (
-            ("trainguard_quota_used_bytes", q.bytes_used, "Bytes counted against the quota."),
-            ("trainguard_quota_limit_bytes", usage.size or None, "The quota's byte limit in use (hard or soft)."),
-            ("trainguard_quota_used_inodes", q.inodes_used, "Inodes counted against the quota."),
-            ("trainguard_quota_limit_inodes", usage.files or None, "The quota's inode limit in use."),
-        ):
+        for metric, value in ((USED_BYTES, q.bytes_used), (LIMIT_BYTES, usage.size or None),
+                              (USED_INODES, q.inodes_used), (LIMIT_INODES, usage.files or None)):
             if value is not None:
-                samples.append(Sample(metric, value, labels, help_text))
+                samples.append(metric(value, labels))
         details: dict[str, Any] = {**labels, **{k: v for k, v in q.__dict__.items() if k not in ("extra",)}, **q.extra}
-        samples += time_to_full("trainguard_quota_time_to_full_seconds",
-                                "Forecast time until the quota is full (+Inf: never).", labels, bytes_fc, inodes_fc,
-                                details)
+        samples += time_to_full(TIME_TO_FULL, labels, bytes_fc, inodes_fc, details)
         return self.result(key, verdict.status, summary, details, samples)

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
-from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Size
 from trainguard.core.units import format_bytes, parse_size
 from trainguard.jobs.model import Job
@@ -25,6 +25,7 @@ from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettin
 
 POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"
+FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
 MAX_FINDINGS = 20  # per job: the first ones explain, the rest repeat
 
 
@@ -46,6 +47,7 @@ _CAUSE = {"cuda_oom": 5, "cuda_error": 4, "exit": 3.5, "traceback": 3, "loss_sca
 
 class TrainingLogCheck(JobCheck):
     Settings = TrainingLogSettings
+    metrics = (FINDINGS,)
     settings: TrainingLogSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -222,7 +224,7 @@ class TrainingLogCheck(JobCheck):
     def _result(self, job: Job) -> Result:
         findings = self._findings.get(job.key, [])
         labels = {"job_id": job.job_id or job.name, "name": job.name}
-        samples = [Sample("trainguard_log_findings", len(findings), labels, "Known failures found in the job's logs.")]
+        samples = [FINDINGS(len(findings), labels)]
         if not findings:
             return self.result(job.key, Status.OK, f"{job.label()}: no known failure in its logs",
                                {"job_key": job.key}, samples)

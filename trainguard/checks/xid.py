@@ -16,7 +16,7 @@ from pydantic import Field
 
 from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
 from trainguard.core.logs import kv
-from trainguard.core.model import Result, Sample, Status, worst
+from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, StatusName
 from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry
@@ -24,6 +24,17 @@ from trainguard.gpu.xid import XidParser, describe
 from trainguard.node.kmsg import KernelRecord, KmsgFollower
 
 log = logging.getLogger("trainguard.checks.xid")
+
+_XID = ("gpu", "uuid", "bus_id", "xid")
+XID_ERRORS = Metric("trainguard_gpu_xid_errors_total", "XID events reported by the driver, counted one by one.", _XID,
+                    counter=True)
+XID_LAST = Metric("trainguard_gpu_xid_last_timestamp_seconds",
+                  "Unix time of the latest XID event of this number on this GPU.", _XID)
+KMSG_RECORDS = Metric("trainguard_kmsg_records_total", "Kernel log records read.", counter=True)
+KMSG_LOST = Metric("trainguard_kmsg_lost_records_total", "Kernel log records overwritten before they were read.",
+                   counter=True)
+KMSG_UP = Metric("trainguard_kmsg_follower_up", "1 while the kernel log follower runs.", ("source",))
+METRICS = (XID_ERRORS, XID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
 
 _RECOVERY_STATUS = {"none": Status.OK, "drain p2p": Status.WARNING}
 
@@ -96,6 +107,7 @@ def summarize(label: str, graded: list[tuple[XidEntry, Status, str]]) -> str:
 
 class XidCheck(Check):
     Settings = XidSettings
+    metrics = METRICS
     settings: XidSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -164,10 +176,7 @@ class XidCheck(Check):
             samples = []
             for e, _, _ in graded:
                 xl = {**labels, "xid": str(e.xid)}
-                samples.append(Sample("trainguard_gpu_xid_errors_total", e.count, xl,
-                                      "XID events reported by the driver, counted one by one.", counter=True))
-                samples.append(Sample("trainguard_gpu_xid_last_timestamp_seconds", e.last, xl,
-                                      "Unix time of the latest XID event of this number on this GPU."))
+                samples += [XID_ERRORS(e.count, xl), XID_LAST(e.last, xl)]
             details: dict[str, Any] = {
                 "bus_id": bus_id, "index": index, "uuid": uuid,
                 "xids": [{"xid": e.xid, "mnemonic": describe(e.xid).mnemonic, "count": e.count, "first": e.first,
@@ -184,13 +193,8 @@ class XidCheck(Check):
 
     def _follower_result(self) -> Result:
         f = self.follower
-        samples = [
-            Sample("trainguard_kmsg_records_total", f.records, {}, "Kernel log records read.", counter=True),
-            Sample("trainguard_kmsg_lost_records_total", f.lost, {}, "Kernel log records overwritten before they were read.",
-                   counter=True),
-            Sample("trainguard_kmsg_follower_up", 1 if f.running or not self._started else 0, {"source": f.source},
-                   "1 while the kernel log follower runs."),
-        ]
+        samples = [KMSG_RECORDS(f.records), KMSG_LOST(f.lost),
+                   KMSG_UP(1 if f.running or not self._started else 0, {"source": f.source})]
         details = {"source": f.source, "records": f.records, "lost": f.lost, "last_seq": f.last_seq}
         if self._started and not f.running:
             return self.result("kernel-log", Status.UNKNOWN,

@@ -47,17 +47,40 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One metric sample a check exposes on /metrics (a gauge unless `counter`)."""
+class Metric:
+    """A metric's metadata, declared once beside the code that measures it: the name Prometheus shows (counters end
+    in `_total`), its help text and its label names. Calling it makes a sample: `FREE(3.0, {"path": "/"})`."""
 
     name: str
-    value: float
-    labels: Mapping[str, str] = field(default_factory=dict)
-    help: str = ""
+    help: str
+    labels: tuple[str, ...] = ()
     counter: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "labels", _freeze({k: str(v) for k, v in self.labels.items()}))
+        if not self.name.startswith("trainguard_") or self.counter != self.name.endswith("_total"):
+            raise ValueError(f"metric {self.name}: names start with trainguard_, and end in _total exactly for counters")
+
+    def __call__(self, value: float, labels: Mapping[str, object] | None = None) -> Sample:
+        return Sample(self, value, {k: str(v) for k, v in (labels or {}).items()})
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One value of a declared metric that a check exposes on /metrics. Its labels are exactly the declared ones."""
+
+    metric: Metric
+    value: float
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        labels = {k: str(v) for k, v in self.labels.items()}
+        if set(labels) != set(self.metric.labels):
+            raise ValueError(f"metric {self.metric.name}: labels {sorted(labels)}, declared {sorted(self.metric.labels)}")
+        object.__setattr__(self, "labels", _freeze(labels))
+
+    @property
+    def name(self) -> str:
+        return self.metric.name
 
 
 @dataclass(frozen=True)

@@ -6,38 +6,24 @@ fails (slurmctld down, squeue timing out) is reported in `errors`, never raised 
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
+from typing import Protocol
 
-from pydantic import Field
-
-from trainguard.core.settings import Duration, SettingsModel
 from trainguard.jobs.model import Job
-from trainguard.jobs.process import ProcessJobSettings, ProcessSource
-from trainguard.jobs.slurm import SlurmClient, SlurmError, SlurmSource
+from trainguard.jobs.settings import JobsSettings
+from trainguard.jobs.slurm import SlurmClient, SlurmError
+from trainguard.registry import JOB_SOURCES, load
 
 
-def _default_sources() -> list[str]:
-    return ["slurm"] if shutil.which("squeue") else []
+class JobSource(Protocol):
+    """A job source: one module in trainguard/jobs and one line in the registry's JOB_SOURCES. Built with the
+    `[jobs]` settings, this node's name and the shared SLURM client; `jobs()` raises SlurmError or OSError on failure."""
 
+    def jobs(self) -> Sequence[Job]: ...
 
-class JobsSettings(SettingsModel):
-    sources: list[Literal["slurm", "process"]] = Field(
-        default_factory=_default_sources, description="Where jobs come from.",
-        json_schema_extra={"default_doc": "`[\"slurm\"]` when squeue is installed, else `[]`"})
-    slurm_timeout: Duration = Field(10.0, gt=0, description="Timeout of every SLURM command.")
-    slurm_bin_dir: str = Field("", description="Directory of the SLURM commands; empty: PATH.")
-    slurm_node: str = Field("", description="This node's SLURM name; empty: the agent's node_name.")
-    switch_dir: str = Field("{workdir}/.trainguard",
-                            description="Switch dir of a SLURM job; {workdir} {job_id} {array_job_id} {name} {user}.")
-    stop_dir: Path = Field(Path("/run/trainguard/stop"), description="Root-owned dir: a file named after a job stops it.")
-    refresh: Duration = Field(5.0, ge=0, description="How long one query of the sources is reused.")
-    processes: dict[str, ProcessJobSettings] = Field(default_factory=dict, description="Plain-process jobs by name.")
 
 
 @dataclass(frozen=True)
@@ -59,11 +45,9 @@ class JobCatalog:
         self.node = settings.slurm_node or node
         self.clock = clock
         self.slurm = SlurmClient(settings.slurm_timeout, settings.slurm_bin_dir)
-        self._sources: dict[str, SlurmSource | ProcessSource] = {}
-        if "slurm" in settings.sources:
-            self._sources["slurm"] = SlurmSource(self.slurm, self.node, settings.switch_dir)
-        if "process" in settings.sources or settings.processes:
-            self._sources["process"] = ProcessSource(settings.processes)
+        names = list(settings.sources) + (["process"] if settings.processes and "process" not in settings.sources else [])
+        self._sources: dict[str, JobSource] = {
+            name: load(JOB_SOURCES[name])(settings, self.node, self.slurm) for name in names}
         self._lock = threading.Lock()
         self._view: JobView | None = None
 

@@ -8,24 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
-from pydantic import Field, model_validator
 
-from trainguard.core.settings import Regex, SettingsModel
 from trainguard.jobs.model import Job, ProcessRef
-
-
-class ProcessJobSettings(SettingsModel):
-    cmdline: Regex | None = Field(None, description="Regex matched against the full command line.")
-    pidfile: Path | None = Field(None, description="File holding the job's main pid.")
-    user: str | None = Field(None, description="Only processes of this user.")
-    logs: list[str] = Field(default_factory=list, description="Log files (paths or globs) of the job.")
-    switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches.")
-
-    @model_validator(mode="after")
-    def _one_selector(self) -> ProcessJobSettings:
-        if (self.cmdline is None) == (self.pidfile is None):
-            raise ValueError("give exactly one of cmdline or pidfile")
-        return self
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
+from trainguard.jobs.slurm import SlurmClient
 
 
 def _read_pid(pidfile: Path) -> int | None:
@@ -37,8 +23,10 @@ def _read_pid(pidfile: Path) -> int | None:
 
 
 class ProcessSource:
-    def __init__(self, jobs: dict[str, ProcessJobSettings]) -> None:
-        self.declared = jobs
+    """The jobs declared in `[jobs.processes]`, found by command-line regex or pidfile."""
+
+    def __init__(self, settings: JobsSettings, node: str, slurm: SlurmClient) -> None:
+        self.declared = settings.processes
 
     def _find(self, spec: ProcessJobSettings, table: list[tuple[psutil.Process, str]]) -> list[psutil.Process]:
         me = os.getpid()

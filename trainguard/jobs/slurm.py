@@ -15,6 +15,7 @@ from trainguard.core.logs import kv
 from trainguard.core.tools import run_tool
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
+from trainguard.jobs.settings import JobsSettings
 
 log = logging.getLogger("trainguard.slurm")
 
@@ -202,10 +203,10 @@ def parse_job(raw: dict[str, Any], node: str, switch_template: str) -> Job:
 class SlurmSource:
     """All jobs the controller knows; pids for the ones running on this node."""
 
-    def __init__(self, client: SlurmClient, node: str, switch_template: str) -> None:
+    def __init__(self, settings: JobsSettings, node: str, client: SlurmClient) -> None:
         self.client = client
         self.node = node
-        self.switch_template = switch_template
+        self.switch_template = settings.switch_dir
 
     def jobs(self) -> Sequence[Job]:
         jobs = []

@@ -16,7 +16,7 @@ from pydantic import Field, field_validator
 from trainguard.actions.base import ActionSettings
 from trainguard.checks.base import CheckSettings
 from trainguard.core.settings import SettingsModel
-from trainguard.jobs.catalog import JobsSettings
+from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 
 

@@ -1,0 +1,51 @@
+"""What `[jobs]` configures: the job sources, SLURM's commands, switch dirs, and plain-process jobs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from trainguard.core.settings import Duration, Regex, SettingsModel
+from trainguard.registry import JOB_SOURCES
+
+
+class ProcessJobSettings(SettingsModel):
+    cmdline: Regex | None = Field(None, description="Regex matched against the full command line.")
+    pidfile: Path | None = Field(None, description="File holding the job's main pid.")
+    user: str | None = Field(None, description="Only processes of this user.")
+    logs: list[str] = Field(default_factory=list, description="Log files (paths or globs) of the job.")
+    switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches.")
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> ProcessJobSettings:
+        if (self.cmdline is None) == (self.pidfile is None):
+            raise ValueError("give exactly one of cmdline or pidfile")
+        return self
+
+
+def _default_sources() -> list[str]:
+    return ["slurm"] if shutil.which("squeue") else []
+
+
+class JobsSettings(SettingsModel):
+    sources: list[str] = Field(
+        default_factory=_default_sources, description="Where jobs come from (" + ", ".join(JOB_SOURCES) + ").",
+        json_schema_extra={"default_doc": "`[\"slurm\"]` when squeue is installed, else `[]`"})
+    slurm_timeout: Duration = Field(10.0, gt=0, description="Timeout of every SLURM command.")
+    slurm_bin_dir: str = Field("", description="Directory of the SLURM commands; empty: PATH.")
+    slurm_node: str = Field("", description="This node's SLURM name; empty: the agent's node_name.")
+    switch_dir: str = Field("{workdir}/.trainguard",
+                            description="Switch dir of a SLURM job; {workdir} {job_id} {array_job_id} {name} {user}.")
+    stop_dir: Path = Field(Path("/run/trainguard/stop"), description="Root-owned dir: a file named after a job stops it.")
+    refresh: Duration = Field(5.0, ge=0, description="How long one query of the sources is reused.")
+    processes: dict[str, ProcessJobSettings] = Field(default_factory=dict, description="Plain-process jobs by name.")
+
+    @field_validator("sources")
+    @classmethod
+    def _known_sources(cls, sources: list[str]) -> list[str]:
+        for name in sources:
+            if name not in JOB_SOURCES:
+                raise ValueError(f"unknown job source {name!r} (known: {', '.join(sorted(JOB_SOURCES))})")
+        return sources
