@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import heading
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.checks.hang import HangSettings
 from trainguard.checks.job_memory import JobMemorySettings
 from trainguard.pipeline.engine import Engine

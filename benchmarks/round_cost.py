@@ -23,7 +23,7 @@ import psutil
 
 from benchmarks.common import heading, installed_config, log_writers, writer_jobs
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.gpu.nvml import Nvml
 from trainguard.pipeline.engine import Engine
 

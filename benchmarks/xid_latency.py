@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import heading, percentile
 from tests.slurm_cluster import SlurmCluster
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.core.state import scoped_key
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine

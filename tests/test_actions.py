@@ -20,7 +20,7 @@ from trainguard.actions.base import ActionContext, ActionError
 from trainguard.actions.exec import ExecAction, ExecSettings
 from trainguard.actions.signal import SignalAction, SignalSettings, signal_process
 from trainguard.actions.switch import create_switch
-from trainguard.agent.config import ConfigError, parse_config
+from trainguard.agent.configfile import ConfigError, parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog

@@ -11,7 +11,7 @@ from tests.conftest import wait_until
 from tests.peers import alertmanager_alerts, alertmanager_server
 from tests.test_engine import REGISTRY, Flaky
 from tests.test_notifiers import event
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.notifiers.alertmanager import AlertmanagerNotifier, AlertmanagerSettings

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from trainguard.agent.config import ConfigError, default_config, load_config, parse_config
+from trainguard.agent.configfile import ConfigError, default_config, load_config, parse_config
 from trainguard.checks.disk import DiskSettings
 from trainguard.core.settings import SettingsModel
 from trainguard.core.units import Limit

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tests.conftest import HungMount, require_tool, wait_until
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.agent.http import HttpEndpoint
 from trainguard.checks.base import Check
 from trainguard.core.events import Event

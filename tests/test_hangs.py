@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import REPO, HungMount, require, wait_until
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.core.model import Status
 from trainguard.node.stacks import find_py_spy, innermost
 from trainguard.pipeline.engine import Engine

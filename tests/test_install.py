@@ -8,7 +8,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from trainguard.agent.config import load_config
+from trainguard.agent.configfile import load_config
 from trainguard.cli import main
 from trainguard.install import DEFAULT_CONFIG, UNIT_SOURCE, Installer
 from trainguard.reference import markdown

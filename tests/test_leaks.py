@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, MemoryCgroup, wait_until
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.checks.job_memory import JobMemory, JobMemorySettings, evaluate
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status

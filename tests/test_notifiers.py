@@ -158,7 +158,7 @@ def test_outage_then_recovery_delivers_all_in_order_without_duplicates(tmp_path:
 
 def test_grouped_message_says_what_the_agent_already_did(tmp_path: Path, receiver: Receiver) -> None:
     from tests.test_engine import REGISTRY, Flaky
-    from trainguard.agent.config import parse_config
+    from trainguard.agent.configfile import parse_config
     from trainguard.pipeline.engine import Engine
 
     raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
@@ -200,7 +200,7 @@ def test_notify_test_command(tmp_path: Path, receiver: Receiver, capsys: pytest.
 def test_inline_secret_in_a_world_readable_config_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from trainguard.agent.config import load_config
+    from trainguard.agent.configfile import load_config
 
     config = tmp_path / "trainguard.toml"
     config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\n\n[notifiers.slack]\n'

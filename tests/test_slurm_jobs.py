@@ -17,7 +17,7 @@ import requests
 
 from tests.conftest import AgentProcess, free_port, unique_bus, wait_until, xid79
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.core.state import scoped_key

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tests.conftest import unique_bus, wait_until, xid79
-from trainguard.agent.config import parse_config
+from trainguard.agent.configfile import parse_config
 from trainguard.agent.http import HttpEndpoint
 from trainguard.checks.base import CheckContext
 from trainguard.checks.xid import XidCheck, XidSettings, classify

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainguard import __version__
-from trainguard.agent.config import ConfigError, load_config
+from trainguard.agent.configfile import ConfigError, load_config
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import worst
 from trainguard.pipeline.config import Config, default_state_dir

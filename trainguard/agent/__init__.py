@@ -1,4 +1,4 @@
-"""The daemon shell around the pipeline: reading the TOML config (`config`), `trainguard run` (`daemon`), the HTTP
+"""The daemon shell around the pipeline: reading the TOML config file (`configfile`), `trainguard run` (`daemon`), the HTTP
 endpoint (`http`: /metrics through `metrics`, /healthz, /status through `status`) and systemd notifications.
 
 May import: the pipeline and everything below it.

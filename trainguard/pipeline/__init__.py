@@ -6,7 +6,7 @@
     dispatch    the outbox delivered to the notifiers, one worker per channel
     responder   the actions bound to a check, run on its events
     engine      builds the checks and wires the parts above; schedule: when each check runs
-    config      what a validated config is (reading it from TOML belongs to the daemon shell)
+    config      what a validated config is (reading the TOML file belongs to the daemon shell: agent.configfile)
 
 May import: trainguard.core, the sources (node, gpu, jobs, logscan, quota), checks, actions, notifiers, registry.
 """

@@ -1,5 +1,5 @@
 """What a validated config is: the agent's own settings and the named checks, notifiers, actions and job sources.
-Reading it from TOML is the daemon shell's job (trainguard.agent.config)."""
+Reading it from TOML is the daemon shell's job (trainguard.agent.configfile)."""
 
 from __future__ import annotations
 
