@@ -18,6 +18,7 @@ from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage, Verdict, summarize, time_to_full
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Size
+from trainguard.core.text import linear
 from trainguard.core.units import format_duration
 from trainguard.quota.parsers import QuotaUsage
 from trainguard.quota.providers import Provider, QuotaError
@@ -70,6 +71,12 @@ class QuotaSettings(CapacitySettings):
             raise ValueError("provider command needs command and fields (bytes_used and/or inodes_used)")
         if self.provider in ("lustre", "gpfs") and not self.mounts:
             raise ValueError(f"provider {self.provider} needs mounts")
+        if self.provider == "command" and self.format == "regex":
+            for name, pattern in self.fields.items():
+                try:
+                    linear(pattern)
+                except ValueError as exc:
+                    raise ValueError(f"fields.{name}: {exc}") from None
         return self
 
 

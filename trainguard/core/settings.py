@@ -6,7 +6,6 @@ Durations, sizes and limits are parsed once at load time so checks only ever see
 from __future__ import annotations
 
 import os
-import re
 import types
 import typing
 from pathlib import Path
@@ -24,6 +23,7 @@ from pydantic import (
 )
 
 from trainguard.core.model import Status
+from trainguard.core.text import linear
 from trainguard.core.units import Limit, parse_count_limit, parse_duration, parse_size, parse_size_limit
 
 Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda s: f"{s:g}s", return_type=str)]
@@ -33,10 +33,8 @@ CountLimit = Annotated[Limit, PlainValidator(parse_count_limit), PlainSerializer
 
 
 def _check_regex(value: str) -> str:
-    try:
-        re.compile(value)
-    except re.error as exc:
-        raise ValueError(f"invalid regex {value!r}: {exc}") from None
+    """Config patterns match text jobs control (command lines, log lines): RE2 syntax, linear time."""
+    linear(value)  # ValueError naming the pattern and RE2's reason
     return value
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
+from trainguard.core.text import linear
+
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_DURATION_PART = linear(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -15,9 +16,9 @@ _SIZE_UNITS = {
     "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = linear(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _COUNT_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3}
-_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_PERCENT = linear(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
 def parse_duration(value: object) -> float:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import re
+from trainguard.core.text import linear
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = linear(r"^(\d+)(?:-(\d+))?$")
+_BRACKET = linear(r"^([^\[]*)\[([^\]]+)\](.*)$")
 
 
 def _split_top(expr: str) -> list[str]:
@@ -27,7 +28,7 @@ def _split_top(expr: str) -> list[str]:
 def expand(expr: str) -> list[str]:
     hosts: list[str] = []
     for part in _split_top(expr.strip()):
-        match = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", part)
+        match = _BRACKET.match(part)
         if not match:
             hosts.append(part)
             continue

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 
+from trainguard.core.text import linear
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
@@ -37,7 +37,7 @@ class ProcessSource:
             procs = [psutil.Process(pid)]
         else:
             assert spec.cmdline is not None
-            pattern = re.compile(spec.cmdline)
+            pattern = linear(spec.cmdline)
             procs = [p for p, cmd in table if p.pid not in (1, me) and pattern.search(cmd)]
         if spec.user is not None:
             procs = [p for p in procs if _username(p) == spec.user]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from trainguard.core.logs import kv
+from trainguard.core.text import linear
 from trainguard.core.tools import run_tool
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
@@ -96,8 +96,8 @@ class SlurmClient:
     def node_state(self, node: str) -> tuple[str, str]:
         """(state flags, reason) of a node."""
         out = self.run("scontrol", "show", "node", node, "--oneliner")
-        state = re.search(r"\bState=(\S+)", out)
-        reason = re.search(r"\bReason=(.*?)(?: \[|$| \w+=)", out)
+        state = _NODE_STATE.search(out)
+        reason = _NODE_REASON.search(out)
         return (state.group(1) if state else "", reason.group(1).strip() if reason else "")
 
     def drain(self, node: str, reason: str) -> None:
@@ -107,7 +107,9 @@ class SlurmClient:
         self.run("scontrol", "update", f"nodename={node}", "state=resume")
 
 
-_PATTERN = re.compile(r"%(%|[AajxuNn])")
+_PATTERN = linear(r"%(%|[AajxuNn])")
+_NODE_STATE = linear(r"\bState=(\S+)")
+_NODE_REASON = linear(r"(?m)\bReason=(.*?)(?: \[|$| \w+=)")
 
 
 def expand_output_path(pattern: str, job: dict[str, Any], node: str) -> str:

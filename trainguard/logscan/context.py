@@ -3,20 +3,20 @@ finite, and the state of the GPU an OOM names (who else holds its memory, ECC an
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 from typing import Any
 
 import psutil
 
+from trainguard.core.text import linear
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
 from trainguard.node.procfs import ProcFS
 
 STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one is close by
 # `step 100`, `Step: 100`, `global_step=100`, Megatron's `iteration      100/  500000`; not `Skipping step.`
-_STEP = re.compile(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d+)")
-_FINITE_LOSS = re.compile(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
+_STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d+)")
+_FINITE_LOSS = linear(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
 
 
 def last_step(data: bytes, end: int | None = None) -> int | None:

@@ -7,7 +7,6 @@ contain one: a log of normal training output costs one memory scan, however long
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -16,13 +15,14 @@ from pydantic import Field
 
 from trainguard.core.model import Status
 from trainguard.core.settings import Regex, SettingsModel, StatusName
+from trainguard.core.text import Pattern, linear
 
 
 @dataclass(frozen=True)
 class Signature:
     name: str
     needles: tuple[bytes, ...]
-    pattern: re.Pattern[str] | None  # must also match the line (None: the needle is enough)
+    pattern: Pattern | None  # must also match the line (None: the needle is enough)
     status: Status
     advice: str = ""
 
@@ -40,20 +40,20 @@ class SignatureSettings(SettingsModel):
 # the (rare) lines that contain one.
 BUILTIN: tuple[Signature, ...] = (
     Signature("cuda_oom", (b"out of memory",),
-              re.compile(r"CUDA out of memory|cuda runtime error \(2\) : out of memory|THCudaCheck FAIL.*out of memory"),
+              linear(r"CUDA out of memory|cuda runtime error \(2\) : out of memory|THCudaCheck FAIL.*out of memory"),
               Status.CRITICAL),
     Signature("nccl_timeout", (b"atchdog",),
-              re.compile(r"Watchdog caught collective operation timeout|NCCL watchdog thread terminated"), Status.CRITICAL),
-    Signature("cuda_error", (b"CUDA",), re.compile(r"CUDA (?:driver )?error: |c10::CUDAError"), Status.CRITICAL),
-    Signature("device_assert", (b"Assertion `",), re.compile(r"Assertion `.+` failed"), Status.OK),
+              linear(r"Watchdog caught collective operation timeout|NCCL watchdog thread terminated"), Status.CRITICAL),
+    Signature("cuda_error", (b"CUDA",), linear(r"CUDA (?:driver )?error: |c10::CUDAError"), Status.CRITICAL),
+    Signature("device_assert", (b"Assertion `",), linear(r"Assertion `.+` failed"), Status.OK),
     Signature("nan_loss", (b"nan", b"NaN", b"inf", b"Inf"),
-              re.compile(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN"""
-                         r"""|found NaN in local grad norm)""", re.IGNORECASE), Status.WARNING,
+              linear(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN"""
+                     r"""|found NaN in local grad norm)""", ignore_case=True), Status.WARNING,
               "the loss diverged: lower the learning rate, check the data batch, resume from an earlier checkpoint"),
-    Signature("fp16_overflow", (b"OVERFLOW!",), re.compile(r"OVERFLOW! Rank \d+ Skipping step"), Status.OK),
-    Signature("loss_scale_min", (b"at minimum",), re.compile(r"loss scale already at minimum", re.I),
+    Signature("fp16_overflow", (b"OVERFLOW!",), linear(r"OVERFLOW! Rank \d+ Skipping step"), Status.OK),
+    Signature("loss_scale_min", (b"at minimum",), linear(r"loss scale already at minimum", ignore_case=True),
               Status.CRITICAL, "fp16 loss scaling gave up: the run diverged; switch to bf16 or lower the learning rate"),
-    Signature("traceback", (b"Traceback (",), re.compile(r"Traceback \(most recent call last\)"), Status.CRITICAL),
+    Signature("traceback", (b"Traceback (",), linear(r"Traceback \(most recent call last\)"), Status.CRITICAL),
 )
 
 
@@ -65,7 +65,7 @@ class Hit:
 
 
 def custom(signatures: dict[str, SignatureSettings]) -> tuple[Signature, ...]:
-    return tuple(Signature(name, (s.needle.encode(),), re.compile(s.pattern) if s.pattern else None, s.status,
+    return tuple(Signature(name, (s.needle.encode(),), linear(s.pattern) if s.pattern else None, s.status,
                            s.advice) for name, s in signatures.items())
 
 
@@ -102,8 +102,8 @@ class Scanner:
 
 
 _EXCEPTION_TEXT = r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$"
-_EXCEPTION = re.compile(_EXCEPTION_TEXT)
-_EXCEPTION_LINE = re.compile(_EXCEPTION_TEXT, re.MULTILINE)
+_EXCEPTION = linear(_EXCEPTION_TEXT)
+_EXCEPTION_LINE = linear("(?m)" + _EXCEPTION_TEXT)
 
 
 def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None:

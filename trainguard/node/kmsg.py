@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import select
 import signal
 import subprocess
@@ -25,12 +24,13 @@ from typing import Any
 
 from trainguard.core.logs import kv
 from trainguard.core.state import KeyValue
+from trainguard.core.text import linear
 from trainguard.node.procfs import ProcFS
 
 log = logging.getLogger("trainguard.node.kmsg")
 
 CURSOR_KEY = "kmsg.cursor"
-_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
+_ESCAPE = linear(rb"\\x([0-9a-fA-F]{2})")
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ the blocked one returns, so blocked threads never pile up.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainguard.core.text import linear
 from trainguard.node.procfs import ProcFS
 
 PSEUDO_FSTYPES = (
@@ -23,7 +23,7 @@ PSEUDO_FSTYPES = (
 )
 PSEUDO_MOUNTPOINTS = r"^/(dev|proc|sys|run/credentials|run/user/\d+/doc|var/lib/docker/.+|snap/.+)($|/)"
 
-_OCTAL = re.compile(r"\\([0-7]{3})")
+_OCTAL = linear(r"\\([0-7]{3})")
 
 
 def _unescape(field: str) -> str:
@@ -55,7 +55,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
 
 def real_mounts(mounts: list[Mount], exclude_fstypes: tuple[str, ...] | list[str] = PSEUDO_FSTYPES,
                 exclude_mountpoints: str = PSEUDO_MOUNTPOINTS) -> list[Mount]:
-    pattern = re.compile(exclude_mountpoints) if exclude_mountpoints else None
+    pattern = linear(exclude_mountpoints) if exclude_mountpoints else None
     seen: dict[str, Mount] = {}
     for m in mounts:
         if m.fstype in exclude_fstypes or (pattern and pattern.search(m.mountpoint)):

@@ -10,7 +10,6 @@ is reported too: `request_wait_answer` (FUSE) or an NFS RPC wait is what a dead 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,10 +19,12 @@ from pathlib import Path
 
 import psutil
 
+from trainguard.core.text import linear
 from trainguard.node.procfs import ProcFS
 
-_FRAME = re.compile(r"^\s+(\S.*?) \((.+?)\)\s*$")
-_THREAD = re.compile(r'^Thread (\S+) \(([^)]*)\)(?:: "(.*)")?')
+_FRAME = linear(r"^\s+(\S.*?) \((.+?)\)\s*$")
+_THREAD = linear(r'^Thread (\S+) \(([^)]*)\)(?:: "(.*)")?')
+_UNSAFE = linear(r"[^A-Za-z0-9_.-]+")
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "LOCAL_RANK")
 
 
@@ -134,7 +135,7 @@ def write_dumps(directory: Path, job_label: str, stacks: list[ProcessStack], whe
     """One text file with every process's dump; the path goes into the incident."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o750)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(when))
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", job_label)[:80]
+    safe = _UNSAFE.sub("_", job_label)[:80]
     path = directory / f"{stamp}-{safe}.txt"
     parts = [f"# stacks of {job_label} captured {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}\n"]
     for s in stacks:

@@ -4,7 +4,6 @@ Reading it from TOML is the daemon shell's job (trainguard.agent.configfile)."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pydantic import Field, field_validator
 from trainguard.actions.base import ActionSettings
 from trainguard.checks.base import CheckSettings
 from trainguard.core.settings import SettingsModel
+from trainguard.core.text import linear
 from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 
@@ -29,7 +29,7 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "trainguard"
 
 
-_LISTEN = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*):(?P<port>\d{1,5})$")
+_LISTEN = linear(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*):(?P<port>\d{1,5})$")
 
 
 class AgentSettings(SettingsModel):

@@ -7,14 +7,18 @@ in every one of these tools and are stored as None.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainguard.core.text import linear
 from trainguard.core.units import parse_size
 
 KIB = 1024
+_DIGITS = linear(r"\d+")
+_HUMAN_SIZE = linear(r"[\d.]+[KMGTPE]", ignore_case=True)
+_COUNT = linear(r"([\d.]+)([kmgt]?)", ignore_case=True)
+_CELLS = linear(r"\|\|?")
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,10 @@ def _size(token: str, unit: int) -> int | None:
     value, _ = _strip(token.strip())
     if value in ("", "-"):
         return None
-    if re.fullmatch(r"\d+", value):
+    if _DIGITS.fullmatch(value):
         return int(value) * unit
     text = value.replace(",", ".")
-    if re.fullmatch(r"[\d.]+[KMGTPE]", text, re.IGNORECASE):
+    if _HUMAN_SIZE.fullmatch(text):
         text += "iB"  # the quota tools' K/M/G are binary
     return parse_size(text)
 
@@ -61,7 +65,7 @@ def _count(token: str) -> int | None:
     value, _ = _strip(token.strip())
     if value in ("", "-"):
         return None
-    m = re.fullmatch(r"([\d.]+)([kmgt]?)", value, re.IGNORECASE)
+    m = _COUNT.fullmatch(value)
     if not m:
         raise ValueError(f"not a file count: {token!r}")
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}[m.group(2).lower()]
@@ -72,7 +76,9 @@ def _limit(value: int | None) -> int | None:
     return value if value else None  # 0 means no limit
 
 
-_DURATION = re.compile(r"(\d+)\s*(weeks?|w|days?|d|hours?|h|minutes?|min|m|seconds?|sec|s)", re.IGNORECASE)
+_DURATION = linear(r"(\d+)\s*(weeks?|w|days?|d|hours?|h|minutes?|min|m|seconds?|sec|s)", ignore_case=True)
+_EPOCH = linear(r"\d{9,}")
+_CLOCK = linear(r"\d+:\d\d")
 _UNIT_S = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
 
 
@@ -83,9 +89,9 @@ def grace_seconds(token: str, now: float | None = None) -> float | None:
         return None
     if text == "expired":
         return 0.0
-    if re.fullmatch(r"\d{9,}", text):  # quota -p: the epoch second the grace ends
+    if _EPOCH.fullmatch(text):  # quota -p: the epoch second the grace ends
         return max(0.0, int(text) - (time.time() if now is None else now))
-    if re.fullmatch(r"\d+:\d\d", text):
+    if _CLOCK.fullmatch(text):
         hours, minutes = text.split(":")
         return int(hours) * 3600.0 + int(minutes) * 60.0
     parts = _DURATION.findall(text)
@@ -95,8 +101,8 @@ def grace_seconds(token: str, now: float | None = None) -> float | None:
 
 
 # quota (Linux quota tools) -------------------------------------------------------------------
-_QUOTA_HEAD = re.compile(r"^Disk quotas for (user|group|project) (\S+)(?: \((?:uid|gid|pid|project) (\d+)\))?:?",
-                         re.IGNORECASE)
+_QUOTA_HEAD = linear(r"^Disk quotas for (user|group|project) (\S+)(?: \((?:uid|gid|pid|project) (\d+)\))?:?",
+                     ignore_case=True)
 
 
 def parse_quota(text: str, now: float | None = None) -> list[QuotaUsage]:
@@ -130,7 +136,7 @@ def parse_quota(text: str, now: float | None = None) -> list[QuotaUsage]:
 
 
 # lfs quota (Lustre) ---------------------------------------------------------------------------
-_LFS_HEAD = re.compile(r"^Disk quotas for (usr|grp|prj|user|group|project) (\S+)", re.IGNORECASE)
+_LFS_HEAD = linear(r"^Disk quotas for (usr|grp|prj|user|group|project) (\S+)", ignore_case=True)
 _LFS_KIND = {"usr": "user", "grp": "group", "prj": "project"}
 
 
@@ -214,7 +220,7 @@ def parse_beegfs(text: str, filesystem: str, kind: str = "user") -> list[QuotaUs
     for line in text.splitlines():
         if "||" not in line:
             continue
-        cells = [c.strip() for c in re.split(r"\|\|?", line)]
+        cells = [c.strip() for c in _CELLS.split(line)]
         cells = [c for c in cells if c != ""]
         if len(cells) != 6 or not cells[1].isdigit():
             continue

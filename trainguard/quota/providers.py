@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
+from trainguard.core.text import linear
 from trainguard.core.tools import run_tool
 from trainguard.core.units import parse_size
 from trainguard.quota.budget import BudgetWalker
@@ -111,6 +111,7 @@ class BeegfsProvider(Provider):
         return out_all
 
 
+_NUMBER = linear(r"\s*[\d.]+\s*")
 _FIELDS = ("bytes_used", "bytes_soft", "bytes_hard", "inodes_used", "inodes_soft", "inodes_hard")
 
 
@@ -134,7 +135,7 @@ class CommandProvider(Provider):
             return None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
-        elif re.fullmatch(r"\s*[\d.]+\s*", str(value)):
+        elif _NUMBER.fullmatch(str(value)):
             number = float(value)
         elif field.startswith("bytes"):
             return parse_size(str(value).strip())
@@ -160,7 +161,7 @@ class CommandProvider(Provider):
                     raise QuotaError(f"{' '.join(argv)}: JSON pointer {pointer!r} ({name}) not found") from None
         else:
             for name, pattern in s.fields.items():
-                m = re.search(pattern, out, re.MULTILINE)
+                m = linear("(?m)" + pattern).search(out)
                 if m is None:
                     raise QuotaError(f"{' '.join(argv)}: regex for {name} ({pattern!r}) matched nothing")
                 values[name] = m.group(1) if m.groups() else m.group(0)
