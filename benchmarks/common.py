@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import platform
 import subprocess
@@ -62,4 +63,5 @@ def log_writers(directory: Path, count: int) -> Iterator[list[Path]]:
 
 def writer_jobs(logs: list[Path]) -> dict[str, dict[str, object]]:
     """The `[jobs.processes]` tables declaring the log writers as process jobs."""
-    return {f"trainer{i}": {"cmdline": f"tg-bench-writer-{i}$", "logs": [str(log)]} for i, log in enumerate(logs)}
+    return {f"trainer{i}": {"cmdline": f"tg-bench-writer-{i}$", "user": getpass.getuser(), "logs": [str(log)]}
+            for i, log in enumerate(logs)}

@@ -13,6 +13,7 @@ agent's CPU time per round is scaled to one hour at the checks' default interval
 from __future__ import annotations
 
 import argparse
+import getpass
 import logging
 import statistics
 import subprocess
@@ -52,7 +53,7 @@ def worker(tmp: Path, marker: str, steps: int, period: float) -> subprocess.Pope
 def engine(tmp: Path, checks: dict[str, Any], jobs: dict[str, str]) -> Engine:
     raw = {"agent": {"state_dir": str(tmp / f"state-{uuid.uuid4().hex[:6]}"), "node_name": "bench", "listen": ""},
            "jobs": {"sources": ["process"], "refresh": "5s",
-                    "processes": {name: {"cmdline": marker, "logs": [str(tmp / f"{marker}.log")],
+                    "processes": {name: {"cmdline": marker, "user": getpass.getuser(), "logs": [str(tmp / f"{marker}.log")],
                                          "switch_dir": str(tmp / marker)} for name, marker in jobs.items()}},
            "checks": checks, "notifiers": {"console": {"min_severity": "CRITICAL", "send_resolved": False}}}
     return Engine(parse_config(raw, "benchmark"))

@@ -23,6 +23,7 @@ from pathlib import Path
 from benchmarks.common import heading
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
+from trainguard.node.access import Identity
 
 BLOCK = "".join(
     f"[rank{r}]: step {s} loss={2.5 - s / 1e5:.4f} lr=3.0e-4 tokens/s=182340 grad_norm=0.91\n"
@@ -30,6 +31,8 @@ BLOCK = "".join(
     for s in range(200) for r in range(4)).encode()
 FAILURE = (b"[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 3 has a total "
            b"capacity of 79.15 GiB of which 1.06 GiB is free.\n")
+
+ROOT = Identity(0)  # the tests' own files: read with root's authority
 
 
 def make_log(path: Path, size: int) -> int:
@@ -46,7 +49,7 @@ def make_log(path: Path, size: int) -> int:
 
 def ours(path: Path) -> tuple[float, int]:
     started = time.perf_counter()
-    tail, scanner = LogTail(str(path)), Scanner(BUILTIN)
+    tail, scanner = LogTail(str(path), ROOT), Scanner(BUILTIN)
     hits = sum(1 for chunk in tail.read(limit=1 << 40) for _ in scanner.scan(chunk))
     return time.perf_counter() - started, hits
 
@@ -67,7 +70,7 @@ def appended_cost(tmp: Path, base: int, rounds: int = 5) -> float:
         f.truncate(base)  # sparse: a 10 GiB log without 10 GiB of disk
     costs = []
     for _ in range(rounds):
-        tail = LogTail(str(path))
+        tail = LogTail(str(path), ROOT)
         list(tail.read(limit=1))  # establish the position cheaply...
         assert tail.position is not None
         tail.position.offset = path.stat().st_size  # ...then as if everything so far had been read

@@ -11,6 +11,7 @@ so every trial walks the whole path. Needs root (writing /dev/kmsg).
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import logging
 import os
@@ -78,7 +79,8 @@ def main() -> int:
     state = tempfile.mkdtemp(prefix="trainguard-bench-")
     cluster = start_cluster() if args.slurm else None
     raw = {"agent": {"state_dir": state, "node_name": cluster.node if cluster else "bench", "listen": ""},
-           "jobs": {"sources": ["process"], "refresh": "60s", "processes": {"bench": {"cmdline": tag}}},
+           "jobs": {"sources": ["process"], "refresh": "60s",
+                    "processes": {"bench": {"cmdline": tag, "user": getpass.getuser()}}},
            "checks": {"xid": {"actions": {"critical": ["signal", "drain"] if cluster else ["signal"]}}},
            "notifiers": {"console": {"min_severity": "CRITICAL", "send_resolved": False}}}
     engine = Engine(parse_config(raw, "benchmark"))

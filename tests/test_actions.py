@@ -131,18 +131,18 @@ def test_recycled_pid_is_never_signalled(sleeper: subprocess.Popen[bytes]) -> No
     assert real is not None and real.matches()
     impostor = ProcessRef(sleeper.pid, real.create_time - 3600)  # same pid, another process's start time
     with pytest.raises(ActionError, match="no longer the job's process"):
-        signal_process(impostor, "TERM")
+        signal_process(impostor, "TERM", 0)
     assert sleeper.poll() is None
     for pid in (1, os.getpid()):
         with pytest.raises(ActionError, match="refusing to signal"):
-            signal_process(ProcessRef(pid, 0.0), "TERM")
+            signal_process(ProcessRef(pid, 0.0), "TERM", 0)
 
 
 def test_signal_process_job_with_escalation(sleeper: subprocess.Popen[bytes]) -> None:
     # SIGCONT leaves the process running, so only the escalation can end it.
     ref = ProcessRef.of(sleeper.pid)
     assert ref is not None
-    job = Job(key="process:t", source="process", name="t", state="RUNNING", processes=(ref,))
+    job = Job(key="process:t", source="process", name="t", state="RUNNING", uid=os.getuid(), processes=(ref,))
     action = SignalAction("sig", SignalSettings(signal="CONT", then="KILL", grace=0.3))
     assert action.run(ctx(job)) == f"SIGCONT -> pid {sleeper.pid}"
     assert sleeper.wait(timeout=5) == -9  # escalated to SIGKILL after the grace period
@@ -155,8 +155,9 @@ def test_process_source_by_cmdline_and_pidfile(sleeper: subprocess.Popen[bytes],
     pidfile.write_text(f"{sleeper.pid}\n")
     try:
         settings = JobsSettings(sources=["process"], processes={
-            "by-cmd": ProcessJobSettings(cmdline=marker), "by-pid": ProcessJobSettings(pidfile=pidfile),
-            "absent": ProcessJobSettings(cmdline="no-such-process-" + marker[::-1])})
+            "by-cmd": ProcessJobSettings(cmdline=marker, user="root"),
+            "by-pid": ProcessJobSettings(pidfile=pidfile, user="root"),
+            "absent": ProcessJobSettings(cmdline="no-such-process-" + marker[::-1], user="root")})
         view = JobCatalog(settings, "node1").view()
         jobs = {j.name: j for j in view.jobs}
         assert [p.pid for p in jobs["by-cmd"].processes] == [child.pid]

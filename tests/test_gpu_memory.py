@@ -36,7 +36,7 @@ def gpu_memory_check(fake: FakeNvml, clock: Clock, marker: str | None, **setting
     jobs = None
     if marker is not None:
         jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0,
-                                       processes={"trainer": ProcessJobSettings(cmdline=marker)}), "node1", clock)
+                                       processes={"trainer": ProcessJobSettings(cmdline=marker, user="root")}), "node1", clock)
     ctx = CheckContext("node1", Path("/tmp"), clock, nvml=Nvml(fake), jobs=jobs)
     return GpuMemoryCheck("gpu_memory", GpuMemorySettings.model_validate({"min_span": "2m", **settings}), ctx)
 

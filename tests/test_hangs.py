@@ -19,7 +19,7 @@ from trainguard.pipeline.incidents import Incident
 
 def hang_engine(tmp_path: Path, marker: str, job: dict[str, Any], **check: Any) -> Engine:
     raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
-           "jobs": {"sources": ["process"], "refresh": 0, "processes": {"trainer": {"cmdline": marker, **job}}},
+           "jobs": {"sources": ["process"], "refresh": 0, "processes": {"trainer": {"cmdline": marker, "user": "root", **job}}},
            "checks": {"hang": {"stale_after": "2s", "interval": "30s", **check}},
            "notifiers": {"console": {}}}
     return Engine(parse_config(raw, "test.toml"))

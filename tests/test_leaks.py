@@ -47,7 +47,7 @@ def test_evaluate(m: JobMemory, forecast: Forecast | None, status: Status, text:
 
 def leak_engine(tmp_path: Path, marker: str, **check: Any) -> Engine:
     raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
-           "jobs": {"sources": ["process"], "refresh": 0, "processes": {"trainer": {"cmdline": marker}}},
+           "jobs": {"sources": ["process"], "refresh": 0, "processes": {"trainer": {"cmdline": marker, "user": "root"}}},
            "checks": {"leak": {"type": "job_memory", "interval": "0.5s", "jitter": 0, "min_span": "2s", "window": 20,
                                **check}},
            "notifiers": {"console": {}}}

@@ -222,7 +222,7 @@ def test_agent_killed_with_5_queued_delivers_all_5_after_restart(
         tmp_path: Path, receiver: Receiver, agent_process: Any) -> None:
     names = [f"trainer-{i}" for i in range(5)]
     config = tmp_path / "trainguard.toml"
-    processes = "".join(f'[jobs.processes.{n}]\ncmdline = "no-such-process-{uuid.uuid4().hex}"\n\n' for n in names)
+    processes = "".join(f'[jobs.processes.{n}]\ncmdline = "no-such-process-{uuid.uuid4().hex}"\nuser = "root"\n\n' for n in names)
     config.write_text(f"""
 [agent]
 node_name = "testnode"

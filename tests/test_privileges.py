@@ -106,6 +106,7 @@ sources = ["process"]
 refresh = "0s"
 [jobs.processes.trainer]
 cmdline = "{marker}"
+user = "{JOB_USER}"
 logs = ["{log}"]
 [checks.xid]
 actions = {{ critical = ["signal"] }}

@@ -23,6 +23,7 @@ from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import FRAGMENTATION_ADVICE, TRUE_OOM_ADVICE, diagnose_cuda, diagnose_nccl, diagnose_oom
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
+from trainguard.node.access import Identity
 from trainguard.pipeline.store import Store
 
 from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError
@@ -52,6 +53,8 @@ NCCL_OLD = ("[E ProcessGroupNCCL.cpp:737] [Rank 1] Watchdog caught collective op
 NCCL_NEW = ("[rank0]:[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation "
             "timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE, NumelIn=466119168, NumelOut=466119168, "
             "Timeout(ms)=600000) ran for 600060 milliseconds before timing out.")
+
+ROOT = Identity(0)  # the tests' own files: read with root's authority
 
 
 @pytest.mark.parametrize(("text", "fields", "kind"), [
@@ -116,12 +119,12 @@ def test_scanner_finds_each_class_and_nothing_in_lookalikes() -> None:
 def test_reader_rotation_truncation_recreate_and_restart(tmp_path: Path) -> None:
     log = tmp_path / "train.log"
     log.write_bytes(b"a\nb\npartial")
-    tail = LogTail(str(log))
+    tail = LogTail(str(log), ROOT)
     assert b"".join(c for c in tail.read()) == b"a\nb\n"  # the partial line waits for its newline
     with log.open("ab") as f:
         f.write(b" line\nc\n")
     saved = tail.position
-    restarted = LogTail(str(log), saved)  # as after an agent restart
+    restarted = LogTail(str(log), ROOT, saved)  # as after an agent restart
     assert b"".join(c for c in restarted.read()) == b"partial line\nc\n"
     log.rename(tmp_path / "train.log.1")
     log.write_bytes(b"new\n")
@@ -134,7 +137,7 @@ def test_reader_rotation_truncation_recreate_and_restart(tmp_path: Path) -> None
     assert b"".join(c for c in restarted.read()) == b"recreated\n"
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)
-    assert list(LogTail(str(fifo)).read()) == []  # not opened: no blocking, no side effects
+    assert list(LogTail(str(fifo), ROOT).read()) == []  # not opened: no blocking, no side effects
 
 
 def test_reader_cuts_a_200mb_line_and_tolerates_binary(tmp_path: Path) -> None:
@@ -143,7 +146,7 @@ def test_reader_cuts_a_200mb_line_and_tolerates_binary(tmp_path: Path) -> None:
         f.write(b"before\n")
         for _ in range(200):
             f.write(b"x" * MiB)  # 200 MB, no newline yet
-    tail = LogTail(str(log))
+    tail = LogTail(str(log), ROOT)
     got = b"".join(c for c in tail.read())
     assert got.startswith(b"before\n") and len(got) <= len(b"before\n") + MiB + 1
     with log.open("ab") as f:
@@ -167,7 +170,7 @@ def trainer(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 def check(tmp_path: Path, marker: str, store: Store, nvml: FakeNvml | None = None) -> TrainingLogCheck:
     jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
-        "trainer": ProcessJobSettings(cmdline=marker, logs=[str(tmp_path / "rank-logs" / "*.log")],
+        "trainer": ProcessJobSettings(cmdline=marker, user="root", logs=[str(tmp_path / "rank-logs" / "*.log")],
                                       switch_dir=str(tmp_path / "switch"))}), "node1")
     return TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
         "node1", tmp_path, jobs=jobs, state=ScopedState(store, "check/logs"),

@@ -107,6 +107,7 @@ def test_gpu_memory_attributes_a_real_process_to_its_job(tmp_path: Path, gpu_hol
         sources = ["process"]
         [jobs.processes.holder]
         cmdline = "trainguard-gpu-holder"
+        user = "root"
         [checks.gpu_memory]
         unknown_process = "warning"
     """)
@@ -140,6 +141,7 @@ def test_a_real_cuda_oom_is_diagnosed_with_the_gpu_context(tmp_path: Path, gpu_h
             sources = ["process"]
             [jobs.processes.trainer]
             cmdline = "trainguard-oom-trainer"
+            user = "root"
             logs = ["{log}"]
             [checks.training_log]
         """)

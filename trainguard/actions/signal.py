@@ -39,12 +39,16 @@ class SignalSettings(ActionSettings):
         return _signal_name(value) if value else value
 
 
-def signal_process(ref: ProcessRef, signame: str) -> str:
-    """Signal one process, refusing pid 1, the agent itself, and any pid whose identity changed."""
+def signal_process(ref: ProcessRef, signame: str, uid: int | None) -> str:
+    """Signal one process of the job's user `uid`, refusing pid 1, the agent itself, any pid whose identity changed
+    and any process of another user: the agent's CAP_KILL is never lent to a job against someone else."""
     if ref.pid in (0, 1) or ref.pid == os.getpid():
         raise ActionError(f"refusing to signal pid {ref.pid}")
     if not ref.matches():
         raise ActionError(f"pid {ref.pid} is no longer the job's process (exited or recycled): not signalled")
+    owner = ref.uid()
+    if uid is None or owner != uid:
+        raise ActionError(f"pid {ref.pid} belongs to uid {owner}, not to the job's user (uid {uid}): not signalled")
     try:
         os.kill(ref.pid, signal.Signals[f"SIG{signame}"])
     except ProcessLookupError:
@@ -86,7 +90,7 @@ class SignalAction(Action):
             return f"scancel --signal={s.signal} --{s.slurm_mode} {job.job_id}"
         if not job.processes:
             raise ActionError("job has no running process")
-        sent = [signal_process(ref, s.signal) for ref in job.processes]
+        sent = [signal_process(ref, s.signal, job.uid) for ref in job.processes]
         if s.then:
             timer = threading.Timer(s.grace, self._escalate, args=(job,))
             timer.daemon = True
@@ -98,7 +102,7 @@ class SignalAction(Action):
         for ref in job.processes:
             if ref.matches():
                 try:
-                    result = signal_process(ref, self.settings.then)
+                    result = signal_process(ref, self.settings.then, job.uid)
                     log.warning("escalated signal", extra=kv(action=self.name, job=job.key, result=result))
                 except ActionError as exc:
                     log.warning("escalation failed", extra=kv(action=self.name, job=job.key, error=str(exc)))

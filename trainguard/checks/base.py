@@ -21,6 +21,7 @@ from trainguard.gpu.faults import XidLedger
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
 from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
+from trainguard.node.access import NOBODY, Identity
 from trainguard.node.procfs import ProcFS
 
 log = logging.getLogger("trainguard.checks")
@@ -123,6 +124,10 @@ class JobCheck(Check):
         """One UNKNOWN per failed source (of `sources`; None: every source)."""
         return [self.result(f"source:{name}", Status.UNKNOWN, f"job source {name}: {error}", {"source": name})
                 for name, error in view.errors.items() if sources is None or name in sources]
+
+    def identity(self, job: Job) -> Identity:
+        """The job's user: every file of the job is read with their authority, never the agent's."""
+        return self.context.jobs.identities.of(job.uid) if self.context.jobs is not None else NOBODY
 
     @staticmethod
     def jobs_here(view: JobView, names: Sequence[str] = ()) -> list[Job]:

@@ -13,7 +13,6 @@ job hung captures its stacks (py-spy) before the incident fires and any action t
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes, read_heartbeat
+from trainguard.node.access import Identity, stat_as
 from trainguard.node.procfs import ProcFS
 from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
 
@@ -70,7 +70,7 @@ class Signal:
     what: str  # "log /path", "heartbeat step 1200", "write I/O"
 
 
-def log_signal(job: Job, patterns: Sequence[str], procs: list[psutil.Process], open_files: bool,
+def log_signal(job: Job, identity: Identity, patterns: Sequence[str], procs: list[psutil.Process], open_files: bool,
                skip_dir: str | None = None, procfs: ProcFS | None = None) -> Signal | None:
     """The newest write among the job's log files and the files it holds open for writing (except in
     `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress)."""
@@ -79,7 +79,7 @@ def log_signal(job: Job, patterns: Sequence[str], procs: list[psutil.Process], o
     paths = job_log_files(job, patterns)
     for path in paths:
         try:
-            mtime = os.stat(path).st_mtime
+            mtime = stat_as(identity, path).st_mtime
         except OSError:
             continue
         if best is None or mtime > best.at:
@@ -173,14 +173,16 @@ class HangCheck(JobCheck):
     def progress(self, job: Job, procs: list[psutil.Process], now: float) -> Progress:
         started = job.start_time or min((p.create_time() for p in procs), default=now)
         signals = [Signal(started, "job start")]
-        logged = log_signal(job, self.settings.logs, procs, self.settings.open_files, job.switch_dir, self.context.proc)
+        identity = self.identity(job)
+        logged = log_signal(job, identity, self.settings.logs, procs, self.settings.open_files, job.switch_dir,
+                            self.context.proc)
         if logged is not None:
             signals.append(logged)
         beat = heartbeat_path(job, self.settings.heartbeat)
-        step = read_heartbeat(beat)[0] if beat else None
+        step = read_heartbeat(beat, identity)[0] if beat else None
         if step is not None:
             try:  # the new step was written at the latest by the file's last write, not when we noticed it
-                written = os.stat(beat).st_mtime
+                written = stat_as(identity, beat).st_mtime
             except OSError:
                 written = now
             signals.append(Signal(self._advanced(job.key, "step", step, written), f"heartbeat step {step}"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from trainguard.core.model import Result, Status
 from trainguard.core.settings import Duration
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
+from trainguard.node.access import Identity, stat_as
 
 
 class SwitchCheckSettings(CheckSettings):
@@ -31,19 +33,22 @@ class SwitchFile:
     mtime: float
 
 
-def find_switch(job: Job, switch: str, stop_dir: Path) -> list[SwitchFile]:
-    candidates = []
+def find_switch(job: Job, switch: str, stop_dir: Path, identity: Identity) -> list[SwitchFile]:
+    """The switch files of `job` that exist as regular files: in its switch dir, looked up with the job user's
+    authority (a dir they cannot search holds no request of theirs), and the operator's per-job-name stop file."""
+    candidates: list[tuple[Path, Identity | None]] = []
     if job.switch_dir:
-        candidates.append(Path(job.switch_dir) / switch)
-    if switch == "stop":
-        candidates.append(stop_dir / job.name)  # the operator's per-job-name stop file
+        candidates.append((Path(job.switch_dir) / switch, identity))
+    if switch == "stop" and job.name not in ("", ".", "..") and "/" not in job.name:  # a name is not a path
+        candidates.append((stop_dir / job.name, None))  # root's own directory: the agent's authority
     found = []
-    for path in candidates:
+    for path, reader in candidates:
         try:
-            st = os.lstat(path)
-        except OSError:  # absent, or the switch dir is gone or unreadable: no request
+            st = stat_as(reader, str(path), follow_symlinks=False) if reader is not None else os.lstat(path)
+        except OSError:  # absent, or the switch dir is gone or not searchable: no request
             continue
-        found.append(SwitchFile(path, st.st_uid, st.st_mtime))
+        if stat.S_ISREG(st.st_mode):  # as the trainer helper counts them: a link or a FIFO is no switch
+            found.append(SwitchFile(path, st.st_uid, st.st_mtime))
     return found
 
 
@@ -79,7 +84,7 @@ class SwitchCheck(JobCheck):
         out = self.source_errors(view, ["slurm", "process"])
         seen: set[Path] = set()
         for job in self.candidates(view):
-            for sw in find_switch(job, self.settings.switch, stop_dir):
+            for sw in find_switch(job, self.settings.switch, stop_dir, self.identity(job)):
                 if sw.path in seen:  # array tasks share a switch dir: one request, one incident
                     break
                 seen.add(sw.path)

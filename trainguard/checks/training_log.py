@@ -93,7 +93,7 @@ class TrainingLogCheck(JobCheck):
         return results
 
     def _read(self, job: Job, path: str) -> None:
-        tail = LogTail(path, self._positions.get(path), int(self.settings.max_line))
+        tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
         streaks = self._nan_streaks.setdefault(job.key, {})
         for chunk in tail.read(int(self.settings.read_limit)):
             since = 0  # end of the last NaN line in this chunk: a finite loss after it ends the streak
@@ -121,7 +121,7 @@ class TrainingLogCheck(JobCheck):
     def _heartbeat_loss(self, job: Job) -> None:
         """A NaN/Inf loss in the trainer's heartbeat counts as a NaN line; each new step is one more in a row."""
         beat = heartbeat_path(job)
-        step, metrics = read_heartbeat(beat) if beat else (None, {})
+        step, metrics = read_heartbeat(beat, self.identity(job)) if beat else (None, {})
         loss = metrics.get("loss")
         if step is None or loss is None or self._beat_steps.get(job.key) == step:
             return
@@ -143,7 +143,7 @@ class TrainingLogCheck(JobCheck):
         crash = next((f for f in reversed(kept) if f["signature"] == "traceback"), None)
         exc = crash["exception"] if crash and crash.get("exception") else None
         for path in logs if exc is None else ():
-            exc = last_exception(path) or exc
+            exc = last_exception(path, self.identity(job)) or exc
         title = f"the job ended {job.state} with exit code {code}" + (f": {exc}" if exc else "")
         kept.append({"signature": "exit", "rank": None, "path": None, "at": self.context.clock(), "line": exc or "",
                      "status": Status.CRITICAL.name, "title": title, "exit_code": code,
@@ -214,7 +214,7 @@ class TrainingLogCheck(JobCheck):
         if step is None:
             step = self._steps.get(path)
         if step is None and (beat := heartbeat_path(job)):
-            step = read_heartbeat(beat)[0]
+            step = read_heartbeat(beat, self.identity(job))[0]
         return step
 
     def _xids_near(self, when: float, window: float = 120.0) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Protocol
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurm import SlurmClient, SlurmError
+from trainguard.node.access import Identities
 from trainguard.registry import JOB_SOURCES, load
 
 
@@ -48,6 +49,7 @@ class JobCatalog:
         names = list(settings.sources) + (["process"] if settings.processes and "process" not in settings.sources else [])
         self._sources: dict[str, JobSource] = {
             name: load(JOB_SOURCES[name])(settings, self.node, self.slurm) for name in names}
+        self.identities = Identities()  # whose authority a job's files are read with
         self._lock = threading.Lock()
         self._view: JobView | None = None
 

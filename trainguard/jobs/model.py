@@ -24,6 +24,13 @@ class ProcessRef:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
             return None
 
+    def uid(self) -> int | None:
+        """The real uid the process runs as now; None when it is gone."""
+        try:
+            return psutil.Process(self.pid).uids().real
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+            return None
+
     def matches(self) -> bool:
         try:
             return abs(psutil.Process(self.pid).create_time() - self.create_time) < 0.01

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,14 +13,16 @@ from trainguard.core.text import linear
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
+from trainguard.node.access import Identities, Identity, read_as
 
 
-def _read_pid(pidfile: Path) -> int | None:
+def _read_pid(pidfile: Path, identity: Identity) -> int | None:
+    """The pid in a pidfile the job's user may read (a regular file: a FIFO never blocks the agent)."""
     try:
-        text = pidfile.read_text(encoding="ascii", errors="replace").strip()
+        text = read_as(identity, str(pidfile), 64).decode("ascii", errors="replace").strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isdigit() and len(text) <= 10 else None
 
 
 class ProcessSource:
@@ -27,11 +30,15 @@ class ProcessSource:
 
     def __init__(self, settings: JobsSettings, node: str, slurm: SlurmClient) -> None:
         self.declared = settings.processes
+        self.identities = Identities()
 
-    def _find(self, spec: ProcessJobSettings, table: list[tuple[psutil.Process, str]]) -> list[psutil.Process]:
+    def _find(self, spec: ProcessJobSettings, uid: int | None,
+              table: list[tuple[psutil.Process, str]]) -> list[psutil.Process]:
         me = os.getpid()
+        if uid is None:  # the configured user does not exist (yet): nothing of theirs runs
+            return []
         if spec.pidfile is not None:
-            pid = _read_pid(spec.pidfile)
+            pid = _read_pid(spec.pidfile, self.identities.of(uid))
             if pid is None or pid in (0, 1, me) or not psutil.pid_exists(pid):
                 return []
             procs = [psutil.Process(pid)]
@@ -39,8 +46,8 @@ class ProcessSource:
             assert spec.cmdline is not None
             pattern = linear(spec.cmdline)
             procs = [p for p, cmd in table if p.pid not in (1, me) and pattern.search(cmd)]
-        if spec.user is not None:
-            procs = [p for p in procs if _username(p) == spec.user]
+        # Only the configured user's processes: a pid another user wrote into a pidfile is not theirs to signal.
+        procs = [p for p in procs if _uid(p) == uid]
         pids = {p.pid for p in procs}
         # A launcher and its workers may all match: the job's main processes are the topmost ones.
         return [p for p in procs if _ppid(p) not in pids]
@@ -52,10 +59,10 @@ class ProcessSource:
         if any(spec.pidfile is None for spec in self.declared.values()):
             table = [(p, cmd) for p in psutil.process_iter(["cmdline"]) if (cmd := " ".join(p.info.get("cmdline") or []))]
         for name, spec in self.declared.items():
-            roots = self._find(spec, table)
+            uid = _uid_of(spec.user)
+            roots = self._find(spec, uid, table)
             refs = tuple(r for r in (ProcessRef.of(p.pid) for p in roots) if r)
-            user = _username(roots[0]) if roots else spec.user
-            uid = _uid(roots[0]) if roots else None
+            user = spec.user
             start = min((r.create_time for r in refs), default=None)
             jobs.append(Job(key=f"process:{name}", source="process", name=name, state="RUNNING" if refs else "ABSENT",
                             user=user, uid=uid, start_time=start, on_this_node=True, processes=refs,
@@ -63,10 +70,10 @@ class ProcessSource:
         return jobs
 
 
-def _username(p: psutil.Process) -> str | None:
+def _uid_of(user: str) -> int | None:
     try:
-        return p.username()
-    except (psutil.Error, KeyError):
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
         return None
 
 

@@ -14,7 +14,8 @@ from trainguard.registry import JOB_SOURCES
 class ProcessJobSettings(SettingsModel):
     cmdline: Regex | None = Field(None, description="Regex matched against the full command line.")
     pidfile: Path | None = Field(None, description="File holding the job's main pid.")
-    user: str | None = Field(None, description="Only processes of this user.")
+    user: str = Field(min_length=1, description="The job's user (required): only their processes are the job, and its "
+                                                "pidfile, logs and heartbeat are read with their authority.")
     logs: list[str] = Field(default_factory=list, description="Log files (paths or globs) of the job.")
     switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches.")
 

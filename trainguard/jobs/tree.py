@@ -5,12 +5,12 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import psutil
 
 from trainguard.jobs.model import Job
+from trainguard.node.access import Identity, read_as
 
 
 def job_processes(job: Job) -> list[psutil.Process]:
@@ -58,11 +58,18 @@ def heartbeat_path(job: Job, template: str = HEARTBEAT) -> str | None:
     return template.format(**job_fields(job))
 
 
-def read_heartbeat(path: str) -> tuple[int | None, dict[str, Any]]:
-    """The heartbeat's step and metrics (`trainguard.trainer` writes non-finite values as strings)."""
+HEARTBEAT_MAX = 64 << 10  # the trainer writes a few hundred bytes; a larger "heartbeat" is not one
+
+
+def read_heartbeat(path: str, identity: Identity) -> tuple[int | None, dict[str, Any]]:
+    """The heartbeat's step and metrics (`trainguard.trainer` writes non-finite values as strings), read with the job
+    user's authority: a FIFO, a device, a link to a file they can't read or an oversized file is no heartbeat."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        raw = read_as(identity, path, HEARTBEAT_MAX + 1)
+        if len(raw) > HEARTBEAT_MAX:
+            return None, {}
+        data = json.loads(raw)
+    except (OSError, ValueError, RecursionError):
         return None, {}
     if not isinstance(data, dict):
         return None, {}

@@ -10,9 +10,10 @@ Bytes that aren't UTF-8 are replaced, never fatal.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from trainguard.node.access import Identity, open_as
 
 MAX_LINE = 1 << 20  # 1 MiB
 CHUNK = 4 << 20
@@ -37,23 +38,22 @@ class Position:
 
 
 class LogTail:
-    def __init__(self, path: str, position: Position | None = None, max_line: int = MAX_LINE) -> None:
+    def __init__(self, path: str, identity: Identity, position: Position | None = None, max_line: int = MAX_LINE) -> None:
+        """`identity`: the job's user, whose authority the log is read with (a path the user names is only read
+        if they could read it themselves)."""
         self.path = path
+        self.identity = identity
         self.position = position
         self.max_line = max_line
 
     def read(self, limit: int = 64 << 20) -> Iterator[bytes]:
         """Appended complete lines (newline-terminated), in chunks, up to `limit` bytes per call (the rest next time)."""
-        try:  # only regular files: opening a device or FIFO that a job calls its log can have side effects
-            if not stat.S_ISREG(os.stat(self.path).st_mode):
-                return
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        try:  # a regular file the job's user may read; a device or FIFO is never opened for reading
+            fd = open_as(self.identity, self.path)
         except OSError:
             return
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return
             pos = self.position
             head = os.pread(fd, HEAD, 0).hex()
             if pos is None or (pos.dev, pos.ino) != (st.st_dev, st.st_ino) or not head.startswith(pos.head):

@@ -16,6 +16,7 @@ from pydantic import Field
 from trainguard.core.model import Status
 from trainguard.core.settings import Regex, SettingsModel, StatusName
 from trainguard.core.text import Pattern, linear
+from trainguard.node.access import Identity, read_as
 
 
 @dataclass(frozen=True)
@@ -121,14 +122,11 @@ def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None
     return None
 
 
-def last_exception(path: str, window: int = 64 << 10) -> str | None:
+def last_exception(path: str, identity: Identity, window: int = 64 << 10) -> str | None:
     """The last exception line (`RuntimeError: ...`) in the final `window` bytes of a log, for a job that exited
-    non-zero without a traceback in what was scanned."""
+    non-zero without a traceback in what was scanned; read with the job user's authority."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(0, size - window))
-            tail = f.read(window).decode("utf-8", errors="replace")
+        tail = read_as(identity, path, window, from_end=True).decode("utf-8", errors="replace")
     except OSError:
         return None
     found = None
