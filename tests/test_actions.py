@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
+from trainguard.node.access import Identity
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 from trainguard.trainer import Trainer
@@ -42,80 +45,83 @@ def ctx(*jobs: Job) -> ActionContext:
 
 
 @pytest.fixture
-def user_dir(tmp_path: Path) -> Iterator[tuple[Path, int, int]]:
-    """A directory owned by the unprivileged job user, as a job's switch dir is."""
+def user_dir() -> Iterator[tuple[Path, Identity, int]]:
+    """A directory owned by the unprivileged job user, as a job's switch dir is, somewhere the user can reach
+    (pytest's own temp dirs are private to root)."""
     require_root()
     ensure_user(JOB_USER)
     pw = pwd.getpwnam(JOB_USER)
-    tmp_path.chmod(0o755)
-    d = tmp_path / "switches"
+    base = Path(tempfile.mkdtemp(prefix="trainguard-switch-", dir="/tmp"))
+    base.chmod(0o755)
+    d = base / "switches"
     d.mkdir()
     os.chown(d, pw.pw_uid, pw.pw_gid)
-    yield d, pw.pw_uid, pw.pw_gid
+    yield d, Identity.of_uid(pw.pw_uid), pw.pw_gid
+    shutil.rmtree(base, ignore_errors=True)
 
 
-def test_switch_created_atomically_as_the_user(user_dir: tuple[Path, int, int]) -> None:
-    d, uid, gid = user_dir
-    path = create_switch(str(d), "save", uid, gid, {"reason": "leak"})
+def test_switch_created_atomically_as_the_user(user_dir: tuple[Path, Identity, int]) -> None:
+    d, me, gid = user_dir
+    path = create_switch(str(d), "save", me, gid, {"reason": "leak"})
     st = os.lstat(path)
-    assert (st.st_uid, st.st_gid) == (uid, gid)
+    assert (st.st_uid, st.st_gid) == (me.uid, gid)
     assert Path(path).read_text().strip() == '{"reason": "leak"}'
     assert [p.name for p in d.iterdir()] == ["save"]  # no temporary file left behind
-    create_switch(str(d), "save", uid, gid, {"again": True})  # an existing switch of the user is replaced
+    create_switch(str(d), "save", me, gid, {"again": True})  # an existing switch of the user is replaced
 
 
-def test_symlink_attack_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
-    d, uid, gid = user_dir
+def test_symlink_attack_is_refused(user_dir: tuple[Path, Identity, int], tmp_path: Path) -> None:
+    d, me, gid = user_dir
     victim = tmp_path / "victim"
     victim.write_text("root's precious file\n")
     (d / "save").symlink_to(victim)
     with pytest.raises(ActionError, match="exists as a symlink"):
-        create_switch(str(d), "save", uid, gid, {})
+        create_switch(str(d), "save", me, gid, {})
     assert victim.read_text() == "root's precious file\n"
     assert os.stat(victim).st_uid == 0
 
 
-def test_hard_link_attack_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
-    d, uid, gid = user_dir
+def test_hard_link_attack_is_refused(user_dir: tuple[Path, Identity, int], tmp_path: Path) -> None:
+    d, me, gid = user_dir
     victim = tmp_path / "victim"
     victim.write_text("secret\n")
     os.link(victim, d / "stop")
     with pytest.raises(ActionError, match="hard link"):
-        create_switch(str(d), "stop", uid, gid, {})
+        create_switch(str(d), "stop", me, gid, {})
     assert victim.read_text() == "secret\n" and os.stat(victim).st_uid == 0
 
 
-def test_switch_dir_swapped_for_a_symlink_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
-    d, uid, gid = user_dir
+def test_switch_dir_swapped_for_a_symlink_is_refused(user_dir: tuple[Path, Identity, int], tmp_path: Path) -> None:
+    d, me, gid = user_dir
     target = tmp_path / "etc-like"
     target.mkdir()
     link = d.parent / "linked"
     link.symlink_to(target)
     with pytest.raises(ActionError, match="is a symlink: refused"):
-        create_switch(str(link), "stop", uid, gid, {})
+        create_switch(str(link), "stop", me, gid, {})
     assert list(target.iterdir()) == []
 
 
-def test_switch_dir_of_another_user_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:
-    _, uid, gid = user_dir
-    foreign = tmp_path / "foreign"
+def test_switch_dir_of_another_user_is_refused(user_dir: tuple[Path, Identity, int]) -> None:
+    d, me, gid = user_dir
+    foreign = d.parent / "foreign"
     foreign.mkdir()
     os.chown(foreign, 12345, 12345)
     with pytest.raises(ActionError, match="belongs to uid 12345"):
-        create_switch(str(foreign), "stop", uid, gid, {})
+        create_switch(str(foreign), "stop", me, gid, {})
 
 
-def test_missing_switch_dir_is_created_for_the_user(user_dir: tuple[Path, int, int]) -> None:
-    d, uid, gid = user_dir
-    path = create_switch(str(d / ".trainguard"), "save", uid, gid, {})
-    assert os.stat(d / ".trainguard").st_uid == uid and os.stat(path).st_uid == uid
+def test_missing_switch_dir_is_created_for_the_user(user_dir: tuple[Path, Identity, int]) -> None:
+    d, me, gid = user_dir
+    path = create_switch(str(d / ".trainguard"), "save", me, gid, {})
+    assert os.stat(d / ".trainguard").st_uid == me.uid and os.stat(path).st_uid == me.uid
 
 
-def test_switch_dir_that_is_a_file(user_dir: tuple[Path, int, int]) -> None:
-    d, uid, gid = user_dir
+def test_switch_dir_that_is_a_file(user_dir: tuple[Path, Identity, int]) -> None:
+    d, me, gid = user_dir
     (d / "afile").write_text("")
     with pytest.raises(ActionError, match="is not a directory"):
-        create_switch(str(d / "afile"), "save", uid, gid, {})
+        create_switch(str(d / "afile"), "save", me, gid, {})
 
 
 @pytest.fixture

@@ -1,15 +1,21 @@
-"""Create a switch file (`save`, `stop`) in a job's switch dir, as the job's user, without following links.
+"""Create a switch file (`save`, `stop`) in a job's switch dir, as the job's user, with no more authority than theirs.
 
-The agent runs as root and the directory belongs to a user, who may plant a symlink or a hard
-link there. Everything happens relative to a directory fd opened with O_NOFOLLOW whose owner is
-checked; the file is written under a temporary name and renamed into place (rename never follows
-a link), and an existing entry that isn't a regular, singly linked file of the user is refused.
+The agent runs as root (or holds CAP_DAC_OVERRIDE and CAP_CHOWN for this) and the path comes from the job: a user
+may plant symlinks, hard links, a trailing slash or a `..` walk towards root's files. So the switch dir's parent is
+reached with the job user's authority (node.access.resolve: component by component on dirfds, symlinks followed by
+hand, every directory searchable by the user), the switch dir itself is opened O_NOFOLLOW and must belong to the
+job's user (a root-owned or foreign directory is refused), and a missing one is only created inside a directory of
+theirs. The file is written under a temporary name in that directory fd and renamed into place (rename never follows
+a link); an existing entry that isn't a regular, singly linked file of the user is refused; the temporary file is
+removed on every error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
 import stat
 import time
 from typing import Literal
@@ -18,6 +24,7 @@ from pydantic import Field
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
 from trainguard.jobs.model import Job
+from trainguard.node.access import AccessDeniedError, Identity, resolve
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -26,72 +33,102 @@ class SwitchSettings(ActionSettings):
     switch: Literal["save", "stop"] = Field("save", description="Which switch file to create.")
 
 
-def _open_dir(path: str, uid: int, create: bool) -> int:
-    parent, name = os.path.split(path.rstrip("/"))
+def _open_switch_dir(directory: str, identity: Identity, create: bool) -> int:
+    path = directory.rstrip("/")  # "dir/" would make the kernel follow a final symlink despite O_NOFOLLOW
+    parent, name = os.path.split(path)
+    if not path.startswith("/") or name in ("", ".", ".."):
+        raise ActionError(f"switch dir {directory!r} is not an absolute path to a directory: refused")
     try:
-        return _checked_dir(os.open(path, _DIR_FLAGS), path, uid)
-    except FileNotFoundError:
-        if not create:
-            raise ActionError(f"switch dir {path} does not exist") from None
+        pfd, _ = resolve(identity, parent, follow_final=True)
+    except AccessDeniedError:
+        raise ActionError(f"switch dir {path}: {parent} is not reachable by the job's user: refused") from None
     except OSError as exc:
-        # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: say which case it was.
-        if os.path.islink(path):
-            raise ActionError(f"switch dir {path} is a symlink: refused") from None
-        if isinstance(exc, NotADirectoryError):
-            raise ActionError(f"switch dir {path} is not a directory") from None
-        raise ActionError(f"cannot open switch dir {path}: {exc.strerror}") from None
-    pfd = _open_dir(parent, uid, create=False)
+        raise ActionError(f"switch dir {path}: cannot reach {parent}: {exc.strerror or exc}") from None
     try:
-        os.mkdir(name, 0o755, dir_fd=pfd)
-        fd = _checked_dir(os.open(name, _DIR_FLAGS, dir_fd=pfd), path, 0)
-        os.fchown(fd, uid, -1)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+        except FileNotFoundError:
+            if not create:
+                raise ActionError(f"switch dir {path} does not exist") from None
+            fd = _create_dir(pfd, name, path, identity)
+        except OSError as exc:
+            # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: say which case it was.
+            try:
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except OSError:
+                raise ActionError(f"cannot open switch dir {path}: {exc.strerror}") from None
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise ActionError(f"switch dir {path} is {kind}: refused") from None
+        owner = os.fstat(fd).st_uid
+        if owner != identity.uid:
+            os.close(fd)
+            raise ActionError(f"switch dir {path} belongs to uid {owner}, not the job's user (uid {identity.uid}): "
+                              "refused")
         return fd
-    except OSError as exc:
-        raise ActionError(f"cannot create switch dir {path}: {exc.strerror}") from None
     finally:
         os.close(pfd)
 
 
-def _checked_dir(fd: int, path: str, uid: int) -> int:
-    st = os.fstat(fd)
-    if st.st_uid not in (uid, 0) or (st.st_uid == 0 and uid != 0 and st.st_mode & stat.S_IWOTH):
+def _create_dir(pfd: int, name: str, path: str, identity: Identity) -> int:
+    """The missing switch dir, made inside a directory of the job's user (where they could have made it)."""
+    owner = os.fstat(pfd).st_uid
+    if owner != identity.uid:
+        raise ActionError(f"cannot create switch dir {path}: its parent belongs to uid {owner}, not the job's user "
+                          f"(uid {identity.uid})")
+    try:
+        os.mkdir(name, 0o755, dir_fd=pfd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+    except OSError as exc:
+        raise ActionError(f"cannot create switch dir {path}: {exc.strerror}") from None
+    try:
+        os.fchown(fd, identity.uid, -1)
+    except OSError as exc:
         os.close(fd)
-        raise ActionError(f"switch dir {path} belongs to uid {st.st_uid}, not the job's user (uid {uid}): refused")
+        raise ActionError(f"cannot hand switch dir {path} to uid {identity.uid}: {exc.strerror}") from None
     return fd
 
 
-def create_switch(directory: str, name: str, uid: int, gid: int, payload: dict[str, object]) -> str:
-    dfd = _open_dir(directory, uid, create=True)
+def create_switch(directory: str, name: str, identity: Identity, gid: int, payload: dict[str, object]) -> str:
+    dfd = _open_switch_dir(directory, identity, create=True)
+    where = f"{directory.rstrip('/')}/{name}"
+    tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}"
+    made = False
     try:
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
-        if st is not None and not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid in (uid, 0)):
+        if st is not None and not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid in (identity.uid, 0)):
             kind = "symlink" if stat.S_ISLNK(st.st_mode) else "hard link" if st.st_nlink > 1 else "foreign file"
-            raise ActionError(f"{directory}/{name} exists as a {kind} (uid {st.st_uid}): refused")
-        tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            raise ActionError(f"{where} exists as a {kind} (uid {st.st_uid}): refused")
         try:
-            os.fchown(fd, uid, gid)
-            os.write(fd, (json.dumps(payload) + "\n").encode())
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        return f"{directory}/{name}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            made = True
+            try:
+                os.fchown(fd, identity.uid, gid)
+                os.write(fd, (json.dumps(payload) + "\n").encode())
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            made = False
+        except OSError as exc:
+            raise ActionError(f"cannot create {where}: {exc.strerror or exc}") from None
+        return where
     finally:
+        if made:  # nothing of ours is left in the user's directory
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
         os.close(dfd)
 
 
-def _owner(job: Job) -> tuple[int, int]:
+def _owner(job: Job) -> tuple[Identity, int]:
     if job.uid is None:
         raise ActionError(f"{job.label()}: unknown owner")
-    import pwd
-
     try:
-        return job.uid, pwd.getpwuid(job.uid).pw_gid
+        gid = pwd.getpwuid(job.uid).pw_gid
     except KeyError:
-        return job.uid, job.uid
+        gid = job.uid
+    return Identity.of_uid(job.uid), gid
 
 
 class SwitchAction(Action):
@@ -108,8 +145,8 @@ class SwitchAction(Action):
         for job in ctx.jobs:
             if not job.switch_dir:
                 raise ActionError(f"{job.label()} has no switch dir")
-            uid, gid = _owner(job)
-            made.append(create_switch(job.switch_dir, self.settings.switch, uid, gid, {
+            identity, gid = _owner(job)
+            made.append(create_switch(job.switch_dir, self.settings.switch, identity, gid, {
                 "requested_by": "trainguard", "at": ctx.clock(), "incident": ctx.event.incident_id,
                 "reason": ctx.event.summary}))
         return "created " + ", ".join(made)

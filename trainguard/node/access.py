@@ -88,7 +88,7 @@ class Identities:
         return identity
 
 
-def _resolve(identity: Identity, path: str, follow_final: bool) -> tuple[int, os.stat_result]:
+def resolve(identity: Identity, path: str, follow_final: bool) -> tuple[int, os.stat_result]:
     """An O_PATH descriptor of `path` as `identity` may reach it, and its stat. Raises OSError (AccessDeniedError when
     a directory on the way may not be searched by the user)."""
     if not os.path.isabs(path):
@@ -129,14 +129,14 @@ def _resolve(identity: Identity, path: str, follow_final: bool) -> tuple[int, os
 
 def stat_as(identity: Identity, path: str, follow_symlinks: bool = True) -> os.stat_result:
     """stat (or lstat) of `path` if the job's user could stat it: every directory on the way searchable."""
-    fd, st = _resolve(identity, path, follow_symlinks)
+    fd, st = resolve(identity, path, follow_symlinks)
     os.close(fd)
     return st
 
 
 def open_as(identity: Identity, path: str) -> int:
     """A read-only descriptor of `path`, which must be a regular file the job's user may read."""
-    fd, st = _resolve(identity, path, follow_final=True)
+    fd, st = resolve(identity, path, follow_final=True)
     try:
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
