@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainguard import __version__
 from trainguard.agent.configfile import ConfigError, load_config
@@ -168,27 +168,19 @@ def cmd_notify_test(config: Config, channel: str | None) -> int:
 
 
 def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
-    import requests
+    from trainguard.agent.client import AgentUnreachableError, fetch
 
-    if url is None:
-        if not config.agent.listen:
-            print("trainguard: agent.listen is empty; pass --url", file=sys.stderr)
-            return 3
-        host, port = config.agent.listen_address()
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     try:
-        resp = requests.get(url.rstrip("/") + "/status", timeout=5)
-        resp.raise_for_status()
-        data: dict[str, Any] = resp.json()
-    except (requests.RequestException, ValueError) as exc:
-        print(f"trainguard: cannot reach the agent at {url}: {exc}", file=sys.stderr)
+        data, where = fetch(config, "/status", url)
+    except AgentUnreachableError as exc:
+        print(f"trainguard: cannot reach the agent: {exc}", file=sys.stderr)
         return 3
     if as_json:
         print(json.dumps(data, indent=1))
         return 0
     print(f"node {data['node']}  version {data['version']}  pid {data['pid']}  "
-          f"healthy {'yes' if data['healthy'] else 'NO'}")
+          f"healthy {'yes' if data['healthy'] else 'NO'}  ({where}"
+          + ("" if data.get("details", True) else ": summaries only; details over the control socket") + ")")
     incidents = data.get("incidents", [])
     print(f"\nincidents ({sum(1 for i in incidents if i['firing'])} firing, "
           f"{sum(1 for i in incidents if not i['firing'])} pending)")

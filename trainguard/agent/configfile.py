@@ -18,7 +18,7 @@ else:  # pragma: no cover
 from trainguard.actions.base import ActionSettings
 from trainguard.checks.base import CheckSettings
 from trainguard.core.logs import kv
-from trainguard.core.settings import is_secret
+from trainguard.core.settings import is_secret, read_small_file
 from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.pipeline.config import AgentSettings, Config
@@ -63,6 +63,9 @@ def _validate_table(section: str, raw: Any, base: type, lookup: Any, problems: l
             problems.append(f"{where}: expected a table, got {type(entry).__name__}")
             continue
         kind = entry.get("type", name)
+        if not isinstance(kind, str):
+            problems.append(f"{where}.type: expected a type name, got {type(kind).__name__}")
+            continue
         try:
             cls = lookup(kind)
         except KeyError as exc:
@@ -117,20 +120,32 @@ def resolve_config_path(cli_path: str | None) -> tuple[Path, bool]:
     return DEFAULT_CONFIG_PATH, False
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; more is not one
+
+
+def read_config_file(path: Path) -> bytes:
+    """The file's bytes, if it is a regular file of sane size: a FIFO or a device never blocks or floods us."""
+    try:
+        return read_small_file(path, MAX_CONFIG_BYTES)
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read file: {exc.strerror or exc}"]) from None
+
+
 def load_config(cli_path: str | None = None, registry: Registry = DEFAULT_REGISTRY) -> Config:
     path, explicit = resolve_config_path(cli_path)
     if not path.exists() and not explicit:
         return default_config(registry)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(str(path), [f"cannot read file: {exc.strerror or exc}"]) from None
+    data = read_config_file(path)
     try:
         raw = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(str(path), [f"not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from None
+    except RecursionError:
+        raise ConfigError(str(path), ["invalid TOML: arrays or tables nested too deeply"]) from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise ConfigError(str(path), [f"invalid TOML: {str(exc)[:200]}"]) from None
     config = parse_config(raw, str(path), registry)
     warn_inline_secrets(path, raw, registry)
     return config

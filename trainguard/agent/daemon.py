@@ -9,7 +9,7 @@ import time
 from types import FrameType
 
 from trainguard import __version__
-from trainguard.agent.http import HttpEndpoint
+from trainguard.agent.http import ControlSocket, HttpEndpoint
 from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
 from trainguard.core.logs import kv
 from trainguard.pipeline.config import Config
@@ -42,6 +42,13 @@ def run_daemon(config: Config) -> int:
         except OSError as exc:
             # Checks and alerts matter more than the endpoint: keep running without it.
             log.error("cannot listen; HTTP endpoint off", extra=kv(address=config.agent.listen, error=exc))
+    control = None
+    try:
+        control = ControlSocket(engine, config.agent.control_path())
+        control.start()
+    except OSError as exc:
+        log.error("cannot open the control socket; local details off", extra=kv(path=config.agent.control_path(),
+                                                                               error=exc.strerror or exc))
     systemd = SystemdNotifier()
     pinger = WatchdogPinger(systemd, engine.healthy)
     engine.start()
@@ -55,6 +62,8 @@ def run_daemon(config: Config) -> int:
     pinger.stop()
     if endpoint is not None:
         endpoint.stop()
+    if control is not None:
+        control.stop()
     engine.stop()
     log.info("stopped", extra=kv(shutdown_s=round(time.monotonic() - t0, 3)))
     return 0

@@ -1,11 +1,26 @@
-"""The agent's small HTTP endpoint: /metrics, /healthz, /status. Read-only: no endpoint changes state."""
+"""The agent's small HTTP endpoints, read-only.
+
+- TCP (`agent.listen`, 127.0.0.1:9721 by default): /metrics, /healthz, and /status with summaries only: any local
+  user can connect there, and a result's details carry other users' log lines and names.
+- The local control socket (`control.sock` in the runtime or state directory, mode 0660, group of the agent): the
+  same, and /status with every detail. The kernel lets only the agent's group open it; SO_PEERCRED checks the
+  peer again (root, the agent's user, or a member of its group).
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
+import pwd
+import socket
+import socketserver
+import struct
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -17,50 +32,101 @@ from trainguard.pipeline.engine import Engine
 
 log = logging.getLogger("trainguard.http")
 
+BACKLOG = 128  # a burst of scrapers and status calls queues here instead of waiting a second for a SYN retry
+_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+def _quiet_errors(server: socketserver.BaseServer, request: Any, client: Any) -> None:
+    """A client that hung up mid-reply is one debug line, not a traceback on stderr."""
+    import sys
+
+    exc = sys.exc_info()[1]
+    if isinstance(exc, _DISCONNECTS):
+        log.debug("http client went away", extra=kv(client=client or "local", error=type(exc).__name__))
+    else:
+        log.warning("http request failed", extra=kv(client=client or "local", error=f"{type(exc).__name__}: {exc}"))
+
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = BACKLOG
+    handle_error = _quiet_errors  # type: ignore[assignment]
+
+
+class _UnixServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    request_queue_size = BACKLOG
+    handle_error = _quiet_errors  # type: ignore[assignment]
+
+    def __init__(self, path: str, handler: type[BaseHTTPRequestHandler], allowed: Callable[[int, int], bool]) -> None:
+        self.allowed = allowed
+        super().__init__(path, handler)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        pid, uid, gid = struct.unpack("3i", request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if self.allowed(uid, gid):
+            return True
+        log.warning("control socket: peer refused", extra=kv(pid=pid, uid=uid, gid=gid))
+        return False
+
+
+def may_control(uid: int, gid: int) -> bool:
+    """Root, the agent's own user, or a member of the agent's group (primary or supplementary)."""
+    if uid in (0, os.geteuid()) or gid == os.getegid():
+        return True
+    try:
+        pw = pwd.getpwuid(uid)
+        return os.getegid() in os.getgrouplist(pw.pw_name, pw.pw_gid)
+    except (KeyError, OSError):
+        return False
+
+
+def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
+    registry = build_registry(engine.snapshot)
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "trainguard"
+        timeout = 10  # a client that stalls mid-request can't hold a thread forever
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                healthy = engine.healthy()
+                self._reply(200 if healthy else 503, b"ok\n" if healthy else b"engine not making progress\n")
+            elif path == "/status":
+                self._reply(200, json.dumps(status_document(engine, details), indent=1).encode(), "application/json")
+            elif path == "/":
+                self._reply(200, b"trainguard: /metrics /healthz /status\n")
+            else:
+                self._reply(404, b"not found\n")
+
+        def do_POST(self) -> None:
+            self._reply(405, b"read-only endpoint\n")
+
+        do_PUT = do_DELETE = do_PATCH = do_POST  # noqa: N815
+
+        def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            client = self.client_address[0] if isinstance(self.client_address, tuple) else "local"
+            log.debug("http request", extra=kv(client=client, request=format % args))
+
+    return Handler
 
 
 class HttpEndpoint:
+    """The TCP endpoint: /status without details."""
+
     def __init__(self, engine: Engine, host: str, port: int) -> None:
-        registry = build_registry(engine.snapshot)
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "trainguard"
-            timeout = 10  # a client that stalls mid-request can't hold a thread forever
-
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif path == "/healthz":
-                    healthy = engine.healthy()
-                    self._reply(200 if healthy else 503, b"ok\n" if healthy else b"engine not making progress\n")
-                elif path == "/status":
-                    self._reply(200, json.dumps(status_document(engine), indent=1).encode(), "application/json")
-                elif path == "/":
-                    self._reply(200, b"trainguard: /metrics /healthz /status\n")
-                else:
-                    self._reply(404, b"not found\n")
-
-            def do_POST(self) -> None:
-                self._reply(405, b"read-only endpoint\n")
-
-            do_PUT = do_DELETE = do_PATCH = do_POST  # noqa: N815
-
-            def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                log.debug("http request", extra=kv(client=self.client_address[0], request=format % args))
-
-        self._server = _Server((host, port), Handler)
+        self._server = _Server((host, port), _handler(engine, details=False))
         self.address = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="http", daemon=True)
@@ -72,3 +138,36 @@ class HttpEndpoint:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+class ControlSocket:
+    """The local socket: root and the agent's group only; /status with details."""
+
+    def __init__(self, engine: Engine, path: Path) -> None:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise OSError(errno.ENAMETOOLONG, f"socket path longer than {MAX_SOCKET_PATH} bytes", str(path))
+        self.path = path
+        try:
+            if path.is_socket():
+                path.unlink()  # left by an agent that was killed: nobody listens on it
+        except OSError:
+            pass
+        self._server = _UnixServer(str(path), _handler(engine, details=True), may_control)
+        os.chmod(path, 0o660)  # under UMask=0077 it would be 0600: the group could not connect
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="control", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("control socket", extra=kv(path=self.path))
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass

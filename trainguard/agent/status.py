@@ -9,7 +9,9 @@ from trainguard import __version__
 from trainguard.pipeline.engine import Engine
 
 
-def status_document(engine: Engine) -> dict[str, Any]:
+def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
+    """`details=False` (the TCP endpoint, open to every local user): summaries only, no result or incident details,
+    no user names; the full document goes to the control socket (root and the agent's group)."""
     snap = engine.snapshot()
     view = engine.catalog.cached() if engine.catalog else None
     return {
@@ -27,12 +29,21 @@ def status_document(engine: Engine) -> dict[str, Any]:
                 "outcome": st.last.outcome if st.last else None,
                 "runs": st.runs,
                 "timeouts": st.timeouts,
-                "results": [r.to_dict() for r in st.last.results] if st.last else [],
+                "results": [_result(r.to_dict(), details) for r in st.last.results] if st.last else [],
             }
             for name, st in snap.checks.items()
         },
-        "incidents": [i.to_dict() for i in engine.tracker.incidents()],
-        "jobs": {"sources": engine.catalog.sources, "errors": view.errors, "jobs": [j.to_dict() for j in view.on_node()]}
-        if engine.catalog and view else None,
+        "incidents": [_result(i.to_dict(), details) for i in engine.tracker.incidents()],
+        "jobs": {"sources": engine.catalog.sources, "errors": view.errors,
+                 "jobs": [_job(j.to_dict(), details) for j in view.on_node()]} if engine.catalog and view else None,
+        "details": details,
         "outbox": {ch: {"queued": n, "oldest": oldest} for ch, (n, oldest) in snap.outbox.items()},
     }
+
+
+def _result(data: dict[str, Any], details: bool) -> dict[str, Any]:
+    return data if details else {**data, "details": {}}
+
+
+def _job(data: dict[str, Any], details: bool) -> dict[str, Any]:
+    return data if details else {**data, "user": None, "switch_dir": None}

@@ -5,7 +5,9 @@ Durations, sizes and limits are parsed once at load time so checks only ever see
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import types
 import typing
 from pathlib import Path
@@ -52,6 +54,20 @@ def _parse_status(value: object) -> Status:
 StatusName = Annotated[Status, PlainValidator(_parse_status), PlainSerializer(lambda s: s.label, return_type=str)]
 
 
+def read_small_file(path: Path, limit: int = 1 << 20) -> bytes:
+    """A regular file of at most `limit` bytes: a FIFO or a device named by mistake never blocks the agent."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes")
+    return data
+
+
 def is_secret(annotation: Any) -> bool:
     if annotation is SecretStr:
         return True
@@ -84,9 +100,9 @@ class SettingsModel(BaseModel):
             if f"{name}_file" in data:
                 path = Path(str(data.pop(f"{name}_file")))
                 try:
-                    data[name] = path.read_text(encoding="utf-8").strip()
-                except OSError as exc:
-                    raise ValueError(f"{name}_file: cannot read {path}: {exc.strerror or exc}") from None
+                    data[name] = read_small_file(path).decode("utf-8").strip()
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"{name}_file: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
             elif f"{name}_env" in data:
                 var = str(data.pop(f"{name}_env"))
                 if var not in os.environ:

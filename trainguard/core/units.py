@@ -20,11 +20,41 @@ _SIZE = linear(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _COUNT_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3}
 _PERCENT = linear(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
+MAX_SIZE = 2**63 - 1  # bytes or a count: more than any filesystem or tool reports
+MAX_DURATION = 366 * 86400.0  # a year: a longer interval, timeout or horizon is a typo, and overflows timers
+_MAX_DIGITS = 32
+
+
+def _show(value: object) -> str:
+    """A config value in an error message: as written, cut so that one bad value is still one line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def decimal(text: str) -> float:
+    """A non-negative decimal number written with at most 32 characters. Raises ValueError, never OverflowError."""
+    if len(text) > _MAX_DIGITS:
+        raise ValueError(f"more than {_MAX_DIGITS} digits")
+    return float(text)
+
+
+def _number(text: str, what: str, original: object) -> float:
+    try:
+        return decimal(text)
+    except ValueError as exc:
+        raise ValueError(f"invalid {what} {_show(original)}: {exc}") from None
+
+
+def _bounded(value: float, limit: float, what: str, original: object, limit_text: str) -> float:
+    if value > limit:
+        raise ValueError(f"invalid {what} {_show(original)}: more than {limit_text}")
+    return value
+
 
 def parse_duration(value: object) -> float:
     """Seconds from `90s`, `15m`, `2h`, `1h30m`, `250ms` or a bare number of seconds."""
     if isinstance(value, bool):
-        raise ValueError(f"invalid duration {value!r}: expected e.g. '90s', '15m', '2h'")
+        raise ValueError(f"invalid duration {_show(value)}: expected e.g. '90s', '15m', '2h'")
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str):
@@ -33,41 +63,43 @@ def parse_duration(value: object) -> float:
         for match in _DURATION_PART.finditer(text):
             if match.start() != pos:
                 break
-            seconds += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+            seconds += _number(match.group(1), "duration", value) * _DURATION_UNITS[match.group(2)]
             pos = match.end()
         if not text or pos != len(text):
-            raise ValueError(f"invalid duration {value!r}: expected e.g. '90s', '15m', '2h', '1h30m'")
+            raise ValueError(f"invalid duration {_show(value)}: expected e.g. '90s', '15m', '2h', '1h30m'")
     else:
-        raise ValueError(f"invalid duration {value!r}: expected a string such as '90s'")
+        raise ValueError(f"invalid duration {_show(value)}: expected a string such as '90s'")
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"invalid duration {value!r}: must be a finite, non-negative time")
-    return seconds
+        raise ValueError(f"invalid duration {_show(value)}: must be a finite, non-negative time")
+    return _bounded(seconds, MAX_DURATION, "duration", value, "366d")
 
 
 def parse_size(value: object) -> int:
     """Bytes from `512MiB`, `2TiB`, `10GB`, `4096` (SI and IEC units, case-insensitive)."""
     if isinstance(value, bool):
-        raise ValueError(f"invalid size {value!r}: expected e.g. '512MiB', '2TiB'")
+        raise ValueError(f"invalid size {_show(value)}: expected e.g. '512MiB', '2TiB'")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"invalid size {value!r}: must not be negative")
-        return value
+            raise ValueError(f"invalid size {_show(value)}: must not be negative")
+        return int(_bounded(value, MAX_SIZE, "size", value, "2^63 bytes"))
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match and match.group(2).lower() in _SIZE_UNITS:
-            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    raise ValueError(f"invalid size {value!r}: expected e.g. '512MiB', '2TiB', '10GB'")
+            size = _number(match.group(1), "size", value) * _SIZE_UNITS[match.group(2).lower()]
+            return int(_bounded(size, MAX_SIZE, "size", value, "2^63 bytes"))
+    raise ValueError(f"invalid size {_show(value)}: expected e.g. '512MiB', '2TiB', '10GB'")
 
 
 def parse_count(value: object) -> int:
     """A count such as an inode number: `50000`, `50k`, `2M`."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
+        return int(_bounded(value, MAX_SIZE, "count", value, "2^63"))
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match and match.group(2).lower() in _COUNT_UNITS:
-            return int(float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()])
-    raise ValueError(f"invalid count {value!r}: expected e.g. '50000', '50k', '2M'")
+            count = _number(match.group(1), "count", value) * _COUNT_UNITS[match.group(2).lower()]
+            return int(_bounded(count, MAX_SIZE, "count", value, "2^63"))
+    raise ValueError(f"invalid count {_show(value)}: expected e.g. '50000', '50k', '2M'")
 
 
 @dataclass(frozen=True)
@@ -92,9 +124,9 @@ def _parse_percent(value: object) -> float | None:
     if isinstance(value, str):
         match = _PERCENT.match(value)
         if match:
-            pct = float(match.group(1))
+            pct = _number(match.group(1), "percentage", value)
             if pct > 100:
-                raise ValueError(f"invalid percentage {value!r}: must be between 0% and 100%")
+                raise ValueError(f"invalid percentage {_show(value)}: must be between 0% and 100%")
             return pct
     return None
 
@@ -107,7 +139,7 @@ def parse_size_limit(value: object) -> Limit:
     try:
         return Limit(float(parse_size(value)))
     except ValueError:
-        raise ValueError(f"invalid size {value!r}: expected a size such as '20GiB' or a percentage such as '5%'") from None
+        raise ValueError(f"invalid size {_show(value)}: expected a size such as '20GiB' or a percentage such as '5%'") from None
 
 
 def parse_count_limit(value: object) -> Limit:
@@ -118,7 +150,7 @@ def parse_count_limit(value: object) -> Limit:
     try:
         return Limit(float(parse_count(value)))
     except ValueError:
-        raise ValueError(f"invalid count {value!r}: expected a count such as '100k' or a percentage such as '5%'") from None
+        raise ValueError(f"invalid count {_show(value)}: expected a count such as '100k' or a percentage such as '5%'") from None
 
 
 def format_bytes(n: float) -> str:

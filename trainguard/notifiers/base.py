@@ -18,7 +18,7 @@ class NotifierSettings(SettingsModel):
     enabled: bool = True
     min_severity: StatusName = Field(Status.WARNING, description="Least severe status this channel receives.")
     send_resolved: bool = Field(True, description="Whether to announce resolved incidents.")
-    timeout: float = Field(10.0, gt=0, description="Seconds allowed for one delivery attempt.")
+    timeout: Duration = Field(10.0, gt=0, description="Time allowed for one delivery attempt.")
     group_window: Duration = Field(0.0, ge=0, description="Events within this window go out as one message.")
     retry_max: Duration = Field(600.0, gt=0, description="Longest wait between retries (backoff doubles up to it).")
     max_age: Duration = Field(24 * 3600.0, gt=0, description="A message still undelivered after this is dropped.")

@@ -40,6 +40,10 @@ class AgentSettings(SettingsModel):
                                                               "else `~/.local/state/trainguard`"})
     listen: str = Field("127.0.0.1:9721", description="HTTP address for /metrics, /healthz and /status; empty: off.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    control_socket: Path | None = Field(None, description="The local socket where root and the agent's group read "
+                                                          "/status with details.",
+                                        json_schema_extra={"default_doc": "`control.sock` in `$RUNTIME_DIRECTORY` "
+                                                                          "(systemd: /run/trainguard), else in state_dir"})
 
     @field_validator("listen")
     @classmethod
@@ -50,6 +54,12 @@ class AgentSettings(SettingsModel):
         if not match or int(match.group("port")) > 65535:
             raise ValueError(f"invalid listen address {value!r}: expected HOST:PORT, e.g. '127.0.0.1:9721'")
         return value
+
+    def control_path(self) -> Path:
+        if self.control_socket is not None:
+            return self.control_socket
+        runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        return (Path(runtime) if runtime else self.state_dir) / "control.sock"
 
     def listen_address(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")

@@ -1,0 +1,78 @@
+"""Talking to a running agent from the command line: its control socket when this user may open it (everything,
+details included), else its TCP endpoint (summaries only)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from trainguard.pipeline.config import Config
+
+TIMEOUT_S = 5.0
+# Where an installed agent's socket is when this user's own config resolves elsewhere (a group member without
+# $RUNTIME_DIRECTORY, whose default state dir is in their home).
+WELL_KNOWN = (Path("/run/trainguard/control.sock"), Path("/var/lib/trainguard/control.sock"))
+
+
+class AgentUnreachableError(Exception):
+    pass
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=TIMEOUT_S)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(TIMEOUT_S)
+        try:
+            sock.connect(str(self._path))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> Any:
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise AgentUnreachableError(f"HTTP {resp.status}: {body[:200].decode(errors='replace')}")
+    return json.loads(body)
+
+
+def control_candidates(config: Config) -> list[Path]:
+    return list(dict.fromkeys([config.agent.control_path(), *WELL_KNOWN]))
+
+
+def fetch(config: Config, path: str, url: str | None = None) -> tuple[Any, str]:
+    """GET `path` from the agent: (the decoded JSON, where it came from)."""
+    errors = []
+    if url is None:
+        for sock_path in control_candidates(config):
+            if not sock_path.is_socket():
+                continue
+            try:
+                return _get(_UnixConnection(sock_path), path), str(sock_path)
+            except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
+                errors.append(f"{sock_path}: {exc}")
+        if not config.agent.listen:
+            raise AgentUnreachableError("; ".join(errors) or "agent.listen is empty and no control socket: pass --url")
+        host, port = config.agent.listen_address()
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    try:
+        parts = urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=TIMEOUT_S)
+        return _get(conn, parts.path.rstrip("/") + path), url
+    except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
+        raise AgentUnreachableError("; ".join([*errors, f"{url}: {exc}"])) from None
