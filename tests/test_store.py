@@ -26,10 +26,12 @@ def test_unusable_state_dir_falls_back_to_memory(tmp_path: Path, caplog: pytest.
     blocker.write_text("x")
     with caplog.at_level(logging.ERROR):
         store = Store(blocker / "state")  # a path under a regular file can never be created
-    assert not store.persistent
+    assert not store.persistent and store.degraded and "state dir unusable" in store.degraded
     store.put("k", "v")
     assert store.get("k") == "v"
-    assert any("will not survive a restart" in rec.getMessage() for rec in caplog.records)
+    assert any("carry on in memory" in rec.getMessage() for rec in caplog.records)
+    assert not store.recover()  # still impossible: stays in memory, keeps working
+    assert store.get("k") == "v"
 
 
 def test_outbox_is_ordered_per_channel_and_survives_reopen(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from trainguard.core.settings import is_secret, read_small_file
 from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.pipeline.config import AgentSettings, Config
+from trainguard.pipeline.selfcheck import NAME as SELF_NAME
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.config")
@@ -89,6 +90,8 @@ def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_
     except ValidationError as exc:
         problems.extend(_format_validation_error("agent", exc))
     checks = _validate_table("checks", raw.get("checks", {}), CheckSettings, registry.check_class, problems)
+    if SELF_NAME in checks:
+        problems.append(f"checks.{SELF_NAME}: the name is reserved for the agent's own health check; choose another")
     notifiers = _validate_table("notifiers", raw.get("notifiers", {}), NotifierSettings,
                                 registry.notifier_class, problems)
     jobs = JobsSettings()

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from trainguard import __version__
 from trainguard.core.model import Metric, Sample, Status
 from trainguard.pipeline.engine import Snapshot
+from trainguard.pipeline.selfcheck import AgentCheck
 
 BUILD_INFO = Metric("trainguard_build_info", "trainguard version running on this node.", ("version", "node"))
 CHECK_STATUS = Metric("trainguard_check_status",
@@ -40,7 +41,8 @@ START_TIME = Metric("trainguard_agent_start_time_seconds", "Unix time the agent 
 RSS = Metric("trainguard_agent_resident_memory_bytes", "Resident memory of the agent.")
 CPU = Metric("trainguard_agent_cpu_seconds_total", "CPU time used by the agent (user + system).", counter=True)
 AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_RUNS, CHECK_TIMEOUTS,
-                 INCIDENTS_FIRING, QUEUED, OLDEST_QUEUED, SENT, FAILED, DROPPED, START_TIME, RSS, CPU)
+                 INCIDENTS_FIRING, QUEUED, OLDEST_QUEUED, SENT, FAILED, DROPPED, START_TIME, RSS, CPU,
+                 *AgentCheck.metrics)
 
 
 def family(metric: Metric, samples: Sequence[Sample] = ()) -> Family:

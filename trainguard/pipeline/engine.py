@@ -26,6 +26,8 @@ from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
 from trainguard.pipeline.responder import Responder
 from trainguard.pipeline.runner import CheckRunner, RunReport
 from trainguard.pipeline.schedule import Schedule
+from trainguard.pipeline.selfcheck import NAME as SELF_NAME
+from trainguard.pipeline.selfcheck import AgentCheck
 from trainguard.pipeline.store import Store
 from trainguard.registry import DEFAULT_REGISTRY, Registry
 
@@ -90,9 +92,11 @@ class Engine:
             if settings.enabled:
                 context = replace(shared, state=ScopedState(self.store, f"check/{name}", legacy=self.store))
                 self.checks[name] = self._build_check(registry, config.kind_of_check(name), name, settings, context)
+        if self.store.path is not None:  # an agent meant to keep state watches that it can
+            self.checks[SELF_NAME] = AgentCheck(shared, self.store)
         self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
-        self._states = {name: CheckState(config.kind_of_check(name), c.settings.interval)
-                        for name, c in self.checks.items()}
+        self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
+                                         c.settings.interval) for name, c in self.checks.items()}
         if notifiers is None:
             notifiers = {name: registry.notifier_class(config.kind_of_notifier(name))(name, s)
                          for name, s in config.notifiers.items() if s.enabled}
@@ -134,7 +138,10 @@ class Engine:
         ordered = [reports[n] for n in self.runners if n in reports]
         if ingest:
             for report in ordered:
-                self.ingest(report)
+                try:
+                    self.ingest(report)
+                except Exception:
+                    log.exception("ingesting check results failed", extra=kv(check=report.check))
         return ordered
 
     def firing_events(self) -> list[Event]:

@@ -1,17 +1,18 @@
 """SQLite (WAL) state: incidents, the notification outbox and small key/value cursors.
 
-A corrupt or unreadable file is moved aside and a fresh one started: state is worth keeping,
-but never worth the agent not running.
+State is worth keeping, but never worth an alert or the agent not running: a full or failing disk sends the store
+to memory until the disk takes writes again, and only a file SQLite finds corrupt is moved aside for a fresh one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,37 +54,94 @@ class OutboxRow:
     last_error: str | None
 
 
+RECOVER_HEADROOM = 256 << 10
+
+
 class Store:
+    """Persistent state that never costs an alert.
+
+    On disk normally. When the state dir can't be written (full, read-only, I/O errors) the store carries on in
+    memory with everything the disk held, so incidents still change and notifications still go out; `degraded`
+    says why, and `recover()` (called periodically) writes the memory back once the disk takes it again. Only a
+    file SQLite finds really corrupt is moved aside. Files are 0600 whatever the umask.
+    """
+
     FILENAME = "state.db"
 
     def __init__(self, state_dir: Path | None) -> None:
-        """`state_dir=None` keeps everything in memory (one-shot commands, tests)."""
+        """`state_dir=None` keeps everything in memory on purpose (one-shot commands, tests)."""
         self._lock = threading.RLock()
         self.path = state_dir / self.FILENAME if state_dir is not None else None
         self.persistent = False
+        self.degraded: str | None = None  # why the state is only in memory although it should be on disk
         self._conn = self._open()
 
+    # opening ---------------------------------------------------------------------------------------------------
     def _open(self) -> sqlite3.Connection:
         if self.path is None:
             return self._connect(":memory:")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            self._private_file()
         except OSError as exc:
-            log.error("state dir unusable; state will not survive a restart",
-                      extra=kv(path=self.path.parent, error=exc.strerror or exc))
-            return self._connect(":memory:")
+            return self._in_memory(f"state dir unusable: {exc.strerror or exc}")
         for attempt in (1, 2):
             try:
                 conn = self._connect(str(self.path))
                 self.persistent = True
                 return conn
             except sqlite3.DatabaseError as exc:
+                if not is_corruption(exc):  # full, read-only, I/O: the file is fine, the disk is not
+                    return self._in_memory(f"state file not writable: {exc}")
                 if attempt == 2:
                     log.error("fresh state file unusable; state will not survive a restart",
                               extra=kv(path=self.path, error=exc))
                     break
                 self._move_aside(exc)
         return self._connect(":memory:")
+
+    def _private_file(self) -> None:
+        """state.db exists and is 0600 before SQLite opens it: its -wal and -shm files take the same mode."""
+        assert self.path is not None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+        for suffix in ("-wal", "-shm"):
+            try:
+                os.chmod(str(self.path) + suffix, 0o600)
+            except FileNotFoundError:
+                pass
+
+    def _in_memory(self, reason: str) -> sqlite3.Connection:
+        """Carry on in memory with what the disk still shows (read-only), and say so."""
+        mem = self._connect(":memory:")
+        if self.path is not None and self.path.exists():
+            # Read-only needs the -shm file; on a disk that can't take even that, read the main file alone.
+            for mode in ("mode=ro", "immutable=1"):
+                try:
+                    disk = sqlite3.connect(f"file:{self.path}?{mode}", uri=True, timeout=5.0)
+                    try:
+                        disk.backup(mem)
+                    finally:
+                        disk.close()
+                    mem.executescript(SCHEMA)
+                    break
+                except sqlite3.Error as exc:
+                    error = exc
+            else:
+                log.error("state file not readable either; starting empty in memory", extra=kv(path=self.path,
+                                                                                               error=error))
+        self._set_degraded(reason)
+        return mem
+
+    def _set_degraded(self, reason: str) -> None:
+        self.persistent = False
+        if self.degraded is None:
+            log.error("state dir not writable; incidents and notifications carry on in memory and are written when "
+                      "it is writable again", extra=kv(path=self.path, error=reason))
+        self.degraded = reason
 
     def _move_aside(self, exc: Exception) -> None:
         assert self.path is not None
@@ -96,8 +154,8 @@ class Store:
                     src.rename(Path(str(target) + suffix))
                 except OSError:
                     src.unlink(missing_ok=True)
-        log.error("state file corrupt or unreadable; moved aside, starting fresh",
-                  extra=kv(path=self.path, moved_to=target, error=exc))
+        log.error("state file corrupt; moved aside, starting fresh", extra=kv(path=self.path, moved_to=target,
+                                                                               error=exc))
 
     @staticmethod
     def _connect(target: str) -> sqlite3.Connection:
@@ -115,6 +173,70 @@ class Store:
             raise
         return conn
 
+    def recover(self) -> bool:
+        """While degraded, try to put the memory state back on disk; True once the store is persistent again."""
+        with self._lock:
+            if self.degraded is None or self.path is None:
+                return self.persistent
+            if not self._has_headroom():
+                return False
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+                self._private_file()
+                disk = sqlite3.connect(str(self.path), check_same_thread=False, timeout=5.0, isolation_level=None)
+            except (OSError, sqlite3.Error):
+                return False
+            try:
+                self._conn.backup(disk)  # the whole memory database, in one go
+                disk.close()
+                conn = self._connect(str(self.path))
+            except sqlite3.Error as exc:
+                disk.close()
+                log.debug("state dir still not writable", extra=kv(path=self.path, error=exc))
+                return False
+            self._conn.close()
+            self._conn = conn
+            self.persistent, self.degraded = True, None
+            log.warning("state dir writable again; state written", extra=kv(path=self.path))
+            return True
+
+    def _has_headroom(self) -> bool:
+        """Room for the state twice over (and at least RECOVER_HEADROOM): writing it back into the last free pages
+        would only fail again at the next write, and the agent's state incident would flap."""
+        assert self.path is not None
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return False
+        size = 0
+        for suffix in ("", "-wal"):
+            try:
+                size += os.stat(str(self.path) + suffix).st_size
+            except OSError:
+                continue
+        return st.f_bavail * st.f_frsize >= max(RECOVER_HEADROOM, 2 * size)
+
+    def _write(self, fn: Callable[[sqlite3.Connection], None]) -> None:
+        """Run a write; when the disk refuses it, switch to memory and run it there: never lose the change."""
+        with self._lock:
+            try:
+                fn(self._conn)
+                return
+            except sqlite3.Error as exc:
+                if not self.persistent or is_corruption(exc) or not is_storage_error(exc):
+                    raise
+                reason = f"{exc}"
+            mem = self._connect(":memory:")
+            try:
+                self._conn.backup(mem)
+            except sqlite3.Error as exc:
+                log.error("copying the state into memory failed; continuing with what is in memory",
+                          extra=kv(error=exc))
+            self._conn.close()
+            self._conn = mem
+            self._set_degraded(reason)
+            fn(self._conn)
+
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
@@ -125,6 +247,27 @@ class Store:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+
+    def _in_transaction(self, body: Callable[[sqlite3.Connection], None]) -> Callable[[sqlite3.Connection], None]:
+        def run(conn: sqlite3.Connection) -> None:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                body(conn)
+            except BaseException:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # a failed COMMIT may have ended the transaction already
+                raise
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                raise
+        return run
 
     # incidents -------------------------------------------------------------
     def load_incidents(self) -> list[dict[str, Any]]:
@@ -147,16 +290,16 @@ class Store:
     ) -> None:
         """Incident changes and the messages they cause, in one transaction: a crash keeps both or neither."""
         now = time.time() if now is None else now
-        with self.transaction() as conn:
-            conn.executemany(
-                "INSERT OR REPLACE INTO incidents (check_name, subject, data) VALUES (?, ?, ?)",
-                [(i["check"], i["subject"], json.dumps(i)) for i in upserts],
-            )
-            conn.executemany("DELETE FROM incidents WHERE check_name = ? AND subject = ?", list(deletes))
-            conn.executemany(
-                "INSERT INTO outbox (channel, event, created, next_attempt) VALUES (?, ?, ?, ?)",
-                [(channel, json.dumps(event), now, now) for channel, event in outbox],
-            )
+        rows = [(i["check"], i["subject"], json.dumps(i)) for i in upserts]
+        gone = list(deletes)
+        queued = [(channel, json.dumps(event), now, now) for channel, event in outbox]
+
+        def body(conn: sqlite3.Connection) -> None:
+            conn.executemany("INSERT OR REPLACE INTO incidents (check_name, subject, data) VALUES (?, ?, ?)", rows)
+            conn.executemany("DELETE FROM incidents WHERE check_name = ? AND subject = ?", gone)
+            conn.executemany("INSERT INTO outbox (channel, event, created, next_attempt) VALUES (?, ?, ?, ?)", queued)
+
+        self._write(self._in_transaction(body))
 
     # outbox ----------------------------------------------------------------
     def next_outbox(self, channel: str) -> OutboxRow | None:
@@ -177,15 +320,13 @@ class Store:
         return [OutboxRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
 
     def outbox_done(self, *row_ids: int) -> None:
-        with self._lock:
-            self._conn.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in row_ids])
+        self._write(lambda conn: conn.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in row_ids]))
 
     def outbox_retry(self, row_ids: int | list[int], next_attempt: float, error: str) -> None:
         ids = [row_ids] if isinstance(row_ids, int) else row_ids
-        with self._lock:
-            self._conn.executemany(
-                "UPDATE outbox SET attempts = attempts + 1, next_attempt = ?, last_error = ? WHERE id = ?",
-                [(next_attempt, error, i) for i in ids])
+        self._write(lambda conn: conn.executemany(
+            "UPDATE outbox SET attempts = attempts + 1, next_attempt = ?, last_error = ? WHERE id = ?",
+            [(next_attempt, error, i) for i in ids]))
 
     def outbox_stats(self) -> dict[str, tuple[int, float | None]]:
         """Per channel: (queued messages, creation time of the oldest)."""
@@ -200,8 +341,7 @@ class Store:
         return row[0] if row else None
 
     def put(self, key: str, value: str) -> None:
-        with self._lock:
-            self._conn.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, value))
+        self._write(lambda conn: conn.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, value)))
 
     def close(self) -> None:
         with self._lock:
@@ -211,3 +351,22 @@ class Store:
             except sqlite3.Error as exc:
                 log.warning("checkpoint on close failed", extra=kv(error=exc))
             self._conn.close()
+
+
+# SQLite's primary result codes (sqlite3.h): what a failed statement says about the file and the disk.
+_CORRUPT = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
+_STORAGE = {3, 8, 10, 13, 14}  # SQLITE_PERM, SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
+
+
+def is_corruption(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _CORRUPT
+    return "integrity check failed" in str(exc) or "not a database" in str(exc) or "malformed" in str(exc)
+
+
+def is_storage_error(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _STORAGE
+    return isinstance(exc, sqlite3.OperationalError)
