@@ -8,6 +8,7 @@ import subprocess
 from pydantic import Field
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
+from trainguard.core.text import one_line
 
 
 class ExecSettings(ActionSettings):
@@ -24,10 +25,11 @@ class ExecAction(Action):
 
     def environment(self, ctx: ActionContext) -> dict[str, str]:
         e = ctx.event
-        return {**os.environ, "TRAINGUARD_EVENT": e.kind.value, "TRAINGUARD_INCIDENT": e.incident_id,
-                "TRAINGUARD_CHECK": e.check, "TRAINGUARD_SUBJECT": e.subject, "TRAINGUARD_STATUS": e.status.name,
-                "TRAINGUARD_SUMMARY": e.summary, "TRAINGUARD_NODE": e.node,
-                "TRAINGUARD_JOB_IDS": " ".join(j.job_id or j.key for j in ctx.jobs)}
+        ours = {"TRAINGUARD_EVENT": e.kind.value, "TRAINGUARD_INCIDENT": e.incident_id, "TRAINGUARD_CHECK": e.check,
+                "TRAINGUARD_SUBJECT": e.subject, "TRAINGUARD_STATUS": e.status.name, "TRAINGUARD_SUMMARY": e.summary,
+                "TRAINGUARD_NODE": e.node, "TRAINGUARD_JOB_IDS": " ".join(j.job_id or j.key for j in ctx.jobs)}
+        # Values carry a job's text: one printable line each (a NUL would make exec() refuse the whole call).
+        return {**os.environ, **{k: one_line(v) for k, v in ours.items()}}
 
     def run(self, ctx: ActionContext) -> str:
         try:

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
 from trainguard.core.settings import Duration
+from trainguard.core.text import one_line
 from trainguard.jobs.slurm import SlurmError
 
 DRAIN_TAG = "trainguard:"
@@ -17,8 +18,8 @@ T = TypeVar("T")
 
 
 def drain_reason(summary: str) -> str:
-    # scontrol passes the reason verbatim; keep it one short line.
-    text = " ".join(summary.split()).replace('"', "'")
+    # scontrol passes the reason verbatim: one short printable line (a NUL would not even reach exec()).
+    text = " ".join(one_line(summary).split()).replace('"', "'")
     return f"{DRAIN_TAG} {text}"[:200]
 
 

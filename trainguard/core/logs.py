@@ -14,10 +14,22 @@ def kv(**fields: Any) -> dict[str, Any]:
     return {"kv": fields}
 
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _ESCAPES:
+        return _ESCAPES[ch]
+    # Other control characters and line separators (\x0b, \x85, \u2028...): a value is always one line.
+    if ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u2029":
+        return f"\\u{ord(ch):04x}"
+    return ch
+
+
 def _quote(value: Any) -> str:
     text = str(value)
-    if text == "" or any(c in text for c in ' "=\n\t'):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if text == "" or any(c in text for c in ' "=') or not text.isprintable():
+        return '"' + "".join(_escape(c) for c in text) + '"'
     return text
 
 

@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from trainguard.core.events import Event
 from trainguard.core.settings import Duration
+from trainguard.core.text import one_line, printable
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.text import actions_done, event_line, headline
 
@@ -40,7 +41,9 @@ class EmailSettings(NotifierSettings):
 
 def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
     msg = EmailMessage()
-    msg["Subject"] = f"{s.subject_prefix} {headline(events)}".strip()
+    # A summary carries text from a job's log: any line break in a header (\r, \x0b, \x85, \u2028...) would make
+    # the email library refuse the message, and a raw one would inject headers.
+    msg["Subject"] = one_line(f"{s.subject_prefix} {headline(events)}".strip(), 900)
     msg["From"] = s.from_addr
     msg["To"] = ", ".join(s.to)
     msg["Date"] = formatdate(localtime=True)
@@ -54,9 +57,9 @@ def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
                     f"{html.escape(e.check)}/{html.escape(e.subject)}: {html.escape(e.summary)}"
                     + (f"<br><i>done: {html.escape(', '.join(done))}</i>" if done else "") + "</li>")
     footer = f"trainguard on {events[0].node}; `trainguard status` there shows every incident."
-    msg.set_content("\n\n".join(text) + f"\n\n-- \n{footer}\n")
-    msg.add_alternative(f"<html><body><ul>{''.join(rows)}</ul><p style='color:#777'>{html.escape(footer)}</p>"
-                        "</body></html>", subtype="html")
+    msg.set_content(printable("\n\n".join(text) + f"\n\n-- \n{footer}\n"))
+    msg.add_alternative(printable(f"<html><body><ul>{''.join(rows)}</ul><p style='color:#777'>{html.escape(footer)}"
+                                  "</p></body></html>"), subtype="html")
     return msg
 
 
@@ -76,7 +79,10 @@ class EmailNotifier(GroupNotifier):
 
     def deliver(self, events: Sequence[Event]) -> None:
         s = self.settings
-        msg = email_message(events, s)
+        try:
+            msg = email_message(events, s)
+        except (ValueError, TypeError) as exc:  # a message that can't be built never will be: don't block the channel
+            raise NotifierError(f"cannot build the email: {type(exc).__name__}: {exc}", permanent=True) from None
         where = f"smtp {s.host}"
         try:
             with self._connect() as client:

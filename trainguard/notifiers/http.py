@@ -2,26 +2,47 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 import requests
 
 from trainguard.notifiers.base import NotifierError
 
+TOKEN_MIN = 12  # URL path segments this long are tokens, not words like "services" or "api"
+
+
+def _spellings(secret: str) -> set[str]:
+    """A secret as it may appear in an error: raw, percent-encoded (either way), JSON- or repr-escaped."""
+    out = {secret, quote(secret, safe=""), quote(secret, safe="/:"), quote_plus(secret), json.dumps(secret)[1:-1],
+           repr(secret)[1:-1]}
+    try:
+        out.add(unquote(secret))
+    except ValueError:
+        pass
+    return {s for s in out if s}
+
 
 def redact(text: str, *secrets: str) -> str:
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "<redacted>")
+    """`text` with every secret replaced, in every spelling; never raises."""
+    spellings = sorted({s for secret in secrets if secret for s in _spellings(secret)}, key=len, reverse=True)
+    for s in spellings:  # longest first: a secret's full form before the fragments it contains
+        text = text.replace(s, "<redacted>")
     return text
 
 
 def redact_url(text: str, url: str) -> str:
     """Without the URL, its path and its query: urllib3 quotes the path alone ("url: /services/T0/B0/XXXX")."""
-    parts = urlsplit(url)
-    path_query = parts.path + (f"?{parts.query}" if parts.query else "")
-    return redact(text, url, path_query if len(path_query) > 1 else "", parts.query, parts.password or "")
+    try:
+        parts = urlsplit(url)
+        path_query = parts.path + (f"?{parts.query}" if parts.query else "")
+        # A service may echo the token segment alone (Slack's is the last): long segments are secrets too.
+        segments = [s for s in parts.path.split("/") if len(s) >= TOKEN_MIN]
+        extra = [path_query if len(path_query) > 1 else "", parts.query, parts.password or "", *segments]
+    except ValueError:  # a URL urlsplit rejects: redact it whole
+        extra = []
+    return redact(text, url, *extra)
 
 
 def post_json(url: str, payload: Any, timeout: float, what: str, data: bytes | None = None,

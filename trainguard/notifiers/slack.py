@@ -24,30 +24,35 @@ class SlackSettings(NotifierSettings):
     mention: str = Field("", description="Prepended on CRITICAL, e.g. '<!here>' or '<@U024BE7LH>'.")
 
 
+def escape(text: str) -> str:
+    """Slack's control characters: a job's log line saying `<!channel>` must not page the whole channel."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
     active = [e for e in events if e.kind is not EventKind.RESOLVED]
     status = worst(e.status for e in active) if active else Status.OK
-    title = headline(events)
+    title = headline(events)  # plain_text in the header: shown as is; escaped where Slack parses markup
     blocks: list[dict[str, Any]] = [
         {"type": "header", "text": {"type": "plain_text", "text": title[:150]}},
     ]
     for event in events[:MAX_BLOCK_EVENTS]:
-        lines = [f"*{event_line(event)}*"[:2900]]
+        lines = [f"*{escape(event_line(event))}*"[:2900]]
         job = event.details.get("job_id") or event.details.get("job_key")
         if job:
-            lines.append(f"Job: `{job}`")
+            lines.append(f"Job: `{escape(str(job))}`")
         done = actions_done(event)
         if done:
-            lines.append("Done: " + ", ".join(done))
+            lines.append("Done: " + escape(", ".join(done)))
         if event.details.get("next_step"):
-            lines.append(f"Next: {event.details['next_step']}")
+            lines.append(f"Next: {escape(str(event.details['next_step']))}")
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(lines)}})
     if len(events) > MAX_BLOCK_EVENTS:
         blocks.append({"type": "context", "elements": [
             {"type": "mrkdwn", "text": f"and {len(events) - MAX_BLOCK_EVENTS} more events: `trainguard status`"}]})
     blocks.append({"type": "context", "elements": [
-        {"type": "mrkdwn", "text": f"trainguard on *{events[0].node}* · {len(events)} event(s)"}]})
-    text = f"{mention} {title}" if mention and status is Status.CRITICAL else title
+        {"type": "mrkdwn", "text": f"trainguard on *{escape(events[0].node)}* · {len(events)} event(s)"}]})
+    text = f"{mention} {escape(title)}" if mention and status is Status.CRITICAL else escape(title)
     return {"text": text, "attachments": [{"color": COLORS[status], "blocks": blocks}]}
 
 

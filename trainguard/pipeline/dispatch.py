@@ -23,6 +23,7 @@ log = logging.getLogger("trainguard.dispatch")
 
 MAX_AGE_S = 24 * 3600.0
 BACKOFF_BASE_S = 2.0
+MAX_CRASHES = 3  # a notifier raising something other than NotifierError on one message this often: drop it
 
 
 class ChannelStats:
@@ -107,9 +108,17 @@ class Dispatcher:
                 return delay
             except Exception as exc:
                 stats.failed += 1
+                error = f"{type(exc).__name__}: {exc}"
+                if row.attempts + 1 >= MAX_CRASHES:  # a message the channel chokes on must not block the ones after it
+                    log.error("notifier crashed on this message again; dropping it", extra=kv(
+                        channel=channel, incident=events[0].incident_id, attempts=row.attempts + 1, error=error))
+                    stats.dropped += len(ids)
+                    self._store.outbox_done(*ids)
+                    continue
                 log.exception("notifier crashed; will retry", extra=kv(channel=channel))
-                self._store.outbox_retry(ids, now + notifier.settings.retry_max, f"{type(exc).__name__}: {exc}")
-                return notifier.settings.retry_max
+                delay = BACKOFF_BASE_S * 2 ** row.attempts
+                self._store.outbox_retry(ids, now + delay, error)
+                return delay
             stats.sent += len(events)
             self._store.outbox_done(*ids)
         return None
