@@ -25,6 +25,7 @@ from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration
+from trainguard.core.text import one_line
 from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
@@ -203,7 +204,14 @@ class HangCheck(JobCheck):
             if not procs:
                 continue
             live.add(job.key)
-            progress = self.progress(job, procs, now)
+            try:
+                progress = self.progress(job, procs, now)
+            except Exception as exc:  # noqa: BLE001 - one job's odd files never stop the watch on the others
+                error = one_line(f"{type(exc).__name__}: {exc}", 200)
+                log.warning("reading a job's progress failed", extra=kv(job=job.key, error=error))
+                results.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: progress unreadable: {error}",
+                                           {"job_key": job.key, "error": error}))
+                continue
             limit = self.stale_after(job)
             status = evaluate(progress, limit, now)
             stacks, dump_path = self._stacks(job, procs, progress, now) if status is not Status.OK else ([], None)

@@ -7,14 +7,17 @@ diagnosis and the lever to pull.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Size
+from trainguard.core.text import one_line
 from trainguard.core.units import format_bytes, parse_size
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import heartbeat_path, job_fields, job_log_files, job_processes, read_heartbeat
@@ -22,6 +25,8 @@ from trainguard.logscan.context import finite_loss, last_step, oom_gpu
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, diagnose_oom, rank_of
 from trainguard.logscan.reader import LogTail, Position
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
+
+log = logging.getLogger("trainguard.checks.training_log")
 
 POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"
@@ -73,12 +78,19 @@ class TrainingLogCheck(JobCheck):
                 continue
             live.add(job.key)
             logs = job_log_files(job, self.settings.logs)
-            for path in logs:
-                paths.add(path)
-                self._read(job, path)
-            self._heartbeat_loss(job)
-            self._exit(job, logs)
-            results.append(self._result(job))
+            paths.update(logs)
+            try:
+                for path in logs:
+                    self._read(job, path)
+                self._heartbeat_loss(job)
+                self._exit(job, logs)
+                results.append(self._result(job))
+            except Exception as exc:  # noqa: BLE001 - one job's hostile log never blinds this check for the others
+                error = one_line(f"{type(exc).__name__}: {exc}", 200)
+                log.warning("reading a job's logs failed; skipped past the bytes read", extra=kv(job=job.key,
+                                                                                                 error=error))
+                results.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: could not read its logs: {error}",
+                                           {"job_key": job.key, "error": error}))
         if not view.errors:  # a source that failed this time says nothing about which jobs are gone
             for key in set(self._findings) - live:  # the job is gone: its story is told
                 del self._findings[key]
@@ -95,6 +107,13 @@ class TrainingLogCheck(JobCheck):
     def _read(self, job: Job, path: str) -> None:
         tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
         streaks = self._nan_streaks.setdefault(job.key, {})
+        try:
+            self._scan(job, path, tail, streaks)
+        finally:  # the reader moved past each chunk before handing it over: what failed is not read again
+            if tail.position is not None:
+                self._positions[path] = tail.position
+
+    def _scan(self, job: Job, path: str, tail: LogTail, streaks: dict[str, int]) -> None:
         for chunk in tail.read(int(self.settings.read_limit)):
             since = 0  # end of the last NaN line in this chunk: a finite loss after it ends the streak
             for hit in self.scanner.scan(chunk):
@@ -108,8 +127,6 @@ class TrainingLogCheck(JobCheck):
             step = last_step(chunk)
             if step is not None:
                 self._steps[path] = step
-        if tail.position is not None:
-            self._positions[path] = tail.position
 
     @staticmethod
     def _end_streaks(streaks: dict[str, int], path: str, data: bytes, start: int, end: int) -> None:

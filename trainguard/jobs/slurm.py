@@ -53,7 +53,7 @@ class SlurmClient:
         pids = []
         for line in out.splitlines()[1:]:
             fields = line.split()
-            if fields and fields[0].isdigit():
+            if fields and fields[0].isascii() and fields[0].isdigit() and len(fields[0]) <= 10:
                 pids.append(int(fields[0]))
         return pids
 

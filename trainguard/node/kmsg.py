@@ -64,18 +64,30 @@ def parse_kmsg(raw: bytes) -> KernelRecord | None:
 
 
 def parse_journal(line: str) -> tuple[KernelRecord, str] | None:
+    """One `journalctl -o json` line; None for anything that is not a kernel record of the expected shape."""
     try:
-        entry: dict[str, Any] = json.loads(line)
-    except ValueError:
+        entry: Any = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(entry, dict):
         return None
     message = entry.get("MESSAGE")
     if isinstance(message, list):  # journald gives non-UTF-8 messages as byte arrays
-        message = bytes(message).decode("utf-8", "replace")
-    if not isinstance(message, str) or "__CURSOR" not in entry:
+        try:
+            message = bytes(message).decode("utf-8", "replace")
+        except (TypeError, ValueError):
+            return None
+    cursor = entry.get("__CURSOR")
+    if not isinstance(message, str) or not isinstance(cursor, str):
         return None
-    prio = int(entry.get("PRIORITY", 6))
-    usec = int(entry.get("_SOURCE_MONOTONIC_TIMESTAMP", 0) or 0)
-    return KernelRecord(-1, prio, 0, usec, message), str(entry["__CURSOR"])
+    return KernelRecord(-1, _small_int(entry.get("PRIORITY"), 6) & 7, 0,
+                        _small_int(entry.get("_SOURCE_MONOTONIC_TIMESTAMP"), 0), message), cursor
+
+
+def _small_int(value: object, default: int) -> int:
+    """A journal field as an int (they are strings of digits); `default` for anything else."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    return int(text) if text.isdigit() and len(text) <= 20 else default
 
 
 def cursor_at_end(path: str = "/dev/kmsg", proc: ProcFS | None = None) -> str:

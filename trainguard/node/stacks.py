@@ -68,7 +68,9 @@ def _rank(proc: psutil.Process) -> str | None:
         env = proc.environ()
     except psutil.Error:
         return None
-    return next((env[v] for v in _RANK_VARS if env.get(v, "").isdigit()), None)
+    # A rank is a small number; the environment is the job's, so anything else is not a rank.
+    return next((env[v] for v in _RANK_VARS if env.get(v, "").isascii() and env[v].isdigit() and len(env[v]) <= 9),
+                None)
 
 
 def _is_python(proc: psutil.Process) -> bool:

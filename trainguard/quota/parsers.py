@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.core.text import linear
-from trainguard.core.units import parse_size
+from trainguard.core.units import decimal, parse_size
 
 KIB = 1024
 _DIGITS = linear(r"\d+")
@@ -54,7 +54,7 @@ def _size(token: str, unit: int) -> int | None:
     if value in ("", "-"):
         return None
     if _DIGITS.fullmatch(value):
-        return int(value) * unit
+        return int(decimal(value)) * unit
     text = value.replace(",", ".")
     if _HUMAN_SIZE.fullmatch(text):
         text += "iB"  # the quota tools' K/M/G are binary
@@ -67,9 +67,9 @@ def _count(token: str) -> int | None:
         return None
     m = _COUNT.fullmatch(value)
     if not m:
-        raise ValueError(f"not a file count: {token!r}")
+        raise ValueError(f"not a file count: {token[:40]!r}")
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}[m.group(2).lower()]
-    return round(float(m.group(1)) * scale)
+    return round(decimal(m.group(1)) * scale)
 
 
 def _limit(value: int | None) -> int | None:
@@ -90,14 +90,14 @@ def grace_seconds(token: str, now: float | None = None) -> float | None:
     if text == "expired":
         return 0.0
     if _EPOCH.fullmatch(text):  # quota -p: the epoch second the grace ends
-        return max(0.0, int(text) - (time.time() if now is None else now))
+        return max(0.0, decimal(text) - (time.time() if now is None else now))
     if _CLOCK.fullmatch(text):
         hours, minutes = text.split(":")
-        return int(hours) * 3600.0 + int(minutes) * 60.0
+        return decimal(hours) * 3600.0 + decimal(minutes) * 60.0
     parts = _DURATION.findall(text)
     if not parts:
-        raise ValueError(f"not a grace period: {token!r}")
-    return float(sum(int(n) * _UNIT_S[u[0]] for n, u in parts))
+        raise ValueError(f"not a grace period: {token[:40]!r}")
+    return sum(decimal(n) * _UNIT_S[u[0]] for n, u in parts)
 
 
 # quota (Linux quota tools) -------------------------------------------------------------------

@@ -7,6 +7,7 @@ raises QuotaError with what it said, which the check turns into that subject's U
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -14,7 +15,7 @@ from typing import Any, ClassVar
 
 from trainguard.core.text import linear
 from trainguard.core.tools import run_tool
-from trainguard.core.units import parse_size
+from trainguard.core.units import decimal, parse_size
 from trainguard.quota.budget import BudgetWalker
 from trainguard.quota.parsers import (
     QuotaUsage,
@@ -134,13 +135,21 @@ class CommandProvider(Provider):
         if value is None or (isinstance(value, str) and value.strip() in ("", "-", "none", "unlimited")):
             return None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            number = float(value) if isinstance(value, float) or abs(value) < 2**63 else math.inf
         elif _NUMBER.fullmatch(str(value)):
-            number = float(value)
+            try:
+                number = decimal(str(value).strip())
+            except ValueError:
+                raise QuotaError(f"field {field}: {str(value)[:40]!r} is not a number") from None
         elif field.startswith("bytes"):
-            return parse_size(str(value).strip())
+            try:
+                return parse_size(str(value).strip())
+            except ValueError as exc:
+                raise QuotaError(f"field {field}: {exc}") from None
         else:
-            raise QuotaError(f"field {field}: {value!r} is not a number")
+            raise QuotaError(f"field {field}: {str(value)[:40]!r} is not a number")
+        if not math.isfinite(number) or number < 0:
+            raise QuotaError(f"field {field}: {str(value)[:40]!r} is not a usable number")
         value = round(number * (self.settings.size_unit if field.startswith("bytes") else 1))
         return value if value or field.endswith("_used") else None  # a limit of 0 means none
 
