@@ -115,7 +115,7 @@ _NODE_REASON = linear(r"(?m)\bReason=(.*?)(?: \[|$| \w+=)")
 def expand_output_path(pattern: str, job: dict[str, Any], node: str) -> str:
     """squeue --json gives StdOut as submitted (`slurm-%j.out`); expand what identifies the file."""
     values = {
-        "%": "%", "j": str(job.get("job_id", "")), "x": str(job.get("name", "")), "u": str(job.get("user_name", "")),
+        "%": "%", "j": str(job.get("job_id", "")), "x": _text(job, "name") or "", "u": _text(job, "user_name") or "",
         "A": str(_int(job.get("array_job_id")) or job.get("job_id", "")),
         "a": str(task if (task := _int(job.get("array_task_id"))) is not None else 4294967294),
         "N": node, "n": "0",
@@ -151,15 +151,16 @@ def parse_history(line: str) -> Job | None:
 
 def _when(value: Any) -> float | None:
     number = _int(value)
-    return float(number) if number is not None and number > 0 else None
+    return float(number) if number is not None and 0 < number < 2**40 else None  # a Unix time, or nothing
 
 
 def _exit_code(job: dict[str, Any]) -> str | None:
     code = job.get("exit_code")
-    if isinstance(code, int):  # 22.05: the raw wait status
+    if isinstance(code, int) and not isinstance(code, bool) and 0 <= code < 2**32:  # 22.05: the raw wait status
         return f"{code >> 8}:{code & 0x7F}"
     if isinstance(code, dict):  # 23.02+: {"status": [...], "return_code": N, "signal": {...}}
-        return f"{_int(code.get('return_code')) or 0}:{_int((code.get('signal') or {}).get('id')) or 0}"
+        signal = code.get("signal")
+        return f"{_int(code.get('return_code')) or 0}:{(_int(signal.get('id')) if isinstance(signal, dict) else 0) or 0}"
     return None
 
 
@@ -174,31 +175,39 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _text(raw: dict[str, Any], key: str) -> str | None:
+    """A string field of squeue's JSON; None when absent, empty or not a string (the JSON is the controller's, the
+    values in it are the job user's)."""
+    value = raw.get(key)
+    return value if isinstance(value, str) and value else None
+
+
 def parse_job(raw: dict[str, Any], node: str, switch_template: str) -> Job:
-    job_id = str(raw.get("job_id", ""))
+    job_id = str(_int(raw.get("job_id")) if _int(raw.get("job_id")) is not None else _text(raw, "job_id") or "")
     array_job = str(_int(raw.get("array_job_id"))) if _int(raw.get("array_job_id")) else None
     task = _int(raw.get("array_task_id"))
     task_id = str(task) if array_job and task is not None else None
-    nodes = str(raw.get("nodes") or "")
     try:
-        hosts = expand(nodes) if nodes else []
+        hosts = expand(_text(raw, "nodes") or "")
     except ValueError:
         hosts = []
-    workdir = raw.get("current_working_directory") or None
+    name, user = _text(raw, "name") or "", _text(raw, "user_name")
+    workdir = _text(raw, "current_working_directory")
     default_out = "slurm-%A_%a.out" if array_job and task_id else "slurm-%j.out"
-    stdout = raw.get("standard_output") or (os.path.join(workdir, default_out) if workdir else None)
-    stderr = raw.get("standard_error") or stdout
-    fields = {"workdir": workdir or "", "job_id": job_id, "array_job_id": array_job or job_id,
-              "name": raw.get("name", ""), "user": raw.get("user_name", "")}
+    stdout = _text(raw, "standard_output") or (os.path.join(workdir, default_out) if workdir else None)
+    stderr = _text(raw, "standard_error") or stdout
+    fields = {"workdir": workdir or "", "job_id": job_id, "array_job_id": array_job or job_id, "name": name,
+              "user": user or ""}
+    reason = _text(raw, "state_reason")
     return Job(
-        key=f"slurm:{job_id}", source="slurm", name=str(raw.get("name", "")), state=_state(raw), job_id=job_id,
-        array_job_id=array_job, array_task_id=task_id, user=raw.get("user_name"), uid=raw.get("user_id"),
-        reason=raw.get("state_reason") if raw.get("state_reason") not in (None, "None") else None,
+        key=f"slurm:{job_id}", source="slurm", name=name, state=_state(raw), job_id=job_id,
+        array_job_id=array_job, array_task_id=task_id, user=user, uid=_int(raw.get("user_id")),
+        reason=reason if reason != "None" else None,
         start_time=_when(raw.get("start_time")), end_time=_when(raw.get("end_time")), exit_code=_exit_code(raw),
         workdir=workdir, stdout=expand_output_path(stdout, raw, node) if stdout else None,
         stderr=expand_output_path(stderr, raw, node) if stderr else None, on_this_node=node in hosts,
         switch_dir=switch_template.format(**fields) if switch_template and workdir else None,
-        requeue=bool(raw.get("requeue", True)),
+        requeue=raw.get("requeue", True) is not False,
     )
 
 

@@ -91,7 +91,7 @@ class Identities:
 def resolve(identity: Identity, path: str, follow_final: bool) -> tuple[int, os.stat_result]:
     """An O_PATH descriptor of `path` as `identity` may reach it, and its stat. Raises OSError (AccessDeniedError when
     a directory on the way may not be searched by the user)."""
-    if not os.path.isabs(path):
+    if not os.path.isabs(path) or "\0" in path:
         raise OSError(errno.EINVAL, "not an absolute path", path)
     parts = [p for p in path.split("/") if p not in ("", ".")]
     parts.reverse()  # a stack: the next component is last

@@ -1,0 +1,153 @@
+"""Parsers never raise on hostile text (property-based): whatever a job's user, a tool or the kernel prints, a parser
+returns a value or "nothing here"; a config parser raises only its own error, with a message.
+
+Strategies mix random text with real captured lines (tests/data), cut and spliced, because that is where parsers
+break: almost the right shape."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trainguard.agent.configfile import ConfigError, parse_config
+from trainguard.core.units import parse_count, parse_count_limit, parse_duration, parse_size, parse_size_limit
+from trainguard.jobs.hostlist import expand
+from trainguard.jobs.slurm import expand_output_path, parse_history, parse_job
+from trainguard.jobs.tree import read_heartbeat
+from trainguard.logscan.context import finite_loss, last_step
+from trainguard.logscan.reader import LogTail
+from trainguard.logscan.signatures import BUILTIN, Scanner, final_exception
+from trainguard.node.access import Identity
+from trainguard.node.cgroup import _cgroup_paths, _mounts
+from trainguard.node.kmsg import parse_journal, parse_kmsg
+from trainguard.node.mounts import parse_mountinfo
+from trainguard.node.stacks import innermost
+from trainguard.quota.parsers import grace_seconds, parse_beegfs, parse_lfs, parse_mmlsquota, parse_quota
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+REAL = [line for f in sorted((DATA / "quota").glob("*.txt")) for line in f.read_text().splitlines()] + [
+    "6,1234,5678901,-;NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+    "35 25 0:30 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory",
+    "0::/slurm/uid_1000/job_42/step_0", "4:memory:/slurm/uid_1000/job_42/step_0",
+    'Thread 0x7F (idle): "MainThread"', "    stuck_in_allreduce (train_toy.py:51)",
+    "step 100 loss=1.25", "[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB",
+    "Traceback (most recent call last):", "RuntimeError: CUDA error: an illegal memory access was encountered",
+]
+# Digits, separators and units: the alphabet of numbers, where overflow and backtracking live.
+NUMERIC = st.text(alphabet="0123456789.,:-+eE %*kKmMgGtTpPiIBbsdhw ", max_size=400)
+FRAGMENT = st.one_of(st.sampled_from(REAL), st.text(max_size=80), NUMERIC,
+                     st.sampled_from(REAL).map(lambda s: s[: len(s) // 2]))
+HOSTILE_TEXT = st.lists(FRAGMENT, max_size=12).map("\n".join)
+PROPERTY = settings(max_examples=int(os.environ.get("TG_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(HOSTILE_TEXT)
+def test_quota_tool_parsers(text: str) -> None:
+    for parse in (parse_quota, parse_lfs, parse_mmlsquota):
+        assert isinstance(parse(text), list)
+    assert isinstance(parse_beegfs(text, "/beegfs"), list)
+
+
+@PROPERTY
+@given(NUMERIC)
+def test_grace_periods_and_units_raise_only_value_errors(text: str) -> None:
+    for parse in (grace_seconds, parse_duration, parse_size, parse_count, parse_size_limit, parse_count_limit):
+        try:
+            parse(text)
+        except ValueError as exc:
+            assert str(exc) and len(str(exc)) < 300  # one readable line, however long the input
+
+
+@PROPERTY
+@given(st.binary(max_size=600) | st.sampled_from(REAL).map(str.encode))
+def test_kernel_records(raw: bytes) -> None:
+    record = parse_kmsg(raw)
+    assert record is None or isinstance(record.message, str)
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                     max_size=4), max_leaves=20)
+
+
+@PROPERTY
+@given(st.one_of(HOSTILE_TEXT, JSONISH.map(json.dumps),
+                 st.dictionaries(st.sampled_from(["MESSAGE", "__CURSOR", "PRIORITY", "_SOURCE_MONOTONIC_TIMESTAMP"]),
+                                 JSONISH).map(json.dumps)))
+def test_journal_records(line: str) -> None:
+    parsed = parse_journal(line)
+    assert parsed is None or isinstance(parsed[1], str)
+
+
+SQUEUE_KEYS = ["job_id", "name", "user_name", "user_id", "nodes", "job_state", "array_job_id", "array_task_id",
+               "current_working_directory", "standard_output", "standard_error", "start_time", "end_time",
+               "exit_code", "state_reason", "requeue"]
+
+
+@PROPERTY
+@given(st.dictionaries(st.sampled_from(SQUEUE_KEYS), JSONISH, max_size=16), st.text(max_size=40))
+def test_squeue_jobs(raw: dict[str, object], template: str) -> None:
+    job = parse_job(raw, "node1", "{workdir}/.trainguard")
+    assert job.key.startswith("slurm:")
+    pattern = raw.get("standard_output")
+    if isinstance(pattern, str):
+        assert isinstance(expand_output_path(pattern, raw, "node1"), str)
+
+
+@PROPERTY
+@given(HOSTILE_TEXT, st.text(alphabet="\x1f|abc0123456789_-T:", max_size=200))
+def test_sacct_lines_and_hostlists(text: str, line: str) -> None:
+    for candidate in (line, text):
+        parse_history(candidate)
+        try:
+            assert isinstance(expand(candidate), list)
+        except ValueError:
+            pass
+
+
+@PROPERTY
+@given(HOSTILE_TEXT)
+def test_mountinfo_cgroups_and_stacks(text: str) -> None:
+    assert isinstance(parse_mountinfo(text), list)
+    _mounts(text)
+    _cgroup_paths(text)
+    where = innermost(text)
+    assert where is None or isinstance(where, str)
+
+
+@PROPERTY
+@given(st.lists(st.one_of(FRAGMENT.map(str.encode), st.binary(max_size=200)), max_size=12).map(b"\n".join))
+def test_log_scanning(data: bytes) -> None:
+    data = data + b"\n"
+    for hit in Scanner(BUILTIN).scan(data):
+        final_exception(data, hit.offset)
+    last_step(data)
+    finite_loss(data, 0, len(data))
+
+
+@PROPERTY
+@given(st.binary(max_size=2000))
+def test_log_tail_and_heartbeat_files(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    path = tmp_path_factory.mktemp("hostile") / "file"
+    path.write_bytes(data)
+    me = Identity(os.getuid())
+    assert b"".join(LogTail(str(path), me).read()) == data[: data.rfind(b"\n") + 1]  # complete lines, verbatim
+    step, metrics = read_heartbeat(str(path), me)
+    assert step is None or isinstance(step, int)
+    assert isinstance(metrics, dict)
+
+
+@PROPERTY
+@given(st.dictionaries(st.sampled_from(["agent", "checks", "notifiers", "jobs", "actions", "x"]),
+                       st.dictionaries(st.text(max_size=10), JSONISH, max_size=4), max_size=5))
+def test_config_raises_only_config_errors(raw: dict[str, object]) -> None:
+    try:
+        parse_config(raw, "hostile.toml")
+    except ConfigError as exc:
+        assert exc.problems and all(p for p in exc.problems)
