@@ -2,34 +2,35 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
+from trainguard.core.text import linear
 from trainguard.gpu.nvml import normalize_bus_id
 
 # Prefixes tools add before the kernel's text: dmesg, dmesg -T, dmesg -x, journald/syslog.
 _PREFIX = (r"^(?:\[\s*[\d.]+\]\s*|\[[A-Z][a-z]{2} [^\]]+\]\s*|kern\s*:\s*\w+\s*:\s*(?:\S+\s+)?"
            r"|(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+\s+\S+\s+|\S+\s+\S+\s+)?kernel:\s*(?:\[\s*[\d.]+\]\s*)?)?")
 _BUS = r"(?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-9a-fA-F])?)"
-_XID = re.compile(_PREFIX + r"NVRM: Xid \(" + _BUS + r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?\):\s*"
+_XID = linear(_PREFIX + r"NVRM: Xid \(" + _BUS + r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?\):\s*"
                   r"(?P<xid>\d+),\s*(?P<rest>.*)$")
-_PID = re.compile(r"^pid=(?P<pid>'<unknown>'|\d+|<unknown>),\s*(?:name=(?P<name>.*?),\s+)?(?P<text>.*)$")
-_CAUSE = re.compile(r"caused by previous Xid (\d+)")
-_RECOVERY = re.compile(r"recovery action changed from \S+ \((?P<old>[^)]*)\) to \S+ \((?P<new>[^)]*)\)")
-_OFF_BUS_ONE = re.compile(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\w)?): "
+_PID = linear(r"^pid=(?P<pid>'<unknown>'|\d+|<unknown>),\s*(?:name=(?P<name>.*?),\s+)?(?P<text>.*)$")
+_CAUSE = linear(r"caused by previous Xid (\d+)")
+_RECOVERY = linear(r"recovery action changed from \S+ \((?P<old>[^)]*)\) to \S+ \((?P<new>[^)]*)\)")
+_OFF_BUS_ONE = linear(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\w)?): "
                           r"GPU has fallen off the bus")
-_OFF_BUS_FIRST = re.compile(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
+_OFF_BUS_FIRST = linear(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
                             r"(?:\.\w)?)\s*$")
-_OFF_BUS_LAST = re.compile(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
-_GPU_UUID = re.compile(_PREFIX + r"NVRM: GPU at PCI:(?P<bus>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
+_OFF_BUS_LAST = linear(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
+_GPU_UUID = linear(_PREFIX + r"NVRM: GPU at PCI:(?P<bus>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class XidParser:
             return XidEvent(79, bus, "GPU has fallen off the bus and is not responding to commands", line=line)
         return None
 
-    def _xid(self, m: re.Match[str], line: str) -> XidEvent:
+    def _xid(self, m: Any, line: str) -> XidEvent:
         rest, pid, name = m.group("rest"), None, None
         pm = _PID.match(rest)
         if pm:

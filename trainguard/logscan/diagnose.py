@@ -6,14 +6,14 @@ corpus tests can pin every format. Formats: ../reference facts gathered from PyT
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.core.text import MAX_MESSAGE, linear
 from trainguard.core.units import format_bytes, parse_size
 
 _SIZE = r"([\d.]+ ?(?:bytes|[KMGT]iB|B))"
-_RANK = re.compile(r"^\[rank(\d+)\]:\s*")
+_RANK = linear(r"^\[rank(\d+)\]:\s*")
 
 
 def rank_of(line: str) -> tuple[str | None, str]:
@@ -23,10 +23,14 @@ def rank_of(line: str) -> tuple[str | None, str]:
 
 
 def _bytes(text: str | None) -> int | None:
+    """A size as PyTorch prints it; None when the text only looks like one (`1.2.3 GiB`, 400 digits)."""
     if text is None:
         return None
     value = text.replace(" ", "")
-    return parse_size(value if not value.endswith("bytes") else value[:-5])
+    try:
+        return parse_size(value if not value.endswith("bytes") else value[:-5])
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,14 @@ class Diagnosis:
 
 
 # CUDA out of memory -----------------------------------------------------------------------------
-_OLD = re.compile(rf"\(GPU (\d+); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; "
+_OLD = linear(rf"\(GPU (\d+); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; "
                   rf"(?:{_SIZE} allowed; )?{_SIZE} (reserved in total by PyTorch|cached)\)")
-_NEW_TOTAL = re.compile(rf"GPU (\d+) has a total capac(?:i)?ty of {_SIZE} of which {_SIZE} is free")
-_NEW_ALLOC = re.compile(rf"Of the allocated memory {_SIZE} is allocated by PyTorch, (?:with {_SIZE} allocated in "
+_NEW_TOTAL = linear(rf"GPU (\d+) has a total capac(?:i)?ty of {_SIZE} of which {_SIZE} is free")
+_NEW_ALLOC = linear(rf"Of the allocated memory {_SIZE} is allocated by PyTorch, (?:with {_SIZE} allocated in "
                         rf"private pools \(e\.g\., CUDA Graphs\), )?and {_SIZE} is reserved by PyTorch but unallocated")
-_TRIED = re.compile(rf"Tried to allocate {_SIZE}")
-_OTHER = re.compile(rf"Process (\d+) has {_SIZE} memory in use")
-_THIS = re.compile(rf"this process has {_SIZE} memory in use")
+_TRIED = linear(rf"Tried to allocate {_SIZE}")
+_OTHER = linear(rf"Process (\d+) has {_SIZE} memory in use")
+_THIS = linear(rf"this process has {_SIZE} memory in use")
 
 FRAGMENTATION_ADVICE = ("fragmentation: set PYTORCH_ALLOC_CONF=expandable_segments:True (older PyTorch: "
                         "PYTORCH_CUDA_ALLOC_CONF), then try max_split_size_mb; do not cut the batch size")
@@ -56,6 +60,7 @@ TRUE_OOM_ADVICE = ("true OOM: in order, a smaller micro-batch with gradient accu
 
 def diagnose_oom(text: str) -> Diagnosis:
     """Fields of any PyTorch OOM message form, and whether it is fragmentation or a true OOM."""
+    text = text[:MAX_MESSAGE]  # a message is a few KiB; a 1 MiB line is not one more to match
     f: dict[str, Any] = {"tried": _bytes(m.group(1)) if (m := _TRIED.search(text)) else None}
     if (old := _OLD.search(text)) is not None:
         gpu, total, allocated, free, allowed, reserved, word = old.groups()
@@ -98,11 +103,12 @@ def diagnose_oom(text: str) -> Diagnosis:
 
 
 # NCCL -------------------------------------------------------------------------------------------
-_NCCL = re.compile(r"\[Rank (\d+)\] Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), "
+_NCCL = linear(r"\[Rank (\d+)\] Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), "
                    r"OpType=(\w+).*?Timeout\(ms\)=(\d+)\) ran for (\d+) milliseconds")
 
 
 def diagnose_nccl(text: str) -> Diagnosis:
+    text = text[:MAX_MESSAGE]
     m = _NCCL.search(text)
     f: dict[str, Any] = {}
     if m:
@@ -127,10 +133,12 @@ _CUDA_ERRORS = (  # (needle, name, hardware?, advice)
      "often a GPU fault (check XIDs on the node); else a kernel crashed"),
     ("unknown error", "unknown error", True, "often a GPU or driver fault: check XIDs and the GPU's health"),
 )
-_ASSERT = re.compile(r"(\S+:\d+): (\w+).*Assertion `(.+)` failed")
+_ASSERT = linear(r"(\S+:\d+): (\w+).*Assertion `(.+)` failed")
+_CUDA_GENERIC = linear(r"CUDA (?:driver )?error: ([^.\n]+)")
 
 
 def diagnose_cuda(text: str, assertion: str | None = None) -> Diagnosis:
+    text, assertion = text[:MAX_MESSAGE], assertion[:MAX_MESSAGE] if assertion else assertion
     for needle, name, hardware, advice in _CUDA_ERRORS:
         if needle in text:
             f: dict[str, Any] = {"error": name}
@@ -139,7 +147,7 @@ def diagnose_cuda(text: str, assertion: str | None = None) -> Diagnosis:
                 f.update(assert_at=m.group(1), kernel=m.group(2), condition=m.group(3))
                 title += f" ({m.group(3)} in {m.group(2)} at {m.group(1)})"
             return Diagnosis("cuda_error", title, advice, f, hardware)
-    m = re.search(r"CUDA (?:driver )?error: ([^.\n]+)", text)
+    m = _CUDA_GENERIC.search(text)
     return Diagnosis("cuda_error", f"CUDA error: {m.group(1) if m else 'unknown'}",
                      "check the node's XIDs and the GPU's health before blaming the job", {"error": m.group(1) if m else None})
 
