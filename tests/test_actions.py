@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_root
+from tests.conftest import REPO, require_root, require_tool
 from tests.slurm_cluster import JOB_USER, ensure_user
 from trainguard.actions.base import ActionContext, ActionError
 from trainguard.actions.exec import ExecAction, ExecSettings
@@ -62,6 +62,18 @@ def test_switch_created_atomically_as_the_user(user_dir: tuple[Path, int, int]) 
     assert Path(path).read_text().strip() == '{"reason": "leak"}'
     assert [p.name for p in d.iterdir()] == ["save"]  # no temporary file left behind
     create_switch(str(d), "save", uid, gid, {"again": True})  # an existing switch of the user is replaced
+
+
+def test_a_failed_switch_leaves_no_temporary_file(user_dir: tuple[Path, int, int]) -> None:
+    """Without CAP_CHOWN (as under a system call filter that denies chown) the attempt fails and the user's directory
+    is left as it was."""
+    d, uid, gid = user_dir
+    code = ("import sys\nfrom trainguard.actions.switch import create_switch\n"
+            "create_switch(sys.argv[1], 'save', int(sys.argv[2]), int(sys.argv[3]), {})\n")
+    proc = subprocess.run([require_tool("setpriv"), "--bounding-set=-chown", "--inh-caps=-chown", sys.executable, "-c",
+                           code, str(d), str(uid), str(gid)], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert proc.returncode != 0 and "PermissionError" in proc.stderr, proc.stderr
+    assert list(d.iterdir()) == []
 
 
 def test_symlink_attack_is_refused(user_dir: tuple[Path, int, int], tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ a link), and an existing entry that isn't a regular, singly linked file of the u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -73,11 +74,16 @@ def create_switch(directory: str, name: str, uid: int, gid: int, payload: dict[s
         tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
         try:
-            os.fchown(fd, uid, gid)
-            os.write(fd, (json.dumps(payload) + "\n").encode())
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            try:
+                os.fchown(fd, uid, gid)
+                os.write(fd, (json.dumps(payload) + "\n").encode())
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:  # a failed attempt (fchown EPERM, a full disk) leaves nothing in the user's dir
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
         return f"{directory}/{name}"
     finally:
         os.close(dfd)
