@@ -23,6 +23,14 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
 
+def healthz_text(healthy: bool, pending: list[str]) -> str:
+    """/healthz: the engine's liveness, and which checks are still on their first run (up and serving, not yet
+    judged: a slow first round never makes the agent unhealthy)."""
+    if not healthy:
+        return "engine not making progress\n"
+    return f"ok; first run pending: {', '.join(pending)}\n" if pending else "ok\n"
+
+
 class HttpEndpoint:
     def __init__(self, engine: Engine, host: str, port: int) -> None:
         registry = build_registry(engine.snapshot)
@@ -37,7 +45,7 @@ class HttpEndpoint:
                     self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
                     healthy = engine.healthy()
-                    self._reply(200 if healthy else 503, b"ok\n" if healthy else b"engine not making progress\n")
+                    self._reply(200 if healthy else 503, healthz_text(healthy, engine.pending()).encode())
                 elif path == "/status":
                     self._reply(200, json.dumps(status_document(engine), indent=1).encode(), "application/json")
                 elif path == "/":
