@@ -44,8 +44,15 @@ def _open_dir(path: str, uid: int, create: bool) -> int:
     pfd = _open_dir(parent, uid, create=False)
     try:
         os.mkdir(name, 0o755, dir_fd=pfd)
-        fd = _checked_dir(os.open(name, _DIR_FLAGS, dir_fd=pfd), path, 0)
-        os.fchown(fd, uid, -1)
+        # Just made by the agent, so owned by its user: root, or trainguard under the unit (then chowned below).
+        fd = _checked_dir(os.open(name, _DIR_FLAGS, dir_fd=pfd), path, os.geteuid())
+        try:
+            os.fchown(fd, uid, -1)
+        except OSError:  # not handed to the user: not left behind either
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=pfd)
+            raise
         return fd
     except OSError as exc:
         raise ActionError(f"cannot create switch dir {path}: {exc.strerror}") from None
