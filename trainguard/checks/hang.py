@@ -32,7 +32,7 @@ from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes, read_heartbeat
 from trainguard.node.procfs import ProcFS
-from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
+from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, ptrace_refusal, write_dumps
 
 log = logging.getLogger("trainguard.checks.hang")
 
@@ -62,7 +62,8 @@ class HangSettings(CheckSettings):
     io_fallback: bool = Field(True, description="Jobs with no log or heartbeat: their write I/O counters are progress.")
     stacks: bool = Field(True, description="Capture the stacks of a hung job's Python processes with py-spy.")
     py_spy: str = Field("", description="py-spy executable; default: the one installed with trainguard, else PATH.")
-    native: bool = Field(False, description="py-spy --native: include C/C++/CUDA frames (slower).")
+    native: bool = Field(False, description="py-spy --native: include C/C++/CUDA frames (slower; it stops each "
+                                            "process with ptrace, which the unit allows with its native-stacks drop-in).")
     dump_timeout: Duration = Field(10.0, gt=0, description="Timeout of the py-spy dumps of one job.")
 
 
@@ -166,12 +167,23 @@ class HangCheck(JobCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self.settings.native, self.settings.dump_timeout,
+        self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self._native(), self.settings.dump_timeout,
                                   context.proc)
         self._counters = self.load_state(STATE_KEY)  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
         self._dumps = _load_dumps(self.load_state(DUMPS_KEY))
         self._timer: WakeTimer | None = None
         self._dirty = False
+
+    def _native(self) -> bool:
+        """`native = true` where the sandbox allows ptrace; where it does not, said once here, at start, and the
+        dumps keep to Python frames (py-spy --nonblocking needs no ptrace) instead of failing at every hang."""
+        if not (self.settings.native and self.settings.stacks):
+            return False
+        refusal = ptrace_refusal()
+        if refusal is not None:
+            log.error("native stacks refused; hung jobs get Python frames only", extra=kv(
+                check=self.name, reason=refusal, fix="trainguard install --dropin native-stacks (docs/install.md)"))
+        return refusal is None
 
     def start(self, wake: Callable[[], None]) -> None:
         self._timer = WakeTimer(wake, self.context.clock, name=f"deadline-{self.name}")
