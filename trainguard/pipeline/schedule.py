@@ -1,6 +1,6 @@
 """When checks run: one APScheduler interval job per check (its first run at start, then every interval; jitter,
-coalesced, one instance at a time), a one-second
-tick that proves the scheduler itself still makes progress, and triggered runs for event-driven checks."""
+coalesced, one instance at a time), a one-second tick that proves the scheduler itself still makes progress, and
+triggered runs for event-driven checks."""
 
 from __future__ import annotations
 
