@@ -225,7 +225,7 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trainguard.install import DOCS, NEXT_STEPS, Installer, InstallError, dropins
+    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins
 
     installer = Installer(Path(args.root), args.user, with_dropins=tuple(getattr(args, "dropin", ())))
     try:
@@ -236,7 +236,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     print("\n".join(done))
     if args.command == "install":
         print(NEXT_STEPS.format(config=installer.config_path, user=args.user, dropins=", ".join(dropins()),
-                                docs=DOCS), end="")
+                                docs=documentation()), end="")
     return 0
 
 

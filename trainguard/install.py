@@ -206,4 +206,9 @@ Next steps:
   5. curl -s localhost:9721/healthz; curl -s localhost:9721/metrics | head; point Prometheus at port 9721
 See {docs}
 """
-DOCS = "https://github.com/trainguard/trainguard/blob/main/docs/install.md"
+
+
+def documentation() -> str:
+    """Where the unit's Documentation= points (docs/install.md), for the next steps."""
+    lines = UNIT_SOURCE.read_text().splitlines() if UNIT_SOURCE.exists() else []
+    return next((line.split("=", 1)[1] for line in lines if line.startswith("Documentation=")), "docs/install.md")
