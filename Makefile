@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus prometheus-alertmanager prometheus-node-exporter slurmctld slurmd slurmdbd slurm-client munge mariadb-server systemd util-linux
+DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus prometheus-alertmanager prometheus-node-exporter slurmctld slurmd slurmdbd slurm-client munge mariadb-server systemd systemd-container util-linux
 
 .PHONY: run test bench install install-test deb-test lint clean
 

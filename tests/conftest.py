@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.packaging import Dists, build_dists
 from tests.slurm_cluster import SlurmCluster, missing_components
 
 REPO = Path(__file__).resolve().parent.parent
@@ -158,6 +159,15 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     yield cluster
     cluster.stop()
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
+    """The sdist and the wheel built from it, once per session (tests/packaging.py)."""
+    import importlib.util
+
+    require(importlib.util.find_spec("build") is not None, "needs the `build` package (pip install -e '.[test]')")
+    return build_dists(tmp_path_factory.mktemp("dists"))
 
 
 class AgentProcess:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_root
+from tests.conftest import REPO, require_root, require_tool
 from tests.slurm_cluster import JOB_USER, ensure_user
 from trainguard.actions.base import ActionContext, ActionError
 from trainguard.actions.exec import ExecAction, ExecSettings
@@ -25,6 +25,7 @@ from trainguard.actions.switch import create_switch
 from trainguard.agent.configfile import ConfigError, parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
+from trainguard.install import Installer
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
@@ -68,6 +69,44 @@ def test_switch_created_atomically_as_the_user(user_dir: tuple[Path, Identity, i
     assert Path(path).read_text().strip() == '{"reason": "leak"}'
     assert [p.name for p in d.iterdir()] == ["save"]  # no temporary file left behind
     create_switch(str(d), "save", me, gid, {"again": True})  # an existing switch of the user is replaced
+
+
+SWITCH = ("import sys\nfrom trainguard.actions.switch import create_switch\n"
+          "from trainguard.node.access import Identity\n"
+          "print(create_switch(sys.argv[1], 'save', Identity.of_uid(int(sys.argv[2])), int(sys.argv[3]), {}))\n")
+
+
+def switch_as(directory: Path, uid: int, gid: int, *privileges: str) -> subprocess.CompletedProcess[str]:
+    """create_switch in a process with the given setpriv options (a user, capabilities)."""
+    return subprocess.run([require_tool("setpriv"), *privileges, sys.executable, "-c", SWITCH, str(directory), str(uid),
+                           str(gid)], capture_output=True, text=True, timeout=30, cwd=REPO)
+
+
+def test_a_failed_switch_leaves_no_temporary_file(user_dir: tuple[Path, Identity, int]) -> None:
+    """Without CAP_CHOWN (as under a system call filter that denies chown) the attempt fails and the user's directory
+    is left as it was."""
+    d, me, gid = user_dir
+    proc = switch_as(d, me.uid, gid, "--bounding-set=-chown", "--inh-caps=-chown")
+    assert proc.returncode != 0 and "Operation not permitted" in proc.stderr, proc.stderr
+    assert list(d.iterdir()) == []
+    proc = switch_as(d / ".trainguard", me.uid, gid, "--bounding-set=-chown", "--inh-caps=-chown")
+    assert proc.returncode != 0 and "cannot hand switch dir" in proc.stderr, proc.stderr
+    assert list(d.iterdir()) == []  # nor a switch dir it could not hand over
+
+
+def test_switch_as_the_service_user_with_the_dropin_capabilities(user_dir: tuple[Path, Identity, int]) -> None:
+    """Under the unit the agent is `trainguard`, not root: with systemd/switch-files.conf's capabilities it makes the
+    missing switch dir (owned by itself at first) and hands dir and file to the job's user."""
+    d, me, gid = user_dir
+    uid = me.uid
+    Installer().ensure_user()
+    d.chmod(0o700)  # the user's own directory: reached through CAP_DAC_OVERRIDE
+    caps = "-all,+dac_override,+chown"
+    proc = switch_as(d / ".trainguard", uid, gid, "--reuid=trainguard", "--regid=trainguard", "--init-groups",
+                     f"--inh-caps={caps}", f"--ambient-caps={caps}", f"--bounding-set={caps}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{d}/.trainguard/save"
+    assert os.stat(d / ".trainguard").st_uid == uid and os.stat(d / ".trainguard" / "save").st_uid == uid
 
 
 def test_symlink_attack_is_refused(user_dir: tuple[Path, Identity, int], tmp_path: Path) -> None:

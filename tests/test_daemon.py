@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -65,33 +65,95 @@ def test_sigterm_shuts_down_cleanly(tmp_path: Path, agent_process: Callable[...,
     assert (tmp_path / "state" / "state.db").exists()
 
 
-def test_sd_notify_ready_watchdog_stopping(tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
-    sock_path = tmp_path / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(sock_path))
-    sock.settimeout(0.2)
-    messages: list[str] = []
-    done = threading.Event()
+class NotifySocket:
+    """A NOTIFY_SOCKET as systemd listens on it: every datagram the agent sends, in order."""
 
-    def collect() -> None:
-        while not done.is_set():
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.messages: list[str] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        self._sock.settimeout(0.2)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    def _collect(self) -> None:
+        while not self._done.is_set():
             try:
-                messages.append(sock.recv(4096).decode())
+                self.messages.append(self._sock.recv(4096).decode())
             except TimeoutError:
                 continue
 
-    threading.Thread(target=collect, daemon=True).start()
+    def has(self, text: str) -> bool:
+        return any(text in m for m in self.messages)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[NotifySocket]:
+    sock = NotifySocket(tmp_path / "notify.sock")
+    yield sock
+    sock.close()
+
+
+def test_sd_notify_ready_watchdog_stopping(tmp_path: Path, agent_process: Callable[..., AgentProcess],
+                                           notify_socket: NotifySocket) -> None:
+    messages = notify_socket.messages
     agent = agent_process(write_config(tmp_path, free_port()),
-                          env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "1000000"})
-    wait_until(lambda: any("READY=1" in m for m in messages), 15, what="READY=1")
+                          env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "1000000"})
+    wait_until(lambda: notify_socket.has("READY=1"), 15, what="READY=1")
     wait_until(lambda: sum("WATCHDOG=1" in m for m in messages) >= 3, 10, what="watchdog pings")
     agent.signal(signal.SIGTERM)
     agent.wait(timeout=5)
-    wait_until(lambda: any("STOPPING=1" in m for m in messages), 2, what="STOPPING=1")
-    done.set()
-    sock.close()
+    wait_until(lambda: notify_socket.has("STOPPING=1"), 2, what="STOPPING=1")
     ready_at = next(i for i, m in enumerate(messages) if "READY=1" in m)
     assert all("WATCHDOG=1" not in m for m in messages[:ready_at])
+
+
+def test_a_slow_first_round_does_not_hold_ready_back(tmp_path: Path, agent_process: Callable[..., AgentProcess],
+                                                     notify_socket: NotifySocket) -> None:
+    """A controller that does not answer (squeue stands for one here: it sleeps until its timeout kills it) makes
+    the first run of a job check last `slurm_timeout`; READY comes before, and /healthz names that check."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexec sleep 60\n")
+    (bin_dir / "squeue").chmod(0o755)
+    port = free_port()
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f"""
+[agent]
+state_dir = "{tmp_path}/state"
+listen = "127.0.0.1:{port}"
+[jobs]
+sources = ["slurm"]
+slurm_bin_dir = "{bin_dir}"
+slurm_timeout = "5s"
+[checks.alive]
+type = "job_liveness"
+names = ["train"]
+interval = "1h"
+timeout = "10s"
+[checks.memory]
+[notifiers.console]
+""")
+    agent_process(config, env={"NOTIFY_SOCKET": str(notify_socket.path)})
+    wait_until(lambda: notify_socket.has("READY=1"), 15, what="READY=1")
+    healthz = requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    assert healthz.status_code == 200 and healthz.text.startswith("ok; first run pending: alive")  # READY did not wait
+    assert notify_socket.has("STATUS=watching 2 checks; first run pending: alive")
+    wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).text
+               == "ok; first run pending: alive\n", 4, what="memory done, alive still on its first run")
+    wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).text == "ok\n", 15,
+               what="the first round done")
+    wait_until(lambda: any(m == "STATUS=watching 2 checks" for m in notify_socket.messages), 5,
+               what="STATUS after the first round")
+    [result] = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["alive"]["results"]
+    assert result["status"] == "UNKNOWN" and "squeue" in result["summary"] and "timed out" in result["summary"]
 
 
 def test_watchdog_withholds_pings_when_engine_is_wedged(tmp_path: Path) -> None:

@@ -72,6 +72,17 @@ def test_hung_trainer_fires_at_its_deadline_with_its_stack(tmp_path: Path, child
         assert path.parent == tmp_path / "state" / "stacks"
     finally:
         engine.stop()
+    written = path.stat().st_mtime_ns
+    again = hang_engine(tmp_path, marker, {"logs": [str(log)]})  # the agent restarted; the job is still hung
+    again.start()
+    try:
+        report = wait_until(lambda: again.snapshot().checks["hang"].last, 15, what="the first run after the restart")
+        [result] = report.results  # type: ignore[attr-defined]
+        assert result.status is Status.CRITICAL and result.details["stacks_path"] == str(path)
+        assert f"pid {proc.pid}: stuck_in_allreduce (train_toy.py:" in result.summary, result.summary
+        assert list(path.parent.iterdir()) == [path] and path.stat().st_mtime_ns == written  # one dump per hang
+    finally:
+        again.stop()
 
 
 def test_log_rotation_is_no_hang(tmp_path: Path, children: list[subprocess.Popen[str]]) -> None:

@@ -59,9 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--channel", metavar="NAME", help="only this channel")
     p = sub.add_parser("install", help="install the systemd unit, a commented config and the service user",
                        description="Install /etc/systemd/system/trainguard.service (ExecStart: this trainguard), "
-                                   "/etc/trainguard/trainguard.toml (mode 0640, kept if present) and the system user.")
+                                   "the drop-ins asked for, /etc/trainguard (0750) with trainguard.toml (0640, kept "
+                                   "if present) and the system user; print what was done and the next steps.")
     p.add_argument("--root", default="/", metavar="DIR", help="stage under DIR instead of / (no user is created)")
     p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
+    p.add_argument("--dropin", action="append", default=[], metavar="NAME",
+                   help="also install this shipped drop-in into /etc/systemd/system/trainguard.service.d/ "
+                        "(repeatable): switch-files, native-stacks, run-as-root; see docs/install.md")
     p = sub.add_parser("uninstall", help="remove the systemd unit (and with --purge the config, state and user)")
     p.add_argument("--root", default="/", metavar="DIR", help="the DIR given to install --root")
     p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
@@ -213,9 +217,9 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trainguard.install import NEXT_STEPS, Installer, InstallError
+    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins
 
-    installer = Installer(Path(args.root), args.user)
+    installer = Installer(Path(args.root), args.user, with_dropins=tuple(getattr(args, "dropin", ())))
     try:
         done = installer.uninstall(args.purge) if args.command == "uninstall" else installer.install()
     except (InstallError, OSError) as exc:
@@ -223,7 +227,8 @@ def cmd_install(args: argparse.Namespace) -> int:
         return 1
     print("\n".join(done))
     if args.command == "install":
-        print(NEXT_STEPS.format(config=installer.config_path, user=args.user), end="")
+        print(NEXT_STEPS.format(config=installer.config_path, user=args.user, dropins=", ".join(dropins()),
+                                docs=documentation()), end="")
     return 0
 
 

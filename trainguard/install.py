@@ -1,8 +1,11 @@
-"""`trainguard install` / `trainguard uninstall`: the systemd unit, a commented config, the service user.
+"""`trainguard install` / `trainguard uninstall`: the systemd unit and its drop-ins, a commented config, the service
+user.
 
-Every step says what it did; a step already done is left alone (installing twice changes nothing, and a
-config an operator edited is never overwritten). `root` stages everything under another directory
-(packaging, tests); the user is then not created.
+Everything it writes ships inside the package (package data), so a wheel installed without the source tree is
+enough: `trainguard/systemd` is the checkout's top-level `systemd/` folder (a link, so each file has one source),
+`trainguard/default.toml` the config. Every step says what it did; a step already done is left alone (installing
+twice changes nothing, and a config an operator edited is never overwritten). `root` stages everything under
+another directory (packaging, tests); the user is then not created.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import grp
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,9 +24,17 @@ from pathlib import Path
 from trainguard.core.tools import run_tool
 
 PACKAGE = Path(__file__).resolve().parent
-UNIT_SOURCE = PACKAGE.parent / "systemd" / "trainguard.service"
+SYSTEMD = PACKAGE / "systemd"  # package data; in a checkout, a link to the top-level systemd/ folder
+UNIT_SOURCE = SYSTEMD / "trainguard.service"
 DEFAULT_CONFIG = PACKAGE / "default.toml"
 UNIT_EXEC = "/usr/local/bin/trainguard"  # what the shipped unit names; replaced by the real path
+UNIT = "trainguard.service"
+CONFIG_DIR_MODE = 0o750  # the unit's ConfigurationDirectoryMode: systemd warns on every start when they differ
+
+
+def dropins() -> dict[str, Path]:
+    """The drop-ins that ship with trainguard, by name (`switch-files` for systemd/switch-files.conf)."""
+    return {path.stem: path for path in sorted(SYSTEMD.glob("*.conf"))}
 
 
 class InstallError(Exception):
@@ -34,11 +46,16 @@ class Installer:
     root: Path = Path("/")
     user: str = "trainguard"
     executable: str = ""
+    with_dropins: tuple[str, ...] = ()
     done: list[str] = field(default_factory=list)
 
     @property
     def unit_path(self) -> Path:
-        return self.root / "etc/systemd/system/trainguard.service"
+        return self.root / "etc/systemd/system" / UNIT
+
+    @property
+    def dropin_dir(self) -> Path:
+        return self.root / "etc/systemd/system" / f"{UNIT}.d"
 
     @property
     def config_path(self) -> Path:
@@ -49,18 +66,37 @@ class Installer:
         return self.root.resolve() != Path("/")
 
     def install(self) -> list[str]:
+        shipped = dropins()
+        unknown = [name for name in self.with_dropins if name not in shipped]
+        if unknown:  # before anything is written
+            raise InstallError(f"no drop-in named {', '.join(unknown)} (shipped: {', '.join(shipped)})")
+        if not SYSTEMD.is_dir():
+            raise InstallError(f"{SYSTEMD} not found: this trainguard was installed without its package data; "
+                               "reinstall it from a wheel or a source checkout")
         if not self.staged:
             self.ensure_user()
         self._write_unit()
+        for name in self.with_dropins:
+            self._write_dropin(name, shipped[name])
         self._write_config()
         self._systemctl("daemon-reload")
         return self.done
 
     def uninstall(self, purge: bool = False) -> list[str]:
-        self._systemctl("disable", "--now", "trainguard.service")
+        self._systemctl("disable", "--now", UNIT)
         if self.unit_path.exists():
             self.unit_path.unlink()
             self.done.append(f"removed {self.unit_path}")
+        for name in dropins():  # ours only: a site's own drop-ins stay
+            path = self.dropin_dir / f"{name}.conf"
+            if path.exists():
+                path.unlink()
+                self.done.append(f"removed {path}")
+        if self.dropin_dir.is_dir():
+            if any(self.dropin_dir.iterdir()):
+                self.done.append(f"kept {self.dropin_dir} (drop-ins that are not trainguard's)")
+            else:
+                self.dropin_dir.rmdir()
         self._systemctl("daemon-reload")
         if purge:
             for path in (self.config_path.parent, self.root / "var/lib/trainguard"):
@@ -84,24 +120,46 @@ class Installer:
         self.done.append(f"created system user {self.user}")
 
     def _write_unit(self) -> None:
-        if not UNIT_SOURCE.exists():
-            raise InstallError(f"unit file {UNIT_SOURCE} not found: install trainguard from a source checkout "
-                               "(pip install /path/to/trainguard)")
         exe = self.executable or _executable()
         text = UNIT_SOURCE.read_text().replace(f"ExecStart={UNIT_EXEC} ", f"ExecStart={exe} ")
         if self.user != "trainguard":
             text = text.replace("User=trainguard", f"User={self.user}").replace("Group=trainguard", f"Group={self.user}")
-        self.unit_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.unit_path.exists() and self.unit_path.read_text() == text:
-            self.done.append(f"{self.unit_path} up to date")
+        self._write_file(self.unit_path, text, f" (ExecStart={exe})")
+
+    def _write_file(self, path: Path, text: str, note: str = "") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and path.read_text() == text:
+            self.done.append(f"{path} up to date")
             return
-        self.unit_path.write_text(text)
-        self.unit_path.chmod(0o644)
-        self.done.append(f"wrote {self.unit_path} (ExecStart={exe})")
+        path.write_text(text)
+        path.chmod(0o644)
+        self.done.append(f"wrote {path}{note}")
+
+    def _write_dropin(self, name: str, source: Path) -> None:
+        """A drop-in is the operator's to adapt (switch-files lists where jobs run): one that differs from the
+        shipped text is kept, and said so."""
+        path = self.dropin_dir / f"{name}.conf"
+        if path.exists() and path.read_text() != source.read_text():
+            self.done.append(f"kept the existing {path} (it differs from the shipped {source})")
+            return
+        self._write_file(path, source.read_text())
+
+    def _config_dir(self) -> None:
+        """/etc/trainguard as the unit's ConfigurationDirectory= wants it: 0750, group trainguard (systemd does not
+        chown a configuration directory), so the service reads its config without CAP_DAC_READ_SEARCH."""
+        path = self.config_path.parent
+        if not path.is_dir():
+            path.mkdir(parents=True, mode=CONFIG_DIR_MODE)
+            self.done.append(f"created {path} (mode 0750)")
+        elif stat.S_IMODE(path.stat().st_mode) != CONFIG_DIR_MODE:
+            self.done.append(f"set the mode of {path} to 0750 (was {stat.S_IMODE(path.stat().st_mode):04o})")
+        os.chmod(path, CONFIG_DIR_MODE)  # mkdir's mode passes through the umask
+        if not self.staged and _exists(grp.getgrnam, self.user):
+            os.chown(path, 0, grp.getgrnam(self.user).gr_gid)
 
     def _write_config(self) -> None:
         path = self.config_path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._config_dir()
         if path.exists():
             self.done.append(f"kept the existing {path}")
             return
@@ -142,7 +200,15 @@ NEXT_STEPS = """
 Next steps:
   1. Edit {config} (checks, Slack/email, jobs); check it: trainguard validate --config {config}
   2. SLURM drain/requeue as user {user}: sacctmgr -i add user {user} account=root adminlevel=Operator
-  3. systemctl enable --now trainguard && journalctl -u trainguard -f
-  4. curl -s localhost:9721/metrics | head; point Prometheus at port 9721 (deploy/prometheus/)
-See docs/install.md.
+     (or: trainguard install --dropin run-as-root)
+  3. Optional features, each a drop-in: trainguard install --dropin NAME, for NAME in: {dropins}
+  4. systemctl enable --now trainguard && systemctl status trainguard && journalctl -u trainguard -f
+  5. curl -s localhost:9721/healthz; curl -s localhost:9721/metrics | head; point Prometheus at port 9721
+See {docs}
 """
+
+
+def documentation() -> str:
+    """Where the unit's Documentation= points (docs/install.md), for the next steps."""
+    lines = UNIT_SOURCE.read_text().splitlines() if UNIT_SOURCE.exists() else []
+    return next((line.split("=", 1)[1] for line in lines if line.startswith("Documentation=")), "docs/install.md")

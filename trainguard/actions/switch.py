@@ -80,10 +80,12 @@ def _create_dir(pfd: int, name: str, path: str, identity: Identity) -> int:
         fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
     except OSError as exc:
         raise ActionError(f"cannot create switch dir {path}: {exc.strerror}") from None
-    try:
+    try:  # just made by the agent, so its own (root's, or trainguard's under the unit) until handed over
         os.fchown(fd, identity.uid, -1)
-    except OSError as exc:
+    except OSError as exc:  # not handed to the user: not left behind either
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(name, dir_fd=pfd)
         raise ActionError(f"cannot hand switch dir {path} to uid {identity.uid}: {exc.strerror}") from None
     return fd
 

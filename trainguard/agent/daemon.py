@@ -52,11 +52,21 @@ def run_daemon(config: Config) -> int:
     systemd = SystemdNotifier()
     pinger = WatchdogPinger(systemd, engine.healthy)
     engine.start()
-    systemd.notify("READY=1", f"STATUS=watching {len(engine.checks)} checks")
+    # Ready as soon as the endpoint serves and the scheduler runs: the first round runs from here on, so a slow
+    # check (squeue timing out) neither delays READY nor risks systemd's start timeout.
+    pending = engine.pending()
+    systemd.notify("READY=1", _status_line(len(engine.checks), pending))
     pinger.start()
-    log.info("ready", extra=kv(checks=len(engine.checks), watchdog_s=systemd.watchdog_s))
+    log.info("ready", extra=kv(checks=len(engine.checks), pending=",".join(pending) or None,
+                               watchdog_s=systemd.watchdog_s))
     while not stop.wait(1.0):
-        pass
+        if pending:
+            now_pending = engine.pending()
+            if now_pending != pending:  # `systemctl status` shows the first round completing
+                pending = now_pending
+                systemd.notify(_status_line(len(engine.checks), pending))
+                if not pending:
+                    log.info("first round done", extra=kv(checks=len(engine.checks)))
     t0 = time.monotonic()
     systemd.notify("STOPPING=1")
     pinger.stop()
@@ -67,3 +77,8 @@ def run_daemon(config: Config) -> int:
     engine.stop()
     log.info("stopped", extra=kv(shutdown_s=round(time.monotonic() - t0, 3)))
     return 0
+
+
+def _status_line(checks: int, pending: list[str]) -> str:
+    return (f"STATUS=watching {checks} checks" if not pending
+            else f"STATUS=watching {checks} checks; first run pending: {', '.join(pending)}")

@@ -71,6 +71,14 @@ class _UnixServer(socketserver.ThreadingUnixStreamServer):
         return False
 
 
+def healthz_text(healthy: bool, pending: list[str]) -> str:
+    """/healthz: the engine's liveness, and which checks are still on their first run (up and serving, not yet
+    judged: a slow first round never makes the agent unhealthy)."""
+    if not healthy:
+        return "engine not making progress\n"
+    return f"ok; first run pending: {', '.join(pending)}\n" if pending else "ok\n"
+
+
 def may_control(uid: int, gid: int) -> bool:
     """Root, the agent's own user, or a member of the agent's group (primary or supplementary)."""
     if uid in (0, os.geteuid()) or gid == os.getegid():
@@ -95,7 +103,7 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif path == "/healthz":
                 healthy = engine.healthy()
-                self._reply(200 if healthy else 503, b"ok\n" if healthy else b"engine not making progress\n")
+                self._reply(200 if healthy else 503, healthz_text(healthy, engine.pending()).encode())
             elif path == "/status":
                 self._reply(200, json.dumps(status_document(engine, details), indent=1).encode(), "application/json")
             elif path == "/":

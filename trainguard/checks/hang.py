@@ -7,7 +7,8 @@ neither, the write I/O counters of its process tree.
 
 The check is not polled blindly: after each run it sets a timer for the earliest deadline (last
 progress + stale_after), so a hang is reported within a second of it. The first run that finds a
-job hung captures its stacks (py-spy) before the incident fires and any action touches the job.
+job hung captures its stacks (py-spy) before the incident fires and any action touches the job:
+once per hang, also across restarts of the agent (the state remembers which hang was dumped where).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from trainguard.jobs.model import Job
 from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes, read_heartbeat
 from trainguard.node.access import Identity, stat_as
 from trainguard.node.procfs import ProcFS
-from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, write_dumps
+from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, ptrace_refusal, write_dumps
 
 log = logging.getLogger("trainguard.checks.hang")
 
 STATE_KEY = "hang.counters"
+DUMPS_KEY = "hang.dumps"  # job key -> the hang its stacks were taken for: a restart does not dump a still-hung job again
 _WRITE_MODES = ("w", "a", "r+", "w+", "a+")
 
 _JOB = ("job_id", "name")
@@ -61,7 +63,8 @@ class HangSettings(CheckSettings):
     io_fallback: bool = Field(True, description="Jobs with no log or heartbeat: their write I/O counters are progress.")
     stacks: bool = Field(True, description="Capture the stacks of a hung job's Python processes with py-spy.")
     py_spy: str = Field("", description="py-spy executable; default: the one installed with trainguard, else PATH.")
-    native: bool = Field(False, description="py-spy --native: include C/C++/CUDA frames (slower).")
+    native: bool = Field(False, description="py-spy --native: include C/C++/CUDA frames (slower; it stops each "
+                                            "process with ptrace, which the unit allows with its native-stacks drop-in).")
     dump_timeout: Duration = Field(10.0, gt=0, description="Timeout of the py-spy dumps of one job.")
 
 
@@ -139,6 +142,25 @@ def summarize(job: Job, progress: Progress, stale_after: float, now: float, stac
     return text
 
 
+def _stack_record(stack: ProcessStack) -> dict[str, Any]:
+    """What the state keeps of a stack: all but the full dump text, which is in the dump file."""
+    return {"pid": stack.pid, "rank": stack.rank, "state": stack.state, "where": stack.where, "wchan": stack.wchan}
+
+
+def _load_dumps(saved: dict[str, Any]) -> dict[str, tuple[float, list[ProcessStack], Path | None]]:
+    """The dumps an earlier run of the agent took, from its state; a record that does not parse is dropped (that
+    job is dumped again, nothing worse)."""
+    dumps = {}
+    for key, record in saved.items():
+        try:
+            stacks = [ProcessStack(int(s["pid"]), s["rank"], str(s["state"]), str(s["where"]), wchan=s["wchan"])
+                      for s in record["stacks"]]
+            dumps[key] = (float(record["since"]), stacks, Path(record["path"]) if record["path"] else None)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return dumps
+
+
 class HangCheck(JobCheck):
     Settings = HangSettings
     metrics = METRICS
@@ -146,12 +168,23 @@ class HangCheck(JobCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self.settings.native, self.settings.dump_timeout,
+        self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self._native(), self.settings.dump_timeout,
                                   context.proc)
         self._counters = self.load_state(STATE_KEY)  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
-        self._dumps: dict[str, tuple[float, list[ProcessStack], Path | None]] = {}
+        self._dumps = _load_dumps(self.load_state(DUMPS_KEY))
         self._timer: WakeTimer | None = None
         self._dirty = False
+
+    def _native(self) -> bool:
+        """`native = true` where the sandbox allows ptrace; where it does not, said once here, at start, and the
+        dumps keep to Python frames (py-spy --nonblocking needs no ptrace) instead of failing at every hang."""
+        if not (self.settings.native and self.settings.stacks):
+            return False
+        refusal = ptrace_refusal()
+        if refusal is not None:
+            log.error("native stacks refused; hung jobs get Python frames only", extra=kv(
+                check=self.name, reason=refusal, fix="trainguard install --dropin native-stacks (docs/install.md)"))
+        return refusal is None
 
     def start(self, wake: Callable[[], None]) -> None:
         self._timer = WakeTimer(wake, self.context.clock, name=f"deadline-{self.name}")
@@ -216,7 +249,7 @@ class HangCheck(JobCheck):
             status = evaluate(progress, limit, now)
             stacks, dump_path = self._stacks(job, procs, progress, now) if status is not Status.OK else ([], None)
             if status is Status.OK:
-                self._dumps.pop(job.key, None)
+                self._dirty |= self._dumps.pop(job.key, None) is not None
                 deadlines.append(progress.last.at + limit)
             results.append(self._result(job, progress, limit, now, status, stacks, dump_path))
         self._forget(live)
@@ -242,6 +275,7 @@ class HangCheck(JobCheck):
             log.warning("hung job stacks", extra=kv(job=job.key, processes=len(stacks), path=path,
                                                     where=stacks[0].describe() if stacks else None))
         self._dumps[job.key] = (progress.last.at, stacks, path)
+        self._dirty = True
         return stacks, path
 
     def _forget(self, live: set[str]) -> None:
@@ -250,9 +284,13 @@ class HangCheck(JobCheck):
             self._dirty = True
         for key in set(self._dumps) - live:
             del self._dumps[key]
-        if self._dirty:  # losing this only restarts the hang clocks
+            self._dirty = True
+        if self._dirty:  # losing this only restarts the hang clocks (and dumps a still-hung job once more)
             self._dirty = False
             self.save_state(STATE_KEY, self._counters)
+            self.save_state(DUMPS_KEY, {key: {"since": since, "path": str(path) if path else None,
+                                              "stacks": [_stack_record(s) for s in stacks]}
+                                        for key, (since, stacks, path) in self._dumps.items()})
 
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
                 stacks: list[ProcessStack], dump_path: Path | None) -> Result:

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from trainguard.core.text import linear
+from trainguard.core.tools import run_tool
 from trainguard.node.procfs import ProcFS
 
 _FRAME = linear(r"^\s+(\S.*?) \((.+?)\)\s*$")
@@ -79,6 +80,31 @@ def _is_python(proc: psutil.Process) -> bool:
     except psutil.Error:
         return False
     return any(n.startswith("python") for n in names)
+
+
+# PTRACE_ATTACH (16) to pid 0 finds no such process (ESRCH) before any permission is weighed: EPERM can only come
+# from a system call filter refusing ptrace itself (the unit's @system-service has none).
+_PTRACE_PROBE = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+refused = libc.ptrace(16, 0, None, None) == -1 and ctypes.get_errno() == errno.EPERM
+print("the system call filter refuses ptrace (EPERM)" if refused else "allowed")
+"""
+
+
+class _ProbeError(Exception):
+    pass
+
+
+def ptrace_refusal(timeout: float = 10.0) -> str | None:
+    """Why this process may not call ptrace, which `py-spy dump --native` needs to stop each process it reads; None
+    when it may. Probed in a child: a filter without SystemCallErrorNumber= kills the caller instead of refusing."""
+    try:
+        said = run_tool([sys.executable, "-c", _PTRACE_PROBE], timeout, _ProbeError, label="the ptrace probe").strip()
+    except _ProbeError as exc:  # e.g. "the ptrace probe exited -31" (SIGSYS): killed by the filter
+        return str(exc)
+    return None if said == "allowed" else said
 
 
 def find_py_spy(configured: str = "") -> str | None:

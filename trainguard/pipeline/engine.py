@@ -209,8 +209,15 @@ class Engine:
         """False when the scheduler stopped making progress: the systemd watchdog then restarts us."""
         return not self.stop_event.is_set() and time.monotonic() - self._last_tick < max_age_s
 
+    def pending(self) -> list[str]:
+        """The checks whose first run has not finished yet (the agent is up; these have nothing to say so far)."""
+        with self._lock:
+            return [name for name, state in self._states.items() if state.runs == 0]
+
     # lifecycle -----------------------------------------------------------------
     def start(self) -> None:
+        """Starts the scheduler and returns: each check's first run is its first scheduled run, due at once, so a
+        slow one (squeue timing out) delays nobody, READY included (`pending()` names those not done yet)."""
         self.dispatcher.start()
         for notifier in self.notifiers.values():
             notifier.start(self.firing_events)
@@ -222,7 +229,6 @@ class Engine:
                 check.start(lambda name=name: self.trigger(name))
             except Exception as exc:  # noqa: BLE001 - its runs will show the failure
                 log.error("check watcher could not start", extra=kv(check=name, error=exc))
-        self.run_round()
         self._schedule.start()
         log.info("engine started", extra=kv(checks=",".join(self.checks) or "-",
                                              notifiers=",".join(self.notifiers) or "-"))

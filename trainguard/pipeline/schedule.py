@@ -1,11 +1,12 @@
-"""When checks run: one APScheduler interval job per check (jitter, coalesced, one instance at a time), a one-second
-tick that proves the scheduler itself still makes progress, and triggered runs for event-driven checks."""
+"""When checks run: one APScheduler interval job per check (its first run at start, then every interval; jitter,
+coalesced, one instance at a time), a one-second tick that proves the scheduler itself still makes progress, and
+triggered runs for event-driven checks."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 TICK_S = 1.0
@@ -34,9 +35,9 @@ class Schedule:
             timezone="UTC",
         )
         now = datetime.now(timezone.utc)
-        for name, (interval, jitter) in self._intervals.items():
+        for name, (interval, jitter) in self._intervals.items():  # the first run of every check is due now
             self._scheduler.add_job(self._run, IntervalTrigger(seconds=interval, jitter=jitter or None), args=[name],
-                                    id=f"check:{name}", name=name, next_run_time=now + timedelta(seconds=interval))
+                                    id=f"check:{name}", name=name, next_run_time=now)
         self._scheduler.add_job(self._tick, IntervalTrigger(seconds=TICK_S), id="tick", executor="tick")
         self._scheduler.start()
 

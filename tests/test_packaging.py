@@ -1,0 +1,79 @@
+"""The wheel is all a node needs: built from the checkout (sdist, then the wheel from the sdist, as `python -m build`
+does), it carries the unit, its drop-ins, the default config and the XID catalog, and `trainguard install` runs from
+it without the source tree. The version is said in one place."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+from tests.packaging import Dists, build, copy_checkout
+from trainguard import __version__
+from trainguard.install import DEFAULT_CONFIG, dropins
+
+from .conftest import REPO
+
+
+def package_files() -> list[str]:
+    """Every file of the package in the checkout, as the wheel names it (through the systemd/ link)."""
+    found = []
+    for top, dirs, files in os.walk(REPO / "trainguard", followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        found += [Path(top, f).relative_to(REPO).as_posix() for f in files]
+    return sorted(found)
+
+
+def test_the_wheel_carries_everything_install_needs(dists: Dists) -> None:
+    with zipfile.ZipFile(dists.wheel) as whl:
+        names = set(whl.namelist())
+        assert set(package_files()) <= names, set(package_files()) - names
+        shipped = sorted(n for n in names if n.startswith("trainguard/systemd/"))
+        assert shipped == sorted(f"trainguard/systemd/{p.name}" for p in (REPO / "systemd").iterdir())
+        for name in shipped:  # byte for byte the checkout's top-level systemd/ files
+            assert whl.read(name) == (REPO / "systemd" / Path(name).name).read_bytes(), name
+        assert whl.read("trainguard/default.toml") == DEFAULT_CONFIG.read_bytes()
+        assert whl.read("trainguard/gpu/xid_catalog.toml") == (REPO / "trainguard/gpu/xid_catalog.toml").read_bytes()
+        info = f"trainguard-{__version__}.dist-info"
+        metadata = Parser().parsestr(whl.read(f"{info}/METADATA").decode())
+        assert metadata["Version"] == __version__  # trainguard/__init__.py is the one place
+        assert "trainguard = trainguard.cli:main" in whl.read(f"{info}/entry_points.txt").decode()
+
+
+def test_the_sdist_builds_the_same_wheel(dists: Dists, tmp_path: Path) -> None:
+    [direct] = build(copy_checkout(tmp_path / "src"), tmp_path / "direct", "--wheel")
+    with zipfile.ZipFile(direct) as a, zipfile.ZipFile(dists.wheel) as b:
+        assert sorted(a.namelist()) == sorted(b.namelist())
+        different = [n for n in a.namelist() if a.read(n) != b.read(n)]
+        assert different == [], different
+
+
+def test_install_runs_from_the_wheel_alone(dists: Dists, tmp_path: Path) -> None:
+    """The wheel unpacked somewhere else and imported from there (not from the checkout): install stages the unit,
+    the drop-ins asked for and the config, all from the package data."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(dists.wheel) as whl:
+        whl.extractall(site)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import trainguard, trainguard.cli\n"
+            "assert trainguard.__file__.startswith(sys.argv[1]), trainguard.__file__\n"
+            "sys.exit(trainguard.cli.main(sys.argv[2:]))")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code, str(site), *args], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path)
+
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"trainguard {__version__}", version.stderr
+    staged = tmp_path / "root"
+    proc = cli("install", "--root", str(staged), "--dropin", "switch-files", "--dropin", "native-stacks")
+    assert proc.returncode == 0, proc.stderr
+    etc = staged / "etc"
+    assert "ExecStart=" in (etc / "systemd/system/trainguard.service").read_text()
+    for name in ("switch-files", "native-stacks"):
+        assert (etc / f"systemd/system/trainguard.service.d/{name}.conf").read_bytes() == dropins()[name].read_bytes()
+    assert (etc / "trainguard/trainguard.toml").read_bytes() == DEFAULT_CONFIG.read_bytes()
+    assert f"wrote {etc}/systemd/system/trainguard.service.d/switch-files.conf" in proc.stdout  # what it did
+    assert "Next steps" in proc.stdout and "trainguard install --dropin NAME" in proc.stdout  # and what comes next
