@@ -30,7 +30,7 @@ def run_daemon(config: Config) -> int:
 
     log.info("starting", extra=kv(version=__version__, node=config.agent.node_name,
                                   config=config.source or "(built-in default)", state_dir=config.agent.state_dir))
-    engine = Engine(config)
+    engine = Engine(config, self_check=True)
     if not engine.store.persistent:
         log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))
     endpoint = None
@@ -55,18 +55,18 @@ def run_daemon(config: Config) -> int:
     # Ready as soon as the endpoint serves and the scheduler runs: the first round runs from here on, so a slow
     # check (squeue timing out) neither delays READY nor risks systemd's start timeout.
     pending = engine.pending()
-    systemd.notify("READY=1", _status_line(len(engine.checks), pending))
+    systemd.notify("READY=1", _status_line(len(engine.configured), pending))
     pinger.start()
-    log.info("ready", extra=kv(checks=len(engine.checks), pending=",".join(pending) or None,
+    log.info("ready", extra=kv(checks=len(engine.configured), pending=",".join(pending) or None,
                                watchdog_s=systemd.watchdog_s))
     while not stop.wait(1.0):
         if pending:
             now_pending = engine.pending()
             if now_pending != pending:  # `systemctl status` shows the first round completing
                 pending = now_pending
-                systemd.notify(_status_line(len(engine.checks), pending))
+                systemd.notify(_status_line(len(engine.configured), pending))
                 if not pending:
-                    log.info("first round done", extra=kv(checks=len(engine.checks)))
+                    log.info("first round done", extra=kv(checks=len(engine.configured)))
     t0 = time.monotonic()
     systemd.notify("STOPPING=1")
     pinger.stop()

@@ -70,8 +70,8 @@ def _rank(proc: psutil.Process) -> str | None:
     except psutil.Error:
         return None
     # A rank is a small number; the environment is the job's, so anything else is not a rank.
-    return next((env[v] for v in _RANK_VARS if env.get(v, "").isascii() and env[v].isdigit() and len(env[v]) <= 9),
-                None)
+    values = (env.get(v, "") for v in _RANK_VARS)
+    return next((v for v in values if v.isascii() and v.isdigit() and len(v) <= 9), None)
 
 
 def _is_python(proc: psutil.Process) -> bool:

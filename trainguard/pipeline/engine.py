@@ -76,6 +76,7 @@ class Engine:
         notifiers: Mapping[str, Notifier] | None = None,
         clock: Callable[[], float] = time.time,
         nvml: Nvml | None = None,
+        self_check: bool = False,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -92,7 +93,7 @@ class Engine:
             if settings.enabled:
                 context = replace(shared, state=ScopedState(self.store, f"check/{name}", legacy=self.store))
                 self.checks[name] = self._build_check(registry, config.kind_of_check(name), name, settings, context)
-        if self.store.path is not None:  # an agent meant to keep state watches that it can
+        if self_check:  # the daemon watches its own health (today: that its state can be written)
             self.checks[SELF_NAME] = AgentCheck(shared, self.store)
         self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
@@ -209,10 +210,16 @@ class Engine:
         """False when the scheduler stopped making progress: the systemd watchdog then restarts us."""
         return not self.stop_event.is_set() and time.monotonic() - self._last_tick < max_age_s
 
+    @property
+    def configured(self) -> list[str]:
+        """The checks the config asked for (the agent's own health check aside)."""
+        return [name for name in self.checks if name != SELF_NAME]
+
     def pending(self) -> list[str]:
-        """The checks whose first run has not finished yet (the agent is up; these have nothing to say so far)."""
+        """The configured checks whose first run has not finished yet (the agent is up; they have nothing to say
+        so far)."""
         with self._lock:
-            return [name for name, state in self._states.items() if state.runs == 0]
+            return [name for name, state in self._states.items() if state.runs == 0 and name != SELF_NAME]
 
     # lifecycle -----------------------------------------------------------------
     def start(self) -> None:
