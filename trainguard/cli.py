@@ -1,11 +1,12 @@
-"""The `trainguard` command: run, check, status, validate, notify-test, install, uninstall, config-reference,
-metrics-reference."""
+"""The `trainguard` command: run, check, status, ack, silence, clear, validate, notify-test, install, uninstall,
+config-reference, metrics-reference."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,24 @@ def _parser() -> argparse.ArgumentParser:
                                    description="Ask a running agent's /status endpoint and print a table."))
     p.add_argument("--url", help="agent base URL (default: from the config's agent.listen)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p = with_config(sub.add_parser("ack", help="acknowledge incidents: no more reminders (they stay visible)",
+                                   description="Acknowledge the incidents of a check (or one subject) of the running "
+                                               "agent: reminders stop; the incident stays until it resolves. Over the "
+                                               "control socket: root and the trainguard group."))
+    p.add_argument("target", metavar="CHECK[/SUBJECT]")
+    p.add_argument("--reason", default="", help="why (recorded and announced)")
+    p = with_config(sub.add_parser("silence", help="silence a check (or one subject) for a while",
+                                   description="While the silence lasts, nothing of these incidents is announced and "
+                                               "no action runs; its end is announced, with what fired meanwhile."))
+    p.add_argument("target", metavar="CHECK[/SUBJECT]")
+    p.add_argument("--for", dest="duration", required=True, metavar="DURATION", help="e.g. 2h, 30m")
+    p.add_argument("--reason", required=True, help="why (recorded and announced)")
+    p = with_config(sub.add_parser("clear", help="the cause is fixed: resolve the incident and forget its history",
+                                   description="Resolve an incident now because its cause is fixed (a GPU was reset): "
+                                               "the check forgets what it recorded about the subject (an XID's "
+                                               "history), and only what happens from now on fires again."))
+    p.add_argument("target", metavar="CHECK/SUBJECT")
+    p.add_argument("--reason", required=True, help="what was fixed (recorded and announced)")
     with_config(sub.add_parser("validate", help="check a config file and print the effective config",
                                description="Validate a config file and print the effective config (secrets redacted)."))
     p = with_config(sub.add_parser("notify-test", help="send a test message through the configured channels",
@@ -194,8 +213,16 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
                  for i in incidents]
         print(_table(rows))
         for i in incidents:
+            if i.get("acked"):
+                ack = i["acked"]
+                print(f"  {i['check']}/{i['subject']}: acknowledged by {ack['by']}"
+                      + (f": {ack['reason']}" if ack.get("reason") else ""))
             for a in i.get("actions", []):
                 print(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}")
+    for s in data.get("silences", []):
+        until = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["until"]))
+        print(f"\nsilenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
+              + f" until {until} by {s['by']}: {s['reason']}")
     jobs = data.get("jobs")
     if jobs:
         print(f"\njobs on this node ({', '.join(jobs['sources'])}"
@@ -211,6 +238,24 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
             rows.append([r["status"], name, r["subject"], r["summary"]])
     print("\nlast results")
     print(_table(rows))
+    return 0
+
+
+def cmd_operator(config: Config, args: argparse.Namespace) -> int:
+    from trainguard.agent.client import AgentUnreachableError, CommandRefusedError, command
+
+    body = {"target": args.target, "reason": args.reason}
+    if args.command == "silence":
+        body["for"] = args.duration
+    try:
+        reply, _ = command(config, "/" + ("ack" if args.command == "ack" else args.command), body)
+    except CommandRefusedError as exc:
+        print(f"trainguard {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except AgentUnreachableError as exc:
+        print(f"trainguard {args.command}: cannot reach the agent: {exc}", file=sys.stderr)
+        return 3
+    print(reply["done"])
     return 0
 
 
@@ -256,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_status(config, args.url, args.json)
     if args.command == "notify-test":
         return cmd_notify_test(config, args.channel)
+    if args.command in ("ack", "silence", "clear"):
+        return cmd_operator(config, args)
     from trainguard.agent.daemon import run_daemon
 
     return run_daemon(config)

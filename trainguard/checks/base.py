@@ -93,6 +93,10 @@ class Check(ABC):
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Stop what `start` started."""
 
+    def clear(self, subject: str, at: float) -> None:  # noqa: B027 - optional hook
+        """An operator says the cause behind `subject` is fixed (`trainguard clear`): checks that keep a history
+        (XIDs seen, log findings) forget what they recorded about it up to `at`, so it does not fire again."""
+
     def load_state(self, key: str) -> dict[str, Any]:
         """A JSON object this check saved (counters, positions); {} when absent or unreadable."""
         return self.context.state.load_json(key)

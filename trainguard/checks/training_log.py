@@ -104,6 +104,13 @@ class TrainingLogCheck(JobCheck):
         self.save_state(FINDINGS_KEY, self._findings)
         return results
 
+    def clear(self, subject: str, at: float) -> None:
+        """The job's findings so far are dealt with: only what its logs say from now on counts."""
+        self._findings.pop(subject, None)
+        self._nan_streaks.pop(subject, None)
+        self._counts.pop(subject, None)
+        self.save_state(FINDINGS_KEY, self._findings)
+
     def _read(self, job: Job, path: str) -> None:
         tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
         streaks = self._nan_streaks.setdefault(job.key, {})
