@@ -11,6 +11,8 @@ from typing import Any
 import psutil
 
 from trainguard.jobs.model import Job
+from trainguard.node.flight import RankTrace, fetch, read_dumps
+from trainguard.node.procfs import ProcFS
 
 
 def job_processes(job: Job) -> list[psutil.Process]:
@@ -69,3 +71,20 @@ def read_heartbeat(path: str) -> tuple[int | None, dict[str, Any]]:
     step, metrics = data.get("step"), data.get("metrics")
     return (step if isinstance(step, int) and not isinstance(step, bool) else None,
             metrics if isinstance(metrics, dict) else {})
+
+
+FLIGHT_RECORDER_DUMPS = "{switch_dir}/flight-recorder"  # where trainguard.trainer points the NCCL watchdog's dumps
+
+
+def flight_traces(job: Job, procs: Sequence[psutil.Process], dumps: str, node: str | None, timeout: float,
+                  proc: ProcFS | None = None) -> list[RankTrace]:
+    """The job's flight recorders: live from its ranks' worker sockets, else the dumps its NCCL watchdog left in
+    `dumps` (a path template as the logs'; empty: none), read only when owned by the job's user."""
+    traces = fetch(procs, node, timeout, proc) if procs else []
+    if traces or not dumps or (not job.switch_dir and "{switch_dir}" in dumps):
+        return traces
+    try:
+        directory = Path(dumps.format(**job_fields(job)))
+    except (KeyError, IndexError, ValueError):
+        return []
+    return read_dumps(directory, job.uid, node)
