@@ -40,15 +40,26 @@ class SignatureSettings(SettingsModel):
 # the (rare) lines that contain one.
 BUILTIN: tuple[Signature, ...] = (
     Signature("cuda_oom", (b"out of memory",),
-              re.compile(r"CUDA out of memory|cuda runtime error \(2\) : out of memory|THCudaCheck FAIL.*out of memory"),
-              Status.CRITICAL),
+              re.compile(r"(?:CUDA|HIP) out of memory|cuda runtime error \(2\) : out of memory"
+                         r"|THCudaCheck FAIL.{0,300}?: out of memory"), Status.CRITICAL),
     Signature("nccl_timeout", (b"atchdog",),
               re.compile(r"Watchdog caught collective operation timeout|NCCL watchdog thread terminated"), Status.CRITICAL),
-    Signature("cuda_error", (b"CUDA",), re.compile(r"CUDA (?:driver )?error: |c10::CUDAError"), Status.CRITICAL),
+    # Where each rank's collectives stood when its watchdog fired: feeds the timeout's story, no finding of its own.
+    Signature("nccl_progress", (b"atchdog", b"Timeout at NCCL work"),
+              re.compile(r"detected by watchdog at work: \d|failure detected by watchdog at work sequence id: \d"
+                         r"|Timeout at NCCL work: \d"), Status.OK),
+    Signature("collective_failure", (b"monitoredBarrier", b"Connection closed by peer", b"Timed out waiting"),
+              re.compile(r"failed to pass monitoredBarrier|Connection closed by peer|Timed out waiting \d{1,12}ms for "
+                         r"(?:recv|send) operation"), Status.CRITICAL),
+    Signature("cuda_error", (b"CUDA", b"cuda runtime error", b"error=4 :"),
+              # THC's numbered errors, except 2 (out of memory: cuda_oom's)
+              re.compile(r"CUDA (?:driver )?error: |c10::CUDAError|cuda runtime error \((?!2\))\d{1,4}\) : "
+                         r"|THCudaCheck FAIL.{0,300}? error=(?!2 )\d{1,4} : "), Status.CRITICAL),
     Signature("device_assert", (b"Assertion `",), re.compile(r"Assertion `.+` failed"), Status.OK),
-    Signature("nan_loss", (b"nan", b"NaN", b"inf", b"Inf"),
+    Signature("nan_loss", (b"nan", b"NaN", b"inf", b"Inf", b"non-finite"),
               re.compile(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN"""
-                         r"""|found NaN in local grad norm)""", re.IGNORECASE), Status.WARNING,
+                         r"""|found NaN in local grad norm|returned nan values in its \d+th output"""
+                         r"""|is non-finite, so it cannot be clipped)""", re.IGNORECASE), Status.WARNING,
               "the loss diverged: lower the learning rate, check the data batch, resume from an earlier checkpoint"),
     Signature("fp16_overflow", (b"OVERFLOW!",), re.compile(r"OVERFLOW! Rank \d+ Skipping step"), Status.OK),
     Signature("loss_scale_min", (b"at minimum",), re.compile(r"loss scale already at minimum", re.I),
