@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -294,3 +295,20 @@ def test_a_failed_slurm_job_gets_its_exit_code_and_final_exception(slurm: SlurmC
     assert signatures == (["traceback", "exit"] if traceback else ["exit"])
     [again] = [r for r in watch.run() if r.subject == f"slurm:{job_id}"]
     assert [f["signature"] for f in again.details["findings"]] == signatures  # told once
+
+
+def test_a_collective_timeout_is_cross_checked_with_the_flight_recorder_dumps(
+        tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    """Rank 0's Gloo timeout in its log; in the switch dir, the ranks' flight-recorder dumps (real pickles of a
+    two-rank Gloo job, tests/data/flight_recorder): the story names rank 1, which never entered the all_reduce."""
+    marker, logs = trainer
+    logs.mkdir()
+    dumps = tmp_path / "switch" / "flight-recorder"
+    shutil.copytree(Path(__file__).parent / "data" / "flight_recorder" / "dumps", dumps)
+    (logs / "rank0.log").write_bytes(lines("step 3 loss=2.0", corpus("gloo", "timeout")))
+    [result] = check(tmp_path, marker, Store(None)).run()
+    assert result.status is Status.CRITICAL
+    assert result.summary.startswith("process job trainer: a Gloo collective timed out after 2s on rank 0; flight "
+                                     "recorder: rank 1 never entered all_reduce #5 (its last: barrier #4); rank 0 "
+                                     "waiting — a collective hang"), result.summary
+    assert result.details["collectives"]["flight_recorder"]["missing"][0]["rank"] == 1

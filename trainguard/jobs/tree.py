@@ -79,7 +79,8 @@ FLIGHT_RECORDER_DUMPS = "{switch_dir}/flight-recorder"  # where trainguard.train
 def flight_traces(job: Job, procs: Sequence[psutil.Process], dumps: str, node: str | None, timeout: float,
                   proc: ProcFS | None = None) -> list[RankTrace]:
     """The job's flight recorders: live from its ranks' worker sockets, else the dumps its NCCL watchdog left in
-    `dumps` (a path template as the logs'; empty: none), read only when owned by the job's user."""
+    `dumps` (a path template as the logs'; empty: none), read only when owned by the job's user. Live ranks are this
+    node's (`node`); a dump's node is not known."""
     traces = fetch(procs, node, timeout, proc) if procs else []
     if traces or not dumps or (not job.switch_dir and "{switch_dir}" in dumps):
         return traces
@@ -87,4 +88,4 @@ def flight_traces(job: Job, procs: Sequence[psutil.Process], dumps: str, node: s
         directory = Path(dumps.format(**job_fields(job)))
     except (KeyError, IndexError, ValueError):
         return []
-    return read_dumps(directory, job.uid, node)
+    return read_dumps(directory, job.uid)  # a shared switch dir holds other nodes' ranks too: node unknown
