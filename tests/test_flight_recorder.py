@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,8 +25,10 @@ from typing import Any
 import pytest
 import tomli_w
 
-from tests.conftest import REPO, AgentProcess, free_port, require, wait_until
+from tests.conftest import REPO, AgentProcess, free_port, require, require_root, require_tool, wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, slack_emulator, smtp_server
+from tests.slurm_cluster import JOB_USER, ensure_user
+from trainguard.install import Installer
 from trainguard.node.flight import (
     Collective,
     RankTrace,
@@ -178,7 +183,7 @@ def test_the_hang_check_names_the_rank_that_never_entered_the_collective(
     with slack_emulator() as slack, smtp_server(tmp_path) as smtp:
         agent = agent_process(agent_config(tmp_path, marker, slack, smtp))
         env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               "TRAINGUARD_SWITCH_DIR": str(tmp_path / "switch"), "PYTHONWARNINGS": "ignore"}
+               "TRAINGUARD_SWITCH_DIR": str(tmp_path / "switch"), "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)}
         for rank in (0, 1):
             children.append(subprocess.Popen(
                 [sys.executable, str(REPO / "examples" / "train_ddp.py"), "--hang-rank", "1", "--hang-at", "3",
@@ -214,6 +219,13 @@ def test_trainer_flight_recorder_sets_the_variables_and_serves_the_socket(tmp_pa
               " 'dir': oct(os.stat(os.path.dirname(path)).st_mode & 0o777),"
               " 'env': {k: v for k, v in os.environ.items() if k.startswith('TORCH_')}}))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_")}
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"trainguard-fr-{dead.pid}"  # left by a rank SLURM killed with SIGKILL
+    stale.mkdir()
+    (stale / "worker.sock").write_text("")
+    alive = tmp_path / f"trainguard-fr-{os.getpid()}"  # a running process's: kept
+    alive.mkdir()
     out = subprocess.run([sys.executable, "-c", script, str(REPO)], capture_output=True, text=True, timeout=120,
                          env={**env, "TRAINGUARD_SWITCH_DIR": str(tmp_path / "sw"), "TMPDIR": str(tmp_path),
                               "PYTHONWARNINGS": "ignore"})
@@ -223,4 +235,51 @@ def test_trainer_flight_recorder_sets_the_variables_and_serves_the_socket(tmp_pa
     assert got["env"]["TORCH_FR_BUFFER_SIZE"] == "2000" and got["env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert got["env"]["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path / 'sw'}/flight-recorder/rank_"
     assert got["env"]["TORCH_WORKER_SERVER_SOCKET"] == got["path"]
-    assert not Path(got["path"]).exists() and not list(tmp_path.glob("trainguard-fr-*"))  # removed at exit
+    assert not Path(got["path"]).exists() and list(tmp_path.glob("trainguard-fr-*")) == [alive]  # removed at exit
+
+
+def test_the_service_user_with_the_units_capabilities_reads_another_users_ranks(
+        children: list[subprocess.Popen[str]]) -> None:
+    """The installed unit runs the agent as `trainguard` with CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: enough to find a
+    job user's ranks, cross their private socket directories and ask them; without CAP_DAC_READ_SEARCH, nothing."""
+    require_root()
+    torch_or_skip()
+    setpriv = require_tool("setpriv")
+    Installer().ensure_user()
+    ensure_user(JOB_USER)
+    shared = Path(tempfile.mkdtemp(prefix="trainguard-frtest-", dir="/tmp"))
+    shared.chmod(0o1777)  # the job user's TMPDIR, logs and switch dir
+    marker = f"svc-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "TRAINGUARD_SWITCH_DIR": str(shared / "switch"), "PYTHONWARNINGS": "ignore", "TMPDIR": str(shared)}
+    try:
+        for rank in (0, 1):
+            children.append(subprocess.Popen(
+                [setpriv, f"--reuid={JOB_USER}", f"--regid={JOB_USER}", "--init-groups", sys.executable,
+                 str(REPO / "examples" / "train_ddp.py"), "--hang-rank", "1", "--hang-at", "3", "--log-dir",
+                 str(shared / "logs"), "--run-name", marker], env={**env, "RANK": str(rank)},
+                stderr=subprocess.DEVNULL, text=True))
+        rank1 = shared / "logs" / "rank1.log"
+        wait_until(lambda: rank1.exists() and "stops before" in rank1.read_text(), 60, what="rank 1's hang")
+        time.sleep(1)  # rank 0 is in its all_reduce by now
+        probe = (f"import sys, psutil\nsys.path.insert(0, {str(REPO)!r})\n"
+                 "from trainguard.node.flight import analyze, fetch\n"
+                 f"procs = [p for p in psutil.process_iter(['cmdline']) if {marker!r} in ' '.join(p.info['cmdline'] or [])]\n"
+                 "stall = analyze(fetch(procs, 'gpu-07'))\nprint(stall.describe() if stall else 'nothing')\n")
+
+        def as_service(caps: str) -> str:
+            keep = f"-all,{caps}"
+            return subprocess.run([setpriv, "--reuid=trainguard", "--regid=trainguard", "--init-groups",
+                                   f"--inh-caps={keep}", f"--ambient-caps={keep}", f"--bounding-set={keep}",
+                                   "--no-new-privs", sys.executable, "-c", probe], capture_output=True, text=True,
+                                  timeout=60).stdout.strip()
+
+        named = as_service("+kill,+syslog,+dac_read_search,+sys_ptrace")
+        assert named.startswith(f"rank 1 (node gpu-07, pid {children[-1].pid}) never entered all_reduce #"), named
+        assert named.endswith("; rank 0 waiting")
+        assert as_service("+kill,+syslog,+sys_ptrace") == "nothing"
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        shutil.rmtree(shared, ignore_errors=True)

@@ -140,6 +140,7 @@ class Trainer:
             env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE" if legacy else "TORCH_FR_DUMP_TEMP_FILE", f"{dump_dir}/rank_")
         if worker_main is None:
             return None
+        _remove_stale_servers(Path(tempfile.gettempdir()))
         run_dir = Path(tempfile.gettempdir()) / f"trainguard-fr-{os.getpid()}"
         try:
             run_dir.mkdir(mode=0o700)
@@ -171,6 +172,33 @@ class Trainer:
                 (run_dir / name).unlink()
         with contextlib.suppress(OSError):
             run_dir.rmdir()
+
+
+def _remove_stale_servers(tmp: Path) -> None:
+    """Remove this user's socket directories of processes that are gone: a rank killed with SIGKILL (SLURM after
+    KillWait) never runs its atexit."""
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name.removeprefix("trainguard-fr-")
+        if pid == entry.name or not pid.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
+                continue
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # alive under another user, or unreadable
+        for name in ("worker.sock", "rank"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(entry.path, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(entry.path)
 
 
 _default: Trainer | None = None

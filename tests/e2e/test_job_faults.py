@@ -160,7 +160,8 @@ def test_the_rank_that_hung_a_two_task_slurm_job_is_named_in_every_channel(stack
     stack.start_agent(stack.config({"hang": {"stale_after": "5s", "interval": "2s"}}))
     workdir = stack.slurm.workdir()
     logs = workdir / "logs"
-    command = (f"export PYTHONPATH={site} MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()} PYTHONWARNINGS=ignore\n"
+    command = (f"export PYTHONPATH={site} MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()} PYTHONWARNINGS=ignore "
+               f"TMPDIR={workdir}\n"
                f"exec srun --ntasks=2 {stack.slurm.python} {stack.slurm.lib}/examples/train_ddp.py --hang-rank 1 "
                f"--hang-at 3 --log-dir {logs}")
     job_id = stack.submit(command, "--ntasks=2", workdir=workdir, name="e2e-ddp-hang")

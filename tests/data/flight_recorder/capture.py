@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def free_port() -> int:
 def capture_hang(out: Path) -> None:
     out.mkdir(exist_ok=True)
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "TRAINGUARD_SWITCH_DIR": str(out / "switch")}
+           "TRAINGUARD_SWITCH_DIR": str(out / "switch"), "TMPDIR": str(out)}  # the ranks' sockets: removed below
     logs = out / "logs"
     ranks = [subprocess.Popen([sys.executable, str(REPO / "examples" / "train_ddp.py"), "--hang-rank", "1",
                                "--hang-at", "3", "--log-dir", str(logs)], env={**env, "RANK": str(r)},
@@ -85,8 +86,8 @@ def capture_hang(out: Path) -> None:
         for p in ranks:
             p.kill()
             p.wait()
-    for leftover in (logs, out / "switch"):
-        subprocess.run(["rm", "-rf", str(leftover)], check=False)
+    for leftover in (logs, out / "switch", *out.glob("trainguard-fr-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def capture_dumps(out: Path) -> None:
