@@ -7,6 +7,7 @@ which stops before an all_reduce, under the real `trainguard run` process with S
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -30,9 +31,12 @@ from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, slack_
 from tests.slurm_cluster import JOB_USER, ensure_user
 from trainguard.install import Installer
 from trainguard.node.flight import (
+    HANDLERS,
     Collective,
+    RankProcess,
     RankTrace,
     analyze,
+    fetch_ranks,
     load_pickle,
     parse_dump,
     query_socket,
@@ -129,6 +133,30 @@ def serving(tmp_path: Path) -> Iterator[Callable[[Path], None]]:
 
     yield serve
     for srv in servers:
+        srv.close()
+
+
+def test_a_hostile_worker_server_yields_nothing(tmp_path: Path) -> None:
+    """Whatever a rank's socket answers (junk, JSON nested past the parser, more than MAX_ANSWER): no trace, no error."""
+    answers = [b"HTTP/1.1 200 OK\r\n\r\n" + b"[" * 100_000, b"HTTP/1.1 200 OK\r\n\r\n{\"entries\": 5}",
+               b"HTTP/1.1 404 Not Found\r\n\r\n{}", b"garbage", b"HTTP/1.1 200 OK\r\n\r\n" + b" " * (33 << 20)]
+    for i, answer in enumerate(answers):
+        path = tmp_path / f"w{i}.sock"
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(str(path))
+        srv.listen(4)
+
+        def reply(srv: socket.socket = srv, answer: bytes = answer) -> None:
+            for _ in range(len(HANDLERS)):
+                conn, _ = srv.accept()
+                with conn:
+                    conn.recv(4096)
+                    with contextlib.suppress(OSError):
+                        conn.sendall(answer)
+
+        threading.Thread(target=reply, daemon=True).start()
+        rank = RankProcess(os.getpid(), 0, os.getuid(), str(path))
+        assert fetch_ranks([rank], "n1", 5.0) == []
         srv.close()
 
 

@@ -308,9 +308,14 @@ def rank_processes(procs: Sequence[psutil.Process], proc: ProcFS | None = None) 
 def fetch(procs: Sequence[psutil.Process], node: str | None, timeout: float = 5.0,
           proc: ProcFS | None = None) -> list[RankTrace]:
     """Each rank's flight recorder, from its worker socket; ranks that do not answer are left out."""
+    return fetch_ranks(rank_processes(procs, proc), node, timeout, proc)
+
+
+def fetch_ranks(ranks: Sequence[RankProcess], node: str | None, timeout: float = 5.0,
+                proc: ProcFS | None = None) -> list[RankTrace]:
     traces = []
     deadline = time.monotonic() + timeout
-    for rp in rank_processes(procs, proc):
+    for rp in ranks:
         merged: RankTrace | None = None
         for handler in HANDLERS:
             left = deadline - time.monotonic()
@@ -319,7 +324,7 @@ def fetch(procs: Sequence[psutil.Process], node: str | None, timeout: float = 5.
             body = query_socket(rp.socket, rp.pid, rp.uid, handler, left, proc)
             try:
                 dump = json.loads(body) if body else None
-            except ValueError:
+            except (ValueError, RecursionError):  # hostile: malformed, or nested past the parser's depth
                 dump = None
             trace = parse_dump(dump, rp.rank, rp.pid, node, f"{rp.socket} ({handler})")
             merged = trace if merged is None else _merge(merged, trace)
