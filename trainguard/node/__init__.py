@@ -1,6 +1,6 @@
 """Sources about this machine, read without a job's help: /proc (`procfs`, the one place that names it), the
-kernel log (`kmsg`), mounts and a statvfs that cannot hang (`mounts`), cgroup memory limits (`cgroup`), and the
-stacks of processes (`stacks`, py-spy).
+kernel log (`kmsg`), mounts and a statvfs that cannot hang (`mounts`), cgroup memory limits (`cgroup`), the
+stacks of processes (`stacks`, py-spy), and the PyTorch flight recorders of a job's ranks (`flight`).
 
 May import: trainguard.core.
 """
