@@ -188,7 +188,7 @@ def agent_config(tmp_path: Path, marker: str, slack: SlackEmulator, smtp: tuple[
     _, port, cert = smtp
     raw = {"agent": {"node_name": "gpu-07", "state_dir": str(tmp_path / "state"), "listen": ""},
            "jobs": {"sources": ["process"], "refresh": "0s",
-                    "processes": {"ddp": {"cmdline": marker, "logs": [str(tmp_path / "logs" / "*.log")],
+                    "processes": {"ddp": {"cmdline": marker, "user": "root", "logs": [str(tmp_path / "logs" / "*.log")],
                                           "switch_dir": str(tmp_path / "switch")}}},
            "checks": {"hang": {"stale_after": "4s", "interval": "2s", "jitter": "0s"}},
            "notifiers": {"console": {},
