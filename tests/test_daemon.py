@@ -182,6 +182,20 @@ def test_check_command_exit_codes_and_table(tmp_path: Path) -> None:
     assert {r["check"] for r in data["results"]} == {"scratch", "memory"}
 
 
+def test_check_lists_idle_checks_without_changing_the_exit_code(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f"[agent]\nstate_dir = '{tmp_path}'\n[checks.memory]\n[checks.gpu]\n")
+    env = {**os.environ, "TRAINGUARD_FAKE_NVML": "missing"}
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.fake_gpu_agent", "check", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^IDLE\s+gpu\s+-\s+NVML not available: NVML Shared Library Not Found$", proc.stdout, re.M)
+    as_json = subprocess.run([sys.executable, "-m", "tests.helpers.fake_gpu_agent", "check", "--json", "--config",
+                              str(config)], capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    data = json.loads(as_json.stdout)
+    assert data["status"] == "OK" and data["idle"] == {"gpu": "NVML not available: NVML Shared Library Not Found"}
+
+
 def test_check_unknown_when_path_missing(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(f"[agent]\nstate_dir = '{tmp_path}'\n[checks.d]\ntype = 'disk'\npaths = ['{tmp_path}/gone']\n")

@@ -98,15 +98,18 @@ def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain:
     engine = Engine(config, store=Store(None), notifiers={})
     reports = engine.run_round(ingest=False)
     results = [r for report in reports for r in report.results]
+    # Idle checks watch hardware this node lacks: listed, but they never change the exit code.
+    idle = {report.check: report.idle_reason or "" for report in reports if report.outcome == "idle"}
     overall = worst(r.status for r in results)
     drained = _drain(engine, [r for r in results if r.status is Status.CRITICAL]) if drain else None
     if as_json:
         print(json.dumps({"node": config.agent.node_name, "status": overall.name,
-                          "results": [r.to_dict() for r in results], "drain": drained}, indent=1))
+                          "results": [r.to_dict() for r in results], "idle": idle, "drain": drained}, indent=1))
     else:
         rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
         rows += [[r.status.name, r.check, r.subject, r.summary]
                  for r in sorted(results, key=lambda r: (-r.status.severity, r.check, r.subject))]
+        rows += [["IDLE", name, "-", reason] for name, reason in sorted(idle.items())]
         print(_table(rows))
         print(f"\n{config.agent.node_name}: {overall.name}")
         if drained:
@@ -213,6 +216,8 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
     for name, chk in data.get("checks", {}).items():
         for r in chk.get("results", []):
             rows.append([r["status"], name, r["subject"], r["summary"]])
+        if chk.get("outcome") == "idle":
+            rows.append(["IDLE", name, "-", chk.get("idle_reason") or ""])
     print("\nlast results")
     print(_table(rows))
     return 0

@@ -1,14 +1,15 @@
 """`python -m tests.helpers.fake_gpu_agent ARGS...`: the trainguard command with the scripted NVML in place of
 pynvml, for tests and benchmarks of the whole agent on machines without a GPU. TRAINGUARD_FAKE_GPUS sets the
 number of GPUs (default 8); GPU 0 has a pending row remap so that fault panels have something to show;
-TRAINGUARD_FAKE_GPU_FAULT=remap_failed makes the last GPU fail its row remapping (a CRITICAL fault)."""
+TRAINGUARD_FAKE_GPU_FAULT=remap_failed makes the last GPU fail its row remapping (a CRITICAL fault);
+TRAINGUARD_FAKE_NVML=missing makes NVML fail to load, as on a node without the driver."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from tests.helpers.fake_nvml import FakeGpu, FakeNvml
+from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_LibraryNotFound
 
 
 def main() -> int:
@@ -19,7 +20,8 @@ def main() -> int:
         gpus[0].remap = (3, 0, 1, 0)
         if os.environ.get("TRAINGUARD_FAKE_GPU_FAULT") == "remap_failed":
             gpus[-1].remap = (0, 1, 0, 1)
-    sys.modules["pynvml"] = FakeNvml(gpus)  # type: ignore[assignment]
+    missing = NVMLError_LibraryNotFound if os.environ.get("TRAINGUARD_FAKE_NVML") == "missing" else None
+    sys.modules["pynvml"] = FakeNvml(gpus, init_error=missing)  # type: ignore[assignment]
     from trainguard.cli import main as trainguard
 
     return trainguard(sys.argv[1:])

@@ -25,6 +25,7 @@ def status_document(engine: Engine) -> dict[str, Any]:
                 "last_run": st.last.started if st.last else None,
                 "duration_s": round(st.last.duration, 4) if st.last else None,
                 "outcome": st.last.outcome if st.last else None,
+                "idle_reason": st.last.idle_reason if st.last else None,
                 "runs": st.runs,
                 "timeouts": st.timeouts,
                 "results": [r.to_dict() for r in st.last.results] if st.last else [],

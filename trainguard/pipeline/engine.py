@@ -51,6 +51,7 @@ class CheckState:
     timeouts: int = 0
     errors: int = 0
     skipped: int = 0
+    idle: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ class Engine:
             state.timeouts += report.outcome == "timeout"
             state.errors += report.outcome == "error"
             state.skipped += report.outcome == "skipped"
+            state.idle += report.outcome == "idle"
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
         events = self.tracker.observe(report.check, report.results, policy, report.complete, self.dispatcher.route)
