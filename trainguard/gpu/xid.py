@@ -1,19 +1,13 @@
-"""XID lines from the NVIDIA driver: parsing every format in the wild, and the catalog that explains them."""
+"""XID lines from the NVIDIA driver: parsing every format in the wild (the catalog that explains them is
+`xid_catalog`)."""
 
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 from trainguard.gpu.nvml import normalize_bus_id
+from trainguard.gpu.xid_catalog import NVLINK5_XIDS, nvlink5_verdict
 
 # Prefixes tools add before the kernel's text: dmesg, dmesg -T, dmesg -x, journald/syslog.
 _PREFIX = (r"^(?:\[\s*[\d.]+\]\s*|\[[A-Z][a-z]{2} [^\]]+\]\s*|kern\s*:\s*\w+\s*:\s*(?:\S+\s+)?"
@@ -24,6 +18,8 @@ _XID = re.compile(_PREFIX + r"NVRM: Xid \(" + _BUS + r"(?: GPU-I:(?P<gi>\d+))?(?
 _PID = re.compile(r"^pid=(?P<pid>'<unknown>'|\d+|<unknown>),\s*(?:name=(?P<name>.*?),\s+)?(?P<text>.*)$")
 _CAUSE = re.compile(r"caused by previous Xid (\d+)")
 _RECOVERY = re.compile(r"recovery action changed from \S+ \((?P<old>[^)]*)\) to \S+ \((?P<new>[^)]*)\)")
+# XID 154 as some drivers print it: the action alone (`154, Node Reboot Required`).
+_RECOVERY_ALONE = ("none", "gpu reset required", "node reboot required", "drain p2p", "drain and reset")
 _OFF_BUS_ONE = re.compile(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\w)?): "
                           r"GPU has fallen off the bus")
 _OFF_BUS_FIRST = re.compile(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
@@ -44,6 +40,7 @@ class XidEvent:
     cause_xid: int | None = None  # XID 45 "caused by previous Xid N"
     recovery: str | None = None  # XID 154: the recovery action now required
     line: str = ""
+    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; events of one XID with different verdicts stay apart
 
 
 class XidParser:
@@ -84,31 +81,15 @@ class XidParser:
             name = pm.group("name")
             name = None if name in (None, "<unknown>") else name
             rest = pm.group("text")
+        xid = int(m.group("xid"))
         cause = _CAUSE.search(rest)
         recovery = _RECOVERY.search(rest)
+        action = recovery.group("new") if recovery else None
+        if action is None and xid == 154 and rest.strip().rstrip(".").lower() in _RECOVERY_ALONE:
+            action = rest.strip().rstrip(".")
         return XidEvent(
-            xid=int(m.group("xid")), bus_id=normalize_bus_id(m.group("bus")), text=rest.strip(), pid=pid, process=name,
+            xid=xid, bus_id=normalize_bus_id(m.group("bus")), text=rest.strip(), pid=pid, process=name,
             gpu_instance=int(m.group("gi")) if m.group("gi") else None,
             compute_instance=int(m.group("ci")) if m.group("ci") else None,
-            cause_xid=int(cause.group(1)) if cause else None,
-            recovery=recovery.group("new") if recovery else None, line=line)
-
-
-@dataclass(frozen=True)
-class XidInfo:
-    xid: int
-    mnemonic: str
-    meaning: str
-    cause: str
-    action: str
-
-
-@cache
-def catalog() -> dict[int, XidInfo]:
-    """The XID catalog shipped as data in the package."""
-    raw = tomllib.loads(resources.files("trainguard.gpu").joinpath("xid_catalog.toml").read_text(encoding="utf-8"))
-    return {int(k): XidInfo(int(k), **v) for k, v in raw.items()}
-
-
-def describe(xid: int) -> XidInfo:
-    return catalog().get(xid, XidInfo(xid, "UNKNOWN_XID", "not in the catalog", "unknown", "watch"))
+            cause_xid=int(cause.group(1)) if cause else None, recovery=action, line=line,
+            variant=nvlink5_verdict(xid, rest)[0] if xid in NVLINK5_XIDS else "")
