@@ -57,7 +57,6 @@ MATCHING = [
     ("NVRM: GPU 0000:29:00.0: GPU has fallen off the bus.", 79, "0000:29:00", None, None),
 ]
 NOT_MATCHING = [
-    "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up",
     "epoch 3 step 100: my notes say NVRM: Xid (PCI:0000:05:00): 79 happened last week",
     "grep Xid /var/log/syslog",
     "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",

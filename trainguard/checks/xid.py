@@ -23,7 +23,7 @@ from trainguard.core.settings import Duration, StatusName
 from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry
 from trainguard.gpu.xid import XidParser
-from trainguard.gpu.xid_catalog import describe, nvlink5_rules, nvlink5_verdict, policy
+from trainguard.gpu.xid_catalog import describe, describe_sxid, nvlink5_rules, nvlink5_verdict, policy
 from trainguard.node.kmsg import KernelRecord, KmsgFollower
 
 log = logging.getLogger("trainguard.checks.xid")
@@ -33,11 +33,16 @@ XID_ERRORS = Metric("trainguard_gpu_xid_errors_total", "XID events reported by t
                     counter=True)
 XID_LAST = Metric("trainguard_gpu_xid_last_timestamp_seconds",
                   "Unix time of the latest XID event of this number on this GPU.", _XID)
+_SXID = ("switch", "bus_id", "sxid")
+SXID_ERRORS = Metric("trainguard_nvswitch_sxid_errors_total", "NVSwitch SXid events reported by the driver, counted one "
+                     "by one.", _SXID, counter=True)
+SXID_LAST = Metric("trainguard_nvswitch_sxid_last_timestamp_seconds",
+                   "Unix time of the latest SXid event of this number on this NVSwitch.", _SXID)
 KMSG_RECORDS = Metric("trainguard_kmsg_records_total", "Kernel log records read.", counter=True)
 KMSG_LOST = Metric("trainguard_kmsg_lost_records_total", "Kernel log records overwritten before they were read.",
                    counter=True)
 KMSG_UP = Metric("trainguard_kmsg_follower_up", "1 while the kernel log follower runs.", ("source",))
-METRICS = (XID_ERRORS, XID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
+METRICS = (XID_ERRORS, XID_LAST, SXID_ERRORS, SXID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
 
 class XidSettings(CheckSettings):
     interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (XIDs themselves wake the check at once).")
@@ -148,6 +153,15 @@ def _cleared(g: Grade, entry: XidEntry, s: XidSettings, now: float, sticky: bool
     return replace(g, status=Status.OK, why=f"{g.why}; quiet for {format_duration(now - entry.last)}")
 
 
+def grade_sxid(entry: XidEntry, s: XidSettings, now: float) -> Grade:
+    """An NVSwitch SXid: its class in the small SXid table, at least fatal when the driver says Fatal."""
+    info = describe_sxid(entry.xid, entry.variant == "fatal")
+    word = "Fatal" if entry.variant == "fatal" else "Non-fatal"
+    why = f"{word}, {info.klass.replace('_', '-')}" + ("" if info.known else " (not in the SXid table: the driver's word)")
+    return _cleared(Grade(info.response.status, why, info.response.todo, info.klass), entry, s, now,
+                    sticky=info.response.sticky)
+
+
 def classify(entry: XidEntry, s: XidSettings, now: float) -> tuple[Status, str]:
     """The status one XID entry warrants, and why."""
     g = grade(entry, s, now)
@@ -155,16 +169,21 @@ def classify(entry: XidEntry, s: XidSettings, now: float) -> tuple[Status, str]:
 
 
 def summarize(label: str, graded: list[tuple[XidEntry, Grade]]) -> str:
+    kind = "SXid" if graded and graded[0][0].kind == "sxid" else "XID"
     active = sorted((g for g in graded if g[1].status is not Status.OK), key=lambda g: -g[1].status.severity)
     if not active:
         recorded = sum(e.count for e, _ in graded)
-        return f"{label}: no active XID ({recorded} recorded)" if recorded else f"{label}: no active XID"
+        return f"{label}: no active {kind} ({recorded} recorded)" if recorded else f"{label}: no active {kind}"
     parts = []
     for entry, g in active:
-        info = describe(entry.xid)
         count = f" x{entry.count}" if entry.count > 1 else ""
-        parts.append(f"XID {entry.xid} {info.name}{count}: {info.description} ({g.why}; {g.todo})")
-    head = f"{label} fell off the bus (XID 79)" if any(e.xid == 79 for e, _ in active) else label
+        if entry.kind == "sxid":
+            name, text = describe_sxid(entry.xid, entry.variant == "fatal").name, entry.text[:120]
+            parts.append(f"SXid {entry.xid} {name}{count}" + (f": {text}" if text else "") + f" ({g.why}; {g.todo})")
+        else:
+            info = describe(entry.xid)
+            parts.append(f"XID {entry.xid} {info.name}{count}: {info.description} ({g.why}; {g.todo})")
+    head = f"{label} fell off the bus (XID 79)" if any(e.xid == 79 and e.kind == "xid" for e, _ in active) else label
     return f"{head}: " + "; ".join(parts)
 
 
@@ -213,16 +232,17 @@ def _entry_details(e: XidEntry, g: Grade) -> dict[str, Any]:
             "nvidia_investigatory": info.investigatory, **({"nvlink5": e.variant} if e.variant else {})}
 
 
-def _xid_samples(entries: list[XidEntry], labels: dict[str, str]) -> list[Sample]:
-    """One count per XID number: entries of one XID with different NVLink5 verdicts add up."""
+def _samples(entries: list[XidEntry], labels: dict[str, str], errors: Metric, last_at: Metric) -> list[Sample]:
+    """One count per code (XID or SXid): entries of one code with different variants add up."""
     totals: dict[int, tuple[int, float]] = {}
     for e in entries:
         count, last = totals.get(e.xid, (0, 0.0))
         totals[e.xid] = (count + e.count, max(last, e.last))
+    key = "sxid" if errors is SXID_ERRORS else "xid"
     samples = []
-    for xid, (count, last) in sorted(totals.items()):
-        xl = {**labels, "xid": str(xid)}
-        samples += [XID_ERRORS(count, xl), XID_LAST(last, xl)]
+    for code, (count, last) in sorted(totals.items()):
+        code_labels = {**labels, key: str(code)}
+        samples += [errors(count, code_labels), last_at(last, code_labels)]
     return samples
 
 
@@ -259,11 +279,13 @@ class XidCheck(Check):
             return
         entry, changed = self.ledger.record(event)
         if entry.count == 1 or entry.count % 1000 == 0:  # a flood logs a few lines, not one per record
-            log.warning("xid", extra=kv(xid=event.xid, bus_id=event.bus_id, count=entry.count, text=event.text[:160]))
+            log.warning(event.kind, extra=kv(**{event.kind: event.xid}, bus_id=event.bus_id, device=event.device or None,
+                                             count=entry.count, text=event.text[:160]))
         self.ledger.save()
         # Only a new entry or a new occurrence (another job: repeat escalation) can change the verdict: a flood of
         # identical lines only bumps a counter, which the periodic run reports.
-        if changed and self._wake is not None and grade(entry, self.settings, self.context.clock()).status \
+        grader = grade_sxid if entry.kind == "sxid" else grade
+        if changed and self._wake is not None and grader(entry, self.settings, self.context.clock()).status \
                 is not Status.OK:
             self._wake()
 
@@ -299,7 +321,30 @@ class XidCheck(Check):
             if worst_entry[1].status is not Status.OK:
                 details["next_step"] = worst_entry[1].todo
             results.append(self.result(uuid or f"pci:{bus_id}", worst(g.status for _, g in graded),
-                                       summarize(label, graded), details, _xid_samples(entries, labels)))
+                                       summarize(label, graded), details,
+                                       _samples(entries, labels, XID_ERRORS, XID_LAST)))
+        results += self._switch_results(now)
+        return results
+
+    def _switch_results(self, now: float) -> list[Result]:
+        """One result per NVSwitch that logged SXids this boot."""
+        by_switch: dict[str, list[XidEntry]] = {}
+        for entry in self.ledger.entries("sxid"):
+            by_switch.setdefault(entry.bus_id, []).append(entry)
+        results = []
+        for bus_id, entries in sorted(by_switch.items()):
+            device = entries[0].device
+            graded = [(e, grade_sxid(e, self.settings, now)) for e in entries]
+            samples = _samples(entries, {"switch": device, "bus_id": bus_id}, SXID_ERRORS, SXID_LAST)
+            details: dict[str, Any] = {"bus_id": bus_id, "switch": device, "sxids": [
+                {"sxid": e.xid, "name": describe_sxid(e.xid, e.variant == "fatal").name, "count": e.count,
+                 "first": e.first, "last": e.last, "status": g.status.name, "why": g.why, "todo": g.todo,
+                 "class": g.response, "text": e.text} for e, g in graded]}
+            worst_grade = max((g for _, g in graded), key=lambda g: g.status.severity)
+            if worst_grade.status is not Status.OK:
+                details["next_step"] = worst_grade.todo
+            results.append(self.result(f"nvswitch:{bus_id}", worst_grade.status,
+                                       summarize(f"NVSwitch {device} ({bus_id})", graded), details, samples))
         return results
 
     def _follower_result(self) -> Result:

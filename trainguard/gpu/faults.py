@@ -1,5 +1,5 @@
-"""XidLedger: what the kernel log said about each GPU this boot, aggregated so that a flood of
-identical lines is one entry with a count, and kept in the store so a restart forgets nothing."""
+"""XidLedger: what the kernel log said about each GPU (XIDs) and NVSwitch (SXids) this boot, aggregated so that a
+flood of identical lines is one entry with a count, and kept in the store so a restart forgets nothing."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class XidEntry:
     cause_xid: int | None = None
     recovery: str | None = None
     gpu_instance: int | None = None
-    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict
+    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; SXids: fatal | non_fatal
+    kind: str = "xid"  # xid (a GPU) | sxid (an NVSwitch)
+    device: str = ""  # SXids: the switch, e.g. nvswitch3
     pids: list[int] = field(default_factory=list)  # distinct processes the driver named
     bursts: int = 0  # pid-less lines more than BURST_GAP_S apart
 
@@ -50,7 +52,7 @@ class XidLedger:
         self._store = store
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, int, str], XidEntry] = {}
+        self._entries: dict[tuple[str, str, int, str], XidEntry] = {}
         self._dirty = False
         self._saved_at = 0.0
         self._save_every_s = save_every_s
@@ -71,19 +73,20 @@ class XidLedger:
                 entry = XidEntry(**raw)
             except TypeError:
                 continue
-            self._entries[(entry.bus_id, entry.xid, entry.variant)] = entry
+            self._entries[(entry.kind, entry.bus_id, entry.xid, entry.variant)] = entry
 
     def record(self, event: XidEvent) -> tuple[XidEntry, bool]:
         """The entry after this event, and whether it changed beyond its count (new, or a new occurrence)."""
         now = self._clock()
         with self._lock:
-            key = (event.bus_id, event.xid, event.variant)
+            key = (event.kind, event.bus_id, event.xid, event.variant)
             entry = self._entries.get(key)
             if entry is None:
                 if len(self._entries) >= MAX_ENTRIES:
                     oldest = min(self._entries, key=lambda k: self._entries[k].last)
                     del self._entries[oldest]
-                entry = XidEntry(event.bus_id, event.xid, 0, now, now, event.text, variant=event.variant)
+                entry = XidEntry(event.bus_id, event.xid, 0, now, now, event.text, variant=event.variant,
+                                 kind=event.kind, device=event.device)
                 self._entries[key] = entry
             before = entry.occurrences
             if event.pid is not None:
@@ -99,9 +102,10 @@ class XidLedger:
             self._dirty = True
             return XidEntry(**asdict(entry)), entry.count == 1 or entry.occurrences != before
 
-    def entries(self) -> list[XidEntry]:
+    def entries(self, kind: str = "xid") -> list[XidEntry]:
+        """This boot's entries of one kind: GPU XIDs (the default), or NVSwitch SXids."""
         with self._lock:
-            return [XidEntry(**asdict(e)) for e in self._entries.values()]
+            return [XidEntry(**asdict(e)) for e in self._entries.values() if e.kind == kind]
 
     def save(self, force: bool = False) -> None:
         if self._store is None:

@@ -1,5 +1,5 @@
-"""XID lines from the NVIDIA driver: parsing every format in the wild (the catalog that explains them is
-`xid_catalog`)."""
+"""XID lines from the NVIDIA driver, and SXid lines from its NVSwitch driver: parsing every format in the wild (the
+catalogs that explain them are in `xid_catalog`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ _OFF_BUS_ONE = re.compile(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-f
 _OFF_BUS_FIRST = re.compile(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
                             r"(?:\.\w)?)\s*$")
 _OFF_BUS_LAST = re.compile(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
+# NVSwitch: `nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up`. The driver prints
+# follow-up records (`..., Data {0x...}`) without the severity word: those are not counted again.
+_SXID = re.compile(_PREFIX + r"nvidia-nvswitch(?P<sw>\d+): SXid \(" + _BUS + r"\):\s*(?P<sxid>\d+),\s*"
+                   r"(?P<sev>Fatal|Non-?fatal)(?:,\s*(?P<rest>.*))?$", re.IGNORECASE)
 _GPU_UUID = re.compile(_PREFIX + r"NVRM: GPU at PCI:(?P<bus>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
 
 
@@ -40,7 +44,9 @@ class XidEvent:
     cause_xid: int | None = None  # XID 45 "caused by previous Xid N"
     recovery: str | None = None  # XID 154: the recovery action now required
     line: str = ""
-    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; events of one XID with different verdicts stay apart
+    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; SXids: fatal | non_fatal. Variants stay apart.
+    kind: str = "xid"  # xid (a GPU) | sxid (an NVSwitch)
+    device: str = ""  # SXids: the switch, e.g. nvswitch3
 
 
 class XidParser:
@@ -52,7 +58,7 @@ class XidParser:
 
     def feed(self, message: str) -> XidEvent | None:
         if "NVRM" not in message:  # the cheap test first: most kernel lines are not from the driver
-            return None
+            return self._sxid(message) if "SXid" in message else None
         line = message.rstrip("\n")
         m = _XID.match(line)
         if m:
@@ -72,6 +78,16 @@ class XidParser:
             bus, self._pending_off_bus = self._pending_off_bus, None
             return XidEvent(79, bus, "GPU has fallen off the bus and is not responding to commands", line=line)
         return None
+
+    @staticmethod
+    def _sxid(message: str) -> XidEvent | None:
+        line = message.rstrip("\n")
+        m = _SXID.match(line)
+        if m is None:
+            return None
+        fatal = m.group("sev").lower() == "fatal"
+        return XidEvent(int(m.group("sxid")), normalize_bus_id(m.group("bus")), (m.group("rest") or "").strip(),
+                        line=line, variant="fatal" if fatal else "non_fatal", kind="sxid", device=f"nvswitch{m.group('sw')}")
 
     def _xid(self, m: re.Match[str], line: str) -> XidEvent:
         rest, pid, name = m.group("rest"), None, None

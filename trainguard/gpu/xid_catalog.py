@@ -198,3 +198,34 @@ def nvlink5_verdict(xid: int, text: str) -> tuple[str, NvlinkRule | None, Nvlink
     if rule is not None and rule.resolution in policy().nvlink5:
         return rule.resolution, rule, event
     return ("undecoded_nonfatal" if event.fatal is False else "undecoded_fatal"), rule, event
+
+
+# NVSwitch SXids -----------------------------------------------------------------------------------------------------
+SXID_FILE = "sxid_catalog.toml"
+
+
+@dataclass(frozen=True)
+class SxidInfo:
+    sxid: int
+    name: str
+    klass: str  # corrected | benign | non_fatal | stall | fatal | always_fatal
+    response: Response
+    known: bool = True
+
+
+@cache
+def sxid_catalog() -> tuple[dict[str, Response], dict[int, tuple[str, str]]]:
+    """(class -> response, code -> (name, class)) from the small SXid table."""
+    raw = tomllib.loads(_read(SXID_FILE))
+    classes = {name: Response(name, Status.parse(t["status"]), bool(t.get("sticky", False)), str(t["todo"]))
+               for name, t in raw["classes"].items()}
+    return classes, {int(code): (str(t["name"]), str(t["class"])) for code, t in raw["sxid"].items()}
+
+
+def describe_sxid(sxid: int, fatal: bool) -> SxidInfo:
+    """A listed code by its class, at least `fatal` when the driver says Fatal; an unlisted one by the driver's word."""
+    classes, codes = sxid_catalog()
+    name, klass = codes.get(sxid, ("", "fatal" if fatal else "non_fatal"))
+    if fatal and classes[klass].status.severity < Status.CRITICAL.severity:
+        klass = "fatal"
+    return SxidInfo(sxid, name or "not in the SXid table", klass, classes[klass], known=bool(name))
