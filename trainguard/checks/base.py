@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import Field, PositiveInt
 
@@ -17,10 +17,12 @@ from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.settings import Duration, SettingsModel
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
-from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError, Reading
 from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
 from trainguard.node.procfs import ProcFS
+
+T = TypeVar("T")
 
 
 class ActionBinding(SettingsModel):
@@ -147,7 +149,24 @@ class NvmlCheck(Check):
 
     def gpus(self) -> list[GpuState]:
         """The GPUs; CheckIdle with the reason when NVML can't be used on this node."""
+        return self.nvml_read(self.nvml.gpus)
+
+    @staticmethod
+    def nvml_read(read: Callable[[], T]) -> T:
+        """One of the gateway's reads; CheckIdle with the reason when NVML can't be used on this node."""
         try:
-            return self.nvml.gpus()
+            return read()
         except NvmlUnavailableError as exc:
             raise CheckIdle(str(exc)) from None
+
+    @staticmethod
+    def gpu_labels(reading: Reading[Any]) -> dict[str, str]:
+        return {"gpu": str(reading.gpu.index), "uuid": reading.gpu.uuid}
+
+    def unanswered(self, reading: Reading[Any]) -> Result | None:
+        """A GPU NVML could not read for this check: UNKNOWN naming why (a lost GPU is the gpu check's CRITICAL)."""
+        if reading.error is None and not reading.lost:
+            return None
+        why = f"lost ({reading.error}): the gpu check reports it" if reading.lost else f"NVML error: {reading.error}"
+        return self.result(reading.gpu.uuid or f"gpu{reading.gpu.index}", Status.UNKNOWN,
+                           f"GPU {reading.gpu.index}: {why}", {"index": reading.gpu.index, "uuid": reading.gpu.uuid})
