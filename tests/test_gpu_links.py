@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.conftest import REPO
 from tests.helpers.fake_nvml import (
     NVML_NVLINK_ERROR_DL_CRC_FLIT,
     NVML_NVLINK_ERROR_DL_RECOVERY,
@@ -194,3 +195,25 @@ def test_link_faults_fire_incidents_and_reach_metrics(tmp_path: Path) -> None:
     finally:
         endpoint.stop()
         engine.stop()
+
+
+def gpus_from_nvlink_status(capture: str) -> list[FakeGpu]:
+    """Scripted GPUs with the links a real `nvidia-smi nvlink --status` capture lists (a link with a speed is up)."""
+    text = (REPO / "tests" / "data" / "nvidia" / "fabric-manager" / capture).read_text()
+    gpus: list[FakeGpu] = []
+    for line in text.splitlines():
+        if line.startswith("GPU "):
+            gpus.append(FakeGpu(line.split("UUID: ")[1].rstrip(")")))
+        elif line.strip().startswith("Link ") and gpus:
+            gpus[-1].nvlinks.append("GB/s" in line)
+    return gpus
+
+
+def test_nvlink_on_captured_hosts() -> None:
+    a100 = gpus_from_nvlink_status("nvidia-smi.nvlink.status.a100")
+    assert len(a100) == 8 and all(len(g.nvlinks) == 12 for g in a100)
+    results = NvlinkCheck("nvlink", NvlinkSettings(), context(FakeNvml(a100), Clock())).run()
+    assert [r.summary for r in results][:1] == ["GPU 0: 12 of 12 NVLinks up (12 seen on this node)"]
+    assert gpus_from_nvlink_status("nvidia-smi.nvlink.status.a10") == []  # the A10's capture lists no link at all
+    a10 = FakeNvml([FakeGpu("GPU-a10", name="NVIDIA A10")])
+    assert CheckRunner(NvlinkCheck("nvlink", NvlinkSettings(), context(a10, Clock()))).run_once().outcome == "idle"

@@ -20,6 +20,7 @@ CHECKS: Mapping[str, str] = {
     "nvlink": "trainguard.checks.nvlink:NvlinkCheck",
     "pcie": "trainguard.checks.pcie:PcieCheck",
     "gpu_config": "trainguard.checks.gpu_config:GpuConfigCheck",
+    "fabric": "trainguard.checks.fabric:FabricCheck",
     "job_liveness": "trainguard.checks.job_liveness:JobLivenessCheck",
     "job_switch": "trainguard.checks.job_switch:SwitchCheck",
     "job_timelimit": "trainguard.checks.job_timelimit:TimeLimitCheck",

@@ -176,7 +176,8 @@ def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
 
         reason = nvml.probe()
         if reason is None:
-            raw["checks"].update({kind: {} for kind in ("gpu", "nvlink", "pcie", "gpu_config") if kind in registry.checks})
+            raw["checks"].update({kind: {} for kind in ("gpu", "nvlink", "pcie", "gpu_config", "fabric")
+                                  if kind in registry.checks})
         else:
             log.info("GPU checks off", extra=kv(reason=reason))
     config = parse_config(raw, "(built-in default)", registry)

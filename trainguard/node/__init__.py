@@ -1,6 +1,6 @@
 """Sources about this machine, read without a job's help: /proc (`procfs`, the one place that names it), the
-kernel log (`kmsg`), mounts and a statvfs that cannot hang (`mounts`), cgroup memory limits (`cgroup`), and the
-stacks of processes (`stacks`, py-spy).
+kernel log (`kmsg`), mounts and a statvfs that cannot hang (`mounts`), cgroup memory limits (`cgroup`), the
+stacks of processes (`stacks`, py-spy), and the devices sysfs lists (`sysfs`: PCI devices, InfiniBand ports).
 
 May import: trainguard.core.
 """
