@@ -61,8 +61,8 @@ def test_install_and_uninstall_staged(tmp_path: Path, capsys: object) -> None:
 
 def test_shipped_default_config_is_valid() -> None:
     config = load_config(str(DEFAULT_CONFIG))
-    assert set(config.checks) == {"disk", "memory", "gpu", "nvlink", "pcie", "gpu_config", "fabric", "xid", "hang",
-                                  "training_log", "job_memory", "job_timelimit", "job_switch"}
+    assert set(config.checks) == {"disk", "memory", "gpu", "nvlink", "pcie", "gpu_config", "fabric", "infiniband", "xid",
+                                  "hang", "training_log", "job_memory", "job_timelimit", "job_switch"}
     assert list(config.notifiers) == ["console"]
 
 

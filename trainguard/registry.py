@@ -21,6 +21,7 @@ CHECKS: Mapping[str, str] = {
     "pcie": "trainguard.checks.pcie:PcieCheck",
     "gpu_config": "trainguard.checks.gpu_config:GpuConfigCheck",
     "fabric": "trainguard.checks.fabric:FabricCheck",
+    "infiniband": "trainguard.checks.infiniband:InfinibandCheck",
     "job_liveness": "trainguard.checks.job_liveness:JobLivenessCheck",
     "job_switch": "trainguard.checks.job_switch:SwitchCheck",
     "job_timelimit": "trainguard.checks.job_timelimit:TimeLimitCheck",

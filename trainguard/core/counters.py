@@ -64,13 +64,14 @@ class CounterWindow:
         self._trim(series, now)
         return delta
 
-    def increase(self, key: Hashable, now: float) -> int:
-        """How much the counter grew within the window."""
+    def increase(self, key: Hashable, now: float, within: float | None = None) -> int:
+        """How much the counter grew within the window (or the last `within` seconds of it)."""
         series = self._series.get(key)
         if series is None:
             return 0
         self._trim(series, now)
-        return sum(d for _, d in series.increases)
+        span = self.window if within is None else min(within, self.window)
+        return sum(d for t, d in series.increases if now - t <= span)
 
     def last(self, key: Hashable) -> int | None:
         series = self._series.get(key)
