@@ -69,7 +69,23 @@ class Vanishing(Check):
         return [self.result("dev0", Status.CRITICAL, "dev0 broken")]
 
 
-REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky, "vanishing": Vanishing},
+class Slow(Check):
+    """Its first run waits for the test: a long first round (a big kernel log backlog) while an event triggers a run."""
+
+    release = threading.Event()
+    started = threading.Event()
+    runs = 0
+
+    def run(self) -> Sequence[Result]:
+        Slow.runs += 1
+        mine = Slow.runs
+        if mine == 1:
+            Slow.started.set()
+            Slow.release.wait(10)
+        return [self.result(f"seen-by-run-{mine}", Status.WARNING, f"run {mine}")]
+
+
+REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky, "vanishing": Vanishing, "slow": Slow},
                     notifiers={**NOTIFIERS, "recording": Recording})
 
 
@@ -260,3 +276,23 @@ def test_an_idle_check_opens_nothing_alerts_on_nothing_and_says_so_in_metrics(tm
     assert 'trainguard_check_status{check="vanishing"' not in text  # no result, so no alert rule can match it
     status = requests.get(url + "/status", timeout=5).json()["checks"]["vanishing"]
     assert (status["outcome"], status["idle_reason"], status["results"]) == ("idle", "no such device on this node", [])
+
+
+def test_a_run_triggered_during_the_first_round_is_ingested_after_it(tmp_path: Path) -> None:
+    """The first round (engine.start) and a run an XID triggers meanwhile never overlap: else the round's older
+    report, ingested last, resolves what the triggered run found."""
+    engine = make_engine(tmp_path, {"slow": {"timeout": "20s"}})
+    round_thread = threading.Thread(target=engine.run_round)
+    round_thread.start()
+    assert Slow.started.wait(5)
+    triggered = threading.Thread(target=engine.run_check, args=("slow",))
+    triggered.start()
+    time.sleep(0.2)
+    assert triggered.is_alive()  # waiting for the round's run of the same check
+    Slow.release.set()
+    round_thread.join(10)
+    triggered.join(10)
+    last = engine.snapshot().checks["slow"].last
+    assert last is not None and [r.summary for r in last.results] == ["run 2"]
+    assert {i.subject for i in engine.tracker.incidents()} == {"seen-by-run-2"}
+    engine.stop()

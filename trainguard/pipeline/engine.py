@@ -123,20 +123,28 @@ class Engine:
     def run_round(self, ingest: bool = True) -> list[RunReport]:
         """Run every check once, concurrently; each bounded by its own timeout."""
         reports: dict[str, RunReport] = {}
+        failures: list[Exception] = []
 
         def one(name: str) -> None:
-            reports[name] = self.runners[name].run_once(self.stop_event)
+            # The check's run lock, as run_check takes: a run an event triggers meanwhile (an XID during the first
+            # round) waits, so an older report is never ingested after a newer one (it would resolve what the newer
+            # one found, as "no longer reported").
+            with self._run_locks[name]:
+                reports[name] = self.runners[name].run_once(self.stop_event)
+                if ingest:
+                    try:
+                        self.ingest(reports[name])
+                    except Exception as exc:  # noqa: BLE001 - raised to the caller below, as before
+                        failures.append(exc)
 
         threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in self.runners]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        ordered = [reports[n] for n in self.runners if n in reports]
-        if ingest:
-            for report in ordered:
-                self.ingest(report)
-        return ordered
+        if failures:
+            raise failures[0]
+        return [reports[n] for n in self.runners if n in reports]
 
     def firing_events(self) -> list[Event]:
         """Every firing incident as a reminder-kind event, for channels that restate the current state."""
