@@ -86,6 +86,20 @@ def test_a_port_never_up_and_not_expected_is_fine_unless_configured(tree: Path) 
         "8 of 9 InfiniBand/RoCE ports up (9 configured)"
 
 
+def test_a_port_taken_out_of_service_on_purpose(tree: Path, tmp_path: Path) -> None:
+    """The agent remembers the port was up; listing the ports that must be up replaces that memory."""
+    store = Store(tmp_path / "state")
+    check(tree, store=store).run()
+    write(tree, "mlx5_9/1", "state", "1: DOWN")
+    write(tree, "mlx5_9/1", "phys_state", "3: Disabled")
+    assert by_subject(check(tree, store=store).run())["mlx5_9/1"].status is Status.CRITICAL
+    others = [f"mlx5_{i}/1" for i in (0, 1, 4, 5, 6, 7, 8)] + ["mlx5_bond_0/1"]
+    results = by_subject(check(tree, store=store, expected_ports=others).run())
+    assert results["mlx5_9/1"].status is Status.OK
+    assert results["ports"].status is Status.OK and results["ports"].summary == \
+        "8 of 8 InfiniBand/RoCE ports up (8 configured)"
+
+
 def test_a_rate_that_dropped_is_degraded(tree: Path) -> None:
     ib = check(tree)
     ib.run()

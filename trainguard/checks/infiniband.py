@@ -49,7 +49,8 @@ class InfinibandSettings(CheckSettings):
     sysfs_root: str = Field("/sys/class/infiniband", description="Where sysfs lists the HCAs (a copy of the tree for "
                             "tests, or another mount in a container).")
     expected_ports: list[str] = Field(default_factory=list, description="Ports that must be up, as DEVICE/PORT "
-                                      "(`mlx5_0/1`). Unset: every port seen up on this node.")
+                                      "(`mlx5_0/1`). Unset: every port seen up on this node (remembered across "
+                                      "restarts).")
     expected_port_count: NonNegativeInt | None = Field(None, description="How many ports must be up on this node.")
     expected_rate_gbps: PositiveFloat | None = Field(None, description="WARNING when an up port runs slower (Gb/s), "
                                                      "e.g. 400 for NDR. Unset: slower than the port ran on this node.")
@@ -68,14 +69,14 @@ def _gbps(rate: float) -> str:
     return f"{rate:g} Gb/sec"
 
 
-def evaluate(port: IbPort, known: dict[str, Any], expected: bool, downed: int, grown: dict[str, int],
+def evaluate(port: IbPort, known: dict[str, Any], required: str | None, downed: int, grown: dict[str, int],
              s: InfinibandSettings) -> tuple[Status, list[str]]:
-    """One port: its state against whether it should be up, its rate, link drops and error growth."""
+    """One port: its state against whether it must be up (`required` says why, None: it need not), its rate, link
+    drops and error growth."""
     findings: list[tuple[Status, str]] = []
-    was_up = bool(known.get("up"))
     if not port.up:
-        if expected or was_up:
-            why = "expected up" if expected else "was up on this node"
+        if required:
+            why = required
             findings.append((Status.CRITICAL, f"{port.state or '?'} ({port.phys_state or '?'}), {why}: jobs on this "
                                               "node lost this fabric link; check the cable, the switch port, the HCA"))
     else:
@@ -121,20 +122,28 @@ class InfinibandCheck(Check):
         now = self.context.clock()
         results = [self._port(port, now) for port in ports]
         present = {p.key for p in ports}
-        for key in sorted((set(s.expected_ports) | seen_up) - present):
+        for key in sorted(self._required(seen_up) - present):
             results.append(self.result(key, Status.CRITICAL, f"{key}: gone from {s.sysfs_root} (the HCA failed or its "
                                                             "driver is not loaded), yet it was up on this node"
                                        if key in seen_up else f"{key}: expected but not under {s.sysfs_root}",
                                        {"port": key, "present": False}))
-        results.append(self._count(ports, seen_up))
+        results.append(self._count(ports, self._required(seen_up | {p.key for p in ports if p.up})))
         self.window.keep(f"{p.key}/{c}" for p in ports for c in p.counters)
         self.save_state(COUNTERS_KEY, self.window.to_json())
         self.save_state(PORTS_KEY, self.known)
         return results
 
+    def _required(self, seen_up: set[str]) -> set[str]:
+        """The ports that must be up: those configured, else every port seen up on this node."""
+        return set(self.settings.expected_ports) if self.settings.expected_ports else seen_up
+
     def _port(self, port: IbPort, now: float) -> Result:
         s = self.settings
         known = self.known.setdefault(port.key, {})
+        if s.expected_ports:
+            required = "expected up" if port.key in s.expected_ports else None
+        else:
+            required = "was up on this node" if known.get("up") else None
         grown, notes, downed = {}, [], 0
         for counter, value in port.counters.items():
             key, bits = f"{port.key}/{counter}", COUNTER_BITS.get(counter)
@@ -145,7 +154,7 @@ class InfinibandCheck(Check):
                 downed = self.window.increase(key, now, s.link_downed_for)
             else:
                 grown[counter] = self.window.increase(key, now, s.error_window)
-        status, findings = evaluate(port, known, port.key in s.expected_ports, downed, grown, s)
+        status, findings = evaluate(port, known, required, downed, grown, s)
         if port.up:  # remember after judging: the first reading is the baseline
             known["up"] = True
             if port.rate_gbps is not None:
@@ -164,12 +173,11 @@ class InfinibandCheck(Check):
                                    "link_downed_recent": downed, "errors_in_window": grown, "notes": notes}
         return self.result(port.key, status, summary, details, samples)
 
-    def _count(self, ports: list[IbPort], seen_up: set[str]) -> Result:
+    def _count(self, ports: list[IbPort], required: set[str]) -> Result:
         up = sum(1 for p in ports if p.up)
         expected, source = self.settings.expected_port_count, "configured"
         if expected is None:
-            expected, source = len(seen_up | {p.key for p in ports if p.up} | set(self.settings.expected_ports)), \
-                "seen up on this node"
+            expected, source = len(required), "configured" if self.settings.expected_ports else "seen up on this node"
         status = Status.CRITICAL if up < expected else Status.OK
         return self.result("ports", status, f"{up} of {expected} InfiniBand/RoCE ports up ({expected} {source})",
                            {"up": up, "expected": expected, "source": source}, [PORTS_UP(up), PORTS_EXPECTED(expected)])
