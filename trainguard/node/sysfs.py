@@ -14,16 +14,22 @@ from pathlib import Path
 _MAX_READ = 4096
 
 
-def read_small(path: Path) -> str | None:
-    """A sysfs attribute's text (first 4 KiB), stripped; None when it can't be read."""
+def read_small(path: str | Path) -> str | None:
+    """A sysfs attribute's text (first 4 KiB), stripped; None when it can't be read. One open and one read: a port
+    is a dozen attributes and a node has ten ports, so this is the whole cost of the infiniband check."""
     try:
-        with open(path, "rb") as f:
-            return f.read(_MAX_READ).decode("utf-8", "replace").strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        return os.read(fd, _MAX_READ).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
-def _entries(root: Path) -> list[str]:
+def _entries(root: str | Path) -> list[str]:
     try:
         return sorted(e.name for e in os.scandir(root))
     except OSError:
@@ -56,13 +62,14 @@ class PciDevice:
         return self.vendor == NVIDIA and self.pci_class >> 8 == BRIDGE_OTHER
 
 
-def pci_devices(root: Path) -> list[PciDevice]:
+def pci_devices(root: str | Path) -> list[PciDevice]:
     out = []
     for name in _entries(root):
-        vendor, klass = _int(read_small(root / name / "vendor"), 16), _int(read_small(root / name / "class"), 16)
+        base = os.path.join(root, name)
+        vendor, klass = _int(read_small(os.path.join(base, "vendor")), 16), _int(read_small(os.path.join(base, "class")), 16)
         if vendor is None or klass is None:
             continue
-        out.append(PciDevice(name, vendor, _int(read_small(root / name / "device"), 16) or 0, klass))
+        out.append(PciDevice(name, vendor, _int(read_small(os.path.join(base, "device")), 16) or 0, klass))
     return out
 
 
@@ -104,25 +111,26 @@ def parse_rate(text: str | None) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def infiniband_ports(root: Path, counters: Iterable[str] = ()) -> list[IbPort]:
+def infiniband_ports(root: str | Path, counters: Iterable[str] = ()) -> list[IbPort]:
     """Every port of every HCA under `root`, with the named counters that can be read."""
     wanted = tuple(counters)
     out = []
+    join = os.path.join  # plain strings: pathlib's joins cost more than the reads themselves
     for device in _entries(root):
-        base = root / device
-        hca, fw = read_small(base / "hca_type") or "", read_small(base / "fw_ver") or ""
-        for port in _entries(base / "ports"):
+        base = join(root, device)
+        hca, fw = read_small(join(base, "hca_type")) or "", read_small(join(base, "fw_ver")) or ""
+        for port in _entries(join(base, "ports")):
             number = _int(port)
             if number is None:
                 continue
-            p = base / "ports" / port
+            p = join(base, "ports", port)
             values = {}
             for name in wanted:
-                value = _int(read_small(p / "counters" / name))
+                value = _int(read_small(join(p, "counters", name)))
                 if value is not None and value >= 0:
                     values[name] = value
-            rate = read_small(p / "rate") or ""
-            out.append(IbPort(device, number, parse_state(read_small(p / "state")),
-                              parse_state(read_small(p / "phys_state")), parse_rate(rate), rate,
-                              read_small(p / "link_layer") or "", values, hca, fw))
+            rate = read_small(join(p, "rate")) or ""
+            out.append(IbPort(device, number, parse_state(read_small(join(p, "state"))),
+                              parse_state(read_small(join(p, "phys_state"))), parse_rate(rate), rate,
+                              read_small(join(p, "link_layer")) or "", values, hca, fw))
     return out
