@@ -44,6 +44,7 @@ KMSG_LOST = Metric("trainguard_kmsg_lost_records_total", "Kernel log records ove
 KMSG_UP = Metric("trainguard_kmsg_follower_up", "1 while the kernel log follower runs.", ("source",))
 METRICS = (XID_ERRORS, XID_LAST, SXID_ERRORS, SXID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
 
+
 class XidSettings(CheckSettings):
     interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (XIDs themselves wake the check at once).")
     jitter: Duration = Field(0.0, ge=0)
