@@ -46,6 +46,11 @@ available_critical = "0%"
 swap_free_warning = "0%"
 swap_free_critical = "0%"
 
+[checks.ib]                 # no HCA under this root: idle
+type = "infiniband"
+sysfs_root = "{tmp_path}/no-infiniband"
+interval = "{interval}"
+
 [notifiers.console]
 """)
     return path
@@ -150,13 +155,18 @@ def test_sigkill_restart_keeps_incident_and_does_not_renotify(
 def test_status_command_against_a_running_agent(tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
     port = free_port()
     config = write_config(tmp_path, port)
-    agent_process(config).wait_for("event=fired")
+    agent = agent_process(config)
+    agent.wait_for("event=fired")
+    time.sleep(2.5)  # a few more runs of the idle check
     proc = subprocess.run([sys.executable, "-m", "trainguard", "status", "--config", str(config)],
                           capture_output=True, text=True, timeout=30, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "node testnode" in proc.stdout
     assert "incidents (1 firing, 0 pending)" in proc.stdout
     assert re.search(r"firing\s+CRITICAL\s+scratch", proc.stdout)
+    assert re.search(r"^IDLE\s+ib\s+-\s+no InfiniBand or RoCE device under .*/no-infiniband$", proc.stdout, re.M)
+    agent.wait_for("check=ib", count=1)
+    assert agent.output().count("check idle: what it watches is absent here") == 1  # once, not every second
     unreachable = subprocess.run([sys.executable, "-m", "trainguard", "status", "--url", f"http://127.0.0.1:{free_port()}"],
                                  capture_output=True, text=True, timeout=30, cwd=REPO)
     assert unreachable.returncode == 3 and "cannot reach the agent" in unreachable.stderr
