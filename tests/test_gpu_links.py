@@ -17,6 +17,7 @@ from tests.helpers.fake_nvml import (
     FakeNvml,
     NVMLError_GpuIsLost,
     NVMLError_LibraryNotFound,
+    NVMLError_Unknown,
 )
 from tests.test_gpu import Clock
 from trainguard.agent.configfile import parse_config
@@ -104,12 +105,14 @@ def test_nvlink_idle_where_no_gpu_has_nvlink_or_no_nvml() -> None:
     assert [r.status for r in configured] == [Status.CRITICAL, Status.CRITICAL]  # expected but absent: a fault
 
 
-def test_a_lost_gpu_is_unknown_here_and_the_others_still_read() -> None:
-    fake = FakeNvml(hgx())
+def test_a_lost_gpu_is_left_to_the_gpu_check_an_erroring_one_is_unknown() -> None:
+    fake = FakeNvml(hgx(3))
     fake.gpus[1].fail = {"nvmlDeviceGetNvLinkState": NVMLError_GpuIsLost}
-    ok, lost = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, Clock())).run()
-    assert ok.status is Status.OK
-    assert lost.status is Status.UNKNOWN and lost.summary == "GPU 1: lost (GPU is lost): the gpu check reports it"
+    fake.gpus[2].fail = {"nvmlDeviceGetNvLinkErrorCounter": NVMLError_Unknown}
+    results = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, Clock())).run()
+    assert [(r.subject, r.status) for r in results] == [(fake.gpus[0].uuid, Status.OK),
+                                                         (fake.gpus[2].uuid, Status.UNKNOWN)]
+    assert results[1].summary == "GPU 2: NVML error: NVMLError_Unknown: Unknown Error"
 
 
 def test_links_are_probed_once_per_gpu() -> None:

@@ -23,6 +23,7 @@ from trainguard.jobs.model import Job
 from trainguard.node.procfs import ProcFS
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 class ActionBinding(SettingsModel):
@@ -163,10 +164,16 @@ class NvmlCheck(Check):
     def gpu_labels(reading: Reading[Any]) -> dict[str, str]:
         return {"gpu": str(reading.gpu.index), "uuid": reading.gpu.uuid}
 
+    @staticmethod
+    def present(readings: list[Reading[V]]) -> list[Reading[V]]:
+        """The readings of GPUs not lost. A lost GPU is the gpu check's CRITICAL: the checks over its links and
+        settings would only add an UNKNOWN (and a notification) each to the same fault."""
+        return [r for r in readings if not r.lost]
+
     def unanswered(self, reading: Reading[Any]) -> Result | None:
-        """A GPU NVML could not read for this check: UNKNOWN naming why (a lost GPU is the gpu check's CRITICAL)."""
-        if reading.error is None and not reading.lost:
+        """A GPU NVML answered with an error for this check: UNKNOWN naming it; None when it answered."""
+        if reading.error is None:
             return None
-        why = f"lost ({reading.error}): the gpu check reports it" if reading.lost else f"NVML error: {reading.error}"
         return self.result(reading.gpu.uuid or f"gpu{reading.gpu.index}", Status.UNKNOWN,
-                           f"GPU {reading.gpu.index}: {why}", {"index": reading.gpu.index, "uuid": reading.gpu.uuid})
+                           f"GPU {reading.gpu.index}: NVML error: {reading.error}",
+                           {"index": reading.gpu.index, "uuid": reading.gpu.uuid})

@@ -88,7 +88,7 @@ class FabricCheck(NvmlCheck):
     def run(self) -> Sequence[Result]:
         switches = [d.address for d in pci_devices(Path(self.settings.pci_root)) if d.is_nvswitch]
         try:
-            readings = self.nvml.fabric()
+            readings = self.present(self.nvml.fabric())
         except NvmlUnavailableError:
             readings = []  # the gpu check reports NVML itself; the NVSwitches and the fabric manager still count
         registering = [r for r in readings if r.value is not None and r.value.state != 0]
@@ -102,7 +102,7 @@ class FabricCheck(NvmlCheck):
         if switches or seen or self.settings.expected_nvswitches:
             results.append(self._fabric_manager())
         results += [self.unanswered(r) or self._gpu(r) for r in readings
-                    if r.error or r.lost or (r.value is not None and r.value.state != 0)]
+                    if r.error or (r.value is not None and r.value.state != 0)]
         if self.settings.fabric_manager_log:
             results.append(self._log())
         return results

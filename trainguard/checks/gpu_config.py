@@ -63,7 +63,8 @@ class GpuConfigCheck(NvmlCheck):
     settings: GpuConfigSettings
 
     def run(self) -> Sequence[Result]:
-        driver, readings = self.nvml_read(self.nvml.config)
+        driver, all_readings = self.nvml_read(self.nvml.config)
+        readings = self.present(all_readings)
         results = [self.unanswered(r) or self._one(r, driver or "") for r in readings]
         counts = by_model([(r.gpu.name, r.value.vbios) for r in readings if r.value is not None])
         findings = versions(counts, self.settings)

@@ -85,9 +85,8 @@ class NvlinkCheck(NvmlCheck):
         self.seen: dict[str, int] = {k: int(v) for k, v in self.load_state(SEEN_KEY).items() if str(v).isdigit()}
 
     def run(self) -> Sequence[Result]:
-        readings = self.nvml_read(self.nvml.nvlinks)
-        if self.settings.expected_links is None and not self.seen and \
-                all(not r.value for r in readings if r.error is None and not r.lost):
+        readings = self.present(self.nvml_read(self.nvml.nvlinks))
+        if self.settings.expected_links is None and not self.seen and all(not r.value for r in readings if r.error is None):
             raise CheckIdle("no GPU on this node has NVLink")
         now = self.context.clock()
         results = [self.unanswered(r) or self._one(r, now) for r in readings]

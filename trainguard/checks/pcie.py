@@ -70,7 +70,7 @@ class PcieCheck(NvmlCheck):
         self.window = CounterWindow(self.settings.error_window)
 
     def run(self) -> Sequence[Result]:
-        readings = self.nvml_read(self.nvml.pcie)
+        readings = self.present(self.nvml_read(self.nvml.pcie))
         now = self.context.clock()
         self.window.keep(r.gpu.uuid for r in readings)
         return [self.unanswered(r) or self._one(r, now) for r in readings]
