@@ -136,7 +136,7 @@ def test_sigkill_restart_keeps_incident_and_does_not_renotify(
     port = free_port()
     config = write_config(tmp_path, port)
     first = agent_process(config, log_name="first.log")
-    first.wait_for("event=fired")
+    first.wait_for("logger=trainguard.alert event=fired")  # the console's line: the engine logs its own one first
     [fired_line] = [line for line in first.output().splitlines() if "event=fired" in line and "trainguard.alert" in line]
     incident_id = re.search(r"incident=(\w+)", fired_line).group(1)  # type: ignore[union-attr]
     first.signal(signal.SIGKILL)
