@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from trainguard import __version__
 from trainguard.agent.configfile import ConfigError, load_config
 from trainguard.core.logs import setup_logging
-from trainguard.core.model import worst
+from trainguard.core.model import Status, worst
 from trainguard.pipeline.config import Config, default_state_dir
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster
@@ -89,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="/", metavar="DIR", help="the DIR given to install --root")
     p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
     p.add_argument("--purge", action="store_true", help="also remove /etc/trainguard, /var/lib/trainguard and the user")
+    p = with_config(sub.add_parser(
+        "xid", help="what the agent knows and does about XIDs (all of NVIDIA's catalog, or the codes given)",
+        description="Print NVIDIA's catalog entry for each XID (mnemonic, description, immediate and investigatory "
+                    "resolution bucket) and what this agent does about it with this config: status, how long it "
+                    "lasts, the actions it runs, and why trainguard reads the bucket as it does. Without codes: one "
+                    "line per code of the catalog."))
+    p.add_argument("codes", nargs="*", type=int, metavar="CODE", help="XID numbers, e.g. 79 48 149")
+    p.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     return parser
@@ -114,22 +122,24 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
-    from trainguard.core.model import Status
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
 
     engine = Engine(config, store=Store(None), notifiers={})
     reports = engine.run_round(ingest=False)
     results = [r for report in reports for r in report.results]
+    # Idle checks watch hardware this node lacks: listed, but they never change the exit code.
+    idle = {report.check: report.idle_reason or "" for report in reports if report.outcome == "idle"}
     overall = worst(r.status for r in results)
     drained = _drain(engine, [r for r in results if r.status is Status.CRITICAL]) if drain else None
     if as_json:
         print(json.dumps({"node": config.agent.node_name, "status": overall.name,
-                          "results": [r.to_dict() for r in results], "drain": drained}, indent=1))
+                          "results": [r.to_dict() for r in results], "idle": idle, "drain": drained}, indent=1))
     else:
         rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
         rows += [[r.status.name, r.check, r.subject, r.summary]
                  for r in sorted(results, key=lambda r: (-r.status.severity, r.check, r.subject))]
+        rows += [["IDLE", name, "-", reason] for name, reason in sorted(idle.items())]
         print(_table(rows))
         print(f"\n{config.agent.node_name}: {overall.name}")
         if drained:
@@ -145,7 +155,6 @@ def _drain(engine: Engine, critical: list[Result]) -> str | None:
     import uuid
 
     from trainguard.core.events import Event, EventKind
-    from trainguard.core.model import Status
 
     if not critical:
         return None
@@ -159,12 +168,50 @@ def _drain(engine: Engine, critical: list[Result]) -> str | None:
     return f"drain: {record['outcome']}: {record['detail']}"
 
 
+def cmd_xid(config: Config, codes: list[int], as_json: bool) -> int:
+    from trainguard.checks.xid import XidSettings, explain
+    from trainguard.gpu.xid_catalog import catalog
+
+    name = next((n for n in config.checks if config.kind_of_check(n) == "xid"), None)
+    settings = config.checks[name] if name is not None else XidSettings()
+    assert isinstance(settings, XidSettings)
+    where = f"[checks.{name}]" if name is not None else "xid check defaults; the check is not in this config"
+    entries = [explain(code, settings) for code in (codes or sorted(catalog()))]
+    for e in entries:  # the actions its most severe outcome runs
+        e["actions"] = settings.actions.for_status(Status[e["worst"]])
+    if as_json:
+        print(json.dumps({"config": where, "xids": entries}, indent=1))
+        return 0
+    if not codes:
+        rows = [["XID", "RESPONSE", "NVIDIA-IMMEDIATE", "MNEMONIC"]]
+        rows += [[str(e["xid"]), e["response"], e["nvidia_immediate"] or "-", e["mnemonic"]] for e in entries]
+        print(_table(rows))
+        print(f"\n{len(entries)} codes; `trainguard xid CODE` for one in full. Responses as set by {where}.")
+        return 0
+    for e in entries:
+        print(f"XID {e['xid']} {e['mnemonic']}")
+        print(f"  NVIDIA      {e['description']}")
+        if e["known"]:
+            print(f"              immediate {e['nvidia_immediate'] or '(none)'}, investigatory "
+                  f"{e['nvidia_investigatory'] or '(none)'}")
+        print(f"  trainguard  {e['response']} ({e['source']}): {e['status']}")
+        print(f"  advice      {e['todo']}")
+        for verdict, d in e.get("decode", {}).items():
+            rows = f", {d['rows']} table rows" if d["rows"] else ""
+            print(f"  decode      {verdict}: {d['response']} ({d['status']}){rows}" + (f"; {d['why']}" if d["why"] else ""))
+        for action, todo in e.get("recovery_actions", {}).items():
+            print(f"  recovery    {action}: {todo}")
+        if e["why"]:
+            print(f"  why         {e['why']}")
+        print(f"  actions     {', '.join(e['actions']) or 'none'} ({where})")
+    return 0
+
+
 def cmd_notify_test(config: Config, channel: str | None) -> int:
     import time
     import uuid
 
     from trainguard.core.events import Event, EventKind
-    from trainguard.core.model import Status
     from trainguard.notifiers.base import NotifierError
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
@@ -236,6 +283,8 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
     for name, chk in data.get("checks", {}).items():
         for r in chk.get("results", []):
             rows.append([r["status"], name, r["subject"], r["summary"]])
+        if chk.get("outcome") == "idle":
+            rows.append(["IDLE", name, "-", chk.get("idle_reason") or ""])
     print("\nlast results")
     print(_table(rows))
     return 0
@@ -303,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_notify_test(config, args.channel)
     if args.command in ("ack", "silence", "clear"):
         return cmd_operator(config, args)
+    if args.command == "xid":
+        return cmd_xid(config, args.codes, args.json)
     from trainguard.agent.daemon import run_daemon
 
     return run_daemon(config)

@@ -26,6 +26,9 @@ CHECK_LAST_RUN = Metric("trainguard_check_last_run_timestamp_seconds", "Unix tim
                         ("check",))
 CHECK_SUCCESS = Metric("trainguard_check_success",
                        "1 if the latest run of a check completed, 0 if it failed, timed out or was skipped.", ("check",))
+CHECK_IDLE = Metric("trainguard_check_idle",
+                    "1 while a check is idle: what it watches (NVML, InfiniBand devices) is absent from this node, so it "
+                    "reports nothing and alerts on nothing.", ("check",))
 CHECK_RUNS = Metric("trainguard_check_runs_total", "Runs of a check, by outcome.", ("check", "outcome"), counter=True)
 CHECK_TIMEOUTS = Metric("trainguard_check_timeouts_total", "Runs of a check that exceeded their timeout.", ("check",),
                         counter=True)
@@ -48,10 +51,9 @@ INCIDENT_SILENCED = Metric("trainguard_incident_silenced",
 START_TIME = Metric("trainguard_agent_start_time_seconds", "Unix time the agent started.")
 RSS = Metric("trainguard_agent_resident_memory_bytes", "Resident memory of the agent.")
 CPU = Metric("trainguard_agent_cpu_seconds_total", "CPU time used by the agent (user + system).", counter=True)
-AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_RUNS, CHECK_TIMEOUTS,
-                 INCIDENTS_FIRING, INCIDENT_FIRING, INCIDENT_ACKED, INCIDENT_SILENCED, QUEUED, OLDEST_QUEUED, SENT,
-                 FAILED, DROPPED, START_TIME, RSS, CPU,
-                 *AgentCheck.metrics)
+AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS,
+                 CHECK_TIMEOUTS, INCIDENTS_FIRING, INCIDENT_FIRING, INCIDENT_ACKED, INCIDENT_SILENCED, QUEUED,
+                 OLDEST_QUEUED, SENT, FAILED, DROPPED, START_TIME, RSS, CPU, *AgentCheck.metrics)
 
 
 def family(metric: Metric, samples: Sequence[Sample] = ()) -> Family:
@@ -79,19 +81,21 @@ class SnapshotCollector(Collector):
         snap = self._snapshot()
         yield family(BUILD_INFO, [BUILD_INFO(1, {"version": __version__, "node": snap.node})])
         agent: dict[Metric, list[Sample]] = {m: [] for m in (CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN,
-                                                              CHECK_SUCCESS, CHECK_RUNS, CHECK_TIMEOUTS)}
+                                                              CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS, CHECK_TIMEOUTS)}
         by_metric: dict[Metric, list[Sample]] = {}
         for name, st in sorted(snap.checks.items()):
             check = {"check": name}
             agent[CHECK_TIMEOUTS].append(CHECK_TIMEOUTS(st.timeouts, check))
-            ok = st.runs - st.timeouts - st.errors - st.skipped
-            for outcome, count in (("ok", ok), ("error", st.errors), ("timeout", st.timeouts), ("skipped", st.skipped)):
+            ok = st.runs - st.timeouts - st.errors - st.skipped - st.idle
+            for outcome, count in (("ok", ok), ("idle", st.idle), ("error", st.errors), ("timeout", st.timeouts),
+                                   ("skipped", st.skipped)):
                 agent[CHECK_RUNS].append(CHECK_RUNS(count, {**check, "outcome": outcome}))
             if st.last is None:
                 continue
             agent[CHECK_DURATION].append(CHECK_DURATION(st.last.duration, check))
             agent[CHECK_LAST_RUN].append(CHECK_LAST_RUN(st.last.started, check))
             agent[CHECK_SUCCESS].append(CHECK_SUCCESS(1 if st.last.complete else 0, check))
+            agent[CHECK_IDLE].append(CHECK_IDLE(1 if st.last.outcome == "idle" else 0, check))
             for result in st.last.results:
                 agent[CHECK_STATUS].append(CHECK_STATUS(int(result.status), {**check, "subject": result.subject,
                                                                              "type": st.kind}))

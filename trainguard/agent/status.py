@@ -28,6 +28,7 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
                 "last_run": st.last.started if st.last else None,
                 "duration_s": round(st.last.duration, 4) if st.last else None,
                 "outcome": st.last.outcome if st.last else None,
+                "idle_reason": st.last.idle_reason if st.last else None,
                 "runs": st.runs,
                 "timeouts": st.timeouts,
                 "results": [_result(r.to_dict(), details) for r in st.last.results] if st.last else [],

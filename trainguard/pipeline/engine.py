@@ -57,6 +57,7 @@ class CheckState:
     timeouts: int = 0
     errors: int = 0
     skipped: int = 0
+    idle: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,21 +136,23 @@ class Engine:
         reports: dict[str, RunReport] = {}
 
         def one(name: str) -> None:
-            reports[name] = self.runners[name].run_once(self.stop_event)
+            # The check's run lock, as run_check takes: a run an event triggers meanwhile (an XID during the first
+            # round) waits, so an older report is never ingested after a newer one (it would resolve what the newer
+            # one found, as "no longer reported").
+            with self._run_locks[name]:
+                reports[name] = self.runners[name].run_once(self.stop_event)
+                if ingest:
+                    try:
+                        self.ingest(reports[name])
+                    except Exception:
+                        log.exception("ingesting check results failed", extra=kv(check=name))
 
         threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in self.runners]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        ordered = [reports[n] for n in self.runners if n in reports]
-        if ingest:
-            for report in ordered:
-                try:
-                    self.ingest(report)
-                except Exception:
-                    log.exception("ingesting check results failed", extra=kv(check=report.check))
-        return ordered
+        return [reports[n] for n in self.runners if n in reports]
 
     def firing_events(self) -> list[Event]:
         """Every firing incident as a reminder-kind event, for channels that restate the current state."""
@@ -189,6 +192,7 @@ class Engine:
             state.timeouts += report.outcome == "timeout"
             state.errors += report.outcome == "error"
             state.skipped += report.outcome == "skipped"
+            state.idle += report.outcome == "idle"
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
         self._emit(self.tracker.observe(report.check, report.results, policy, report.complete, self.dispatcher.route))
