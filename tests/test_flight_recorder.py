@@ -220,6 +220,7 @@ def test_the_hang_check_names_the_rank_that_never_entered_the_collective(
         pids = [p.pid for p in children]
         agent.wait_for("logger=trainguard.alert event=fired", timeout=60)  # the console notifier's line
         line = next(x for x in agent.output().splitlines() if "logger=trainguard.alert event=fired" in x)
+        assert "never entered all_reduce #" in line, line  # says which incident fired instead
         seq = int(line.split("never entered all_reduce #", 1)[1].split()[0])
         named = (f"rank 1 (node gpu-07, pid {pids[1]}) never entered all_reduce #{seq} (its last: all_reduce "
                  f"#{seq - 1}); rank 0 waiting")
