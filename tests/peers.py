@@ -126,11 +126,13 @@ def http_ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def alertmanager_server(tmp_path: Path) -> Iterator[str]:
-    """Debian's prometheus-alertmanager on a free port, routing to a null receiver; yields its URL."""
+def alertmanager_server(tmp_path: Path, config: Path | None = None) -> Iterator[str]:
+    """Debian's prometheus-alertmanager on a free port, with `config` (default: routing to a null receiver);
+    yields its URL."""
     binary = require_tool("prometheus-alertmanager")
-    config = tmp_path / "am.yml"
-    config.write_text('route:\n  receiver: "null"\n  group_wait: 1s\nreceivers:\n  - name: "null"\n')
+    if config is None:
+        config = tmp_path / "am.yml"
+        config.write_text('route:\n  receiver: "null"\n  group_wait: 1s\nreceivers:\n  - name: "null"\n')
     port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.path={tmp_path / 'am-data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],

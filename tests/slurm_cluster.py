@@ -136,6 +136,10 @@ HealthCheckProgram={b}/hooks/healthcheck
 HealthCheckInterval=5
 NodeName={self.node} CPUs={cpus} RealMemory={mem} State=UNKNOWN
 PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
+# Nodes that never register (nothing listens on port 1): a partition of 20 for the drain circuit breaker; they can
+# still be drained and undrained. No job is ever placed there (the partition is not the default).
+NodeName=tg-ghost[01-19] NodeAddr=127.0.0.1 Port=1 CPUs=1 RealMemory=100 State=DOWN
+PartitionName=fleet Nodes={self.node},tg-ghost[01-19] Default=NO MaxTime=INFINITE State=UP
 """)
         self.conf.chmod(0o644)
         (b / "hooks").mkdir(exist_ok=True)

@@ -39,6 +39,7 @@ def test_incident_appears_with_labels_and_resolves(alertmanager: str, tmp_path: 
     try:
         [firing] = wait_until(lambda: alerts(alertmanager), 15, what="the alert in Alertmanager")  # type: ignore[misc]
         assert firing["labels"] == {"alertname": "trainguard_flaky", "severity": "critical", "node": "node1",
+                                    "layer": "node", "type": "flaky",
                                     "check": "flaky", "subject": "thing"}
         assert firing["annotations"]["summary"] == "thing is CRITICAL"
         assert firing["annotations"]["runbook_url"] == "https://runbooks.example/flaky"

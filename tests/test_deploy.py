@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from trainguard.reference import declared_metrics
+from trainguard.registry import DEFAULT_REGISTRY
 
 from .conftest import REPO, AgentProcess, free_port, require_tool, unique_bus, wait_until
 from .peers import prometheus_query, prometheus_server
@@ -48,6 +49,20 @@ def test_every_alert_is_unit_tested_and_has_its_runbook() -> None:
         page = re.fullmatch(r"https://github\.com/trainguard/trainguard/blob/main/(docs/runbooks/[\w-]+\.md)",
                             notes["runbook_url"])
         assert page and (REPO / page.group(1)).is_file(), f"{rule['alert']}: runbook {notes['runbook_url']} missing"
+
+
+def test_incident_alerts_follow_the_agents_incidents_for_every_check_type() -> None:
+    """No second hysteresis in Prometheus: an incident rule reads trainguard_incident_firing and has no `for:`;
+    every check type has a rule, so nothing the agent fires is missing from the fleet view."""
+    covered: set[str] = set()
+    for rule in alerts():
+        if "trainguard_check_status" in rule["expr"]:
+            pytest.fail(f"{rule['alert']} re-derives incidents from trainguard_check_status: {rule['expr']}")
+        if "trainguard_incident_firing" in rule["expr"]:
+            assert "for" not in rule, f"{rule['alert']} adds its own `for:` to the agent's incident"
+            sel = re.search(r'type=~?"([^"]+)"', rule["expr"])
+            covered |= set(sel.group(1).split("|")) if sel else set(DEFAULT_REGISTRY.checks)
+    assert set(DEFAULT_REGISTRY.checks) <= covered, f"no alert rule for {set(DEFAULT_REGISTRY.checks) - covered}"
 
 
 def panel_queries() -> list[tuple[str, str]]:

@@ -26,6 +26,11 @@ class ActionError(Exception):
     """The action could not do what it was asked; the message says what and why."""
 
 
+class ActionRefusedError(ActionError):
+    """The action chose not to act: a safety limit (the drain circuit breaker). The agent keeps a CRITICAL incident
+    open while it stands, since the fault it answered is still there and nobody acted on it."""
+
+
 @dataclass(frozen=True)
 class ActionContext:
     event: Event

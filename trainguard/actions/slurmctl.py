@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, ActionSettings, slurm_jobs
 from trainguard.core.settings import Duration
-from trainguard.core.text import one_line
+from trainguard.core.text import linear, one_line
 from trainguard.jobs.slurm import SlurmError
 
 DRAIN_TAG = "trainguard:"
@@ -30,14 +31,75 @@ def _slurm(call: str, fn: Callable[..., T], *args: str) -> T:
         raise ActionError(f"{call}: {exc}") from None
 
 
+_MAX_DRAINED = linear(r"^(\d{1,6})(%?)$")
+
+
+class DrainSettings(ActionSettings):
+    max_drained: str = Field("10%", description="Circuit breaker: the most nodes of this node's partitions that "
+                                                "trainguard may hold drained at once, as a count (`4`) or a share "
+                                                "(`10%`, at least one node). Beyond it the drain is refused and a "
+                                                "CRITICAL incident says so: a bad driver rollout or a shared fault "
+                                                "must not take a partition down node by node.")
+
+    @field_validator("max_drained")
+    @classmethod
+    def _limit(cls, value: str) -> str:
+        if not _MAX_DRAINED.match(value.strip()):
+            raise ValueError(f"max_drained {value!r}: expected a count (e.g. 4) or a percentage (e.g. '10%')")
+        return value.strip()
+
+    def limit(self, nodes: int) -> int:
+        m = _MAX_DRAINED.match(self.max_drained)
+        assert m is not None  # validated
+        n = int(m.group(1))
+        return max(1, nodes * n // 100) if m.group(2) else n
+
+
+@dataclass(frozen=True)
+class PartitionView:
+    nodes: int  # nodes of the partitions this node is in (this one included)
+    drained: tuple[str, ...]  # other nodes of them that trainguard drained (or is draining)
+    partitions: tuple[str, ...]
+
+
+def partition_view(sinfo: str, node: str) -> PartitionView:
+    """From `sinfo -h -N -o %N|%P|%T|%E` (one line per node and partition): how many nodes share a partition with
+    `node`, and which of them trainguard drained. Parsed without raising: a reason is free text."""
+    rows = []
+    for line in sinfo.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) == 4:
+            rows.append((parts[0].strip(), parts[1].strip().rstrip("*"), parts[2].strip().lower(), parts[3].strip()))
+    mine = {p for n, p, _, _ in rows if n == node}
+    nodes = {n for n, p, _, _ in rows if p in mine}
+    drained = {n for n, p, state, reason in rows
+               if p in mine and n != node and "drain" in state and reason.startswith(DRAIN_TAG)}
+    return PartitionView(len(nodes | {node}), tuple(sorted(drained)), tuple(sorted(mine)))
+
+
 class DrainAction(Action):
+    """Drains the node, unless trainguard already holds `max_drained` nodes of its partitions drained."""
+
     needs_jobs = False
+    Settings = DrainSettings
+    settings: DrainSettings
 
     def plan(self, ctx: ActionContext) -> str:
-        return f"drain node {ctx.node} reason={drain_reason(ctx.event.summary)!r}"
+        return (f"drain node {ctx.node} reason={drain_reason(ctx.event.summary)!r} unless {self.settings.max_drained} "
+                "of its partitions are already drained by trainguard")
 
     def run(self, ctx: ActionContext) -> str:
         reason = drain_reason(ctx.event.summary)
+        # One query of the node table per drain (a rare event), never per round.
+        view = partition_view(_slurm("drain", ctx.slurm.run, "sinfo", "-h", "-N", "-o", "%N|%P|%T|%E"), ctx.node)
+        limit = self.settings.limit(view.nodes)
+        if len(view.drained) >= limit:
+            shown = ", ".join(view.drained[:5]) + (", ..." if len(view.drained) > 5 else "")
+            raise ActionRefusedError(f"drain refused: {len(view.drained)} of {view.nodes} nodes of partition "
+                                f"{','.join(view.partitions) or '?'} already drained by trainguard ({shown}; "
+                                f"max_drained {self.settings.max_drained}): {ctx.node} stays in service. A fault "
+                                "on this many nodes at once is rarely the nodes': check a recent driver, firmware "
+                                "or config rollout, then drain by hand or raise max_drained")
         _slurm("drain", ctx.slurm.drain, ctx.node, reason)
         return f"drained {ctx.node}: {reason}"
 

@@ -13,6 +13,7 @@ from prometheus_client.core import Metric as Family
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard import __version__
+from trainguard.core.events import jobs_of
 from trainguard.core.model import Metric, Sample, Status
 from trainguard.pipeline.engine import Snapshot
 from trainguard.pipeline.selfcheck import AgentCheck
@@ -42,7 +43,7 @@ DROPPED = Metric("trainguard_notifications_dropped_total", "Notifications droppe
                  ("channel",), counter=True)
 INCIDENT_FIRING = Metric("trainguard_incident_firing",
                          "1 for each incident firing now (after the check's fire_after): what the alert rules follow.",
-                         ("check", "subject", "type", "severity", "job_id"))
+                         ("check", "subject", "type", "severity", "job_id", "layer", "cluster"))
 INCIDENT_ACKED = Metric("trainguard_incident_acknowledged", "1 for each incident an operator acknowledged.",
                         ("check", "subject"))
 INCIDENT_SILENCED = Metric("trainguard_incident_silenced",
@@ -133,9 +134,11 @@ def incident_families(snap: Snapshot) -> Iterator[Family]:
     for i in snap.incidents:
         where = {"check": i.check, "subject": i.subject}
         if i.firing:
-            job = i.details.get("job_id") or i.details.get("job_key") or ""
             kind = snap.checks[i.check].kind if i.check in snap.checks else i.check
-            firing.append(INCIDENT_FIRING(1, {**where, "type": kind, "severity": i.status.label, "job_id": job}))
+            labels = {**where, "type": kind, "severity": i.status.label, "layer": str(i.details.get("layer") or "node"),
+                      "cluster": str(i.details.get("cluster") or "")}
+            for job_id in jobs_of(i.details) or [""]:  # one series per job, as the Alertmanager notifier's alerts
+                firing.append(INCIDENT_FIRING(1, {**labels, "job_id": job_id}))
         if i.acked:
             acked.append(INCIDENT_ACKED(1, where))
         if any(s.until > now and s.matches(i.check, i.subject) for s in snap.silences):

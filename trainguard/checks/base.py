@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, PositiveInt
 
@@ -88,6 +88,9 @@ class Check(ABC):
 
     Settings: ClassVar[type[CheckSettings]] = CheckSettings
     metrics: ClassVar[tuple[Metric, ...]] = ()  # every metric its results may carry (docs/metrics.md lists them)
+    # What a fault it reports takes down, for grouping and inhibition across nodes (deploy/alertmanager): the node's
+    # hardware (every job on it), one job, or the node's own resources.
+    layer: ClassVar[Literal["hardware", "job", "node"]] = "node"
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         self.name = name
@@ -130,6 +133,8 @@ class Check(ABC):
 class JobCheck(Check):
     """Shared plumbing: the job view, and one UNKNOWN per failed source instead of a crash."""
 
+    layer = "job"
+
     def view(self) -> JobView:
         if self.context.jobs is None:
             raise RuntimeError("no job source configured ([jobs] sources)")
@@ -152,6 +157,8 @@ class JobCheck(Check):
 
 class NvmlCheck(Check):
     """A check over NVML: idle on a node without it (no driver, no library): the runner says so once."""
+
+    layer = "hardware"
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)

@@ -114,6 +114,8 @@ def summarize(gpu: GpuState, v: Verdict, found: list[Holder]) -> str:
 
 
 class GpuMemoryCheck(NvmlCheck):
+    layer = "job"
+
     Settings = GpuMemorySettings
     metrics = METRICS
     settings: GpuMemorySettings

@@ -101,6 +101,8 @@ def evaluate(port: IbPort, known: dict[str, Any], required: str | None, downed: 
 
 
 class InfinibandCheck(Check):
+    layer = "hardware"
+
     Settings = InfinibandSettings
     metrics = METRICS
     settings: InfinibandSettings

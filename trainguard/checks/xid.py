@@ -248,6 +248,8 @@ def _samples(entries: list[XidEntry], labels: dict[str, str], errors: Metric, la
 
 
 class XidCheck(Check):
+    layer = "hardware"
+
     Settings = XidSettings
     metrics = METRICS
     settings: XidSettings

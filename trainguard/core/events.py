@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,16 @@ class EventKind(str, enum.Enum):
     @property
     def operator(self) -> bool:
         return self in _OPERATOR
+
+
+def jobs_of(details: Mapping[str, Any]) -> list[str]:
+    """The jobs an incident is about: its own job; for a fault of the node's hardware, each job that ran on the node
+    when it was seen (`jobs_here`); none for the node's own resources. Alerts carry one copy per job, so that a
+    job's alerts from all its nodes group together, and its hardware fault inhibits its hangs on the other nodes."""
+    job = details.get("job_id") or details.get("job_key")
+    if job:
+        return [str(job)]
+    return [str(j) for j in details.get("jobs_here") or ()]
 
 
 _OPERATOR = frozenset({EventKind.ACKNOWLEDGED, EventKind.SILENCED, EventKind.UNSILENCED})

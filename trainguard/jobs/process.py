@@ -65,7 +65,7 @@ class ProcessSource:
             user = spec.user
             start = min((r.create_time for r in refs), default=None)
             jobs.append(Job(key=f"process:{name}", source="process", name=name, state="RUNNING" if refs else "ABSENT",
-                            user=user, uid=uid, start_time=start, on_this_node=True, processes=refs,
+                            job_id=spec.job_id or None, user=user, uid=uid, start_time=start, on_this_node=True, processes=refs,
                             log_paths=tuple(spec.logs), switch_dir=spec.switch_dir))
         return jobs
 

@@ -18,6 +18,9 @@ class ProcessJobSettings(SettingsModel):
                                                 "pidfile, logs and heartbeat are read with their authority.")
     logs: list[str] = Field(default_factory=list, description="Log files (paths or globs) of the job.")
     switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches.")
+    job_id: str = Field("", max_length=128, description="The job's id in alerts. A multi-node run launched without a "
+                                                        "scheduler (torchrun on each host) gets the same id on every "
+                                                        "node, so that its alerts from all nodes group as one job.")
 
     @model_validator(mode="after")
     def _one_selector(self) -> ProcessJobSettings:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from trainguard.core.events import Event, EventKind
+from trainguard.core.events import Event, EventKind, jobs_of
 from trainguard.core.logs import kv
 from trainguard.core.settings import Duration
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
@@ -35,12 +35,14 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def alert(event: Event, s: AlertmanagerSettings, now: float) -> dict[str, Any]:
+def alert(event: Event, s: AlertmanagerSettings, now: float, job_id: str = "") -> dict[str, Any]:
     labels = {"alertname": f"trainguard_{event.check}", "severity": event.status.name.lower(), "node": event.node,
               "check": event.check, "subject": event.subject}
-    job = event.details.get("job_id") or event.details.get("job_key")
-    if job:
-        labels["job"] = str(job)
+    for key in ("cluster", "layer", "type"):
+        if event.details.get(key):
+            labels[key] = str(event.details[key])
+    if job_id:
+        labels["job_id"] = job_id
     gpu = event.details.get("index")
     if gpu is not None:
         labels["gpu"] = str(gpu)
@@ -55,14 +57,17 @@ def alert(event: Event, s: AlertmanagerSettings, now: float) -> dict[str, Any]:
 
 
 def alerts_for(event: Event, s: AlertmanagerSettings, now: float) -> list[dict[str, Any]]:
-    """The event's alert; an escalation also ends the alert of the severity it replaces, which Alertmanager
-    (severity being a label) would otherwise keep active beside the new one until its endsAt."""
-    current = alert(event, s, now)
-    if event.kind is not EventKind.ESCALATED or event.previous is None or event.previous is event.status:
-        return [current]
-    replaced = {**current, "labels": {**current["labels"], "severity": event.previous.name.lower()},
-                "endsAt": _iso(event.at)}
-    return [replaced, current]
+    """The event's alerts (one per job it concerns); an escalation also ends the alerts of the severity it
+    replaces, which Alertmanager (severity being a label) would otherwise keep active beside the new ones until
+    their endsAt."""
+    out = []
+    for job in jobs_of(event.details) or [""]:
+        current = alert(event, s, now, job)
+        if event.kind is EventKind.ESCALATED and event.previous is not None and event.previous is not event.status:
+            out.append({**current, "labels": {**current["labels"], "severity": event.previous.name.lower()},
+                        "endsAt": _iso(event.at)})
+        out.append(current)
+    return out
 
 
 def silence_for(event: Event) -> dict[str, Any]:

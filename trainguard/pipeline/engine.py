@@ -100,8 +100,9 @@ class Engine:
             if settings.enabled:
                 context = replace(shared, state=ScopedState(self.store, f"check/{name}", legacy=self.store))
                 self.checks[name] = self._build_check(registry, config.kind_of_check(name), name, settings, context)
-        if self_check:  # the daemon watches its own health (today: that its state can be written)
-            self.checks[SELF_NAME] = AgentCheck(shared, self.store)
+        if self_check:  # the daemon watches its own health: its state on disk, and actions that refused to act
+            refused = lambda: self.responder.refused()  # noqa: E731, PLW0108 - the responder is built below, with the checks
+            self.checks[SELF_NAME] = AgentCheck(shared, self.store, refused=refused)
         self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
                                          c.settings.interval) for name, c in self.checks.items()}
@@ -195,7 +196,36 @@ class Engine:
             state.idle += report.outcome == "idle"
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
-        self._emit(self.tracker.observe(report.check, report.results, policy, report.complete, self.dispatcher.route))
+        results = self._placed(report)
+        self._emit(self.tracker.observe(report.check, results, policy, report.complete, self.dispatcher.route))
+
+    def _placed(self, report: RunReport) -> tuple[Result, ...]:
+        """The results with where they belong in the fleet, for grouping and inhibition across nodes: the check's
+        type and layer (hardware, job, node), the cluster, and for a fault of the node's hardware the jobs running
+        here when it was seen (kept for the incident's life: the requeue it triggers takes the job away)."""
+        check = self.checks[report.check]
+        kind = self._states[report.check].kind
+        place = {"type": kind, "layer": check.layer, "cluster": self.config.agent.cluster}
+        here: list[str] | None = None
+        out = []
+        for r in report.results:
+            details = {**place, **r.details}
+            if check.layer == "hardware" and r.status is not Status.OK and not r.details.get("job_id"):
+                if here is None:
+                    here = self._job_ids_here()
+                before = self.tracker.details_of(r.check, r.subject).get("jobs_here") or ()
+                details["jobs_here"] = sorted({*before, *here})
+            out.append(replace(r, details=details))
+        return tuple(out)
+
+    def _job_ids_here(self) -> list[str]:
+        if self.catalog is None:
+            return []
+        try:
+            return sorted({j.job_id or j.key for j in self.catalog.view().on_node()})
+        except Exception as exc:  # noqa: BLE001 - a failing job source must not lose the hardware alert
+            log.warning("jobs on this node unknown for a hardware incident", extra=kv(error=exc))
+            return []
 
     def _emit(self, events: list[Event]) -> None:
         """Events already queued for the channels: log them, run the actions bound to them, wake the channels."""

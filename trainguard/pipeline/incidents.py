@@ -139,6 +139,12 @@ class IncidentTracker:
         with self._lock:
             return [Incident(**vars(i)) for i in self._incidents.values()]
 
+    def details_of(self, check: str, subject: str) -> dict[str, Any]:
+        """The details of the open incident on (check, subject); {} when there is none."""
+        with self._lock:
+            incident = self._incidents.get((check, subject))
+            return dict(incident.details) if incident is not None else {}
+
     def actions_done(self, check: str, subject: str) -> set[str]:
         with self._lock:
             incident = self._incidents.get((check, subject))

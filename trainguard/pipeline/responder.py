@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.actions.base import Action, ActionContext, ActionError
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
@@ -40,11 +40,22 @@ class Responder:
         self.tracker = tracker
         self.clock = clock
         self.threads: list[threading.Thread] = []
+        # Actions that refused to act (the drain circuit breaker), by incident: an open fault nobody acted on.
+        self._refused: dict[tuple[str, str], dict[str, Any]] = {}
+        self._refused_lock = threading.Lock()
+
+    def refused(self) -> list[dict[str, Any]]:
+        """What actions refused to do and why, while the incidents they answered last."""
+        with self._refused_lock:
+            return [dict(r) for r in self._refused.values()]
 
     def handle(self, event: Event, binding: ActionBinding) -> threading.Thread | None:
         if event.kind.operator:  # an operator's ack or silence is news, never a reason to act
             return None
         if event.kind is EventKind.RESOLVED:
+            with self._refused_lock:  # the fault is gone: nothing is left undone
+                for key in [k for k in self._refused if k[0] == event.incident_id]:
+                    del self._refused[key]
             names = [n for n in binding.resolved if n in self.actions]
         else:
             done = self.tracker.actions_done(event.check, event.subject)
@@ -105,6 +116,8 @@ class Responder:
                 try:
                     box["detail"] = action.run(ctx)
                     box["outcome"] = "ok"
+                except ActionRefusedError as exc:
+                    box["detail"], box["outcome"] = str(exc), "refused"
                 except ActionError as exc:
                     box["detail"], box["outcome"] = str(exc), "failed"
                 except Exception as exc:  # noqa: BLE001 - a buggy action must not take others down
@@ -117,6 +130,13 @@ class Responder:
                 outcome, detail = box["outcome"], box["detail"]
             else:
                 outcome, detail = "timeout", f"still running after {action.settings.timeout:g}s: {plan}"
+        key = (ctx.event.incident_id, action.name)
+        with self._refused_lock:
+            if outcome == "refused":
+                self._refused[key] = {"action": action.name, "check": ctx.event.check, "subject": ctx.event.subject,
+                                      "incident": ctx.event.incident_id, "detail": detail, "at": started}
+            elif outcome == "ok":
+                self._refused.pop(key, None)
         level = logging.WARNING if outcome in ("ok", "dry_run") else logging.ERROR
         log.log(level, "action", extra=kv(action=action.name, outcome=outcome, incident=ctx.event.incident_id,
                                           check=ctx.event.check, subject=ctx.event.subject,
