@@ -26,7 +26,7 @@ from trainguard.registry import QUOTA_PROVIDERS, load
 
 Kind = Literal["user", "group", "project", "fileset", "dir"]
 
-_Q = ("filesystem", "kind", "owner")
+_Q = ("filesystem", "kind", "owner", "scope")  # scope: `pool:NAME`, `fileset:NAME` or "" (the whole filesystem)
 USED_BYTES = Metric("trainguard_quota_used_bytes", "Bytes counted against the quota.", _Q)
 LIMIT_BYTES = Metric("trainguard_quota_limit_bytes", "The quota's byte limit in use (hard or soft).", _Q)
 USED_INODES = Metric("trainguard_quota_used_inodes", "Inodes counted against the quota.", _Q)
@@ -51,6 +51,8 @@ class QuotaSettings(CapacitySettings):
     effective_fraction: float = Field(1.0, gt=0, le=1, description="Share of the nominal limit usable in practice "
                                                                      "(some filesystems give ~0.8).")
     breakdown: bool = Field(False, description="lustre: per-MDT/OST usage in the details (lfs quota -v).")
+    pools: list[str] = Field(default_factory=list, description="lustre: OST pools whose quotas are checked too, each "
+                                                               "a subject of its own (lfs quota --pool).")
     command_timeout: Duration = Field(20.0, gt=0, description="Timeout of each provider command.")
     command: list[str] = Field(default_factory=list, description="command: argv with {owner} {kind} {mount}.")
     format: Literal["regex", "json"] = Field("regex", description="command: how `fields` read its output.")
@@ -86,13 +88,22 @@ def capacity(q: QuotaUsage, s: QuotaSettings) -> Usage:
     i_limit = (q.inodes_hard if s.limit == "hard" else q.inodes_soft or q.inodes_hard) or 0
     b_limit, i_limit = int(b_limit * s.effective_fraction), int(i_limit * s.effective_fraction)
     label = f"budget of {q.filesystem}" if q.kind == "dir" else f"{q.kind} {q.owner} on {q.filesystem}"
+    if q.scope:
+        label += f" ({q.scope.replace(':', ' ', 1)})"
     return Usage(label, q.filesystem, "", b_limit,
                  max(0, b_limit - (q.bytes_used or 0)), i_limit, max(0, i_limit - (q.inodes_used or 0)))
 
 
 def grace(q: QuotaUsage) -> tuple[Status, list[str]]:
-    """Over a soft limit: WARNING while grace remains; CRITICAL once it ran out (writes now fail)."""
+    """Over a soft limit: WARNING while grace remains; CRITICAL once it ran out (writes now fail). A figure the tool
+    marked inaccurate, or a target that did not answer, is a WARNING that says so; the figures there are still
+    graded, since a quota that is half-known is still the quota that fails the next write."""
     statuses, reasons = [Status.OK], []
+    if q.problems or q.inaccurate:
+        statuses.append(Status.WARNING)
+        reasons.extend(q.problems)
+        if q.inaccurate:
+            reasons.append(f"inaccurate figures: {', '.join(q.inaccurate)}")
     for what, left in (("space", q.bytes_grace), ("inodes", q.inodes_grace)):
         if left is None:
             continue
@@ -159,7 +170,7 @@ class QuotaCheck(Check):
 
     def _one(self, q: QuotaUsage) -> Result:
         usage = capacity(q, self.settings)
-        key = f"{q.kind}:{q.owner}@{q.filesystem}"
+        key = f"{q.kind}:{q.owner}@{q.filesystem}" + (f"[{q.scope}]" if q.scope else "")
         now = self.context.clock()
         verdict, bytes_fc, inodes_fc = self.tracker.assess(key, usage, now)
         grace_status, grace_reasons = grace(q)
@@ -169,12 +180,13 @@ class QuotaCheck(Check):
             summary += " (first walk still running: a lower bound)"
         elif q.measured_at is not None:
             summary += f" (measured {format_duration(max(0.0, now - q.measured_at))} ago)"
-        labels = {"filesystem": q.filesystem, "kind": q.kind, "owner": q.owner}
+        labels = {"filesystem": q.filesystem, "kind": q.kind, "owner": q.owner, "scope": q.scope}
         samples = []
         for metric, value in ((USED_BYTES, q.bytes_used), (LIMIT_BYTES, usage.size or None),
                               (USED_INODES, q.inodes_used), (LIMIT_INODES, usage.files or None)):
             if value is not None:
                 samples.append(metric(value, labels))
-        details: dict[str, Any] = {**labels, **{k: v for k, v in q.__dict__.items() if k not in ("extra",)}, **q.extra}
+        details: dict[str, Any] = {**labels, **{k: list(v) if isinstance(v, tuple) else v
+                                                for k, v in q.__dict__.items() if k != "extra"}, **q.extra}
         samples += time_to_full(TIME_TO_FULL, labels, bytes_fc, inodes_fc, details)
         return self.result(key, verdict.status, summary, details, samples)

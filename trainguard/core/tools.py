@@ -9,9 +9,12 @@ from collections.abc import Mapping, Sequence
 
 
 def run_tool(argv: Sequence[str], timeout: float, error: type[Exception], *, label: str | None = None,
-             hint: str = "", ok_codes: tuple[int, ...] = (0,), env: Mapping[str, str] | None = None) -> str:
+             hint: str = "", ok_codes: tuple[int, ...] | None = (0,), env: Mapping[str, str] | None = None,
+             with_stderr: bool = False) -> str:
     """stdout of `argv`; `error(message)` when it is missing, times out, fails to start or exits outside `ok_codes`.
-    `label` names the command in messages (default: the whole argv); `hint` follows a timeout message."""
+    `label` names the command in messages (default: the whole argv); `hint` follows a timeout message.
+    `ok_codes=None`: any exit status, for a tool that exits non-zero on a partial answer the caller still reads;
+    `with_stderr`: stderr follows stdout, for a tool that reports part of its answer there."""
     name = label or " ".join(argv)
     tool = os.path.basename(argv[0])
     try:
@@ -23,7 +26,7 @@ def run_tool(argv: Sequence[str], timeout: float, error: type[Exception], *, lab
         raise error(f"{name} timed out after {timeout:g}s{hint}") from None
     except OSError as exc:
         raise error(f"{tool} failed to start: {exc}") from None
-    if proc.returncode not in ok_codes:
+    if ok_codes is not None and proc.returncode not in ok_codes:
         said = (proc.stderr or proc.stdout).strip().splitlines()
         raise error(f"{name} exited {proc.returncode}: {said[-1] if said else 'no output'}")
-    return proc.stdout
+    return proc.stdout + proc.stderr if with_stderr else proc.stdout

@@ -25,16 +25,23 @@ from trainguard.quota.parsers import (
     parse_quota,
 )
 
-_FLAG = {"user": "-u", "group": "-g", "project": "-p"}
+# Each tool's own flag per owner kind: quota-tools' `-p` means raw grace times (its project flag is `-P`), lfs takes
+# `-p` for a project id, mmlsquota `-j` for a fileset; BeeGFS 7 has user and group quotas only.
+QUOTA_FLAGS = {"user": "-u", "group": "-g", "project": "-P"}
+LFS_FLAGS = {"user": "-u", "group": "-g", "project": "-p"}
+MMLSQUOTA_FLAGS = {"user": "-u", "group": "-g", "fileset": "-j"}
+BEEGFS_FLAGS = {"user": "--uid", "group": "--gid"}
 
 
 class QuotaError(Exception):
     """The provider could not say; the message names the command and its error."""
 
 
-def run_quota_tool(argv: Sequence[str], timeout: float, ok_codes: tuple[int, ...] = (0,)) -> str:
+def run_quota_tool(argv: Sequence[str], timeout: float, ok_codes: tuple[int, ...] | None = (0,),
+                   with_stderr: bool = False) -> str:
     # The C locale: the tools translate headers and grace units ("6Tage") and localise decimal separators.
-    return run_tool(argv, timeout, QuotaError, ok_codes=ok_codes, env={**os.environ, "LC_ALL": "C"})
+    return run_tool(argv, timeout, QuotaError, ok_codes=ok_codes, env={**os.environ, "LC_ALL": "C"},
+                    with_stderr=with_stderr)
 
 
 def _nonempty(records: list[QuotaUsage], argv: Sequence[str], output: str) -> list[QuotaUsage]:
@@ -61,10 +68,15 @@ class QuotaToolProvider(Provider):
     kinds = ("user", "group", "project")
 
     def query(self, kind: str, owner: str) -> list[QuotaUsage]:
-        argv = ["quota", "-w", "-p", "-v", _FLAG[kind], owner]
+        argv = ["quota", "-w", "-p", "-v", QUOTA_FLAGS[kind], owner]  # -p: grace as the epoch second it ends
         out = run_quota_tool(argv, self.settings.command_timeout, ok_codes=(0, 1))  # 1: a limit is exceeded
-        # the header ("Disk quotas for user ...") is translated under other locales: who is asked is who it is
-        records = [replace(r, kind=kind, owner=owner) for r in _nonempty(parse_quota(out), argv, out)]
+        records = _nonempty(parse_quota(out), argv, out)
+        # The header names the kind it reports (LC_ALL=C keeps it English): a wrong flag shows up here, not as
+        # another owner's figures under this owner's name.
+        wrong = [r.kind for r in records if r.kind != kind]
+        if wrong:
+            raise QuotaError(f"{' '.join(argv)}: asked for {kind} {owner}, it reported {wrong[0]} quotas")
+        records = [replace(r, owner=owner) for r in records]
         mounts = self.settings.mounts
         wanted = [r for r in records if not mounts or r.filesystem in mounts]
         if not wanted:
@@ -79,9 +91,15 @@ class LustreProvider(Provider):
     def query(self, kind: str, owner: str) -> list[QuotaUsage]:
         out_all = []
         for mount in self.settings.mounts:
-            argv = ["lfs", "quota", *(["-v"] if self.settings.breakdown else []), _FLAG[kind], owner, mount]
-            out = run_quota_tool(argv, self.settings.command_timeout)
-            out_all.extend(replace(r, kind=kind, owner=owner) for r in _nonempty(parse_lfs(out), argv, out))
+            for pool in ["", *self.settings.pools]:
+                argv = ["lfs", "quota", *(["-v"] if self.settings.breakdown else []),
+                        *(["--pool", pool] if pool else []), LFS_FLAGS[kind], owner, mount]
+                # lfs exits non-zero when a target did not answer, yet prints the figures it has (and says which
+                # target failed on stderr): those are read, and the failure reported beside them.
+                out = run_quota_tool(argv, self.settings.command_timeout, ok_codes=None, with_stderr=True)
+                records = _nonempty(parse_lfs(out), argv, out)
+                out_all.extend(replace(r, kind=kind, owner=owner, scope=f"pool:{pool}" if pool else r.scope)
+                               for r in records)
         return out_all
 
 
@@ -92,11 +110,11 @@ class GpfsProvider(Provider):
         if kind == "fileset":
             out_all = []
             for device in self.settings.mounts:
-                argv = ["mmlsquota", "-j", owner, device]
+                argv = ["mmlsquota", MMLSQUOTA_FLAGS[kind], owner, device]
                 out = run_quota_tool(argv, self.settings.command_timeout)
                 out_all.extend(_nonempty(parse_mmlsquota(out, owner), argv, out))
             return out_all
-        argv = ["mmlsquota", _FLAG[kind], owner, *self.settings.mounts]
+        argv = ["mmlsquota", MMLSQUOTA_FLAGS[kind], owner, *self.settings.mounts]
         out = run_quota_tool(argv, self.settings.command_timeout)
         return _nonempty(parse_mmlsquota(out, owner), argv, out)
 
@@ -105,7 +123,7 @@ class BeegfsProvider(Provider):
     def query(self, kind: str, owner: str) -> list[QuotaUsage]:
         out_all = []
         for mount in self.settings.mounts or [""]:
-            argv = ["beegfs-ctl", "--getquota", "--uid" if kind == "user" else "--gid", owner,
+            argv = ["beegfs-ctl", "--getquota", BEEGFS_FLAGS[kind], owner,
                     *([f"--mount={mount}"] if mount else [])]
             out = run_quota_tool(argv, self.settings.command_timeout)
             out_all.extend(_nonempty(parse_beegfs(out, mount or "beegfs", kind), argv, out))
