@@ -100,8 +100,8 @@ class Engine:
             if settings.enabled:
                 context = replace(shared, state=ScopedState(self.store, f"check/{name}", legacy=self.store))
                 self.checks[name] = self._build_check(registry, config.kind_of_check(name), name, settings, context)
-        if self_check:  # the daemon watches its own health (today: that its state can be written)
-            self.checks[SELF_NAME] = AgentCheck(shared, self.store)
+        if self_check:  # the daemon watches its own health: its state can be written, its config watches something
+            self.checks[SELF_NAME] = AgentCheck(shared, self.store, config.warnings())
         self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
                                          c.settings.interval) for name, c in self.checks.items()}
