@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from trainguard import trainer
@@ -23,6 +25,8 @@ def main() -> None:
         start = state["step"] + 1
     except FileNotFoundError:
         pass
+    if trainer.should_stop():  # stopped while this task was queued (an array, a dependency chain): nothing to save
+        sys.exit(0)
     for step in range(start, 100_000):
         x = torch.randn(64, 512)
         loss = (model(x) - x).pow(2).mean()
@@ -30,7 +34,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         trainer.heartbeat(step, loss=loss.item())
-        if trainer.should_save():
+        if trainer.should_save():  # true on a stop request too: this step was trained, so it is saved
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, "ckpt.pt")
             trainer.saved()
         if trainer.should_stop():

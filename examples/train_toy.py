@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from trainguard.trainer import Trainer
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, loss: float) -> Path:
+def save_checkpoint(ckpt_dir: Path, step: int, loss: float, seconds: float = 0.0) -> Path:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    time.sleep(seconds)  # a real model's checkpoint takes minutes: the agent acts meanwhile
     path = ckpt_dir / f"ckpt-{step:06d}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"step": step, "loss": loss, "time": time.time()}))
@@ -57,6 +58,7 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.2)
     p.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"))
     p.add_argument("--ckpt-every", type=int, default=0, help="periodic checkpoints; 0: only on request")
+    p.add_argument("--save-time", type=float, default=0.0, help="seconds each checkpoint takes to write")
     p.add_argument("--fault", choices=["hang", "leak", "crash", "slow", "nan", "oom"])
     p.add_argument("--fault-at", type=int, default=10)
     p.add_argument("--leak-mb-per-step", type=float, default=10.0)
@@ -67,7 +69,12 @@ def main() -> int:
 
     trainer = Trainer().install()
     start = last_checkpoint(args.ckpt_dir)
+    if trainer.should_stop():  # the run was stopped while this task was queued: nothing trained, nothing to save
+        print(f"stop requested ({trainer.last_signal or 'switch'}) before the first step: exiting without a "
+              f"checkpoint at step {start}", flush=True)
+        return 0
     print(f"training start step={start} pid={os.getpid()} slurm_job={os.environ.get('SLURM_JOB_ID', '-')}", flush=True)
+    saved_step = start - 1  # the last step a checkpoint holds
     leaked: list[bytearray] = []
     loss = 4.0
     for step in range(start, args.steps):
@@ -88,15 +95,20 @@ def main() -> int:
         print(f"step {step} loss={loss:.4f}", flush=True)
         trainer.heartbeat(step, loss=loss)
         if args.ckpt_every and step % args.ckpt_every == 0:
-            save_checkpoint(args.ckpt_dir, step, loss)
+            save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
+            saved_step = step
         if trainer.should_stop():
-            save_checkpoint(args.ckpt_dir, step, loss)
+            if saved_step < step:  # a checkpoint of this very step was just written: not twice
+                save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
             print(f"stop requested ({trainer.last_signal or 'switch'}): exiting cleanly at step {step}", flush=True)
             return 0
         if trainer.should_save():
-            save_checkpoint(args.ckpt_dir, step, loss)
+            if saved_step < step:
+                save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
+                saved_step = step
             trainer.saved()
-    save_checkpoint(args.ckpt_dir, args.steps - 1, loss)
+    if saved_step < args.steps - 1:
+        save_checkpoint(args.ckpt_dir, args.steps - 1, loss, args.save_time)
     print("training finished", flush=True)
     return 0
 

@@ -1,7 +1,8 @@
 """A real one-node SLURM cluster (Debian's slurmctld, slurmd, munge) for the tests.
 
 The node is named after the host; munged runs as user munge with /run/munge created; jobs run as
-the unprivileged test users `tgjob` and `tgother`.
+the unprivileged test users `tgjob` and `tgother`, and `tgmate`, a member of the group `tgteam` (a teammate who may
+stop tgjob's runs where the switch group is tgteam).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_USER, OTHER_USER = "tgjob", "tgother"
+TEAM_USER, TEAM_GROUP = "tgmate", "tgteam"
 DAEMONS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "mariadb-install-db", "sbatch", "squeue", "scontrol",
            "scancel", "sacct", "sacctmgr")
 PORTS = (6917, 6918, 6919, 6920)  # slurmctld, slurmd, mariadbd, slurmdbd: off the defaults, so a node's own is untouched
@@ -43,6 +45,19 @@ def ensure_user(name: str) -> None:
         pwd.getpwnam(name)
     except KeyError:
         sh("useradd", "--create-home", "--shell", "/bin/bash", name)
+
+
+def ensure_member(user: str, group: str) -> None:
+    """`user` exists with `group` among its supplementary groups (as `usermod -aG` gives a teammate)."""
+    import grp
+
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        sh("groupadd", group)
+    ensure_user(user)
+    if user not in grp.getgrnam(group).gr_mem:
+        sh("usermod", "-aG", group, user)
 
 
 def _ensure_munge() -> None:
@@ -90,6 +105,7 @@ class SlurmCluster:
         self.kill_stale()
         for user in (JOB_USER, OTHER_USER):
             ensure_user(user)
+        ensure_member(TEAM_USER, TEAM_GROUP)
         _ensure_munge()
         for sub in ("state", "spool", "log", "jobs", "lib/trainguard", "lib/examples"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)

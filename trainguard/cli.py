@@ -121,9 +121,18 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
 
+def _warn(config: Config) -> bool:
+    """Say on stderr what is valid in the config but almost surely not meant; whether there was anything."""
+    for warning in config.warnings():
+        print(f"trainguard: warning: {config.source or '(built-in default)'}: {warning}", file=sys.stderr)
+    return bool(config.warnings())
+
+
 def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
+
+    _warn(config)  # stderr only: the exit code a SLURM health check reads stays that of the results
 
     engine = Engine(config, store=Store(None), notifiers={})
     reports = engine.run_round(ingest=False)
@@ -342,7 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.command == "validate":
         print(json.dumps(config.to_dict(), indent=2))
-        print(f"config OK: {config.source or '(built-in default)'}", file=sys.stderr)
+        warned = _warn(config)  # valid, so exit 0: the agent would start, and say the same
+        print(f"config OK: {config.source or '(built-in default)'}" + (" (with warnings)" if warned else ""),
+              file=sys.stderr)
         return 0
     if args.command == "check":
         return cmd_check(config, args.json, args.critical_only, args.drain)

@@ -3,6 +3,9 @@
     from trainguard import trainer
 
     trainer.install()                      # SIGUSR1: save and exit; SIGUSR2: save; SIGTERM: stop
+    start = resume()                       # your code: the step after the last checkpoint
+    if trainer.should_stop():              # before the first step: a stopped run's queued tasks exit at once,
+        sys.exit(0)                        # with nothing trained there is nothing to save
     for step in range(start, steps):
         loss = train_step()
         trainer.heartbeat(step, loss=loss)
@@ -14,7 +17,9 @@
             break
 
 Switch files live in the switch dir ($TRAINGUARD_SWITCH_DIR, else ./.trainguard): `save` asks for one
-checkpoint (removed by `saved()`), `stop` asks the run to checkpoint and exit. The heartbeat file
+checkpoint (removed by `saved()`), `stop` asks the run to checkpoint and exit. A switch counts when it is a regular
+file (not a link) of this user, root, or a member of the switch group ($TRAINGUARD_SWITCH_GROUP, `switch_group=`): the
+teammates who may stop the run. The heartbeat file
 (`heartbeat.json` there, or $TRAINGUARD_HEARTBEAT) tells the agent the run is making progress.
 
 A distributed job calls `trainer.flight_recorder()` before `torch.distributed.init_process_group`: PyTorch then
@@ -25,9 +30,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import grp
 import json
 import math
 import os
+import pwd
 import re
 import signal
 import stat
@@ -49,10 +56,11 @@ def _signals(names: Iterable[str]) -> list[signal.Signals]:
 
 class Trainer:
     def __init__(self, switch_dir: str | os.PathLike[str] | None = None,
-                 heartbeat_path: str | os.PathLike[str] | None = None) -> None:
+                 heartbeat_path: str | os.PathLike[str] | None = None, switch_group: str | None = None) -> None:
         self.switch_dir = Path(switch_dir or os.environ.get("TRAINGUARD_SWITCH_DIR") or Path.cwd() / ".trainguard")
         self.heartbeat_path = Path(heartbeat_path or os.environ.get("TRAINGUARD_HEARTBEAT")
                                    or self.switch_dir / "heartbeat.json")
+        self.switch_group = switch_group or os.environ.get("TRAINGUARD_SWITCH_GROUP") or None
         self._save = threading.Event()
         self._stop = threading.Event()
         self.last_signal: str | None = None
@@ -76,12 +84,13 @@ class Trainer:
         return self
 
     def _switch(self, name: str) -> bool:
-        """A switch counts only as a regular file of this user or root: nobody else can stop the run."""
+        """A switch counts only as a regular file of this user, root or a member of the switch group: nobody else
+        can stop the run (the agent applies the same rule)."""
         try:
             st = os.lstat(self.switch_dir / name)
         except OSError:
             return False
-        return stat.S_ISREG(st.st_mode) and st.st_uid in (os.getuid(), 0)
+        return stat.S_ISREG(st.st_mode) and (st.st_uid in (os.getuid(), 0) or _member(st.st_uid, self.switch_group))
 
     def should_save(self) -> bool:
         return self._save.is_set() or self._switch("save") or self.should_stop()
@@ -172,6 +181,19 @@ class Trainer:
                 (run_dir / name).unlink()
         with contextlib.suppress(OSError):
             run_dir.rmdir()
+
+
+def _member(uid: int, group: str | None) -> bool:
+    """Whether `uid` belongs to `group` by name, as its primary or a supplementary group (NSS asked, as `id` does).
+    Never the file's own group: in a setgid directory anyone who may write gets that group."""
+    if not group:
+        return False
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        user = pwd.getpwuid(uid)
+        return gid in os.getgrouplist(user.pw_name, user.pw_gid)
+    except (KeyError, OSError):  # an unknown group or user: no teammate
+        return False
 
 
 def _remove_stale_servers(tmp: Path) -> None:

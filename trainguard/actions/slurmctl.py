@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ def drain_reason(summary: str) -> str:
     return f"{DRAIN_TAG} {text}"[:200]
 
 
-def _slurm(call: str, fn: Callable[..., T], *args: str) -> T:
+def _slurm(call: str, fn: Callable[..., T], *args: object) -> T:
     try:
         return fn(*args)
     except SlurmError as exc:
@@ -174,7 +175,9 @@ class RequeueAction(Action):
 
 
 class ArraySettings(ActionSettings):
-    mode: Literal["hold", "cancel"] = Field("hold", description="Hold the pending tasks of the array, or cancel them.")
+    mode: Literal["hold", "admin-hold", "cancel"] = Field(
+        "hold", description="Hold the pending tasks of the array (a user hold: the job's owner may `scontrol release` "
+                            "them), hold them as an administrator (only an operator may release them), or cancel them.")
 
 
 class ArrayPendingAction(Action):
@@ -195,6 +198,15 @@ class ArrayPendingAction(Action):
             for array in arrays:
                 _slurm("cancel", ctx.slurm.cancel_pending, array)
             return f"cancelled pending tasks of array {', '.join(arrays)}"
-        held = [f"{array}_[{tasks}]" if tasks else f"{array} (none pending)"
-                for array in arrays for tasks in [_slurm("hold", ctx.slurm.hold_pending, array)]]
-        return "held " + ", ".join(held)
+        user_hold = self.settings.mode == "hold"
+        held = {array: _slurm("hold", ctx.slurm.hold_pending, array, user_hold) for array in arrays}
+        done = "held " + ", ".join(f"{array}_[{tasks}]" if tasks else f"{array} (none pending)"
+                                   for array, tasks in held.items())
+        release = " ".join(f"{array}_[{tasks}]" for array, tasks in held.items() if tasks)
+        if not release:
+            return done
+        # A held task waits until someone releases it: say how. A stop switch left in place would end each released
+        # task before its first step (the trainer helper checks it then), so it goes first.
+        switch = ctx.event.details.get("path") if ctx.event.details.get("switch") == "stop" else None
+        first = f"rm {shlex.quote(one_line(str(switch)))}, then " if switch else ""  # a path of the user's: quoted
+        return f"{done}; to go on: {first}scontrol release {release}"

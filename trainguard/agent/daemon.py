@@ -30,6 +30,8 @@ def run_daemon(config: Config) -> int:
 
     log.info("starting", extra=kv(version=__version__, node=config.agent.node_name,
                                   config=config.source or "(built-in default)", state_dir=config.agent.state_dir))
+    for warning in config.warnings():  # also a WARNING result of the agent's own check, so it reaches the channels
+        log.warning("config warning", extra=kv(config=str(config.source or "(built-in default)"), warning=warning))
     engine = Engine(config, self_check=True)
     if not engine.store.persistent:
         log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))

@@ -1,7 +1,9 @@
-"""SwitchCheck: the kill and save switch files a job's owner (or root) touches, relayed to the bound actions."""
+"""SwitchCheck: the kill and save switch files a job's owner, root or a teammate (a member of `switch_group`) touches,
+relayed to the bound actions."""
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import stat
@@ -22,6 +24,10 @@ from trainguard.node.access import Identity, stat_as
 
 class SwitchCheckSettings(CheckSettings):
     switch: Literal["stop", "save"] = Field("stop", description="Which switch file this check watches.")
+    switch_group: str | None = Field(None, description="A group whose members' switch files count too (teammates "
+                                     "who may stop a run); the trainer helper needs the same group "
+                                     "(`$TRAINGUARD_SWITCH_GROUP`).",
+                                     json_schema_extra={"default_doc": "none: the job's owner and root only"})
     interval: Duration = Field(2.0, gt=0, description="Time between runs.")
     jitter: Duration = Field(0.0, ge=0)
 
@@ -60,7 +66,8 @@ def _user(uid: int) -> str:
 
 
 class SwitchCheck(JobCheck):
-    """A switch touched by the job's owner (or root) is a request: WARNING, so the bound actions relay it.
+    """A switch touched by the job's owner, root or a member of `switch_group` is a request: WARNING, so the bound
+    actions relay it.
 
     One created by anyone else is ignored: UNKNOWN, naming that user.
     """
@@ -78,6 +85,17 @@ class SwitchCheck(JobCheck):
         finished = [j for j in view.jobs if j.on_this_node and not j.running and j.array_job_id in pending]
         return running + finished
 
+    def teammate(self, uid: int) -> bool:
+        """A member of `switch_group`, by the owner's groups as NSS lists them (as the trainer helper decides); never
+        by the file's group, which anyone who may write a setgid directory gets."""
+        if not self.settings.switch_group or self.context.jobs is None:
+            return False
+        try:
+            gid = grp.getgrnam(self.settings.switch_group).gr_gid
+        except KeyError:  # unknown on this node (NSS down, a typo): nobody is a teammate
+            return False
+        return gid in self.context.jobs.identities.of(uid).gids
+
     def run(self) -> Sequence[Result]:
         view = self.view()
         stop_dir = self.context.jobs.settings.stop_dir if self.context.jobs else Path("/run/trainguard/stop")
@@ -91,10 +109,12 @@ class SwitchCheck(JobCheck):
                 details = {"job_key": job.key, "job_id": job.job_id, "path": str(sw.path), "by": _user(sw.uid),
                            "switch": self.settings.switch}
                 subject = f"{job.key}:{self.settings.switch}"
-                if sw.uid not in (0, job.uid):
+                if sw.uid not in (0, job.uid) and not self.teammate(sw.uid):
+                    allowed = f"{job.user}, root or a member of {self.settings.switch_group}" \
+                        if self.settings.switch_group else f"{job.user} or root"
                     out.append(self.result(subject, Status.UNKNOWN,
                                            f"ignored {self.settings.switch} switch for {job.label()}: {sw.path} was "
-                                           f"created by {_user(sw.uid)}, not by the job's owner {job.user} or root",
+                                           f"created by {_user(sw.uid)}, not by the job's owner {allowed}",
                                            details))
                 else:
                     out.append(self.result(subject, Status.WARNING,

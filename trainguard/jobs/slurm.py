@@ -83,11 +83,13 @@ class SlurmClient:
         out = self.run("squeue", "--noheader", f"--jobs={array_job_id}", "--states=PENDING", "--format=%K")
         return ",".join(line.strip().split("%")[0] for line in out.splitlines() if line.strip())
 
-    def hold_pending(self, array_job_id: str) -> str:
-        """Holds the pending tasks only: `scontrol hold ARRAY` also names the finished ones, and then exits 1."""
+    def hold_pending(self, array_job_id: str, user_hold: bool = True) -> str:
+        """Holds the pending tasks only: `scontrol hold ARRAY` also names the finished ones, and then exits 1.
+        `user_hold`: `uhold`, which the job's owner may release; `hold` from root or an operator is an administrator's
+        hold (JobHeldAdmin), which only an administrator may release."""
         tasks = self.pending_tasks(array_job_id)
         if tasks:
-            self.run("scontrol", "hold", f"{array_job_id}_[{tasks}]")
+            self.run("scontrol", "uhold" if user_hold else "hold", f"{array_job_id}_[{tasks}]")
         return tasks
 
     def cancel_pending(self, array_job_id: str) -> None:

@@ -81,6 +81,15 @@ class Config:
     jobs: JobsSettings = field(default_factory=JobsSettings)
     actions: Mapping[str, ActionSettings] = field(default_factory=dict)
 
+    def warnings(self) -> list[str]:
+        """What is valid but almost surely not meant: said by `validate`, logged at start and reported by the agent's
+        own check, so that an agent that watches nothing does not look healthy."""
+        if not any(s.enabled for s in self.checks.values()):
+            disabled = ", ".join(sorted(self.checks))
+            return ["no check is enabled: the agent watches nothing" + (f" ({disabled} disabled)" if disabled else "")
+                    + "; add [checks.NAME] tables (docs/configuration.md)"]
+        return []
+
     def kind_of_check(self, name: str) -> str:
         return self.checks[name].type or name
 

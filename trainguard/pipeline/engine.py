@@ -100,9 +100,10 @@ class Engine:
             if settings.enabled:
                 context = replace(shared, state=ScopedState(self.store, f"check/{name}", legacy=self.store))
                 self.checks[name] = self._build_check(registry, config.kind_of_check(name), name, settings, context)
-        if self_check:  # the daemon watches its own health: its state on disk, and actions that refused to act
-            refused = lambda: self.responder.refused()  # noqa: E731, PLW0108 - the responder is built below, with the checks
-            self.checks[SELF_NAME] = AgentCheck(shared, self.store, refused=refused)
+        if self_check:  # the daemon watches its own health: its state on disk, that its config watches something,
+            # and actions that refused to act (the responder is built below, with the checks)
+            refused = lambda: self.responder.refused()  # noqa: E731, PLW0108
+            self.checks[SELF_NAME] = AgentCheck(shared, self.store, config.warnings(), refused=refused)
         self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
                                          c.settings.interval) for name, c in self.checks.items()}

@@ -1,6 +1,6 @@
 """The agent's own health as a check, so it reaches the channels like any other fault: whether its state can be
-written (a full or failing state disk loses no alert, but the operator must know it is at risk), and what an action
-refused to do (the drain circuit breaker): a fault nobody acted on."""
+written (a full or failing state disk loses no alert, but the operator must know it is at risk), whether its config
+has it watch anything at all, and what an action refused to do (the drain circuit breaker): a fault nobody acted on."""
 
 from __future__ import annotations
 
@@ -19,25 +19,37 @@ STATE_WRITABLE = Metric("trainguard_state_writable",
 class AgentCheck(Check):
     metrics = (STATE_WRITABLE,)
 
-    def __init__(self, context: CheckContext, store: Store,
+    def __init__(self, context: CheckContext, store: Store, config_warnings: Sequence[str] = (),
                  refused: Callable[[], list[dict[str, Any]]] = list) -> None:
         super().__init__(NAME, CheckSettings(interval=10.0, jitter=0.0, timeout=10.0), context)
         self.store = store
+        self.config_warnings = tuple(config_warnings)
         self.refused = refused
 
     def run(self) -> Sequence[Result]:
+        return [*self.config_results(), self.state_result(), *self.refusals()]
+
+    def config_results(self) -> list[Result]:
+        """A config that is valid but watches nothing: WARNING while it lasts (a restart with a fixed config resolves
+        it, as the subject is no longer reported)."""
+        if not self.config_warnings:
+            return []
+        return [self.result("config", Status.WARNING, "; ".join(self.config_warnings),
+                            {"warnings": list(self.config_warnings)})]
+
+    def state_result(self) -> Result:
         self.store.recover()  # no-op unless degraded: the disk may take the state again
         where = str(self.store.path.parent) if self.store.path else "memory"
         if self.store.degraded:
-            return [self.result("state", Status.CRITICAL,
-                                f"state dir {where} not writable ({self.store.degraded}): incidents and notifications "
-                                "carry on in memory and are written when it is writable again; free space or fix it "
-                                "before the agent restarts", {"path": where, "error": self.store.degraded},
-                                [STATE_WRITABLE(0)]), *self._refusals()]
-        return [self.result("state", Status.OK, f"state written to {where}", {"path": where}, [STATE_WRITABLE(1)]),
-                *self._refusals()]
+            return self.result("state", Status.CRITICAL,
+                               f"state dir {where} not writable ({self.store.degraded}): incidents and notifications "
+                               "carry on in memory and are written when it is writable again; free space or fix it "
+                               "before the agent restarts", {"path": where, "error": self.store.degraded},
+                               [STATE_WRITABLE(0)])
+        return self.result("state", Status.OK, f"state written to {where}", {"path": where}, [STATE_WRITABLE(1)])
 
-    def _refusals(self) -> list[Result]:
+    def refusals(self) -> list[Result]:
+        """Each action that refused to act (the drain circuit breaker), CRITICAL while the incident it answered lasts."""
         return [self.result(f"refused:{r['action']}:{r['check']}/{r['subject']}", Status.CRITICAL, r["detail"],
                             {k: r[k] for k in ("action", "check", "subject", "incident")})
                 for r in self.refused()]
