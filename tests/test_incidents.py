@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from trainguard.checks.base import Check, CheckContext, CheckSettings, PartialView
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.runner import CheckRunner
 from trainguard.pipeline.store import Store
 
 
@@ -143,3 +148,46 @@ def test_events_are_queued_with_the_state_change(tmp_path: Path) -> None:
     assert row is not None
     assert row.event["kind"] == "fired"
     assert Event.from_dict(row.event).status is Status.WARNING
+
+
+# What a run of a check saw, as the runner hands it to the tracker: each subject's status, and whether the view was
+# partial (the XID check while the kernel log is still being replayed, or with a ledger that had to drop entries).
+_RUNS = st.lists(st.tuples(st.dictionaries(st.sampled_from("abcd"), st.sampled_from([Status.OK, Status.WARNING,
+                                                                                     Status.CRITICAL])),
+                           st.booleans()), min_size=1, max_size=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_RUNS)
+def test_a_subject_resolves_only_on_an_ok_result_or_a_complete_run_without_it(runs: list[tuple[dict[str, Status],
+                                                                                               bool]]) -> None:
+    """Issue 26: a fault fired, resolved as `no longer reported` by a run that saw only part of the ledger, and fired
+    again. Through the real runner (a check returning a PartialView) into the tracker: a subject resolves only when
+    a run reports it OK or a complete run leaves it out, so it never resolves and fires again between two real
+    observations that it is gone."""
+    script: list[Sequence[Result]] = []
+
+    class Scripted(Check):
+        def run(self) -> Sequence[Result]:
+            return script.pop()
+
+    check = Scripted("xid", CheckSettings(), CheckContext("n", Path("/nonexistent")))
+    runner = CheckRunner(check)
+    tracker = IncidentTracker(Store(None), "n", Clock())
+    open_: set[str] = set()  # the model: subjects with an incident
+    for seen, partial in runs:
+        results = [Result("xid", s, status, status.name) for s, status in sorted(seen.items())]
+        script.append(PartialView(results, "replaying") if partial else results)
+        report = runner.run_once()
+        assert report.complete is not partial
+        events = tracker.observe("xid", report.results, IncidentPolicy(), report.complete, lambda e: ["console"])
+        for e in events:
+            if e.kind is EventKind.RESOLVED:
+                assert seen.get(e.subject) is Status.OK or (not partial and e.subject not in seen), (e, seen, partial)
+            if e.kind is EventKind.FIRED:
+                assert e.subject not in open_, f"{e.subject} fired while its incident was open"
+        for s, status in seen.items():
+            (open_.add if status is not Status.OK else open_.discard)(s)
+        if not partial:
+            open_ &= set(seen)
+        assert {i.subject for i in tracker.incidents()} == open_

@@ -20,7 +20,7 @@ from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.xid import XidEvent, XidParser
 from trainguard.gpu.xid_catalog import describe
-from trainguard.node.kmsg import KernelRecord, KmsgFollower, parse_journal, parse_kmsg
+from trainguard.node.kmsg import KernelRecord, KmsgFollower, LogPoint, parse_journal, parse_kmsg
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 
@@ -192,6 +192,47 @@ def test_ledger_aggregates_and_survives_restart(tmp_path: Path) -> None:
     ledger.save(force=True)
     [agg] = XidLedger(store).entries()
     assert (agg.xid, agg.count) == (95, 10_000)
+
+
+def test_a_full_ledger_keeps_every_gpu_and_its_worst_fault(tmp_path: Path) -> None:
+    """Issue 26: 40 GPUs with XID 79 and then 14 ignored XIDs each overflow the ledger (512 entries); dropping the
+    oldest entries first lost the XID 79s, so GPUs read healthy or vanished during the replay. Now the least severe
+    entries of GPUs that have others go first."""
+    store = Store(tmp_path)
+    ledger = XidLedger(store)
+    ledger.rank_by(lambda e: grade(e, XidSettings(), time.time()).status.severity)
+    buses = [f"00aa:{i:02x}:00" for i in range(40)]
+    for bus in buses:
+        ledger.record(XidEvent(79, bus, "fallen off the bus"))
+    for xid in (14, 37, 38, 43, 44, 63, 66, 67, 92, 93, 106, 107, 108, 121):
+        for bus in buses:
+            ledger.record(XidEvent(xid, bus, "noise", pid=1))
+    assert ledger.evicted == 40 * 15 - 512
+    kept = ledger.entries()
+    assert len(kept) == 512
+    assert sorted(e.bus_id for e in kept if e.xid == 79) == buses
+    ledger.save(force=True)
+    reloaded = XidLedger(store)  # entries read back unranked are ranked when the next eviction needs them
+    reloaded.rank_by(lambda e: grade(e, XidSettings(), time.time()).status.severity)
+    reloaded.record(XidEvent(13, "00ab:00:00", "a new GPU"))
+    assert {e.bus_id for e in reloaded.entries() if e.xid == 79} == set(buses)
+    assert any(e.bus_id == "00ab:00:00" for e in reloaded.entries())
+
+
+def test_a_cleared_gpu_records_only_what_comes_after_the_clear(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    ledger = XidLedger(store)
+    ledger.record(XidEvent(79, "0000:3b:00", "off the bus", seq=10, usec=1_000))
+    ledger.record(XidEvent(79, "0000:5e:00", "off the bus", seq=11, usec=1_100))
+    assert ledger.forget("xid", "0000:3b:00", LogPoint(seq=20, usec=2_000)) == 1
+    assert ledger.record(XidEvent(79, "0000:3b:00", "off the bus", seq=10, usec=1_000)) is None  # replayed
+    assert ledger.record(XidEvent(79, "0000:3b:00", "from the journal", usec=1_500)) is None
+    ledger.save(force=True)
+    again = XidLedger(store)  # the clear holds after a restart on the same boot
+    assert [e.bus_id for e in again.entries()] == ["0000:5e:00"]
+    assert again.record(XidEvent(79, "0000:3b:00", "off the bus", seq=12, usec=1_200)) is None
+    recorded = again.record(XidEvent(48, "0000:3b:00", "DBE", seq=21, usec=2_100))
+    assert recorded is not None and recorded[1]
 
 
 # real /dev/kmsg ------------------------------------------------------------------------------------

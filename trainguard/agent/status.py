@@ -29,6 +29,7 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
                 "duration_s": round(st.last.duration, 4) if st.last else None,
                 "outcome": st.last.outcome if st.last else None,
                 "idle_reason": st.last.idle_reason if st.last else None,
+                "partial": st.last.partial if st.last else None,  # why the last run saw only part of its sources
                 "runs": st.runs,
                 "timeouts": st.timeouts,
                 "results": [_result(r.to_dict(), details) for r in st.last.results] if st.last else [],

@@ -49,6 +49,16 @@ class CheckIdle(Exception):  # noqa: N818 - an outcome, not an error
         self.reason = reason
 
 
+class PartialView(list[Result]):
+    """What `run()` returns when it saw only part of what it watches (the kernel log still being replayed at start, a
+    ledger that had to drop entries): the results it holds count as usual, but a subject it does not report is not
+    taken as gone (the run is not `complete`, so its incident stays as it was). `reason` says what is missing."""
+
+    def __init__(self, results: Sequence[Result], reason: str) -> None:
+        super().__init__(results)
+        self.reason = reason
+
+
 class CheckSettings(SettingsModel):
     """Settings every check has: its schedule, its time budget and its incident policy."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
+from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings, PartialView
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status, worst
 from trainguard.core.settings import Duration, StatusName
@@ -24,9 +24,12 @@ from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry
 from trainguard.gpu.xid import XidParser
 from trainguard.gpu.xid_catalog import describe, describe_sxid, nvlink5_rules, nvlink5_verdict, policy
-from trainguard.node.kmsg import KernelRecord, KmsgFollower
+from trainguard.node.kmsg import KernelRecord, KmsgFollower, LogPoint
 
 log = logging.getLogger("trainguard.checks.xid")
+
+# How long a run waits for the follower to finish replaying the buffer found at start (at most half the timeout).
+REPLAY_WAIT_S = 5.0
 
 _XID = ("gpu", "uuid", "bus_id", "xid")
 XID_ERRORS = Metric("trainguard_gpu_xid_errors_total", "XID events reported by the driver, counted one by one.", _XID,
@@ -261,6 +264,7 @@ class XidCheck(Check):
         self.follower = KmsgFollower(self._on_record, context.state, self.settings.kmsg_path, self.settings.journalctl,
                                      proc=context.proc)
         self.nvml = context.nvml
+        self.ledger.rank_by(self._severity)
         self._gpu_names: dict[str, tuple[int | None, str | None]] = {}
         self._wake: Callable[[], None] | None = None
         self._started = False
@@ -275,12 +279,20 @@ class XidCheck(Check):
         self.follower.stop()
         self.ledger.save(force=True)
 
+    def _severity(self, entry: XidEntry) -> int:
+        """What an entry is worth keeping when the ledger is full: its status now."""
+        grader = grade_sxid if entry.kind == "sxid" else grade
+        return grader(entry, self.settings, self.context.clock()).status.severity
+
     def _on_record(self, record: KernelRecord) -> None:
         with self._lock:  # the parser is stateful across records
             event = self.parser.feed(record.message)
         if event is None:
             return
-        entry, changed = self.ledger.record(event)
+        recorded = self.ledger.record(replace(event, seq=record.seq, usec=record.usec))
+        if recorded is None:  # from before an operator's clear of its device
+            return
+        entry, changed = recorded
         if entry.count == 1 or entry.count % 1000 == 0:  # a flood logs a few lines, not one per record
             log.warning(event.kind, extra=kv(**{event.kind: event.xid}, bus_id=event.bus_id, device=event.device or None,
                                              count=entry.count, text=event.text[:160]))
@@ -291,6 +303,21 @@ class XidCheck(Check):
         if changed and self._wake is not None and grader(entry, self.settings, self.context.clock()).status \
                 is not Status.OK:
             self._wake()
+
+    def clear(self, subject: str, at: float) -> None:
+        """`trainguard clear xid/SUBJECT` (after a GPU reset, say): the ledger forgets the device's XIDs (SXids for an
+        NVSwitch), and the records before now never come back, not from a replay nor after a restart; a new one fires
+        as new."""
+        if subject.startswith("nvswitch:"):
+            kind, buses = "sxid", [subject.removeprefix("nvswitch:")]
+        else:  # pci:BUS, or the GPU's uuid when the driver or NVML named it
+            kind = "xid"
+            buses = [e.bus_id for e in self.ledger.entries() if subject in (f"pci:{e.bus_id}", self._gpu(e.bus_id)[1])]
+        point = LogPoint.now(self.settings.kmsg_path)
+        for bus in sorted(set(buses)):
+            gone = self.ledger.forget(kind, bus, point)
+            log.info("XID history cleared", extra=kv(subject=subject, bus_id=bus, entries=gone, kmsg_seq=point.seq))
+        self.ledger.save(force=True)
 
     def _gpu(self, bus_id: str) -> tuple[int | None, str | None]:
         """(index, uuid) of a bus id: from the driver's own `GPU at PCI` lines, else NVML."""
@@ -308,6 +335,16 @@ class XidCheck(Check):
     def run(self) -> Sequence[Result]:
         if not self._started and self.follower.records == 0:
             self.follower.read_once()  # one-shot `trainguard check`: what this boot's buffer holds
+        elif self._started:  # at start the follower replays the buffer: judge the whole of it, not a part
+            self.follower.caught_up.wait(min(REPLAY_WAIT_S, self.settings.timeout / 2))
+        results = self._results()
+        if self._started and not self.follower.caught_up.is_set():
+            return PartialView(results, f"replaying the kernel log ({self.follower.records} records so far)")
+        if self.ledger.evicted:
+            return PartialView(results, f"XID ledger full: {self.ledger.evicted} entries dropped")
+        return results
+
+    def _results(self) -> list[Result]:
         now = self.context.clock()
         by_gpu: dict[str, list[XidEntry]] = {}
         for entry in self.ledger.entries():
@@ -354,9 +391,12 @@ class XidCheck(Check):
         f = self.follower
         samples = [KMSG_RECORDS(f.records), KMSG_LOST(f.lost),
                    KMSG_UP(1 if f.running or not self._started else 0, {"source": f.source})]
-        details = {"source": f.source, "records": f.records, "lost": f.lost, "last_seq": f.last_seq}
+        details = {"source": f.source, "records": f.records, "lost": f.lost, "last_seq": f.last_seq,
+                   "replayed": f.caught_up.is_set() or not self._started, "ledger_dropped": self.ledger.evicted}
         if self._started and not f.running:
             return self.result("kernel-log", Status.UNKNOWN,
                                f"kernel log follower not running: {f.error or 'starting'}", details, samples)
         lost = f", {f.lost} lost to overruns" if f.lost else ""
-        return self.result("kernel-log", Status.OK, f"reading {f.source}: {f.records} records{lost}", details, samples)
+        dropped = f", {self.ledger.evicted} XID entries dropped (ledger full)" if self.ledger.evicted else ""
+        return self.result("kernel-log", Status.OK, f"reading {f.source}: {f.records} records{lost}{dropped}", details,
+                           samples)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainguard.core.state import KeyValue
 from trainguard.gpu.xid import XidEvent
+from trainguard.node.kmsg import LogPoint
 from trainguard.node.procfs import ProcFS
 
 LEDGER_KEY = "xid.ledger"
@@ -53,6 +55,10 @@ class XidLedger:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str, int, str], XidEntry] = {}
+        self._rank: dict[tuple[str, str, int, str], int] = {}  # what each entry is worth keeping (its severity)
+        self._ranker: Callable[[XidEntry], int] | None = None
+        self._cleared: dict[tuple[str, str], LogPoint] = {}  # (kind, device) -> an operator's clear: older is over
+        self.evicted = 0  # entries dropped this life of the agent to stay within MAX_ENTRIES
         self._dirty = False
         self._saved_at = 0.0
         self._save_every_s = save_every_s
@@ -68,6 +74,12 @@ class XidLedger:
             return
         if data.get("boot_id") != self.boot_id:
             return  # a reboot resets the GPUs: the old boot's XIDs no longer describe them
+        for raw in data.get("cleared", []):
+            try:
+                kind, bus, seq, usec = raw
+                self._cleared[(str(kind), str(bus))] = LogPoint(int(seq), int(usec))
+            except (TypeError, ValueError):
+                continue
         for raw in data.get("entries", []):
             try:
                 entry = XidEntry(**raw)
@@ -75,16 +87,53 @@ class XidLedger:
                 continue
             self._entries[(entry.kind, entry.bus_id, entry.xid, entry.variant)] = entry
 
-    def record(self, event: XidEvent) -> tuple[XidEntry, bool]:
-        """The entry after this event, and whether it changed beyond its count (new, or a new occurrence)."""
+    def _evict(self) -> None:
+        """Drop one entry to make room, never one that would change what the ledger says about a device while another
+        choice exists: an entry of a device that has others (so the device stays listed), the least severe of those
+        (so its worst fault stays), the oldest of those. A device with a single entry goes only when every device has
+        one. Readers learn from `evicted` that the ledger no longer holds the whole log."""
+        per_device = Counter((k[0], k[1]) for k in self._entries)
+        if self._ranker is not None:  # entries loaded from the store were never ranked
+            for key in self._entries.keys() - self._rank.keys():
+                self._rank[key] = self._ranker(self._entries[key])
+        victim = min(self._entries, key=lambda k: (per_device[(k[0], k[1])] == 1, self._rank.get(k, 0),
+                                                   self._entries[k].last))
+        del self._entries[victim]
+        self._rank.pop(victim, None)
+        self.evicted += 1
+
+    def rank_by(self, ranker: Callable[[XidEntry], int]) -> None:
+        """How much an entry is worth keeping when the ledger is full: the recorder's severity of it."""
+        with self._lock:
+            self._ranker = ranker
+            self._rank.clear()
+
+    def forget(self, kind: str, bus_id: str, point: LogPoint) -> int:
+        """An operator cleared this device (`trainguard clear`): its entries go, and records from before `point`
+        are not recorded again (a replay of the buffer, a restart that resumes from an older cursor). Returns how
+        many entries went."""
+        with self._lock:
+            gone = [k for k in self._entries if k[0] == kind and k[1] == bus_id]
+            for key in gone:
+                del self._entries[key]
+                self._rank.pop(key, None)
+            self._cleared[(kind, bus_id)] = point
+            self._dirty = True
+            return len(gone)
+
+    def record(self, event: XidEvent) -> tuple[XidEntry, bool] | None:
+        """The entry after this event, and whether it changed beyond its count (new, or a new occurrence); None for
+        a record from before an operator cleared its device."""
         now = self._clock()
         with self._lock:
+            mark = self._cleared.get((event.kind, event.bus_id))
+            if mark is not None and mark.before(event.seq, event.usec):
+                return None
             key = (event.kind, event.bus_id, event.xid, event.variant)
             entry = self._entries.get(key)
             if entry is None:
                 if len(self._entries) >= MAX_ENTRIES:
-                    oldest = min(self._entries, key=lambda k: self._entries[k].last)
-                    del self._entries[oldest]
+                    self._evict()
                 entry = XidEntry(event.bus_id, event.xid, 0, now, now, event.text, variant=event.variant,
                                  kind=event.kind, device=event.device)
                 self._entries[key] = entry
@@ -100,6 +149,8 @@ class XidLedger:
             entry.pid, entry.process = event.pid, event.process
             entry.cause_xid, entry.recovery, entry.gpu_instance = event.cause_xid, event.recovery, event.gpu_instance
             self._dirty = True
+            if self._ranker is not None:
+                self._rank[key] = self._ranker(entry)
             return XidEntry(**asdict(entry)), entry.count == 1 or entry.occurrences != before
 
     def entries(self, kind: str = "xid") -> list[XidEntry]:
@@ -113,7 +164,8 @@ class XidLedger:
         with self._lock:
             if not self._dirty or (not force and time.monotonic() - self._saved_at < self._save_every_s):
                 return
-            payload: dict[str, Any] = {"boot_id": self.boot_id, "entries": [asdict(e) for e in self._entries.values()]}
+            payload: dict[str, Any] = {"boot_id": self.boot_id, "entries": [asdict(e) for e in self._entries.values()],
+                                       "cleared": [[kind, bus, p.seq, p.usec] for (kind, bus), p in self._cleared.items()]}
             self._dirty = False
             self._saved_at = time.monotonic()
         self._store.put(LEDGER_KEY, json.dumps(payload))

@@ -48,6 +48,8 @@ class XidEvent:
     variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; SXids: fatal | non_fatal. Variants stay apart.
     kind: str = "xid"  # xid (a GPU) | sxid (an NVSwitch)
     device: str = ""  # SXids: the switch, e.g. nvswitch3
+    seq: int = -1  # the kernel record's sequence number (-1: from the journal, or not from the log)
+    usec: int = -1  # the kernel record's timestamp, microseconds since boot
 
 
 class XidParser:

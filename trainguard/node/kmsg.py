@@ -90,10 +90,11 @@ def _small_int(value: object, default: int) -> int:
     return int(text) if text.isdigit() and len(text) <= 20 else default
 
 
-def cursor_at_end(path: str = "/dev/kmsg", proc: ProcFS | None = None) -> str:
-    """A saved position just past the newest record: a follower resuming from it sees only what comes next."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    last = -1
+def newest_seq(path: str = "/dev/kmsg") -> int:
+    """The sequence number of the newest record in the kernel log now (-1 when it is empty). Raises OSError when the
+    device can't be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    last = -1  # reads the whole buffer: SEEK_END would skip the newest record too, and it is what we need
     try:
         while True:
             try:
@@ -106,7 +107,36 @@ def cursor_at_end(path: str = "/dev/kmsg", proc: ProcFS | None = None) -> str:
                 last = record.seq
     finally:
         os.close(fd)
-    return json.dumps({"source": "kmsg", "boot_id": (proc or ProcFS()).boot_id(), "seq": last})
+    return last
+
+
+def cursor_at_end(path: str = "/dev/kmsg", proc: ProcFS | None = None) -> str:
+    """A saved position just past the newest record: a follower resuming from it sees only what comes next."""
+    return json.dumps({"source": "kmsg", "boot_id": (proc or ProcFS()).boot_id(), "seq": newest_seq(path)})
+
+
+@dataclass(frozen=True)
+class LogPoint:
+    """A moment in this boot's kernel log (the agent's first start, an operator's clear): a record is before it when
+    its sequence number is at most `seq` (the newest record then), or, from the journal, which has no sequence
+    numbers, when its kernel timestamp is at most `usec` (CLOCK_MONOTONIC then, the clock printk stamps records
+    with, to within the clocks' drift)."""
+
+    seq: int
+    usec: int
+
+    def before(self, seq: int, usec: int) -> bool:
+        if seq >= 0 and self.seq >= 0:
+            return seq <= self.seq
+        return 0 <= usec <= self.usec
+
+    @classmethod
+    def now(cls, path: str = "/dev/kmsg") -> LogPoint:
+        try:
+            seq = newest_seq(path)
+        except OSError:
+            seq = -1  # no device (journal fallback): the time alone places records
+        return cls(seq, time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000)
 
 
 class KmsgFollower:
@@ -128,6 +158,9 @@ class KmsgFollower:
         self._lost_unlogged = 0  # a sustained overrun logs one line per interval, not one per gap
         self._lost_logged_at = -float("inf")
         self.running = False
+        # Set once the records the buffer held at start have all been delivered (the replay is over), or when the
+        # follower ends: until then, what was delivered is only part of the log.
+        self.caught_up = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[str] | None = None
@@ -167,6 +200,7 @@ class KmsgFollower:
             log.exception("kernel log follower stopped")
         finally:
             self.running = False
+            self.caught_up.set()
             os.close(fd)
 
     def read_once(self) -> int:
@@ -214,6 +248,9 @@ class KmsgFollower:
                 try:
                     raw = os.read(fd, 16384)
                 except BlockingIOError:
+                    if not self.caught_up.is_set():
+                        self.caught_up.set()
+                        log.info("kernel log replayed", extra=kv(records=self.records, last_seq=self.last_seq))
                     break
                 except BrokenPipeError:
                     continue  # overrun: the next read returns the oldest record still there; the gap counts it
@@ -256,8 +293,12 @@ class KmsgFollower:
         except OSError as exc:
             self.error = f"kernel log unavailable: {self.path} not readable and {self.journalctl}: {exc.strerror or exc}"
             log.error("no kernel log source", extra=kv(error=self.error))
+            self.caught_up.set()
             return
         self.source, self.running = "journal", True
+        # journalctl -f marks no boundary between the backlog and what follows: a check reading through the journal
+        # fallback cannot wait for its replay (it sees the backlog arrive as if live).
+        self.caught_up.set()
         log.info("following kernel log", extra=kv(source="journal", command=" ".join(cmd)))
         assert self._proc.stdout is not None
         for line in self._proc.stdout:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainguard.checks.base import Check, CheckIdle
+from trainguard.checks.base import Check, CheckIdle, PartialView
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
 from trainguard.core.units import format_duration
@@ -30,11 +30,13 @@ class RunReport:
     outcome: str  # ok | idle | error | timeout | skipped
     results: tuple[Result, ...]
     idle_reason: str | None = None  # why an idle run had nothing to watch
+    partial: str | None = None  # why a run saw only part of what it watches (PartialView)
 
     @property
     def complete(self) -> bool:
-        """The run finished: a subject it did not report is OK (an idle run reports none)."""
-        return self.outcome in ("ok", "idle")
+        """The run finished and saw everything it watches: a subject it did not report is OK (an idle run reports
+        none). A partial view never resolves what it does not report."""
+        return self.outcome in ("ok", "idle") and self.partial is None
 
 
 class _Attempt:
@@ -43,6 +45,7 @@ class _Attempt:
         self.results: list[Result] = []
         self.error: BaseException | None = None
         self.idle: str | None = None
+        self.partial: str | None = None
 
 
 class CheckRunner:
@@ -95,7 +98,7 @@ class CheckRunner:
             err = attempt.error
             log.error("check failed", extra=kv(check=self.check.name, error=f"{type(err).__name__}: {err}"))
             return self._failure(started, duration, "error", f"check failed: {type(err).__name__}: {err}")
-        return RunReport(self.check.name, started, duration, "ok", tuple(attempt.results))
+        return RunReport(self.check.name, started, duration, "ok", tuple(attempt.results), partial=attempt.partial)
 
     def _note_idle(self, reason: str | None) -> None:
         """One log line when the check turns idle (at start on a node without its hardware), one when it wakes."""
@@ -108,11 +111,13 @@ class CheckRunner:
 
     def _execute(self, attempt: _Attempt) -> None:
         try:
-            results = list(self.check.run())
+            returned = self.check.run()
+            results = list(returned)
             for result in results:
                 if not isinstance(result, Result):
                     raise TypeError(f"run() returned {type(result).__name__}, not Result")
             attempt.results = results
+            attempt.partial = returned.reason if isinstance(returned, PartialView) else None
         except CheckIdle as idle:
             attempt.idle = idle.reason
         except Exception as exc:  # noqa: BLE001 - the runner alone turns a check's failure into data
