@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.slurm_cluster import JOB_USER, REPO, _ensure_munge, ensure_user
+from tests.slurm_cluster import JOB_USER, REPO, SlurmCluster, _ensure_munge, ensure_user
 
 CTLD_PORT, SLURMD_PORT0 = 16817, 17000
 MARK = "trainguard-multinode-"  # in every daemon's config path: how a stale cluster of an earlier run is found
@@ -137,19 +137,8 @@ PartitionName=debug Nodes=n[1-{len(self.nodes)}] Default=YES MaxTime=INFINITE St
                 p.kill()
 
     # helpers ----------------------------------------------------------------------------------
-    @staticmethod
-    def wait(predicate: object, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():  # type: ignore[operator]
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(0.2)
-
-    def workdir(self, user: str = JOB_USER) -> Path:
-        d = self.base / "jobs" / uuid.uuid4().hex[:8]
-        d.mkdir()
-        shutil.chown(d, user, user)
-        return d
+    wait = staticmethod(SlurmCluster.wait)
+    workdir = SlurmCluster.workdir  # a fresh directory under jobs/, owned by the job user
 
     def submit(self, command: str, *sbatch_args: str, workdir: Path, name: str, user: str = JOB_USER) -> str:
         script = workdir / f"job-{uuid.uuid4().hex[:6]}.sh"
