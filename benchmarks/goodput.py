@@ -565,7 +565,7 @@ def plot(records: list[Record], path: Path) -> bool:
         top = max([s for _, s, _ in rec.steps] or [1])
         for f in rec.faults:
             ax.axvline(f["injected"], color="tab:red", lw=0.8)
-            ax.text(f["injected"], top * 1.02, f["kind"], rotation=90, va="bottom", ha="right", fontsize=7,
+            ax.text(f["injected"], top * 0.98, f["kind"], rotation=90, va="top", ha="right", fontsize=7,
                     color="tab:red")
         for a in rec.alerts:
             ax.plot(a["t"], top * 0.05, "v", color="tab:orange", ms=5)
@@ -574,7 +574,7 @@ def plot(records: list[Record], path: Path) -> bool:
                 ax.plot(a["t"], top * 0.12, "^", color="tab:purple" if a["who"].startswith("agent") else "black",
                         ms=5)
         ax.set_title(("with trainguard" if rec.trainguard else "without trainguard") +
-                     " (v alert, ^ purple: agent action, ^ black: human or user action)", fontsize=9)
+                     " (v alert, ^ purple: agent action, ^ black: human or user action)", fontsize=9, pad=4)
         ax.set_ylabel("step")
         ax.legend(loc="upper left", fontsize=7)
     axes[-1].set_xlabel("seconds since submission")
