@@ -3,7 +3,9 @@ pynvml, for tests and benchmarks of the whole agent on machines without a GPU. T
 number of GPUs (default 8), each as on an HGX H100 board (18 NVLinks, PCIe Gen5 x16, registered with the NVLink
 fabric); GPU 0 has a pending row remap and a few NVLink and PCIe replays so that fault panels have something to show;
 TRAINGUARD_FAKE_GPU_FAULT=remap_failed makes the last GPU fail its row remapping (a CRITICAL fault);
-TRAINGUARD_FAKE_NVML=missing makes NVML fail to load, as on a node without the driver."""
+TRAINGUARD_FAKE_NVML=missing makes NVML fail to load, as on a node without the driver;
+TRAINGUARD_FAKE_GPU_DOMAIN=00a1 puts the GPUs in that PCI domain (several agents on one host, each its own GPUs);
+TRAINGUARD_FAKE_GPU_HEALTHY=1 leaves GPU 0 without its remap and replays."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ from tests.helpers.fake_nvml import (
 
 def main() -> int:
     count = int(os.environ.get("TRAINGUARD_FAKE_GPUS", "8"))
-    gpus = [FakeGpu(f"GPU-{i:08x}-0000-4000-8000-000000000000", bus_id=f"00000000:{0x18 + i:02X}:00.0".encode(),
+    domain = int(os.environ.get("TRAINGUARD_FAKE_GPU_DOMAIN", "0"), 16)
+    gpus = [FakeGpu(f"GPU-{i:08x}-0000-4000-8000-{domain:012x}", bus_id=f"{domain:08X}:{0x18 + i:02X}:00.0".encode(),
                     used=(2 + i) * 2**30, nvlinks=[True] * 18, fabric=(NVML_GPU_FABRIC_STATE_COMPLETED, 0))
             for i in range(count)]
-    if gpus:
+    if gpus and not os.environ.get("TRAINGUARD_FAKE_GPU_HEALTHY"):
         gpus[0].remap = (3, 0, 1, 0)
         gpus[0].nvlink_errors = {(0, NVML_NVLINK_ERROR_DL_REPLAY): 3}
         gpus[0].pcie_replays = 2

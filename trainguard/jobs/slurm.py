@@ -43,9 +43,11 @@ class SlurmClient:
             raise SlurmError(f"squeue --json printed invalid JSON: {exc}") from None
         return list(data.get("jobs", []))
 
-    def listpids(self, job_id: str) -> list[int]:
+    def listpids(self, job_id: str, node: str = "") -> list[int]:
+        """The job's pids on `node`. Named, because on a host running several slurmd (`slurmd -N NAME`: front-end
+        and multiple-slurmd setups) scontrol guesses the first NodeName of this hostname and lists only its steps."""
         try:
-            out = self.run("scontrol", "listpids", job_id)
+            out = self.run("scontrol", "listpids", job_id, *([node] if node else []))
         except SlurmError as exc:
             if "No job steps exist" in str(exc) or "does not exist" in str(exc):
                 return []
@@ -231,7 +233,7 @@ class SlurmSource:
             refs: tuple[ProcessRef, ...] = ()
             if job.running and job.job_id:
                 try:
-                    refs = tuple(r for r in (ProcessRef.of(p) for p in self.client.listpids(job.job_id)) if r)
+                    refs = tuple(r for r in (ProcessRef.of(p) for p in self.client.listpids(job.job_id, self.node)) if r)
                 except SlurmError as exc:
                     log.warning("listpids failed", extra=kv(job=job.job_id, error=str(exc)))
             # an ended job's logs too: the crash it died of is written last, maybe after the last read

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""One rank of the data-parallel toy job of benchmarks/goodput.py, started by `srun` on every node of the job.
+
+Standard library and trainguard.trainer only (the job user runs the system Python). Every step each rank works
+(`--step-time`), then waits for all ranks in a barrier of files, as data-parallel ranks wait in all_reduce; a rank
+missing for `--collective-timeout` makes the others fail the way a Gloo/NCCL timeout does. Each rank's barrier file
+carries its vote (stop, save), so all ranks decide together, as a collective would. Rank 0 checkpoints every
+`--ckpt-every` steps and on request; a restarted job resumes from the last checkpoint whose loss is finite.
+
+Faults are files the harness writes into `<run-dir>/faults/`, each naming the attempt (job id and restart count)
+it hits, so a requeued job runs clean: `gpu-lost-NODE` (the rank there hangs in a CUDA call, as processes on a GPU
+that fell off the bus do), `hang` (`ATTEMPT RANK`: that rank stops before the barrier), `leak` (`ATTEMPT NODE MB`:
+the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this attempt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainguard/trainer.py is copied beside this file
+
+from trainguard.trainer import Trainer
+
+
+def env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def checkpoints(ckpt_dir: Path) -> list[tuple[int, float]]:
+    out = []
+    for path in sorted(ckpt_dir.glob("ckpt-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            out.append((int(data["step"]), float(data["loss"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a torn or foreign file is not a checkpoint
+    return out
+
+
+def resume_step(ckpt_dir: Path) -> tuple[int, float]:
+    """The step after the last checkpoint with a finite loss (a NaN checkpoint would poison the run)."""
+    good = [(s, loss) for s, loss in checkpoints(ckpt_dir) if math.isfinite(loss)]
+    return (good[-1][0] + 1, good[-1][1]) if good else (0, 4.0)
+
+
+def save(ckpt_dir: Path, step: int, loss: float, pad: int, progress: TextIO) -> None:
+    path = ckpt_dir / f"ckpt-{step:07d}.json"
+    tmp = ckpt_dir / f".ckpt-{step:07d}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"step": step, "loss": loss if math.isfinite(loss) else "nan", "time": time.time(),
+                            "pad": "x" * pad}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    line = f"checkpoint saved step={step} loss={loss:.4f} t={time.time():.3f}"
+    print(line, flush=True)
+    progress.write(line + "\n")
+    for old in sorted(ckpt_dir.glob("ckpt-*.json"))[:-3]:  # keep the last three
+        old.unlink(missing_ok=True)
+
+
+def fault(run_dir: Path, name: str) -> list[str]:
+    try:
+        return (run_dir / "faults" / name).read_text().split()
+    except OSError:
+        return []
+
+
+def stuck_in_cuda_call() -> None:
+    """Where a process whose GPU fell off the bus sits: a CUDA call that never returns."""
+    while True:
+        time.sleep(3600)
+
+
+def gpu_gone(run_dir: Path, node: str, rank: int, step: int) -> None:
+    """Checked before each step, in the barrier and before a save: a rank whose GPU is gone computes nothing more and
+    saves nothing (its state was on that GPU)."""
+    if fault(run_dir, f"gpu-lost-{node}"):
+        print(f"rank {rank}: step {step}: CUDA call not returning (GPU lost on {node})", flush=True)
+        stuck_in_cuda_call()
+
+
+def stuck_before_all_reduce() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def main() -> int:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--ckpt-dir", type=Path, required=True)
+    p.add_argument("--step-time", type=float, default=0.5)
+    p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--ckpt-pad", type=int, default=65536)
+    p.add_argument("--collective-timeout", type=float, default=10.0)
+    a = p.parse_args()
+    rank, world = int(env("SLURM_PROCID", "0")), int(env("SLURM_NTASKS", "1"))
+    node = env("SLURMD_NODENAME", "?")
+    attempt = f"{env('SLURM_JOB_ID', '0')}.{env('SLURM_RESTART_COUNT', '0')}"
+    trainer = Trainer(switch_dir=Path.cwd() / ".trainguard").install()  # rank 0 alone writes the heartbeat
+    barrier = a.run_dir / "barrier" / attempt
+    barrier.mkdir(parents=True, exist_ok=True)
+    (a.run_dir / "pids").mkdir(exist_ok=True)
+    (a.run_dir / "pids" / f"{attempt}.{node}").write_text(str(os.getpid()))
+    if rank == 0:
+        (a.run_dir / "attempt").write_text(attempt)
+    step, loss = resume_step(a.ckpt_dir)
+    # The harness's record of progress across attempts (SLURM truncates the job's output file on a requeue).
+    progress = open(a.run_dir / "progress.log", "a", buffering=1) if rank == 0 else open(os.devnull, "w")
+    print(f"rank {rank} node {node} attempt {attempt} start step={step} pid={os.getpid()}", flush=True)
+    progress.write(f"start attempt={attempt} step={step} t={time.time():.3f}\n")
+    leaked: list[bytearray] = []
+    nan = False
+    while True:
+        gpu_gone(a.run_dir, node, rank, step)
+        hang = fault(a.run_dir, "hang")
+        if hang[:2] == [attempt, str(rank)]:
+            print(f"rank {rank}: step {step}: stops before all_reduce", flush=True)
+            stuck_before_all_reduce()
+        time.sleep(a.step_time)
+        leak = fault(a.run_dir, "leak")
+        if leak[:2] == [attempt, node]:
+            leaked.append(bytearray(b"\x5a") * int(float(leak[2]) * 2**20))  # written, so resident
+        nan = nan or fault(a.run_dir, "nan")[:1] == [attempt]
+        loss = math.nan if nan else loss * 0.999
+        vote = ("stop" if trainer.should_stop() else "") + (" save" if trainer.should_save() else "")
+        tmp = barrier / f".{step}.{rank}.tmp"
+        tmp.write_text(vote)
+        os.replace(tmp, barrier / f"{step}.{rank}")  # a peer never reads a half-written vote
+        votes = wait_all(barrier, step, world, a.collective_timeout, trainer, rank,
+                         functools.partial(gpu_gone, a.run_dir, node, rank, step))
+        if votes is None:  # a signal while a peer is missing: the last completed step is consistent, save it
+            if rank == 0 and step > 0:
+                save(a.ckpt_dir, step - 1, loss, a.ckpt_pad, progress)
+            print(f"rank {rank}: stop requested ({trainer.last_signal or 'switch'}) in the barrier of step {step}",
+                  flush=True)
+            return 0
+        if rank == 0:
+            line = f"step {step} loss={loss:.4f} t={time.time():.3f}"
+            print(line, flush=True)
+            progress.write(line + "\n")
+            trainer.heartbeat(step, loss=loss)
+            for old in barrier.glob(f"{step - 2}.*"):
+                old.unlink(missing_ok=True)
+        stop = any("stop" in v for v in votes)
+        if rank == 0 and (stop or any("save" in v for v in votes) or step % a.ckpt_every == a.ckpt_every - 1):
+            gpu_gone(a.run_dir, node, rank, step)
+            try:
+                save(a.ckpt_dir, step, loss, a.ckpt_pad, progress)
+            except OSError as exc:
+                print(f"Traceback (most recent call last):\n  File \"goodput_trainer.py\", in save\n"
+                      f"OSError: [Errno {exc.errno}] {exc.strerror}: {a.ckpt_dir}", flush=True)
+                return 1
+            trainer.saved()
+        if stop:
+            print(f"rank {rank}: stop requested ({trainer.last_signal or 'switch'}): exiting at step {step}", flush=True)
+            return 0
+        step += 1
+
+
+def wait_all(barrier: Path, step: int, world: int, timeout: float, trainer: Trainer, rank: int,
+             check_gpu: Callable[[], None]) -> list[str] | None:
+    """Every rank's vote for this step; None when asked to stop while a peer is missing; exit 1 on the timeout."""
+    deadline = time.monotonic() + timeout
+    asked = None
+    while True:
+        check_gpu()
+        votes = []
+        for r in range(world):
+            with contextlib.suppress(FileNotFoundError):
+                votes.append((barrier / f"{step}.{r}").read_text())
+        if len(votes) == world:
+            return votes
+        now = time.monotonic()
+        if trainer.should_stop():
+            asked = asked or now
+            if now - asked > 1.0:  # the others had their chance to arrive
+                return None
+        if now > deadline:
+            print(f"RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting {timeout:.0f}s "
+                  f"for all_reduce of step {step} (rank {rank}: {world - len(votes)} ranks missing)", flush=True)
+            sys.exit(1)
+        time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The goodput benchmark's harness (benchmarks/goodput.py) in a short version, so that it cannot rot: a 4-node SLURM
+cluster, a 3-rank job, one agent per node; an XID 79, a NaN streak and the stop switch, with trainguard and without.
+The figures of the full run are in docs/benchmarks.md; this test holds the harness and the promises that do not
+depend on the machine's speed (what is detected, by whom, which nodes are drained)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks.goodput import KINDS, Record, Scale, analyse, benchmark, schedule, table
+from benchmarks.goodput_trainer import resume_step
+from tests.conftest import require, require_root
+from tests.slurm_cluster import missing_components
+
+
+def test_the_schedule_is_the_seeds_each_kind_once_inside_the_run() -> None:
+    a, b = schedule(24, 420), schedule(24, 420)
+    assert a == b
+    assert sorted(f.kind for f in a) == sorted(KINDS)
+    assert all(0.12 * 420 <= f.at <= 0.9 * 420 for f in a)
+    assert [f.at for f in a] == sorted(f.at for f in a)
+    assert schedule(25, 420) != a
+
+
+def test_goodput_counts_steps_up_to_the_last_finite_checkpoint_and_charges_redone_steps_to_the_fault() -> None:
+    rec = Record(trainguard=True, duration=20.0)
+    # 0.5 s a step; a fault at 6 s; the job stopped at step 11 and came back at 9 s from the checkpoint of step 9.
+    rec.steps = [(0.5 * i, i, True) for i in range(12)] + [(9.0 + 0.5 * i, 10 + i, True) for i in range(20)]
+    rec.attempts = [(0.0, 0), (9.0, 10)]
+    rec.checkpoints = [(5.0, 9, True), (18.0, 27, True), (19.0, 28, False)]  # a NaN checkpoint does not count
+    rec.faults = [{"kind": "nan", "at": 6.0, "target": 0, "node": "n1", "injected": 6.0}]
+    rec.alerts = [{"t": 7.25, "node": "n1", "check": "training_log", "subject": "slurm:1", "status": "CRITICAL",
+                   "event": "escalated"}]
+    out = analyse(rec, Scale(60), 0.5)
+    assert out["pace_s"] == 0.5 and out["possible_steps"] == 40 and out["counted_steps"] == 28
+    assert out["goodput"] == 0.7
+    [fault] = out["faults"]
+    assert fault["by"] == "trainguard" and fault["detect_s"] == 1.25 and fault["lost_steps"] == 2
+    assert fault["resume_s"] == 3.0
+
+
+def test_a_restarted_rank_resumes_after_the_last_checkpoint_whose_loss_is_finite(tmp_path: Path) -> None:
+    for step, loss in ((19, 3.9), (39, 3.8), (59, "nan")):
+        (tmp_path / f"ckpt-{step:07d}.json").write_text(json.dumps({"step": step, "loss": loss}))
+    (tmp_path / "ckpt-0000079.json").write_text("{torn")
+    assert resume_step(tmp_path) == (40, 3.8)
+    assert resume_step(tmp_path / "none") == (0, 4.0)
+
+
+@pytest.mark.slow
+def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_beats_the_run_without() -> None:
+    require_root()
+    missing = missing_components()
+    require(not missing, f"needs SLURM and munge installed (missing: {', '.join(missing)})")
+    require(os.access("/dev/kmsg", os.W_OK), "needs a writable /dev/kmsg")
+    require("memory" in Path("/sys/fs/cgroup/cgroup.controllers").read_text().split()
+            if Path("/sys/fs/cgroup/cgroup.controllers").exists() else False, "needs the cgroup v2 memory controller")
+    for sbin in ("/usr/sbin", "/sbin"):
+        if sbin not in os.environ.get("PATH", "").split(":"):
+            os.environ["PATH"] = os.environ.get("PATH", "") + ":" + sbin
+    require(shutil.which("slurmd") is not None, "needs slurmd")
+    kinds = ("xid79", "nan", "stop_switch")
+    results, records = benchmark(seed=7, minutes=0.8, scale=Scale(60), kinds=kinds)
+    print("\n" + table(results, 7, Scale(60)))
+    with_tg, without = results
+    assert with_tg["trainguard"] and not without["trainguard"]
+    for r in results:
+        assert [f["kind"] for f in r["faults"]] == [f.kind for f in schedule(7, 48, kinds)], r["faults"]
+        assert all(d["right"] for d in r["drains"]), r["drains"]  # no node drained that had no fault
+    xid = next(f for f in with_tg["faults"] if f["kind"] == "xid79")
+    assert xid["by"] == "trainguard" and xid["detect_s"] is not None and xid["detect_s"] <= xid["deadline_s"], xid
+    assert [d["node"] for d in with_tg["drains"]] == [xid["node"]]
+    nan = next(f for f in with_tg["faults"] if f["kind"] == "nan")
+    assert nan["by"] == "trainguard", nan
+    assert with_tg["counted_steps"] > without["counted_steps"], (with_tg, without)
+    assert not math.isnan(with_tg["goodput"]) and with_tg["goodput"] > without["goodput"]
+    assert records[0].steps and records[1].steps

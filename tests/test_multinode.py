@@ -1,0 +1,68 @@
+"""The multi-node SLURM cluster of tests/multinode_cluster.py (several slurmd on this one host), and what the agent's
+job source needs there: each node's pids of a job spanning nodes, not the first node's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import require, wait_until
+from tests.multinode_cluster import MultiNodeCluster
+from tests.slurm_cluster import JOB_USER, missing_components
+from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.settings import JobsSettings
+
+
+@pytest.fixture(scope="module")
+def multinode() -> Iterator[MultiNodeCluster]:
+    require(os.geteuid() == 0, "needs root to run slurmctld, slurmd and munged")
+    missing = missing_components()
+    require(not missing, f"needs SLURM and munge installed (missing: {', '.join(missing)})")
+    for sbin in ("/usr/sbin", "/sbin"):
+        if sbin not in os.environ.get("PATH", "").split(":"):
+            os.environ["PATH"] = os.environ.get("PATH", "") + ":" + sbin
+    base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-", dir="/tmp"))
+    base.chmod(0o755)
+    cluster = MultiNodeCluster(base / "cluster", 3)
+    cluster.base.mkdir()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_each_nodes_agent_sees_the_pids_of_its_own_rank(multinode: MultiNodeCluster,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    job_id = multinode.submit("exec srun --ntasks-per-node=1 sleep 120", "-N", "2", workdir=workdir, name="two-nodes")
+    try:
+        wait_until(lambda: multinode.job(job_id).get("JobState") == "RUNNING", 30, what="the job running")
+        assert multinode.job(job_id)["NodeList"] == "n[1-2]"
+
+        def sleeps(node: str) -> set[int]:
+            catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=node, refresh="0s"), "agent-host")
+            [job] = [j for j in catalog.view().jobs if j.job_id == job_id]
+            return {r.pid for r in job.processes if "sleep" in psutil.Process(r.pid).name()}
+
+        pids = {node: wait_until(lambda node=node: sleeps(node), 15, what=f"the sleep of {node}")  # type: ignore[misc]
+                for node in ("n1", "n2")}
+        pids["n3"] = sleeps("n3")
+        # one srun task per node: each agent finds its own node's, and n3, outside the job, none
+        assert len(pids["n1"]) == 1 and len(pids["n2"]) == 1 and pids["n1"] != pids["n2"], pids
+        assert pids["n3"] == set()
+        for node in ("n1", "n2"):
+            [pid] = pids[node]
+            assert psutil.Process(pid).username() == JOB_USER
+            assert psutil.Process(pid).environ().get("SLURMD_NODENAME") == node
+    finally:
+        multinode.run("scancel", job_id, check=False)
