@@ -281,6 +281,19 @@ def test_trainer_signals(tmp_path: Path) -> None:
     assert out.splitlines() == ["True False", "True True SIGUSR1"]
 
 
+def test_trainer_last_signal_is_the_pending_requests(tmp_path: Path) -> None:
+    """A SIGUSR2 save that was answered (saved()) is not the reason of a later stop through the switch file."""
+    script = ("import os, signal, sys, pathlib; sys.path.insert(0, sys.argv[1]); from trainguard.trainer import Trainer; "
+              "t = Trainer(switch_dir=sys.argv[2]).install(); os.kill(os.getpid(), signal.SIGUSR2); "
+              "print(t.last_signal); t.saved(); pathlib.Path(sys.argv[2], 'stop').touch(); "
+              "print(t.should_stop(), t.last_signal); os.kill(os.getpid(), signal.SIGUSR1); t.saved(); "
+              "print(t.should_stop(), t.last_signal)")
+    (tmp_path / "sw").mkdir()
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent.parent), str(tmp_path / "sw")],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    assert out.splitlines() == ["SIGUSR2", "True None", "True SIGUSR1"]
+
+
 def test_trainer_is_stdlib_only() -> None:
     """Module-level imports are the standard library's; the job's own torch is imported inside flight_recorder()."""
     tree = ast.parse((Path(__file__).parent.parent / "trainguard" / "trainer.py").read_text())

@@ -18,6 +18,7 @@ from trainguard.pipeline.config import Config, default_state_dir
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster
     from trainguard.core.model import Result
+    from trainguard.notifiers.base import NotifierSettings
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
@@ -217,10 +218,23 @@ def cmd_notify_test(config: Config, channel: str | None) -> int:
     from trainguard.pipeline.store import Store
 
     notifiers = Engine(config, store=Store(None)).notifiers
+    source = config.source or "the built-in default config"
     if channel is not None and channel not in notifiers:
-        print(f"trainguard: no notifier named {channel!r} (configured: {', '.join(notifiers) or 'none'})",
-              file=sys.stderr)
+        if channel in config.notifiers:
+            problem = f"[notifiers.{channel}] in {source} has enabled = false; remove that line to test it"
+        else:
+            problem = (f"no [notifiers.{channel}] table in {source} (enabled channels: "
+                       f"{', '.join(notifiers) or 'none'}); docs/notifications.md shows each channel's keys")
+        print(f"trainguard notify-test: {problem}", file=sys.stderr)
         return EXIT_CONFIG
+    if not notifiers:
+        print(f"trainguard notify-test: no enabled notification channel in {source}: add a [notifiers.NAME] table "
+              "(console, slack, email, alertmanager, webhook; docs/notifications.md)", file=sys.stderr)
+        return EXIT_CONFIG
+    # A test message is the channel's credentials and transport, not its routing: say so, and what routing would
+    # keep out, so that "ok" is not read as "real alerts arrive".
+    print("test messages bypass each channel's routing (min_severity, send_resolved, checks, exclude_checks, match, "
+          "exclude_match); real alerts pass through it")
     now = time.time()
     event = Event(EventKind.FIRED, f"test-{uuid.uuid4().hex[:8]}", "notify-test", "test", Status.WARNING,
                   "trainguard test message: this channel works", config.agent.node_name, now, now)
@@ -230,11 +244,20 @@ def cmd_notify_test(config: Config, channel: str | None) -> int:
             continue
         try:
             notifier.deliver([event])
-            print(f"{name}: ok")
+            print(f"{name}: ok" + (f" (routing: {rules})" if (rules := _routing(notifier.settings)) else ""))
         except NotifierError as exc:
             failed += 1
             print(f"{name}: FAILED ({'permanent' if exc.permanent else 'transient'}): {exc}")
     return 1 if failed else 0
+
+
+def _routing(settings: NotifierSettings) -> str:
+    """A channel's routing rules that differ from their defaults, as written in the config."""
+    defaults = type(settings).model_fields
+    keys = ("min_severity", "send_resolved", "checks", "exclude_checks", "match", "exclude_match")
+    dumped = settings.model_dump(mode="json", include=set(keys))
+    return ", ".join(f"{key} = {json.dumps(dumped[key])}" for key in keys
+                     if getattr(settings, key) != defaults[key].get_default(call_default_factory=True))
 
 
 def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
@@ -244,6 +267,11 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
         data, where = fetch(config, "/status", url)
     except AgentUnreachableError as exc:
         print(f"trainguard: cannot reach the agent: {exc}", file=sys.stderr)
+        if url is None:  # where it looked came from the config: say which, and how to point elsewhere
+            listen = config.agent.listen or "(none)"
+            print(f"trainguard: is the agent running? The address is agent.listen = {listen!r} of "
+                  f"{config.source or 'the built-in default config'}; pass the agent's config with --config PATH, "
+                  "or its address with --url http://HOST:PORT", file=sys.stderr)
         return 3
     if as_json:
         print(json.dumps(data, indent=1))

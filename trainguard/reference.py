@@ -98,9 +98,12 @@ def _table(title: str, model: type[BaseModel], skip: frozenset[str] = frozenset(
         yield "| key | type | default | description |"
         yield "|---|---|---|---|"
         for name, info in fields:
-            description = (info.description or "").replace("|", "\\|")
+            description = info.description or ""
             text = _annotation(model, name)
-            yield f"| `{name}` | `{text}` | {_default(info, text)} | {description} |"
+            key = info.alias or name  # the key a config file spells (`from`, not Python's `from_addr`)
+            # A bare | splits a markdown cell even inside backticks (`int | None`, a regex default).
+            cells = (f"`{key}`", f"`{text}`", _default(info, text), description)
+            yield "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
         yield ""
     for name, info in fields:
         nested = _nested(info)
@@ -126,10 +129,9 @@ def markdown(registry: Registry = DEFAULT_REGISTRY) -> str:
     out.append("## Checks\n")
     out.append("Each `[checks.NAME]` table runs one check; `type` defaults to NAME. Every check has these keys:\n")
     out += _table("checks.NAME", CheckSettings, seen=seen)
-    common = frozenset(CheckSettings.model_fields)
     for kind in sorted(registry.checks):
         cls = registry.check_class(kind)
-        out += _table(f'checks.NAME (type = "{kind}")', cls.Settings, common - _overridden(cls.Settings, CheckSettings),
+        out += _table(f'checks.NAME (type = "{kind}")', cls.Settings, _common(cls.Settings, CheckSettings),
                       _type_doc(cls), seen)
     out.append("## Actions\n")
     out.append("Each `[actions.NAME]` table defines a named action that checks bind with `actions = { critical = "
@@ -138,22 +140,24 @@ def markdown(registry: Registry = DEFAULT_REGISTRY) -> str:
     out += _table("actions.NAME", ActionSettings, seen=seen)
     for kind in sorted(registry.actions):
         cls = registry.action_class(kind)
-        out += _table(f'actions.NAME (type = "{kind}")', cls.Settings, frozenset(ActionSettings.model_fields),
+        out += _table(f'actions.NAME (type = "{kind}")', cls.Settings, _common(cls.Settings, ActionSettings),
                       _type_doc(cls), seen)
     out.append("## Notifiers\n")
     out.append("Each `[notifiers.NAME]` table is one channel. Every notifier has these keys:\n")
     out += _table("notifiers.NAME", NotifierSettings, seen=seen)
     for kind in sorted(registry.notifiers):
         cls = registry.notifier_class(kind)
-        out += _table(f'notifiers.NAME (type = "{kind}")', cls.Settings, frozenset(NotifierSettings.model_fields),
+        out += _table(f'notifiers.NAME (type = "{kind}")', cls.Settings, _common(cls.Settings, NotifierSettings),
                       _type_doc(cls), seen)
     return "\n".join(out).rstrip() + "\n"
 
 
-def _overridden(model: type[BaseModel], base: type[BaseModel]) -> frozenset[str]:
-    """Common keys whose default a type changes (a job check's interval): listed again under the type."""
+def _common(model: type[BaseModel], base: type[BaseModel]) -> frozenset[str]:
+    """The common keys a type's table leaves out: those whose default is the common table's.
+    A key whose default the type changes (a job check's interval, Slack's group_window, requeue's timeout) is
+    listed again under the type, with the type's own default."""
     return frozenset(name for name, info in model.model_fields.items()
-                     if name in base.model_fields and _default(info) != _default(base.model_fields[name]))
+                     if name in base.model_fields and _default(info) == _default(base.model_fields[name]))
 
 
 METRICS_HEADER = """# Metrics reference

@@ -71,6 +71,7 @@ class Snapshot:
     agent: Mapping[str, float] = field(default_factory=dict)
     incidents: tuple[Incident, ...] = ()
     silences: tuple[Silence, ...] = ()
+    not_routed: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # channel -> routing rule -> events
 
 
 class Engine:
@@ -324,4 +325,5 @@ class Engine:
         delivery = {n: (s.sent, s.failed, s.dropped) for n, s in self.dispatcher.stats.items()}
         now = agent["now"]
         return Snapshot(self.node, self._started, checks, self.tracker.firing_by_status(), outbox, delivery, agent,
-                        tuple(self.tracker.incidents()), tuple(s for s in self.tracker.silences() if s.until > now))
+                        tuple(self.tracker.incidents()), tuple(s for s in self.tracker.silences() if s.until > now),
+                        {n: dict(s.not_routed) for n, s in self.dispatcher.stats.items()})
