@@ -13,6 +13,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,27 @@ def test_signal_process_job_with_escalation(sleeper: subprocess.Popen[bytes]) ->
     action = SignalAction("sig", SignalSettings(signal="CONT", then="KILL", grace=0.3))
     assert action.run(ctx(job)) == f"SIGCONT -> pid {sleeper.pid}"
     assert sleeper.wait(timeout=5) == -9  # escalated to SIGKILL after the grace period
+
+
+def test_signal_to_a_job_that_already_exited_is_not_a_failure() -> None:
+    """The stop switch's usual story: the trainer saw the file and exited before the agent relayed it. Nothing was
+    left to signal, and that is the outcome, not an error; a job with one rank left gets that one signalled."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    ref = ProcessRef.of(done.pid)
+    done.wait()
+    gone = ref or ProcessRef(done.pid, 0.0)
+    job = Job(key="process:t", source="process", name="t", state="RUNNING", uid=os.getuid(), processes=(gone,))
+    action = SignalAction("signal", SignalSettings(signal="CONT"))
+    assert action.run(ctx(job)) == f"process job t had already exited (pid {done.pid}): nothing to signal"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive = ProcessRef.of(live.pid)
+        assert alive is not None
+        mixed = replace(job, processes=(gone, alive))
+        assert action.run(ctx(mixed)) == f"SIGCONT -> pid {live.pid}, pid {done.pid} had already exited"
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_process_source_by_cmdline_and_pidfile(sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:

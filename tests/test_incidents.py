@@ -143,3 +143,17 @@ def test_events_are_queued_with_the_state_change(tmp_path: Path) -> None:
     assert row is not None
     assert row.event["kind"] == "fired"
     assert Event.from_dict(row.event).status is Status.WARNING
+
+
+def test_actions_that_finish_after_their_incident_resolved_are_kept_for_its_messages(h: Harness) -> None:
+    """A stop switch the trainer obeys within the group window: the incident resolves while its actions run, and
+    the grouped message sent after the window still says what was done (notifications.md's "Done:" line)."""
+    [fired] = h.feed(r(Status.WARNING))
+    h.tracker.record_action("disk", "/scratch", {"action": "signal", "outcome": "ok"}, fired.incident_id)
+    assert kinds(h.feed(r(Status.OK))) == ["resolved"]
+    h.tracker.record_action("disk", "/scratch", {"action": "hold-array", "outcome": "ok"}, fired.incident_id)
+    assert [a["action"] for a in h.tracker.actions_of(fired.incident_id)] == ["signal", "hold-array"]
+    [again] = h.feed(r(Status.WARNING))  # a new incident of the same subject owns nothing of the old one's
+    h.tracker.record_action("disk", "/scratch", {"action": "late", "outcome": "ok"}, fired.incident_id)
+    assert h.tracker.actions_of(again.incident_id) == []
+    assert [a["action"] for a in h.tracker.actions_of(fired.incident_id)] == ["signal", "hold-array", "late"]

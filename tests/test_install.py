@@ -7,6 +7,7 @@ import json
 import re
 import stat
 import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -62,6 +63,10 @@ def test_install_and_uninstall_staged(tmp_path: Path, capsys: object) -> None:
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert f"created {config.parent} (mode 0750)" in out and f"wrote {unit} (ExecStart=" in out
     assert "Next steps" in out and "--dropin NAME, for NAME in: native-stacks, run-as-root, switch-files" in out
+    stop = tmp_path / "etc/trainguard/stop"  # the operator's kill switches, the default jobs.stop_dir
+    assert stat.S_IMODE(stop.stat().st_mode) == 0o750 and f"created {stop} (mode 0750" in out
+    assert load_config(str(config)).jobs.stop_dir == Path("/") / stop.relative_to(tmp_path)
+    assert f"`trainguard` below is {sys.executable} -m trainguard;" in out  # how to call it, not a bare name
     config.write_text(config.read_text() + "\n# edited by the operator\n")
     config.parent.chmod(0o755)  # as installed by earlier versions: set right, and said
     assert main(["install", "--root", str(tmp_path), "--dropin", "switch-files"]) == 0  # the edit is kept

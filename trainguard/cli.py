@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                     "line per code of the catalog."))
     p.add_argument("codes", nargs="*", type=int, metavar="CODE", help="XID numbers, e.g. 79 48 149")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table of docs/runbooks/gpu-xid.md: each response of the default config, its XIDs")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     return parser
@@ -339,7 +341,7 @@ def cmd_operator(config: Config, args: argparse.Namespace) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins
+    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins, executable_path
 
     installer = Installer(Path(args.root), args.user, with_dropins=tuple(getattr(args, "dropin", ())))
     try:
@@ -350,7 +352,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     print("\n".join(done))
     if args.command == "install":
         print(NEXT_STEPS.format(config=installer.config_path, user=args.user, dropins=", ".join(dropins()),
-                                docs=documentation()), end="")
+                                docs=documentation(), trainguard=executable_path()), end="")
     return 0
 
 
@@ -381,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("ack", "silence", "clear"):
         return cmd_operator(config, args)
     if args.command == "xid":
+        if args.markdown:
+            from trainguard.reference import xid_markdown
+
+            print(xid_markdown(), end="")
+            return 0
         return cmd_xid(config, args.codes, args.json)
     from trainguard.agent.daemon import run_daemon
 

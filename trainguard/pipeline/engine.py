@@ -163,8 +163,8 @@ class Engine:
 
     def _actions_taken(self, event: Event) -> dict[str, Any]:
         """For notifications: the actions run on the incident so far, with their outcomes."""
-        incident = next((i for i in self.tracker.incidents() if i.id == event.incident_id), None)
-        return {"actions_taken": list(incident.actions)} if incident is not None and incident.actions else {}
+        actions = self.tracker.actions_of(event.incident_id)
+        return {"actions_taken": actions} if actions else {}
 
     def run_check(self, name: str) -> None:
         """The scheduled job: never raises, whatever the check or the store does."""
