@@ -13,6 +13,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,27 @@ def test_signal_process_job_with_escalation(sleeper: subprocess.Popen[bytes]) ->
     assert sleeper.wait(timeout=5) == -9  # escalated to SIGKILL after the grace period
 
 
+def test_signal_to_a_job_that_already_exited_is_not_a_failure() -> None:
+    """The stop switch's usual story: the trainer saw the file and exited before the agent relayed it. Nothing was
+    left to signal, and that is the outcome, not an error; a job with one rank left gets that one signalled."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    ref = ProcessRef.of(done.pid)
+    done.wait()
+    gone = ref or ProcessRef(done.pid, 0.0)
+    job = Job(key="process:t", source="process", name="t", state="RUNNING", uid=os.getuid(), processes=(gone,))
+    action = SignalAction("signal", SignalSettings(signal="CONT"))
+    assert action.run(ctx(job)) == f"process job t had already exited (pid {done.pid}): nothing to signal"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive = ProcessRef.of(live.pid)
+        assert alive is not None
+        mixed = replace(job, processes=(gone, alive))
+        assert action.run(ctx(mixed)) == f"SIGCONT -> pid {live.pid}, pid {done.pid} had already exited"
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_process_source_by_cmdline_and_pidfile(sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
@@ -279,6 +301,19 @@ def test_trainer_signals(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent.parent), str(tmp_path)],
                          capture_output=True, text=True, timeout=30, check=True).stdout
     assert out.splitlines() == ["True False", "True True SIGUSR1"]
+
+
+def test_trainer_last_signal_is_the_pending_requests(tmp_path: Path) -> None:
+    """A SIGUSR2 save that was answered (saved()) is not the reason of a later stop through the switch file."""
+    script = ("import os, signal, sys, pathlib; sys.path.insert(0, sys.argv[1]); from trainguard.trainer import Trainer; "
+              "t = Trainer(switch_dir=sys.argv[2]).install(); os.kill(os.getpid(), signal.SIGUSR2); "
+              "print(t.last_signal); t.saved(); pathlib.Path(sys.argv[2], 'stop').touch(); "
+              "print(t.should_stop(), t.last_signal); os.kill(os.getpid(), signal.SIGUSR1); t.saved(); "
+              "print(t.should_stop(), t.last_signal)")
+    (tmp_path / "sw").mkdir()
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent.parent), str(tmp_path / "sw")],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    assert out.splitlines() == ["SIGUSR2", "True None", "True SIGUSR1"]
 
 
 def test_trainer_is_stdlib_only() -> None:

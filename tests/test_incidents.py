@@ -191,3 +191,17 @@ def test_a_subject_resolves_only_on_an_ok_result_or_a_complete_run_without_it(ru
         if not partial:
             open_ &= set(seen)
         assert {i.subject for i in tracker.incidents()} == open_
+
+
+def test_actions_that_finish_after_their_incident_resolved_are_kept_for_its_messages(h: Harness) -> None:
+    """A stop switch the trainer obeys within the group window: the incident resolves while its actions run, and
+    the grouped message sent after the window still says what was done (notifications.md's "Done:" line)."""
+    [fired] = h.feed(r(Status.WARNING))
+    h.tracker.record_action("disk", "/scratch", {"action": "signal", "outcome": "ok"}, fired.incident_id)
+    assert kinds(h.feed(r(Status.OK))) == ["resolved"]
+    h.tracker.record_action("disk", "/scratch", {"action": "hold-array", "outcome": "ok"}, fired.incident_id)
+    assert [a["action"] for a in h.tracker.actions_of(fired.incident_id)] == ["signal", "hold-array"]
+    [again] = h.feed(r(Status.WARNING))  # a new incident of the same subject owns nothing of the old one's
+    h.tracker.record_action("disk", "/scratch", {"action": "late", "outcome": "ok"}, fired.incident_id)
+    assert h.tracker.actions_of(again.incident_id) == []
+    assert [a["action"] for a in h.tracker.actions_of(fired.incident_id)] == ["signal", "hold-array", "late"]

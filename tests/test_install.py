@@ -3,9 +3,12 @@ config is valid, and the configuration reference is the code's."""
 
 from __future__ import annotations
 
+import json
 import re
 import stat
 import subprocess
+import sys
+import typing
 from pathlib import Path
 
 from trainguard.agent.configfile import load_config
@@ -60,6 +63,10 @@ def test_install_and_uninstall_staged(tmp_path: Path, capsys: object) -> None:
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert f"created {config.parent} (mode 0750)" in out and f"wrote {unit} (ExecStart=" in out
     assert "Next steps" in out and "--dropin NAME, for NAME in: native-stacks, run-as-root, switch-files" in out
+    stop = tmp_path / "etc/trainguard/stop"  # the operator's kill switches, the default jobs.stop_dir
+    assert stat.S_IMODE(stop.stat().st_mode) == 0o750 and f"created {stop} (mode 0750" in out
+    assert load_config(str(config)).jobs.stop_dir == Path("/") / stop.relative_to(tmp_path)
+    assert f"`trainguard` below is {sys.executable} -m trainguard;" in out  # how to call it, not a bare name
     config.write_text(config.read_text() + "\n# edited by the operator\n")
     config.parent.chmod(0o755)  # as installed by earlier versions: set right, and said
     assert main(["install", "--root", str(tmp_path), "--dropin", "switch-files"]) == 0  # the edit is kept
@@ -100,3 +107,50 @@ def test_configuration_reference_matches_the_code() -> None:
                                           "docs/configuration.md`"
     for kind in ("disk", "hang", "training_log", "slack", "requeue"):  # every registered type is documented
         assert f'type = "{kind}"' in doc.read_text()
+
+
+def _documented_defaults(doc: str) -> dict[str, dict[str, str]]:
+    """{table title: {key: default cell}} from the generated reference's tables."""
+    tables: dict[str, dict[str, str]] = {}
+    title = ""
+    for line in doc.splitlines():
+        if line.startswith("### `"):
+            title = line.removeprefix("### `").removesuffix("`")
+            tables[title] = {}
+        elif title and line.startswith("| `"):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            tables[title][cells[0].strip("`")] = cells[2]
+    return tables
+
+
+def test_configuration_reference_shows_each_types_effective_defaults() -> None:
+    """For every registered check, action and notifier type, the default a reader finds (the type's own row, else
+    the common table's) is what that type really uses: read back through the type's own field, so "30s" must
+    validate to the value Slack's group_window defaults to, and so on."""
+    from pydantic import TypeAdapter
+    from pydantic_core import PydanticUndefined
+
+    from trainguard.registry import DEFAULT_REGISTRY as R
+
+    tables = _documented_defaults((REPO / "docs" / "configuration.md").read_text())
+    checked = 0
+    for section, kinds, lookup in (("checks", R.checks, R.check_class), ("actions", R.actions, R.action_class),
+                                   ("notifiers", R.notifiers, R.notifier_class)):
+        for kind in kinds:
+            own, common = tables[f'{section}.NAME (type = "{kind}")'], tables[f"{section}.NAME"]
+            for name, info in lookup(kind).Settings.model_fields.items():
+                key = info.alias or name
+                cell = own.get(key, common.get(key))
+                assert cell is not None, f"{section} type {kind}: key {key} is not documented"
+                extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+                if cell in ("required", "") or "default_doc" in extra or (info.default is PydanticUndefined \
+                        and info.default_factory is None):
+                    continue
+                annotation = typing.Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+                documented = TypeAdapter(annotation).validate_python(json.loads(cell.strip("`")))
+                assert documented == info.get_default(call_default_factory=True), \
+                    f"{section} type {kind}: {key} documented as {cell}, really {info.get_default()!r}"
+                checked += 1
+    assert checked > 200
+    assert tables['notifiers.NAME (type = "slack")']["group_window"] == '`"30s"`'
+    assert tables['actions.NAME (type = "requeue")']["timeout"] == '`"330s"`'

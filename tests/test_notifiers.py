@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +265,74 @@ retry_max = "1s"
         assert all("no job running or pending" in t for t in texts)
     finally:
         second.stop()
+
+
+def test_events_kept_out_by_routing_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The Slack example of notifications.md copied literally: a CRITICAL disk incident reaches no post, but now a
+    metric and a log line say which rule kept it out."""
+    from prometheus_client import generate_latest
+
+    from trainguard.agent.metrics import build_registry
+    from trainguard.pipeline.engine import Snapshot
+
+    team = slack("http://unused", match={"job": "4242"}, exclude_checks=["disk"])
+    everything = slack("http://unused")
+    dispatcher = Dispatcher(Store(None), {"slack": team, "all": everything})
+    disk = replace(event(1), check="disk", subject="/scratch")
+    with caplog.at_level("INFO", logger="trainguard.dispatch"):
+        assert dispatcher.route(disk) == ["all"]
+        assert dispatcher.route(event(2, job_id="4242")) == ["slack", "all"]
+        assert dispatcher.route(event(3, Status.UNKNOWN)) == []
+    assert dispatcher.stats["slack"].not_routed == {"exclude_checks": 1, "match": 1}  # the first rule that refuses
+    assert dispatcher.stats["all"].not_routed == {"min_severity": 1}
+    [line, _] = [r for r in caplog.records if r.getMessage() == "not routed to channel"]  # disk; then no job
+    fields = line.kv  # type: ignore[attr-defined]
+    assert (fields["channel"], fields["rule"], fields["check"]) == ("slack", "exclude_checks", "disk")
+    snap = Snapshot("n", 0.0, {}, {}, {}, {}, not_routed={n: s.not_routed for n, s in dispatcher.stats.items()})
+    text = generate_latest(build_registry(lambda: snap)).decode()
+    assert sorted(line for line in text.splitlines() if line.startswith("trainguard_notifications_not_routed_total")) \
+        == ['trainguard_notifications_not_routed_total{channel="all",rule="min_severity"} 1.0',
+            'trainguard_notifications_not_routed_total{channel="slack",rule="exclude_checks"} 1.0',
+            'trainguard_notifications_not_routed_total{channel="slack",rule="match"} 1.0']
+
+
+def test_notify_test_says_it_bypasses_routing_and_what_to_fix(tmp_path: Path, receiver: Receiver,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from trainguard.cli import main
+
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f'[agent]\nnode_name = "node1"\nstate_dir = "{tmp_path}/state"\n\n'
+                      f'[notifiers.slack]\nwebhook_url = "{receiver.url}"\nmin_severity = "critical"\n'
+                      'exclude_checks = ["disk"]\n\n[notifiers.mail]\ntype = "email"\nhost = "h"\nfrom = "a@b"\n'
+                      'to = ["c@d"]\nenabled = false\n')
+    config.chmod(0o600)
+    assert main(["notify-test", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("test messages bypass each channel's routing")
+    assert 'slack: ok (routing: min_severity = "critical", exclude_checks = ["disk"])' in out
+    assert main(["notify-test", "--config", str(config), "--channel", "mail"]) == 2
+    assert f"[notifiers.mail] in {config} has enabled = false" in capsys.readouterr().err
+    assert main(["notify-test", "--config", str(config), "--channel", "pager"]) == 2
+    assert f"no [notifiers.pager] table in {config} (enabled channels: slack)" in capsys.readouterr().err
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\n')
+    assert main(["notify-test", "--config", str(config)]) == 2
+    assert "no enabled notification channel" in capsys.readouterr().err
+
+
+def test_config_messages_say_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trainguard.cli import main
+
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\nlisten = "127.0.0.1:{free_port()}"\n'
+                      '[checks.disk]\nfree_warning = "512MiB"\ninodes_free_warning = "10000000"\n'
+                      '[notifiers.slack]\n')
+    assert main(["validate", "--config", str(config)]) == 2
+    assert 'notifiers.slack.webhook_url: required key is missing (a secret: or give webhook_url_file = ' \
+           '"/path/to/file" or webhook_url_env = "VARIABLE")' in capsys.readouterr().err
+    config.write_text(config.read_text().replace("[notifiers.slack]\n", ""))
+    assert main(["validate", "--config", str(config)]) == 0
+    disk = json.loads(capsys.readouterr().out)["checks"]["disk"]
+    assert disk["free_warning"] == "512MiB" and disk["inodes_free_warning"] == "10000000"
+    assert main(["status", "--config", str(config)]) == 3
+    err = capsys.readouterr().err
+    assert f"of {config}; pass the agent's config with --config PATH, or its address with --url" in err

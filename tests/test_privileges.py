@@ -130,3 +130,34 @@ jitter = "0s"
     out = agent.output()
     assert "outcome=ok" in out and "Permission denied" not in out, out
     assert os.stat(state).st_uid == pwd.getpwnam(SERVICE_USER).pw_uid
+
+
+@pytest.fixture
+def hidepid_proc(tmp_path: Path) -> Iterator[Path]:
+    """A /proc instance mounted as systemd's ProtectProc=invisible mounts it in the unit's namespace."""
+    require_root()
+    mountpoint = tmp_path / "proc"
+    mountpoint.mkdir()
+    tmp_path.chmod(0o755)  # the service user must reach the mount point
+    subprocess.run(["mount", "-t", "proc", "-o", "hidepid=invisible", "proc", str(mountpoint)], check=True, timeout=30)
+    yield mountpoint
+    subprocess.run(["umount", "-l", str(mountpoint)], check=True, timeout=30)
+
+
+def test_agent_says_when_other_users_processes_are_invisible(hidepid_proc: Path,
+                                                              job_in_home: tuple[Any, Path, str]) -> None:
+    """The "No ptrace" recipe: without CAP_SYS_PTRACE under hidepid every other user's process is gone (jobs look
+    ABSENT), and hidden_processes() says so; with it, or with hidepid off, nothing is hidden."""
+    job = job_in_home[0]
+    probe = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); from trainguard.node.procfs import ProcFS\n"
+             "root = pathlib.Path(sys.argv[2])\n"
+             f"print((root / '{job.pid}').exists(), ProcFS(root).hidden_processes())\n")
+    repo = str(Path(__file__).parent.parent)
+    for caps, proc_root, expected in (
+            ("+kill,+syslog,+dac_read_search", hidepid_proc,
+             f"False {hidepid_proc} is mounted hidepid=invisible and this process lacks CAP_SYS_PTRACE"),
+            (CAPS, hidepid_proc, "True None"),
+            ("+kill,+syslog,+dac_read_search", Path("/proc"), "True None")):
+        out = subprocess.run([*setpriv(caps), sys.executable, "-c", probe, repo, str(proc_root)],
+                             capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == expected, (caps, proc_root, out.stderr)

@@ -18,6 +18,7 @@ from trainguard.pipeline.config import Config, default_state_dir
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster
     from trainguard.core.model import Result
+    from trainguard.notifiers.base import NotifierSettings
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
@@ -97,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                     "line per code of the catalog."))
     p.add_argument("codes", nargs="*", type=int, metavar="CODE", help="XID numbers, e.g. 79 48 149")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table of docs/runbooks/gpu-xid.md: each response of the default config, its XIDs")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     return parser
@@ -226,10 +229,23 @@ def cmd_notify_test(config: Config, channel: str | None) -> int:
     from trainguard.pipeline.store import Store
 
     notifiers = Engine(config, store=Store(None)).notifiers
+    source = config.source or "the built-in default config"
     if channel is not None and channel not in notifiers:
-        print(f"trainguard: no notifier named {channel!r} (configured: {', '.join(notifiers) or 'none'})",
-              file=sys.stderr)
+        if channel in config.notifiers:
+            problem = f"[notifiers.{channel}] in {source} has enabled = false; remove that line to test it"
+        else:
+            problem = (f"no [notifiers.{channel}] table in {source} (enabled channels: "
+                       f"{', '.join(notifiers) or 'none'}); docs/notifications.md shows each channel's keys")
+        print(f"trainguard notify-test: {problem}", file=sys.stderr)
         return EXIT_CONFIG
+    if not notifiers:
+        print(f"trainguard notify-test: no enabled notification channel in {source}: add a [notifiers.NAME] table "
+              "(console, slack, email, alertmanager, webhook; docs/notifications.md)", file=sys.stderr)
+        return EXIT_CONFIG
+    # A test message is the channel's credentials and transport, not its routing: say so, and what routing would
+    # keep out, so that "ok" is not read as "real alerts arrive".
+    print("test messages bypass each channel's routing (min_severity, send_resolved, checks, exclude_checks, match, "
+          "exclude_match); real alerts pass through it")
     now = time.time()
     event = Event(EventKind.FIRED, f"test-{uuid.uuid4().hex[:8]}", "notify-test", "test", Status.WARNING,
                   "trainguard test message: this channel works", config.agent.node_name, now, now)
@@ -239,11 +255,20 @@ def cmd_notify_test(config: Config, channel: str | None) -> int:
             continue
         try:
             notifier.deliver([event])
-            print(f"{name}: ok")
+            print(f"{name}: ok" + (f" (routing: {rules})" if (rules := _routing(notifier.settings)) else ""))
         except NotifierError as exc:
             failed += 1
             print(f"{name}: FAILED ({'permanent' if exc.permanent else 'transient'}): {exc}")
     return 1 if failed else 0
+
+
+def _routing(settings: NotifierSettings) -> str:
+    """A channel's routing rules that differ from their defaults, as written in the config."""
+    defaults = type(settings).model_fields
+    keys = ("min_severity", "send_resolved", "checks", "exclude_checks", "match", "exclude_match")
+    dumped = settings.model_dump(mode="json", include=set(keys))
+    return ", ".join(f"{key} = {json.dumps(dumped[key])}" for key in keys
+                     if getattr(settings, key) != defaults[key].get_default(call_default_factory=True))
 
 
 def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
@@ -253,6 +278,11 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
         data, where = fetch(config, "/status", url)
     except AgentUnreachableError as exc:
         print(f"trainguard: cannot reach the agent: {exc}", file=sys.stderr)
+        if url is None:  # where it looked came from the config: say which, and how to point elsewhere
+            listen = config.agent.listen or "(none)"
+            print(f"trainguard: is the agent running? The address is agent.listen = {listen!r} of "
+                  f"{config.source or 'the built-in default config'}; pass the agent's config with --config PATH, "
+                  "or its address with --url http://HOST:PORT", file=sys.stderr)
         return 3
     if as_json:
         print(json.dumps(data, indent=1))
@@ -320,7 +350,7 @@ def cmd_operator(config: Config, args: argparse.Namespace) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins
+    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins, executable_path
 
     installer = Installer(Path(args.root), args.user, with_dropins=tuple(getattr(args, "dropin", ())))
     try:
@@ -331,7 +361,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     print("\n".join(done))
     if args.command == "install":
         print(NEXT_STEPS.format(config=installer.config_path, user=args.user, dropins=", ".join(dropins()),
-                                docs=documentation()), end="")
+                                docs=documentation(), trainguard=executable_path()), end="")
     return 0
 
 
@@ -364,6 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("ack", "silence", "clear"):
         return cmd_operator(config, args)
     if args.command == "xid":
+        if args.markdown:
+            from trainguard.reference import xid_markdown
+
+            print(xid_markdown(), end="")
+            return 0
         return cmd_xid(config, args.codes, args.json)
     from trainguard.agent.daemon import run_daemon
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard.core.tools import run_tool
+from trainguard.jobs.settings import STOP_DIR
 
 PACKAGE = Path(__file__).resolve().parent
 SYSTEMD = PACKAGE / "systemd"  # package data; in a checkout, a link to the top-level systemd/ folder
@@ -120,7 +121,7 @@ class Installer:
         self.done.append(f"created system user {self.user}")
 
     def _write_unit(self) -> None:
-        exe = self.executable or _executable()
+        exe = self.executable or executable_path()
         text = UNIT_SOURCE.read_text().replace(f"ExecStart={UNIT_EXEC} ", f"ExecStart={exe} ")
         if self.user != "trainguard":
             text = text.replace("User=trainguard", f"User={self.user}").replace("Group=trainguard", f"Group={self.user}")
@@ -154,8 +155,14 @@ class Installer:
         elif stat.S_IMODE(path.stat().st_mode) != CONFIG_DIR_MODE:
             self.done.append(f"set the mode of {path} to 0750 (was {stat.S_IMODE(path.stat().st_mode):04o})")
         os.chmod(path, CONFIG_DIR_MODE)  # mkdir's mode passes through the umask
+        stop = self.root / STOP_DIR.relative_to("/")
+        if not stop.is_dir():  # the operator's kill switches: root writes, the service reads
+            stop.mkdir(mode=CONFIG_DIR_MODE)
+            self.done.append(f"created {stop} (mode 0750: `touch {STOP_DIR}/<job name>` as root stops that job)")
+        os.chmod(stop, CONFIG_DIR_MODE)
         if not self.staged and _exists(grp.getgrnam, self.user):
-            os.chown(path, 0, grp.getgrnam(self.user).gr_gid)
+            for directory in (path, stop):
+                os.chown(directory, 0, grp.getgrnam(self.user).gr_gid)
 
     def _write_config(self) -> None:
         path = self.config_path
@@ -178,7 +185,7 @@ class Installer:
         self.done.append(f"systemctl {' '.join(args)}" + ("" if proc.returncode == 0 else f": {proc.stderr.strip()}"))
 
 
-def _executable() -> str:
+def executable_path() -> str:
     """This trainguard, for ExecStart: its script, else this interpreter with `-m trainguard` (absolute paths, links
     kept: a virtualenv's python is a link that must stay one)."""
     argv0 = Path(sys.argv[0])
@@ -197,11 +204,11 @@ def _exists(lookup: Callable[[str], object], name: str) -> bool:
 
 
 NEXT_STEPS = """
-Next steps:
-  1. Edit {config} (checks, Slack/email, jobs); check it: trainguard validate --config {config}
+Next steps (`trainguard` below is {trainguard}; `ln -s {trainguard} /usr/local/bin/trainguard` puts it on PATH):
+  1. Edit {config} (checks, Slack/email, jobs); check it: {trainguard} validate --config {config}
   2. SLURM drain/requeue as user {user}: sacctmgr -i add user {user} account=root adminlevel=Operator
-     (or: trainguard install --dropin run-as-root)
-  3. Optional features, each a drop-in: trainguard install --dropin NAME, for NAME in: {dropins}
+     (or: {trainguard} install --dropin run-as-root)
+  3. Optional features, each a drop-in: {trainguard} install --dropin NAME, for NAME in: {dropins}
   4. systemctl enable --now trainguard && systemctl status trainguard && journalctl -u trainguard -f
   5. curl -s localhost:9721/healthz; curl -s localhost:9721/metrics | head; point Prometheus at port 9721
 See {docs}

@@ -101,6 +101,8 @@ class Trainer:
     def saved(self) -> None:
         """A checkpoint was written: clear the save request (signal flag and `save` switch file)."""
         self._save.clear()
+        if not self._stop.is_set():  # the signal was answered: a later stop must not be reported as its doing
+            self.last_signal = None
         try:
             (self.switch_dir / "save").unlink()
         except FileNotFoundError:

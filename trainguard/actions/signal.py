@@ -39,20 +39,24 @@ class SignalSettings(ActionSettings):
         return _signal_name(value) if value else value
 
 
+class ProcessGoneError(ActionError):
+    """The job's process exited (its pid is free, or another process's now): nothing left to signal."""
+
+
 def signal_process(ref: ProcessRef, signame: str, uid: int | None) -> str:
     """Signal one process of the job's user `uid`, refusing pid 1, the agent itself, any pid whose identity changed
     and any process of another user: the agent's CAP_KILL is never lent to a job against someone else."""
     if ref.pid in (0, 1) or ref.pid == os.getpid():
         raise ActionError(f"refusing to signal pid {ref.pid}")
     if not ref.matches():
-        raise ActionError(f"pid {ref.pid} is no longer the job's process (exited or recycled): not signalled")
+        raise ProcessGoneError(f"pid {ref.pid} is no longer the job's process (exited or recycled): not signalled")
     owner = ref.uid()
     if uid is None or owner != uid:
         raise ActionError(f"pid {ref.pid} belongs to uid {owner}, not to the job's user (uid {uid}): not signalled")
     try:
         os.kill(ref.pid, signal.Signals[f"SIG{signame}"])
     except ProcessLookupError:
-        raise ActionError(f"pid {ref.pid} exited before the signal") from None
+        raise ProcessGoneError(f"pid {ref.pid} exited before the signal") from None
     except PermissionError:
         raise ActionError(f"no permission to signal pid {ref.pid} (CAP_KILL missing?)") from None
     return f"SIG{signame} -> pid {ref.pid}"
@@ -90,7 +94,16 @@ class SignalAction(Action):
             return f"scancel --signal={s.signal} --{s.slurm_mode} {job.job_id}"
         if not job.processes:
             raise ActionError("job has no running process")
-        sent = [signal_process(ref, s.signal, job.uid) for ref in job.processes]
+        sent, gone = [], []
+        for ref in job.processes:
+            try:
+                sent.append(signal_process(ref, s.signal, job.uid))
+            except ProcessGoneError:  # it exited first: a trainer that honoured the stop switch before we relayed it
+                gone.append(str(ref.pid))
+        if not sent:
+            return f"{job.label()} had already exited (pid {', '.join(gone)}): nothing to signal"
+        if gone:
+            sent.append(f"pid {', '.join(gone)} had already exited")
         if s.then:
             timer = threading.Timer(s.grace, self._escalate, args=(job,))
             timer.daemon = True

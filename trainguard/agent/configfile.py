@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,8 +40,9 @@ class ConfigError(Exception):
         super().__init__("\n".join(f"config error in {source}: {p}" for p in problems))
 
 
-def _format_validation_error(prefix: str, exc: ValidationError) -> list[str]:
+def _format_validation_error(prefix: str, exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
     problems = []
+    fields = model.model_fields if model is not None else {}
     for err in exc.errors():
         path = ".".join([prefix] + [str(p) for p in err["loc"]]) if prefix or err["loc"] else "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
@@ -49,6 +50,9 @@ def _format_validation_error(prefix: str, exc: ValidationError) -> list[str]:
             msg = "unknown key"
         elif err["type"] == "missing":
             msg = "required key is missing"
+            key = str(err["loc"][0]) if len(err["loc"]) == 1 else ""
+            if key in fields and is_secret(fields[key].annotation):  # the forms a newcomer may not know of
+                msg += f' (a secret: or give {key}_file = "/path/to/file" or {key}_env = "VARIABLE")'
         problems.append(f"{path.strip('.')}: {msg}")
     return problems
 
@@ -75,7 +79,7 @@ def _validate_table(section: str, raw: Any, base: type, lookup: Any, problems: l
         try:
             out[name] = cls.Settings.model_validate(entry)
         except ValidationError as exc:
-            problems.extend(_format_validation_error(where, exc))
+            problems.extend(_format_validation_error(where, exc, cls.Settings))
     return out
 
 

@@ -12,6 +12,7 @@ from trainguard import __version__
 from trainguard.agent.http import ControlSocket, HttpEndpoint
 from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
 from trainguard.core.logs import kv
+from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.config import Config
 from trainguard.pipeline.engine import Engine
 
@@ -32,6 +33,12 @@ def run_daemon(config: Config) -> int:
                                   config=config.source or "(built-in default)", state_dir=config.agent.state_dir))
     for warning in config.warnings():  # also a WARNING result of the agent's own check, so it reaches the channels
         log.warning("config warning", extra=kv(config=str(config.source or "(built-in default)"), warning=warning))
+    hidden = ProcFS().hidden_processes()
+    if hidden is not None:  # said once, at start: otherwise every job just looks ABSENT and nobody knows why
+        log.warning("other users' processes are invisible to the agent: process jobs, job memory, hang signals and "
+                    "signals to process jobs see only its own user's processes", extra=kv(
+                        reason=hidden, fix="keep CAP_SYS_PTRACE, or set ProtectProc=default in a drop-in "
+                                           "(docs/install.md, No ptrace)"))
     engine = Engine(config, self_check=True)
     if not engine.store.persistent:
         log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))

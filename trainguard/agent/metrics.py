@@ -41,6 +41,9 @@ SENT = Metric("trainguard_notifications_sent_total", "Notifications delivered.",
 FAILED = Metric("trainguard_notifications_failed_total", "Failed delivery attempts.", ("channel",), counter=True)
 DROPPED = Metric("trainguard_notifications_dropped_total", "Notifications dropped (rejected permanently or too old).",
                  ("channel",), counter=True)
+NOT_ROUTED = Metric("trainguard_notifications_not_routed_total",
+                    "Events a channel's routing kept from it, by the rule that did (min_severity, send_resolved, "
+                    "checks, exclude_checks, match, exclude_match).", ("channel", "rule"), counter=True)
 INCIDENT_FIRING = Metric("trainguard_incident_firing",
                          "1 for each incident firing now (after the check's fire_after): what the alert rules follow.",
                          ("check", "subject", "type", "severity", "job_id", "layer", "cluster"))
@@ -54,7 +57,7 @@ RSS = Metric("trainguard_agent_resident_memory_bytes", "Resident memory of the a
 CPU = Metric("trainguard_agent_cpu_seconds_total", "CPU time used by the agent (user + system).", counter=True)
 AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS,
                  CHECK_TIMEOUTS, INCIDENTS_FIRING, INCIDENT_FIRING, INCIDENT_ACKED, INCIDENT_SILENCED, QUEUED,
-                 OLDEST_QUEUED, SENT, FAILED, DROPPED, START_TIME, RSS, CPU, *AgentCheck.metrics)
+                 OLDEST_QUEUED, SENT, FAILED, DROPPED, NOT_ROUTED, START_TIME, RSS, CPU, *AgentCheck.metrics)
 
 
 def family(metric: Metric, samples: Sequence[Sample] = ()) -> Family:
@@ -118,6 +121,9 @@ class SnapshotCollector(Collector):
             delivery[FAILED].append(FAILED(n_failed, ch))
             delivery[DROPPED].append(DROPPED(n_dropped, ch))
         yield from (family(m, samples) for m, samples in delivery.items())
+        yield family(NOT_ROUTED, [NOT_ROUTED(n, {"channel": channel, "rule": rule})
+                                  for channel, rules in sorted(snap.not_routed.items())
+                                  for rule, n in sorted(rules.items())])
 
         yield family(START_TIME, [START_TIME(snap.started)])
         if "rss" in snap.agent:

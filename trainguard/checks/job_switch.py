@@ -19,6 +19,7 @@ from trainguard.core.model import Result, Status
 from trainguard.core.settings import Duration
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
+from trainguard.jobs.settings import STOP_DIR
 from trainguard.node.access import Identity, stat_as
 
 
@@ -98,7 +99,7 @@ class SwitchCheck(JobCheck):
 
     def run(self) -> Sequence[Result]:
         view = self.view()
-        stop_dir = self.context.jobs.settings.stop_dir if self.context.jobs else Path("/run/trainguard/stop")
+        stop_dir = self.context.jobs.settings.stop_dir if self.context.jobs else STOP_DIR
         out = self.source_errors(view, ["slurm", "process"])
         seen: set[Path] = set()
         for job in self.candidates(view):

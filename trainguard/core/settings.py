@@ -30,7 +30,7 @@ from trainguard.core.units import Limit, parse_count_limit, parse_duration, pars
 
 Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda s: f"{s:g}s", return_type=str)]
 Size = Annotated[int, BeforeValidator(parse_size)]
-SizeLimit = Annotated[Limit, PlainValidator(parse_size_limit), PlainSerializer(str, return_type=str)]
+SizeLimit = Annotated[Limit, PlainValidator(parse_size_limit), PlainSerializer(Limit.size_text, return_type=str)]
 CountLimit = Annotated[Limit, PlainValidator(parse_count_limit), PlainSerializer(str, return_type=str)]
 
 

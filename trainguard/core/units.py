@@ -113,7 +113,19 @@ class Limit:
         return total * self.value / 100.0 if self.percent else self.value
 
     def __str__(self) -> str:
-        return f"{self.value:g}%" if self.percent else f"{self.value:g}"
+        # A count or a byte size in full ("5000000", not "5e+06"): printed by `validate` and read back as written.
+        if self.percent or not self.value.is_integer():
+            return f"{self.value:g}%" if self.percent else f"{self.value:g}"
+        return f"{self.value:.0f}"
+
+    def size_text(self) -> str:
+        """As a config file writes a size: `512MiB`, `5%`, or bytes when no IEC unit divides it."""
+        if self.percent or not self.value.is_integer() or self.value == 0:
+            return str(self)
+        for unit, size in (("PiB", 1024**5), ("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+            if self.value % size == 0:
+                return f"{self.value / size:.0f}{unit}"
+        return str(self)
 
     def describe(self, in_bytes: bool) -> str:
         """As alert text shows it: `5%`, `20.0 GiB` or `50000`."""

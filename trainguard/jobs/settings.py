@@ -10,6 +10,11 @@ from pydantic import Field, field_validator, model_validator
 from trainguard.core.settings import Duration, Regex, SettingsModel
 from trainguard.registry import JOB_SOURCES
 
+# Beside the config: root-owned and persistent (a stop holds across agent restarts and reboots until removed), and
+# readable by the service through /etc/trainguard's group. Not under /run/trainguard, the unit's RuntimeDirectory,
+# which belongs to the service user and is wiped at every restart.
+STOP_DIR = Path("/etc/trainguard/stop")
+
 
 class ProcessJobSettings(SettingsModel):
     cmdline: Regex | None = Field(None, description="Regex matched against the full command line.")
@@ -17,7 +22,9 @@ class ProcessJobSettings(SettingsModel):
     user: str = Field(min_length=1, description="The job's user (required): only their processes are the job, and its "
                                                 "pidfile, logs and heartbeat are read with their authority.")
     logs: list[str] = Field(default_factory=list, description="Log files (paths or globs) of the job.")
-    switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches.")
+    switch_dir: str | None = Field(None, description="Directory the trainer polls for `stop` and `save` switches: the "
+                                                     "job's $TRAINGUARD_SWITCH_DIR (the helper's default: .trainguard "
+                                                     "in its working directory); none: no switch files for this job.")
     job_id: str = Field("", max_length=128, description="The job's id in alerts. A multi-node run launched without a "
                                                         "scheduler (torchrun on each host) gets the same id on every "
                                                         "node, so that its alerts from all nodes group as one job.")
@@ -42,7 +49,9 @@ class JobsSettings(SettingsModel):
     slurm_node: str = Field("", description="This node's SLURM name; empty: the agent's node_name.")
     switch_dir: str = Field("{workdir}/.trainguard",
                             description="Switch dir of a SLURM job; {workdir} {job_id} {array_job_id} {name} {user}.")
-    stop_dir: Path = Field(Path("/run/trainguard/stop"), description="Root-owned dir: a file named after a job stops it.")
+    stop_dir: Path = Field(STOP_DIR, description="The operator's kill switches: a file root creates here, named after a "
+                                                 "job, stops it (`trainguard install` makes it: root-owned, 0750, group "
+                                                 "trainguard, kept across restarts).")
     refresh: Duration = Field(5.0, ge=0, description="How long one query of the sources is reused.")
     processes: dict[str, ProcessJobSettings] = Field(default_factory=dict, description="Plain-process jobs by name.")
 

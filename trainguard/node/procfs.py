@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+CAP_SYS_PTRACE = 19  # linux/capability.h
+
 
 @dataclass(frozen=True)
 class ProcFS:
@@ -28,6 +30,32 @@ class ProcFS:
 
     def mountinfo(self) -> str:
         return self.read_text("self", "mountinfo") or ""
+
+    def hidden_processes(self) -> str | None:
+        """Why other users' processes are out of this process's sight, or None when it sees them all.
+
+        A /proc mounted with hidepid (systemd's ProtectProc=invisible, noaccess or ptraceable) shows another user's
+        /proc/PID only to a process that may ptrace it, i.e. holds CAP_SYS_PTRACE, or to the mount's gid= group.
+        """
+        hidepid = gid = None
+        for line in self.mountinfo().splitlines():
+            fields = line.split(" - ", 1)
+            if len(fields) != 2 or len(fields[0].split()) < 5 or fields[0].split()[4] != str(self.root):
+                continue
+            after = fields[1].split()
+            if not after or after[0] != "proc":
+                continue
+            options = dict(o.split("=", 1) for o in (after[2] if len(after) > 2 else "").split(",") if "=" in o)
+            hidepid, gid = options.get("hidepid"), options.get("gid")  # the last mount over the path wins
+        if hidepid in (None, "0", "off"):
+            return None
+        status = self.read_text("self", "status") or ""
+        cap_eff = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+        if int(cap_eff, 16) >> CAP_SYS_PTRACE & 1:
+            return None
+        if gid is not None and gid.isdigit() and int(gid) in (os.getegid(), *os.getgroups()):
+            return None
+        return f"{self.root} is mounted hidepid={hidepid} and this process lacks CAP_SYS_PTRACE"
 
     def wchan(self, pid: int) -> str | None:
         """The kernel function a process sleeps in; None when running or hidden from us ("0")."""

@@ -57,18 +57,26 @@ class Notifier(ABC):
         self.settings = settings
 
     def accepts(self, event: Event) -> bool:
+        return self.refusal(event) is None
+
+    def refusal(self, event: Event) -> str | None:
+        """The routing rule that keeps `event` from this channel (`min_severity`, `exclude_checks`, ...), or None."""
         s = self.settings
         if event.kind is EventKind.RESOLVED and not s.send_resolved:
-            return False
-        if (s.checks and event.check not in s.checks) or event.check in s.exclude_checks:
-            return False
+            return "send_resolved"
+        if s.checks and event.check not in s.checks:
+            return "checks"
+        if event.check in s.exclude_checks:
+            return "exclude_checks"
         labels = event_labels(event)
         if any(labels.get(k) != v for k, v in s.match.items()):
-            return False
+            return "match"
         if s.exclude_match and all(labels.get(k) == v for k, v in s.exclude_match.items()):
-            return False
+            return "exclude_match"
         # What an operator did goes wherever the check's incidents go, whatever the incident's severity.
-        return event.kind.operator or event.status.severity >= s.min_severity.severity
+        if not event.kind.operator and event.status.severity < s.min_severity.severity:
+            return "min_severity"
+        return None
 
     @abstractmethod
     def send(self, event: Event) -> None:

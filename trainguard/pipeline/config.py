@@ -103,12 +103,12 @@ class Config:
         """The effective config; secrets come out as '**********'."""
         return {
             "source": str(self.source) if self.source else "(built-in default)",
-            "agent": self.agent.model_dump(mode="json"),
-            "checks": {n: {"type": self.kind_of_check(n), **s.model_dump(mode="json", exclude={"type"})}
+            "agent": self.agent.model_dump(mode="json", by_alias=True),
+            "checks": {n: {"type": self.kind_of_check(n), **s.model_dump(mode="json", by_alias=True, exclude={"type"})}
                        for n, s in self.checks.items()},
-            "notifiers": {n: {"type": self.kind_of_notifier(n), **s.model_dump(mode="json", exclude={"type"})}
+            "notifiers": {n: {"type": self.kind_of_notifier(n), **s.model_dump(mode="json", by_alias=True, exclude={"type"})}
                           for n, s in self.notifiers.items()},
-            "jobs": self.jobs.model_dump(mode="json"),
-            "actions": {n: {"type": self.kind_of_action(n), **s.model_dump(mode="json", exclude={"type"})}
+            "jobs": self.jobs.model_dump(mode="json", by_alias=True),
+            "actions": {n: {"type": self.kind_of_action(n), **s.model_dump(mode="json", by_alias=True, exclude={"type"})}
                         for n, s in self.actions.items()},
         }

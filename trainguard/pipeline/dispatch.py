@@ -31,6 +31,7 @@ class ChannelStats:
         self.sent = 0
         self.failed = 0
         self.dropped = 0
+        self.not_routed: dict[str, int] = {}  # by the routing rule that kept the event from the channel
 
 
 class Dispatcher:
@@ -47,7 +48,21 @@ class Dispatcher:
         self.stats = {name: ChannelStats() for name in self._notifiers}
 
     def route(self, event: Event) -> Iterable[str]:
-        return [name for name, n in self._notifiers.items() if n.accepts(event)]
+        """The channels that take `event`; the others count it (and say so) under the rule that kept it out, so a
+        routing example copied too literally is seen, not silent."""
+        taken = []
+        for name, notifier in self._notifiers.items():
+            rule = notifier.refusal(event)
+            if rule is None:
+                taken.append(name)
+                continue
+            counts = self.stats[name].not_routed
+            counts[rule] = counts.get(rule, 0) + 1
+            if rule not in ("min_severity", "send_resolved"):  # the expected filters stay out of the log
+                log.info("not routed to channel", extra=kv(channel=name, rule=rule, incident=event.incident_id,
+                                                            check=event.check, subject=event.subject,
+                                                            status=event.status.label, event=event.kind.value))
+        return taken
 
     def start(self) -> None:
         for name in self._notifiers:

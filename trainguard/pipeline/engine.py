@@ -71,6 +71,7 @@ class Snapshot:
     agent: Mapping[str, float] = field(default_factory=dict)
     incidents: tuple[Incident, ...] = ()
     silences: tuple[Silence, ...] = ()
+    not_routed: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # channel -> routing rule -> events
 
 
 class Engine:
@@ -164,8 +165,8 @@ class Engine:
 
     def _actions_taken(self, event: Event) -> dict[str, Any]:
         """For notifications: the actions run on the incident so far, with their outcomes."""
-        incident = next((i for i in self.tracker.incidents() if i.id == event.incident_id), None)
-        return {"actions_taken": list(incident.actions)} if incident is not None and incident.actions else {}
+        actions = self.tracker.actions_of(event.incident_id)
+        return {"actions_taken": actions} if actions else {}
 
     def run_check(self, name: str) -> None:
         """The scheduled job: never raises, whatever the check or the store does."""
@@ -355,4 +356,5 @@ class Engine:
         delivery = {n: (s.sent, s.failed, s.dropped) for n, s in self.dispatcher.stats.items()}
         now = agent["now"]
         return Snapshot(self.node, self._started, checks, self.tracker.firing_by_status(), outbox, delivery, agent,
-                        tuple(self.tracker.incidents()), tuple(s for s in self.tracker.silences() if s.until > now))
+                        tuple(self.tracker.incidents()), tuple(s for s in self.tracker.silences() if s.until > now),
+                        {n: dict(s.not_routed) for n, s in self.dispatcher.stats.items()})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -21,6 +22,8 @@ from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
 from trainguard.core.units import format_duration
 from trainguard.pipeline.store import Store
+
+ENDED_KEPT = 256  # resolved incidents whose actions are remembered for late messages: a node's recent history
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,9 @@ class IncidentTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self._incidents: dict[tuple[str, str], Incident] = {}
+        # The actions of incidents that resolved lately, by id: a grouped message sent after its incident resolved
+        # (the trainer obeyed the stop switch within the group window) still says what was done. Bounded.
+        self._ended: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         for data in store.load_incidents():
             try:
                 incident = Incident.from_dict(data)
@@ -150,11 +156,19 @@ class IncidentTracker:
             incident = self._incidents.get((check, subject))
             return {a["action"] for a in incident.actions} if incident else set()
 
-    def record_action(self, check: str, subject: str, record: dict[str, Any]) -> None:
-        """Attach an action's outcome to its incident (dropped if the incident resolved meanwhile)."""
+    def actions_of(self, incident_id: str) -> list[dict[str, Any]]:
+        """The actions run on an incident, firing or lately resolved."""
+        with self._lock:
+            live = next((i for i in self._incidents.values() if i.id == incident_id), None)
+            return list(live.actions) if live is not None else list(self._ended.get(incident_id, ()))
+
+    def record_action(self, check: str, subject: str, record: dict[str, Any], incident_id: str | None = None) -> None:
+        """Attach an action's outcome to its incident; to the list of one lately resolved when it ended meanwhile."""
         with self._lock:
             current = self._incidents.get((check, subject))
-            if current is None:
+            if current is None or (incident_id is not None and current.id != incident_id):
+                if incident_id in self._ended:
+                    self._ended[incident_id].append(record)
                 return
             updated = Incident(**{**vars(current), "actions": [*current.actions, record]})
             self._store.save([updated.to_dict()])
@@ -258,7 +272,11 @@ class IncidentTracker:
         for incident in change.upserts:
             self._incidents[(incident.check, incident.subject)] = incident
         for key in change.deletes:
-            self._incidents.pop(key, None)
+            ended = self._incidents.pop(key, None)
+            if ended is not None:
+                self._ended[ended.id] = list(ended.actions)
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
         return change.events
 
     def _matching(self, check: str, subject: str | None) -> list[Incident]:

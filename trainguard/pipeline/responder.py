@@ -93,7 +93,7 @@ class Responder:
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others)
         for name in names:
             record = self.run_one(self.actions[name], ctx)
-            self.tracker.record_action(event.check, event.subject, record)
+            self.tracker.record_action(event.check, event.subject, record, event.incident_id)
 
     def run_named(self, name: str, event: Event, jobs: tuple[Job, ...] = (),
                   others_critical: tuple[str, ...] = ()) -> dict[str, Any]:
