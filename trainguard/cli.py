@@ -1,22 +1,20 @@
 """The `trainguard` command: run, check, status, validate, notify-test, install, uninstall, config-reference,
-metrics-reference."""
+metrics-reference, slurm-prolog, slurm-epilog."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from trainguard import __version__
-from trainguard.agent.configfile import ConfigError, load_config
-from trainguard.core.logs import setup_logging
-from trainguard.core.model import worst
-from trainguard.pipeline.config import Config, default_state_dir
 
-if TYPE_CHECKING:  # imported where used: one-shot commands start faster
+if TYPE_CHECKING:  # imported where used: one-shot commands start faster, the SLURM hooks in a few milliseconds
     from trainguard.core.model import Result
+    from trainguard.pipeline.config import Config
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
@@ -72,10 +70,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--purge", action="store_true", help="also remove /etc/trainguard, /var/lib/trainguard and the user")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
+    for hook, when in (("slurm-prolog", "starts"), ("slurm-epilog", "ends")):
+        p = sub.add_parser(hook, help=f"SLURM {hook[6:].capitalize()} hook: record the job that {when} for the agent",
+                           description=f"Run by slurmd (as root, from a Prolog=/Epilog= script) when a job {when} on "
+                                       "this node: writes what slurmd's environment says of the job to a small file "
+                                       "the agent reads (docs/slurm.md). Reads no config, calls no SLURM command, "
+                                       "always exits 0.")
+        p.add_argument("--dir", default="/run/trainguard/jobs", metavar="DIR",
+                       help="where the records go: the agent's [jobs] prolog_dir (default: /run/trainguard/jobs)")
     return parser
 
 
 def _load(args: argparse.Namespace) -> Config:
+    from trainguard.agent.configfile import load_config
+    from trainguard.core.logs import setup_logging
+    from trainguard.pipeline.config import default_state_dir
+
     # One-shot commands print results on stdout; their logs only matter when something is wrong.
     setup_logging(args.log_level or ("info" if args.command == "run" else "warning"))
     if args.command == "run":
@@ -95,7 +105,7 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
-    from trainguard.core.model import Status
+    from trainguard.core.model import Status, worst
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
 
@@ -234,6 +244,12 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("slurm-prolog", "slurm-epilog"):
+        from trainguard.jobs.prolog import run_hook
+
+        return run_hook(args.dir, os.environ, ended=args.command == "slurm-epilog")
+    from trainguard.agent.configfile import ConfigError
+
     if args.command in ("install", "uninstall"):
         return cmd_install(args)
     if args.command in ("config-reference", "metrics-reference"):
