@@ -122,6 +122,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MinJobAge=600
+MaxJobCount=20000
 MessageTimeout=5
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost={self.node}
@@ -131,6 +132,7 @@ JobCompType=jobcomp/none
 MpiDefault=none
 KillWait=5
 Prolog={b}/hooks/prolog
+Epilog={b}/hooks/epilog
 HealthCheckProgram={b}/hooks/healthcheck
 HealthCheckInterval=5
 NodeName={self.node} CPUs={cpus} RealMemory={mem} State=UNKNOWN
@@ -138,7 +140,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
 """)
         self.conf.chmod(0o644)
         (b / "hooks").mkdir(exist_ok=True)
-        for hook in ("prolog", "healthcheck"):
+        for hook in ("prolog", "epilog", "healthcheck"):
             self.set_hook(hook, "exit 0")
         os.environ["SLURM_CONF"] = str(self.conf)
         self.start_accounting()
@@ -233,7 +235,7 @@ StorageLoc=slurm_acct_db
             time.sleep(0.2)
 
     def set_hook(self, hook: str, body: str) -> None:
-        """The Prolog or HealthCheckProgram slurmd runs: `exit 0` unless a test puts trainguard there."""
+        """The Prolog, Epilog or HealthCheckProgram slurmd runs: `exit 0` unless a test puts trainguard there."""
         path = self.base / "hooks" / hook
         tmp = path.with_suffix(".tmp")
         tmp.write_text(f"#!/bin/sh\n{body}\n")
@@ -273,6 +275,12 @@ StorageLoc=slurm_acct_db
         self.wait(lambda: self.job(job_id).get("JobState") in states, timeout, f"job {job_id} in {states}")
         return self.job(job_id)
 
+    def rpc_counts(self, reset: bool = False) -> dict[str, int]:
+        """slurmctld's RPC counts by message type since the last reset (`sdiag`; `sdiag -r` first when `reset`)."""
+        if reset:
+            sh("sdiag", "-r")
+        return parse_sdiag(sh("sdiag"))
+
     def node_info(self) -> dict[str, str]:
         out = sh("scontrol", "show", "node", "--oneliner", self.node)
         state = re.search(r"\bState=(\S+)", out)
@@ -281,3 +289,17 @@ StorageLoc=slurm_acct_db
 
     def resume_node(self) -> None:
         subprocess.run(["scontrol", "update", f"nodename={self.node}", "state=resume"], capture_output=True, timeout=10)
+
+
+_SDIAG_RPC = re.compile(r"^\s+([A-Z][A-Z0-9_]+)\s+\(\s*\d+\) count:(\d+)", re.M)
+
+
+def parse_sdiag(text: str) -> dict[str, int]:
+    """The "by message type" table of `sdiag` (tests/data/slurm/sdiag.txt) as message type -> count."""
+    table = text.split("Remote Procedure Call statistics by message type", 1)[-1].split("statistics by user", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in _SDIAG_RPC.finditer(table)}
+
+
+def job_info_rpcs(counts: dict[str, int]) -> int:
+    """The REQUEST_JOB_INFO* RPCs (the whole queue, one job, one user's): what an agent asks about jobs."""
+    return sum(n for name, n in counts.items() if name.startswith("REQUEST_JOB_INFO"))

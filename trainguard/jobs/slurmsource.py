@@ -369,11 +369,12 @@ class SlurmSource:
 
     def settle(self, timeout: float) -> None:
         """Wait, `timeout` at most, until the controller answered (or failed to) for every running job found so
-        far: a one-shot `trainguard check` reports jobs with their attributes; the daemon never waits."""
+        far (by its steps or its prolog): a one-shot `trainguard check` reports jobs with their attributes; the
+        daemon never waits."""
         with self._lock:
             self._fetched.wait_for(lambda: all(
                 local.fetched is not None or local.failures > 0 for local in self._jobs.values()
-                if local.ended is None and local.stepped), timeout)
+                if local.ended is None), timeout)
 
     def close(self) -> None:
         with self._lock:
