@@ -75,11 +75,11 @@ class SlurmCluster:
 
     # lifecycle ------------------------------------------------------------------------------
     @staticmethod
-    def kill_stale() -> None:
+    def kill_stale(marker: str = "trainguard-slurm-") -> None:
         """Daemons of an earlier test session that died without teardown would hold our ports."""
         for p in psutil.process_iter(["name", "cmdline"]):
             cmd = " ".join(p.info.get("cmdline") or [])
-            if "trainguard-slurm-" in cmd and any(d in cmd for d in ("slurmctld", "slurmd", "slurmstepd", "mariadbd")):
+            if marker in cmd and any(d in cmd for d in ("slurmctld", "slurmd", "slurmstepd", "mariadbd")):
                 try:
                     p.kill()
                     p.wait(5)
