@@ -45,6 +45,7 @@ bench: deb-test install-test
 	$(BIN)/python -m benchmarks.log_scan --size-mib 1024
 	$(BIN)/python -m benchmarks.kmsg_parse --records 200000
 	$(BIN)/python -m benchmarks.round_cost --rounds 10
+	$(BIN)/python -m benchmarks.hardware --runs 300
 
 lint: install-test
 	$(BIN)/ruff check trainguard tests benchmarks

@@ -98,7 +98,8 @@ class SlurmCluster:
         (self.base / "jobs").chmod(0o1777)
         shutil.copy(REPO / "trainguard" / "__init__.py", self.lib / "trainguard" / "__init__.py")
         shutil.copy(REPO / "trainguard" / "trainer.py", self.lib / "trainguard" / "trainer.py")
-        shutil.copy(REPO / "examples" / "train_toy.py", self.lib / "examples" / "train_toy.py")
+        for example in ("train_toy.py", "train_ddp.py"):
+            shutil.copy(REPO / "examples" / example, self.lib / "examples" / example)
         cpus = os.cpu_count() or 2
         mem = max(1024, psutil.virtual_memory().total // 2**20 - 2048)
         b = self.base

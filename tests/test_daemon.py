@@ -46,6 +46,11 @@ available_critical = "0%"
 swap_free_warning = "0%"
 swap_free_critical = "0%"
 
+[checks.ib]                 # no HCA under this root: idle
+type = "infiniband"
+sysfs_root = "{tmp_path}/no-infiniband"
+interval = "{interval}"
+
 [notifiers.console]
 """)
     return path
@@ -193,7 +198,7 @@ def test_sigkill_restart_keeps_incident_and_does_not_renotify(
     port = free_port()
     config = write_config(tmp_path, port)
     first = agent_process(config, log_name="first.log")
-    first.wait_for("event=fired")
+    first.wait_for("logger=trainguard.alert event=fired")  # the console's line: the engine logs its own one first
     [fired_line] = [line for line in first.output().splitlines() if "event=fired" in line and "trainguard.alert" in line]
     incident_id = re.search(r"incident=(\w+)", fired_line).group(1)  # type: ignore[union-attr]
     first.signal(signal.SIGKILL)
@@ -212,13 +217,18 @@ def test_sigkill_restart_keeps_incident_and_does_not_renotify(
 def test_status_command_against_a_running_agent(tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
     port = free_port()
     config = write_config(tmp_path, port)
-    agent_process(config).wait_for("event=fired")
+    agent = agent_process(config)
+    agent.wait_for("event=fired")
+    time.sleep(2.5)  # a few more runs of the idle check
     proc = subprocess.run([sys.executable, "-m", "trainguard", "status", "--config", str(config)],
                           capture_output=True, text=True, timeout=30, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "node testnode" in proc.stdout
     assert "incidents (1 firing, 0 pending)" in proc.stdout
     assert re.search(r"firing\s+CRITICAL\s+scratch", proc.stdout)
+    assert re.search(r"^IDLE\s+ib\s+-\s+no InfiniBand or RoCE device under .*/no-infiniband$", proc.stdout, re.M)
+    agent.wait_for("check=ib", count=1)
+    assert agent.output().count("check idle: what it watches is absent here") == 1  # once, not every second
     unreachable = subprocess.run([sys.executable, "-m", "trainguard", "status", "--url", f"http://127.0.0.1:{free_port()}"],
                                  capture_output=True, text=True, timeout=30, cwd=REPO)
     assert unreachable.returncode == 3 and "cannot reach the agent" in unreachable.stderr
@@ -242,6 +252,20 @@ def test_check_command_exit_codes_and_table(tmp_path: Path) -> None:
     data = json.loads(ok.stdout)
     assert data["status"] == "OK"
     assert {r["check"] for r in data["results"]} == {"scratch", "memory"}
+
+
+def test_check_lists_idle_checks_without_changing_the_exit_code(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f"[agent]\nstate_dir = '{tmp_path}'\n[checks.memory]\n[checks.gpu]\n")
+    env = {**os.environ, "TRAINGUARD_FAKE_NVML": "missing"}
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.fake_gpu_agent", "check", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^IDLE\s+gpu\s+-\s+NVML not available: NVML Shared Library Not Found$", proc.stdout, re.M)
+    as_json = subprocess.run([sys.executable, "-m", "tests.helpers.fake_gpu_agent", "check", "--json", "--config",
+                              str(config)], capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    data = json.loads(as_json.stdout)
+    assert data["status"] == "OK" and data["idle"] == {"gpu": "NVML not available: NVML Shared Library Not Found"}
 
 
 def test_check_unknown_when_path_missing(tmp_path: Path) -> None:

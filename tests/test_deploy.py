@@ -17,13 +17,14 @@ import yaml
 
 from trainguard.reference import declared_metrics
 
-from .conftest import REPO, AgentProcess, free_port, require_tool, wait_until
+from .conftest import REPO, AgentProcess, free_port, require_tool, unique_bus, wait_until
 from .peers import prometheus_query, prometheus_server
 from .slurm_cluster import SlurmCluster
 
 RULES = REPO / "deploy" / "prometheus" / "trainguard-rules.yml"
 RULE_TESTS = REPO / "deploy" / "prometheus" / "trainguard-rules.test.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "trainguard.json"
+IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"  # a real tree, read-only
 
 
 def alerts() -> list[dict[str, Any]]:
@@ -90,6 +91,13 @@ forecast_min_span = "3s"
 {fast}min_span = "3s"
 [checks.xid]
 actions = {{ critical = [], warning = [] }}
+[checks.nvlink]
+{fast}[checks.pcie]
+{fast}[checks.gpu_config]
+{fast}[checks.fabric]
+{fast}[checks.infiniband]
+{fast}sysfs_root = "{IB_TREE}"
+actions = {{ critical = [] }}
 [checks.alive]
 {fast}type = "job_liveness"
 names = ["{name}"]
@@ -104,6 +112,7 @@ names = ["{name}"]
     agent.wait_for("check=xid", timeout=30)
     kmsg.write("NVRM: Xid (PCI:0000:18:00): 31, pid=4242, name=python, Ch 00000010, intr 10000000. MMU Fault "
                "[trainguard-test]")
+    kmsg.write(f"nvidia-nvswitch0: SXid (PCI:{unique_bus()}.0): 20001, Non-fatal, Link 7 TX Replay Error [trainguard-test]")
     url = prometheus(port)
     wait_until(lambda: query(url, 'trainguard_check_status{type="hang"}'), 30, what="a scrape with job results")
     try:

@@ -13,7 +13,7 @@ import requests
 from tests.conftest import HungMount, require_tool, wait_until
 from trainguard.agent.configfile import parse_config
 from trainguard.agent.http import HttpEndpoint
-from trainguard.checks.base import Check
+from trainguard.checks.base import Check, CheckIdle
 from trainguard.core.events import Event
 from trainguard.core.model import Metric, Result, Status
 from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
@@ -58,7 +58,34 @@ class Recording(Notifier):
         self.events.append(event)
 
 
-REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky},
+class Vanishing(Check):
+    """Reports a fault until the test makes it idle, as a check whose hardware is absent."""
+
+    idle = False
+
+    def run(self) -> Sequence[Result]:
+        if self.idle:
+            raise CheckIdle("no such device on this node")
+        return [self.result("dev0", Status.CRITICAL, "dev0 broken")]
+
+
+class Slow(Check):
+    """Its first run waits for the test: a long first round (a big kernel log backlog) while an event triggers a run."""
+
+    release = threading.Event()
+    started = threading.Event()
+    runs = 0
+
+    def run(self) -> Sequence[Result]:
+        Slow.runs += 1
+        mine = Slow.runs
+        if mine == 1:
+            Slow.started.set()
+            Slow.release.wait(10)
+        return [self.result(f"seen-by-run-{mine}", Status.WARNING, f"run {mine}")]
+
+
+REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky, "vanishing": Vanishing, "slow": Slow},
                     notifiers={**NOTIFIERS, "recording": Recording})
 
 
@@ -225,3 +252,47 @@ def test_http_endpoints_and_promtool(tmp_path: Path, running: list[Any]) -> None
     assert requests.get(url + "/healthz", timeout=5).text == "ok\n"
     assert requests.post(url + "/metrics", timeout=5).status_code == 405
     assert requests.get(url + "/nope", timeout=5).status_code == 404
+
+
+def test_an_idle_check_opens_nothing_alerts_on_nothing_and_says_so_in_metrics(tmp_path: Path, running: list[Any]) -> None:
+    engine = make_engine(tmp_path, {"vanishing": {}})
+    running.append(engine)
+    url = serve(engine, running)
+    engine.run_round()
+    [incident] = engine.tracker.incidents()
+    assert incident.firing and incident.check == "vanishing"
+    Vanishing.idle = True
+    try:
+        engine.run_round()
+        engine.run_round()
+    finally:
+        Vanishing.idle = False
+    assert engine.tracker.incidents() == []  # an idle run is complete: what it no longer reports is resolved
+    assert engine.tracker.firing_by_status()[Status.CRITICAL] == 0
+    text = requests.get(url + "/metrics", timeout=5).text
+    assert 'trainguard_check_idle{check="vanishing"} 1.0' in text
+    assert 'trainguard_check_runs_total{check="vanishing",outcome="idle"} 2.0' in text
+    assert 'trainguard_check_success{check="vanishing"} 1.0' in text
+    assert 'trainguard_check_status{check="vanishing"' not in text  # no result, so no alert rule can match it
+    status = requests.get(url + "/status", timeout=5).json()["checks"]["vanishing"]
+    assert (status["outcome"], status["idle_reason"], status["results"]) == ("idle", "no such device on this node", [])
+
+
+def test_a_run_triggered_during_the_first_round_is_ingested_after_it(tmp_path: Path) -> None:
+    """The first round (engine.start) and a run an XID triggers meanwhile never overlap: else the round's older
+    report, ingested last, resolves what the triggered run found."""
+    engine = make_engine(tmp_path, {"slow": {"timeout": "20s"}})
+    round_thread = threading.Thread(target=engine.run_round)
+    round_thread.start()
+    assert Slow.started.wait(5)
+    triggered = threading.Thread(target=engine.run_check, args=("slow",))
+    triggered.start()
+    time.sleep(0.2)
+    assert triggered.is_alive()  # waiting for the round's run of the same check
+    Slow.release.set()
+    round_thread.join(10)
+    triggered.join(10)
+    last = engine.snapshot().checks["slow"].last
+    assert last is not None and [r.summary for r in last.results] == ["run 2"]
+    assert {i.subject for i in engine.tracker.incidents()} == {"seen-by-run-2"}
+    engine.stop()

@@ -11,6 +11,7 @@ from trainguard.checks.gpu import GpuCheck, GpuSettings
 from trainguard.core.model import Result, Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import Nvml, normalize_bus_id
+from trainguard.pipeline.runner import CheckRunner
 from trainguard.pipeline.store import Store
 
 
@@ -116,15 +117,25 @@ def test_a_gpu_vanishing_from_the_count(tmp_path: Path) -> None:
     assert counts["count"].summary == "1 of 2 GPUs answering (2 seen on this node)"
 
 
-def test_nvml_missing_is_one_unknown_and_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    fake = FakeNvml(init_error=NVMLError_LibraryNotFound)
-    gpu_check = check(fake)
-    with caplog.at_level(logging.WARNING):
+def test_nvml_missing_on_a_node_without_gpus_is_idle(caplog: pytest.LogCaptureFixture) -> None:
+    gpu_check = check(FakeNvml(init_error=NVMLError_LibraryNotFound))
+    runner = CheckRunner(gpu_check)
+    with caplog.at_level(logging.INFO):
         for _ in range(3):
-            [result] = gpu_check.run()
-            assert result.status is Status.UNKNOWN
-            assert result.summary == "NVML not available: NVML Shared Library Not Found"
-    assert sum("GPU checks off" in r.getMessage() for r in caplog.records) == 1
+            report = runner.run_once()
+            assert (report.outcome, report.results) == ("idle", ())
+            assert report.idle_reason == "NVML not available: NVML Shared Library Not Found"
+    assert sum(r.getMessage().startswith("check idle") for r in caplog.records) == 1
+
+
+def test_nvml_missing_where_gpus_were_seen_or_configured_is_critical(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    check(FakeNvml(), store).run()  # this node had 2 GPUs
+    [seen] = check(FakeNvml(init_error=NVMLError_LibraryNotFound), store).run()
+    assert (seen.subject, seen.status) == ("count", Status.CRITICAL)
+    assert seen.summary == "0 of 2 GPUs answering (2 seen on this node): NVML not available: NVML Shared Library Not Found"
+    [configured] = check(FakeNvml(init_error=NVMLError_LibraryNotFound), expected_count=8).run()
+    assert configured.status is Status.CRITICAL and configured.summary.startswith("0 of 8 GPUs answering (8 configured)")
 
 
 def test_init_once() -> None:
@@ -147,9 +158,9 @@ def test_real_pynvml_on_this_machine() -> None:
     from trainguard.gpu.nvml import probe
 
     reason = probe()
-    results = GpuCheck("gpu", GpuSettings(), CheckContext("n", Path("/tmp"))).run()
+    report = CheckRunner(GpuCheck("gpu", GpuSettings(), CheckContext("n", Path("/tmp")))).run_once()
     if reason is None:
-        assert results and all(r.status is not Status.UNKNOWN for r in results)
+        assert report.results and all(r.status is not Status.UNKNOWN for r in report.results)
     else:
         assert reason.startswith("NVML not available")
-        assert [r.summary for r in results] == [reason]
+        assert (report.outcome, report.idle_reason) == ("idle", reason)

@@ -19,6 +19,7 @@ from trainguard.core.model import Result, Status
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
+from trainguard.pipeline.runner import CheckRunner
 
 GiB = 2**30
 
@@ -104,10 +105,10 @@ def test_gpu_lost_mid_run(trainer: tuple[subprocess.Popen[bytes], str]) -> None:
     assert lost.status is Status.CRITICAL and lost.summary.startswith("GPU 1 lost (GPU is lost)")
 
 
-def test_nvml_missing_is_one_unknown_and_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    check = gpu_memory_check(FakeNvml(init_error=NVMLError_LibraryNotFound), Clock(), None)
-    with caplog.at_level(logging.WARNING, logger="trainguard"):
+def test_nvml_missing_is_idle_and_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    runner = CheckRunner(gpu_memory_check(FakeNvml(init_error=NVMLError_LibraryNotFound), Clock(), None))
+    with caplog.at_level(logging.INFO, logger="trainguard"):
         for _ in range(3):
-            [result] = check.run()
-            assert result.status is Status.UNKNOWN and result.summary.startswith("NVML not available")
-    assert len([r for r in caplog.records if r.getMessage() == "GPU checks off"]) == 1
+            report = runner.run_once()
+            assert report.outcome == "idle" and report.idle_reason and report.idle_reason.startswith("NVML not available")
+    assert len([r for r in caplog.records if r.getMessage().startswith("check idle")]) == 1

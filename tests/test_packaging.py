@@ -36,7 +36,8 @@ def test_the_wheel_carries_everything_install_needs(dists: Dists) -> None:
         for name in shipped:  # byte for byte the checkout's top-level systemd/ files
             assert whl.read(name) == (REPO / "systemd" / Path(name).name).read_bytes(), name
         assert whl.read("trainguard/default.toml") == DEFAULT_CONFIG.read_bytes()
-        assert whl.read("trainguard/gpu/xid_catalog.toml") == (REPO / "trainguard/gpu/xid_catalog.toml").read_bytes()
+        for data in ("nvidia_xid_catalog.tsv", "nvidia_xid_nvlink5_decode.tsv", "xid_policy.toml", "sxid_catalog.toml"):
+            assert whl.read(f"trainguard/gpu/{data}") == (REPO / "trainguard/gpu" / data).read_bytes(), data
         info = f"trainguard-{__version__}.dist-info"
         metadata = Parser().parsestr(whl.read(f"{info}/METADATA").decode())
         assert metadata["Version"] == __version__  # trainguard/__init__.py is the one place

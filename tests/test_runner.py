@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainguard.checks.base import Check, CheckContext, CheckSettings
+import pytest
+
+from trainguard.checks.base import Check, CheckContext, CheckIdle, CheckSettings
 from trainguard.core.model import Result, Status
 from trainguard.pipeline.runner import CheckRunner
 
@@ -82,3 +85,30 @@ def test_stop_event_cuts_the_wait_short() -> None:
     assert time.monotonic() - t0 < 2.0
     assert report.outcome == "skipped"
     check.release.set()
+
+
+class Absent(Check):
+    """Idle until its hardware appears, as a check over NVML on a CPU-only node."""
+
+    present = False
+
+    def run(self) -> Sequence[Result]:
+        if not self.present:
+            raise CheckIdle("no such hardware here")
+        return [self.result("dev0", Status.OK, "present")]
+
+
+def test_idle_is_its_own_outcome_logged_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    check = Absent("hw", CheckSettings(), CTX)
+    runner = CheckRunner(check)
+    with caplog.at_level(logging.INFO, logger="trainguard.runner"):
+        for _ in range(3):
+            report = runner.run_once()
+            assert (report.outcome, report.results, report.idle_reason) == ("idle", (), "no such hardware here")
+            assert report.complete  # the run finished: nothing it watched is left open
+        check.present = True
+        woke = runner.run_once()
+    assert woke.outcome == "ok" and woke.results[0].summary == "present"
+    lines = [(r.getMessage(), r.__dict__["kv"]) for r in caplog.records]
+    assert lines == [("check idle: what it watches is absent here", {"check": "hw", "reason": "no such hardware here"}),
+                     ("check active: what it watches is present again", {"check": "hw"})]

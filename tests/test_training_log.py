@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -20,7 +21,7 @@ from trainguard.gpu.nvml import GpuProcess, GpuState, Nvml
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.logscan.context import pick_gpu
-from trainguard.logscan.diagnose import FRAGMENTATION_ADVICE, TRUE_OOM_ADVICE, diagnose_cuda, diagnose_nccl, diagnose_oom
+from trainguard.logscan.diagnose import diagnose_cuda
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
 from trainguard.node.access import Identity
@@ -29,70 +30,35 @@ from trainguard.pipeline.store import Store
 from .conftest import wait_until
 from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError
 from .slurm_cluster import SlurmCluster
+from .test_messages import CORPUS
 
 MiB, GiB = 2**20, 2**30
 
-OOM_CACHED = ("RuntimeError: CUDA out of memory. Tried to allocate 12.50 MiB (GPU 0; 10.92 GiB total capacity; "
-              "8.57 MiB already allocated; 9.28 GiB free; 4.68 MiB cached)")
-OOM_RESERVED = ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 39.59 GiB total capacity; "
-                "30.12 GiB already allocated; 1.02 GiB free; 36.20 GiB allowed; 36.54 GiB reserved in total by "
-                "PyTorch) If reserved memory is >> allocated memory try setting max_split_size_mb to avoid "
-                "fragmentation.  See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF")
-OOM_21 = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 496.00 MiB. GPU 0 has a total capacty "
-          "of 14.75 GiB of which 235.06 MiB is free. Process 20398 has 14.52 GiB memory in use. Of the allocated "
-          "memory 14.06 GiB is allocated by PyTorch, and 330.42 MiB is reserved by PyTorch but unallocated. If "
-          "reserved but unallocated memory is large try setting max_split_size_mb to avoid fragmentation.  See "
-          "documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF")
-OOM_22_FRAG = ("[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 3 has a total "
-               "capacity of 79.15 GiB of which 1.06 GiB is free. Process 4121 has 2.00 GiB memory in use. Including "
-               "non-PyTorch memory, this process has 76.07 GiB memory in use. Of the allocated memory 69.86 GiB is "
-               "allocated by PyTorch, with 1.00 GiB allocated in private pools (e.g., CUDA Graphs), and 5.63 GiB is "
-               "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
-NCCL_OLD = ("[E ProcessGroupNCCL.cpp:737] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=469508, "
-            "OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1802212 milliseconds before timing out.")
-NCCL_NEW = ("[rank0]:[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation "
-            "timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE, NumelIn=466119168, NumelOut=466119168, "
-            "Timeout(ms)=600000) ran for 600060 milliseconds before timing out.")
+def corpus(section: str, name: str) -> str:
+    entry = CORPUS[section][name]
+    return "\n".join(entry["lines"]) if "lines" in entry else entry["text"]
 
 ROOT = Identity(0)  # the tests' own files: read with root's authority
 
 
-@pytest.mark.parametrize(("text", "fields", "kind"), [
-    (OOM_CACHED, {"gpu": 0, "tried": int(12.5 * MiB), "form": "cached", "reserved_unallocated": 0}, "true OOM"),
-    (OOM_RESERVED, {"gpu": 1, "tried": 2 * GiB, "allowed": int(36.2 * GiB), "form": "reserved"}, "fragmentation"),
-    (OOM_21, {"gpu": 0, "tried": 496 * MiB, "free": int(235.06 * MiB), "form": "2.1+",
-              "reserved_unallocated": int(330.42 * MiB)}, "true OOM"),
-    (OOM_22_FRAG, {"gpu": 3, "tried": int(1.5 * GiB), "this_process": int(76.07 * GiB),
-                   "processes": [{"pid": 4121, "bytes": 2 * GiB}], "private_pools": GiB}, "fragmentation"),
-    ("THCudaCheck FAIL file=/pytorch/aten/src/THC/THCCachingAllocator.cpp line=66 error=2 : out of memory",
-     {"form": "THC"}, "OOM"),
-])
-def test_cuda_oom_forms(text: str, fields: dict[str, object], kind: str) -> None:
-    d = diagnose_oom(text)
-    for key, value in fields.items():
-        assert d.fields.get(key) == value, (key, d.fields)
-    assert d.fields["diagnosis"] == kind
-    assert d.advice == (FRAGMENTATION_ADVICE if kind == "fragmentation" else TRUE_OOM_ADVICE)
-    if kind == "fragmentation":
-        assert "expandable_segments:True" in d.advice and "do not cut the batch size" in d.advice
-
-
-def test_nccl_forms() -> None:
-    old, new = diagnose_nccl(NCCL_OLD), diagnose_nccl(NCCL_NEW)
-    assert old.fields == {"rank": 1, "seq": 469508, "op": "ALLREDUCE", "timeout_ms": 1800000, "ran_ms": 1802212}
-    assert new.fields["rank"] == 0 and new.fields["seq"] == 1580
-    assert new.title == "NCCL collective timeout on rank 0: ALLREDUCE #1580 ran 600s (timeout 600s)"
+# Real messages (tests/data/messages/corpus.toml says where each came from): the fragmentation OOM of an H100 run,
+# and NCCL watchdog timeouts of an old and a recent release.
+OOM_H100 = corpus("oom", "current_fragmentation_h100")
+NCCL_OLD = CORPUS["nccl"]["old_one_rank"]["lines"][0]
+NCCL_NEW = CORPUS["nccl"]["v24_four_ranks"]["lines"][0]
 
 
 def test_cuda_errors_are_classed() -> None:
-    assertion = ("/pytorch/aten/src/ATen/native/cuda/Loss.cu:257: nll_loss_forward_reduce_cuda_kernel_2d: block: "
-                 "[0,0,0], thread: [4,0,0] Assertion `t >= 0 && t < n_classes` failed.")
-    d = diagnose_cuda("RuntimeError: CUDA error: device-side assert triggered", assertion)
+    assertion, _, error = CORPUS["cuda"]["device_assert"]["lines"]
+    d = diagnose_cuda(error, assertion)
     assert not d.hardware and d.fields["condition"] == "t >= 0 && t < n_classes"
     assert d.fields["kernel"] == "nll_loss_forward_reduce_cuda_kernel_2d"
-    assert diagnose_cuda("RuntimeError: CUDA error: uncorrectable ECC error encountered").hardware
-    assert not diagnose_cuda("RuntimeError: CUDA error: an illegal memory access was encountered").hardware
+    for name in ("ecc", "ecc_terminate", "launch_failure", "launch_failure_thc", "launch_failure_thc_check",
+                 "launch_failure_terminate"):
+        assert diagnose_cuda(corpus("cuda", name)).hardware, name
+    for name in ("illegal_address", "illegal_address_runtime"):
+        d = diagnose_cuda(corpus("cuda", name))
+        assert not d.hardware and d.fields["error"] == "illegal memory access", name
 
 
 def lines(*text: str) -> bytes:
@@ -104,7 +70,7 @@ def names(data: bytes) -> list[str]:
 
 
 def test_scanner_finds_each_class_and_nothing_in_lookalikes() -> None:
-    data = lines("step 10 loss=2.3012", OOM_22_FRAG, "INFO info: 3 nanoseconds", NCCL_NEW, "step 11 loss=nan",
+    data = lines("step 10 loss=2.3012", OOM_H100, "INFO info: 3 nanoseconds", NCCL_NEW, "step 11 loss=nan",
                  "{'loss': inf, 'lr': 0.1}", "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536",
                  "Current loss scale already at minimum - cannot decrease scale anymore",
                  "RuntimeError: CUDA error: an illegal memory access was encountered")
@@ -183,12 +149,12 @@ def test_check_reports_the_diagnosis_once_and_remembers_it(tmp_path: Path, train
     logs.mkdir()
     store = Store(tmp_path / "state")
     (logs / "rank0.log").write_bytes(lines("step 100 loss=1.2", NCCL_NEW))
-    (logs / "rank3.log").write_bytes(lines("step 100 loss=1.2", OOM_22_FRAG))
+    (logs / "rank3.log").write_bytes(lines("step 100 loss=1.2", OOM_H100))
     [result] = check(tmp_path, marker, store).run()
     assert result.status is Status.CRITICAL
-    assert result.summary.startswith("process job trainer (rank 3): CUDA out of memory (fragmentation) on GPU 3")
+    assert result.summary.startswith("process job trainer: CUDA out of memory (fragmentation) on GPU 0")
     assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in result.summary
-    assert "then NCCL collectives timed out on rank 0" in result.summary
+    assert "then ALLREDUCE #1580 timed out on rank 0" in result.summary
     assert [f["signature"] for f in result.details["findings"]] == ["nccl_timeout", "cuda_oom"]
 
     again = check(tmp_path, marker, store)  # a restarted agent: positions and findings kept, nothing re-read
@@ -208,9 +174,9 @@ def test_a_crash_on_one_rank_leads_over_the_others_timeouts(tmp_path: Path, trai
     findings = {f["signature"]: f for f in result.details["findings"]}
     assert findings["traceback"]["title"] == ("the job crashed: RuntimeError: CUDA error: an illegal memory access "
                                               "was encountered")
-    assert findings["traceback"]["rank"] == "2" and findings["nccl_timeout"]["fields"]["rank"] == 1
+    assert findings["traceback"]["rank"] == "2" and findings["nccl_timeout"]["fields"]["rank"] == 0
     assert result.summary.startswith("process job trainer (rank 2): CUDA error: illegal memory access")
-    assert "then NCCL collectives timed out on rank 1" in result.summary
+    assert "then ALLREDUCE #96120 timed out on rank 0" in result.summary
 
 
 def test_nan_losses_count_in_a_row_across_reads(tmp_path: Path, trainer: tuple[str, Path]) -> None:
@@ -266,7 +232,7 @@ def test_oom_step_comes_from_the_step_lines(tmp_path: Path, trainer: tuple[str, 
     watch = check(tmp_path, marker, Store(None))
     watch.run()
     with log.open("ab") as f:  # the OOM comes in a later read than the step line
-        f.write(lines(OOM_22_FRAG))
+        f.write(lines(OOM_H100))
     [result] = watch.run()
     assert expected in result.summary
 
@@ -276,16 +242,34 @@ def test_oom_names_the_other_processes_and_faults_of_that_gpu(tmp_path: Path, tr
     logs.mkdir()
     [job_pid] = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
     gpus = [FakeGpu(f"GPU-{i}0000000-0000-0000-0000-000000000000", processes=[(job_pid, 70 * GiB)]) for i in range(4)]
-    gpus[2].processes.append((os.getpid(), 6 * GiB))  # ordinal 3 is GPU 2 for this job (CUDA_VISIBLE_DEVICES)
-    gpus[2].remap = (0, 1, 1, 0)
-    (logs / "rank3.log").write_bytes(lines(OOM_22_FRAG))
+    gpus[1].processes.append((os.getpid(), 6 * GiB))  # ordinal 0 is GPU 1 for this job (CUDA_VISIBLE_DEVICES)
+    gpus[1].remap = (0, 1, 1, 0)
+    (logs / "rank0.log").write_bytes(lines(corpus("oom", "reserved_outside")))
     [result] = check(tmp_path, marker, Store(None), FakeNvml(gpus)).run()
     [finding] = result.details["findings"]
-    assert finding["gpu"]["index"] == 2 and finding["gpu"]["faults"] == ["row remapping pending"]
-    assert finding["gpu"]["other_processes"] == [{"pid": os.getpid(), "bytes": 6 * GiB,
-                                                  "command": psutil.Process().name()}]
-    assert f"GPU 2 also held by pid {os.getpid()} ({psutil.Process().name()}) 6.0 GiB" in result.summary
-    assert "GPU 2 faults: row remapping pending" in result.summary
+    assert finding["gpu"]["index"] == 1 and finding["gpu"]["faults"] == ["row remapping pending"]
+    me = psutil.Process()
+    assert finding["gpu"]["other_processes"] == [{"pid": os.getpid(), "bytes": 6 * GiB, "command": me.name(),
+                                                  "user": me.username(), "job": None}]
+    # the message leaves 10.6 GiB of the card to others; NVML names who holds it now
+    assert finding["fields"]["diagnosis"] == "not this job's working set" and finding["fields"]["cause"] == "co-tenant"
+    assert f"pid {os.getpid()} ({me.name()}, user {me.username()}) 6.0 GiB" in result.summary
+    assert "GPU faults: row remapping pending" in result.summary and "(GPU 1 on this node)" in result.summary
+    assert "do not cut the batch size" in result.summary
+
+
+def test_an_oom_that_filled_the_card_itself_is_no_co_tenants_doing(tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    """NVML shows another process on the GPU now, but the message says this process held all but the free memory
+    when it failed: the lever stays the job's own (fragmentation here)."""
+    marker, logs = trainer
+    logs.mkdir()
+    [job_pid] = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    gpus = [FakeGpu(f"GPU-{i}0000000-0000-0000-0000-000000000000", processes=[(job_pid, 70 * GiB)]) for i in range(4)]
+    gpus[1].processes.append((os.getpid(), 6 * GiB))
+    (logs / "rank0.log").write_bytes(lines(OOM_H100))
+    [result] = check(tmp_path, marker, Store(None), FakeNvml(gpus)).run()
+    [finding] = result.details["findings"]
+    assert finding["fields"]["diagnosis"] == "fragmentation" and finding["fields"]["others_bytes"] < 64 * MiB
 
 
 def test_pick_gpu_maps_the_cuda_ordinal() -> None:
@@ -319,3 +303,20 @@ def test_a_failed_slurm_job_gets_its_exit_code_and_final_exception(slurm: SlurmC
     assert signatures == (["traceback", "exit"] if traceback else ["exit"])
     [again] = [r for r in watch.run() if r.subject == f"slurm:{job_id}"]
     assert [f["signature"] for f in again.details["findings"]] == signatures  # told once
+
+
+def test_a_collective_timeout_is_cross_checked_with_the_flight_recorder_dumps(
+        tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    """Rank 0's Gloo timeout in its log; in the switch dir, the ranks' flight-recorder dumps (real pickles of a
+    two-rank Gloo job, tests/data/flight_recorder): the story names rank 1, which never entered the all_reduce."""
+    marker, logs = trainer
+    logs.mkdir()
+    dumps = tmp_path / "switch" / "flight-recorder"
+    shutil.copytree(Path(__file__).parent / "data" / "flight_recorder" / "dumps", dumps)
+    (logs / "rank0.log").write_bytes(lines("step 3 loss=2.0", corpus("gloo", "timeout")))
+    [result] = check(tmp_path, marker, Store(None)).run()
+    assert result.status is Status.CRITICAL
+    assert result.summary.startswith("process job trainer: a Gloo collective timed out after 2s on rank 0; flight "
+                                     "recorder: rank 1 never entered all_reduce #5 (its last: barrier #4); rank 0 "
+                                     "waiting — a collective hang"), result.summary
+    assert result.details["collectives"]["flight_recorder"]["missing"][0]["rank"] == 1

@@ -14,11 +14,12 @@ from tests.conftest import unique_bus, wait_until, xid79
 from trainguard.agent.configfile import parse_config
 from trainguard.agent.http import HttpEndpoint
 from trainguard.checks.base import CheckContext
-from trainguard.checks.xid import XidCheck, XidSettings, classify
+from trainguard.checks.xid import XidCheck, XidSettings, classify, grade
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidEntry, XidLedger
-from trainguard.gpu.xid import XidEvent, XidParser, describe
+from trainguard.gpu.xid import XidEvent, XidParser
+from trainguard.gpu.xid_catalog import describe
 from trainguard.node.kmsg import KernelRecord, KmsgFollower, parse_journal, parse_kmsg
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
@@ -56,7 +57,6 @@ MATCHING = [
     ("NVRM: GPU 0000:29:00.0: GPU has fallen off the bus.", 79, "0000:29:00", None, None),
 ]
 NOT_MATCHING = [
-    "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up",
     "epoch 3 step 100: my notes say NVRM: Xid (PCI:0000:05:00): 79 happened last week",
     "grep Xid /var/log/syslog",
     "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",
@@ -100,9 +100,10 @@ def test_three_record_fallen_off_the_bus() -> None:
 
 def test_catalog_is_package_data() -> None:
     info = describe(79)
-    assert (info.mnemonic, info.cause, info.action) == ("GPU_HAS_FALLEN_OFF_THE_BUS", "hardware", "reboot_node")
-    assert describe(13).cause == "application"
-    assert describe(9999).mnemonic == "UNKNOWN_XID"
+    assert (info.mnemonic, info.immediate, info.response) == ("ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS", "RESTART_BM",
+                                                              "reboot_node")
+    assert describe(13).response == "restart_app"
+    assert describe(9999).mnemonic == "UNKNOWN_XID" and not describe(9999).known
 
 
 def entry(xid: int, count: int = 1, first: float = 1000.0, last: float = 1000.0, **kw: Any) -> XidEntry:
@@ -110,31 +111,55 @@ def entry(xid: int, count: int = 1, first: float = 1000.0, last: float = 1000.0,
 
 
 @pytest.mark.parametrize(("e", "status", "why"), [
-    (entry(79), Status.CRITICAL, "hardware fault"),
-    (entry(48), Status.CRITICAL, "hardware fault"),
-    (entry(13), Status.WARNING, "application fault"),
-    (entry(31, count=2, first=1000, last=5000), Status.CRITICAL, "hardware suspect"),
-    (entry(31, count=2, first=0, last=100000), Status.WARNING, "application fault"),
-    (entry(63), Status.WARNING, "watch"),
+    (entry(79), Status.CRITICAL, "NVIDIA RESTART_BM"),
+    (entry(48), Status.CRITICAL, "NVIDIA WORKFLOW_XID_48, read as reset_gpu"),
+    (entry(13, pids=[7]), Status.WARNING, "NVIDIA RESTART_APP"),
+    (entry(31, count=40, pids=[7]), Status.WARNING, "NVIDIA RESTART_APP"),  # one fault, many lines: one job
+    (entry(31, count=2, first=1000, last=5000, pids=[7, 8]), Status.CRITICAL, "hardware suspect: 2 jobs"),
+    (entry(13, count=2, first=1000, last=5000, bursts=2), Status.CRITICAL, "hardware suspect"),  # pid-less bursts
+    (entry(31, count=2, first=0, last=100000, pids=[7, 8]), Status.WARNING, "NVIDIA RESTART_APP"),  # a day apart
+    (entry(63), Status.OK, "NVIDIA IGNORE"),
+    (entry(92), Status.OK, "NVIDIA IGNORE"),
+    (entry(43), Status.OK, "NVIDIA IGNORE"),
+    (entry(61), Status.WARNING, "NVIDIA CONTACT_SUPPORT, read as investigate"),
     (entry(45), Status.OK, "XID 45 alone is not a fault"),
     (entry(45, cause_xid=79), Status.CRITICAL, "follows XID 79"),
     (entry(45, cause_xid=13), Status.WARNING, "follows XID 13"),
     (entry(154, recovery="GPU Reset Required"), Status.CRITICAL, "GPU Reset Required"),
     (entry(154, recovery="Node Reboot Required"), Status.CRITICAL, "Node Reboot Required"),
-    (entry(154, recovery="Drain P2P"), Status.WARNING, "Drain P2P"),
+    (entry(154, recovery="Drain P2P"), Status.CRITICAL, "Drain P2P"),
     (entry(154, recovery="None"), Status.OK, "None"),
-    (entry(999), Status.WARNING, "not in any configured class"),
+    (entry(167), Status.CRITICAL, "NVIDIA gives no bucket, read as reboot_node"),
+    (entry(999), Status.WARNING, "not in NVIDIA's catalog"),
 ])
 def test_classes(e: XidEntry, status: Status, why: str) -> None:
     got, reason = classify(e, XidSettings(), now=1001.0)
     assert got is status and why in reason
 
 
+@pytest.mark.parametrize("xid", [46, 110, 136, 155, 156, 158])
+def test_reset_gpu_xids_a_new_user_saw_as_unknown(xid: int) -> None:
+    """The issue's report: these came out WARNING "not in the catalog" with no action; NVIDIA says RESET_GPU."""
+    g = grade(entry(xid), XidSettings(), now=1001.0)
+    assert (g.status, g.response, g.why) == (Status.CRITICAL, "reset_gpu", "NVIDIA RESET_GPU")
+
+
 def test_warning_xids_clear_critical_ones_stay() -> None:
     s = XidSettings(clear_after="1h")
     assert classify(entry(13), s, now=1000 + 3601)[0] is Status.OK
     assert classify(entry(79), s, now=1000 + 10**6)[0] is Status.CRITICAL
-    assert classify(entry(79), XidSettings(hardware=[], ignore=[79]), now=1001)[0] is Status.OK
+    assert classify(entry(31, count=2, pids=[1, 2]), s, now=1000 + 10**6)[0] is Status.CRITICAL  # hardware suspect stays
+    assert classify(entry(79), XidSettings(ignore=[79]), now=1001)[0] is Status.OK
+
+
+def test_configured_classes_override_the_catalog_and_must_not_overlap() -> None:
+    s = XidSettings(hardware=[13], application=[48], watch=[79], ignore=[31])
+    assert classify(entry(13), s, 1001.0) == (Status.CRITICAL, "hardware by configuration")
+    assert classify(entry(48), s, 1001.0) == (Status.WARNING, "application by configuration")
+    assert classify(entry(79), s, 1001.0) == (Status.WARNING, "watch by configuration")
+    assert classify(entry(31), s, 1001.0) == (Status.OK, "ignore by configuration")
+    with pytest.raises(ValueError, match="XID 13 is in both hardware and ignore"):
+        XidSettings(hardware=[13], ignore=[13])
 
 
 def test_parse_kmsg_record() -> None:

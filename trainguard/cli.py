@@ -1,5 +1,5 @@
-"""The `trainguard` command: run, check, status, validate, notify-test, install, uninstall, config-reference,
-metrics-reference, slurm-prolog, slurm-epilog."""
+"""The `trainguard` command: run, check, status, ack, silence, clear, validate, notify-test, install, uninstall,
+config-reference, metrics-reference, slurm-prolog, slurm-epilog."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from trainguard import __version__
+from trainguard.agent.configfile import ConfigError, load_config
+from trainguard.core.logs import setup_logging
+from trainguard.core.model import Status, worst
+from trainguard.pipeline.config import Config, default_state_dir
 
-if TYPE_CHECKING:  # imported where used: one-shot commands start faster, the SLURM hooks in a few milliseconds
+if TYPE_CHECKING:  # imported where used: one-shot commands start faster
     from trainguard.core.model import Result
-    from trainguard.pipeline.config import Config
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
@@ -49,6 +53,24 @@ def _parser() -> argparse.ArgumentParser:
                                    description="Ask a running agent's /status endpoint and print a table."))
     p.add_argument("--url", help="agent base URL (default: from the config's agent.listen)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p = with_config(sub.add_parser("ack", help="acknowledge incidents: no more reminders (they stay visible)",
+                                   description="Acknowledge the incidents of a check (or one subject) of the running "
+                                               "agent: reminders stop; the incident stays until it resolves. Over the "
+                                               "control socket: root and the trainguard group."))
+    p.add_argument("target", metavar="CHECK[/SUBJECT]")
+    p.add_argument("--reason", default="", help="why (recorded and announced)")
+    p = with_config(sub.add_parser("silence", help="silence a check (or one subject) for a while",
+                                   description="While the silence lasts, nothing of these incidents is announced and "
+                                               "no action runs; its end is announced, with what fired meanwhile."))
+    p.add_argument("target", metavar="CHECK[/SUBJECT]")
+    p.add_argument("--for", dest="duration", required=True, metavar="DURATION", help="e.g. 2h, 30m")
+    p.add_argument("--reason", required=True, help="why (recorded and announced)")
+    p = with_config(sub.add_parser("clear", help="the cause is fixed: resolve the incident and forget its history",
+                                   description="Resolve an incident now because its cause is fixed (a GPU was reset): "
+                                               "the check forgets what it recorded about the subject (an XID's "
+                                               "history), and only what happens from now on fires again."))
+    p.add_argument("target", metavar="CHECK/SUBJECT")
+    p.add_argument("--reason", required=True, help="what was fixed (recorded and announced)")
     with_config(sub.add_parser("validate", help="check a config file and print the effective config",
                                description="Validate a config file and print the effective config (secrets redacted)."))
     p = with_config(sub.add_parser("notify-test", help="send a test message through the configured channels",
@@ -68,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="/", metavar="DIR", help="the DIR given to install --root")
     p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
     p.add_argument("--purge", action="store_true", help="also remove /etc/trainguard, /var/lib/trainguard and the user")
+    p = with_config(sub.add_parser(
+        "xid", help="what the agent knows and does about XIDs (all of NVIDIA's catalog, or the codes given)",
+        description="Print NVIDIA's catalog entry for each XID (mnemonic, description, immediate and investigatory "
+                    "resolution bucket) and what this agent does about it with this config: status, how long it "
+                    "lasts, the actions it runs, and why trainguard reads the bucket as it does. Without codes: one "
+                    "line per code of the catalog."))
+    p.add_argument("codes", nargs="*", type=int, metavar="CODE", help="XID numbers, e.g. 79 48 149")
+    p.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     for hook, when in (("slurm-prolog", "starts"), ("slurm-epilog", "ends")):
@@ -82,10 +112,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    from trainguard.agent.configfile import load_config
-    from trainguard.core.logs import setup_logging
-    from trainguard.pipeline.config import default_state_dir
-
     # One-shot commands print results on stdout; their logs only matter when something is wrong.
     setup_logging(args.log_level or ("info" if args.command == "run" else "warning"))
     if args.command == "run":
@@ -105,22 +131,24 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
-    from trainguard.core.model import Status, worst
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
 
     engine = Engine(config, store=Store(None), notifiers={})
     reports = engine.run_round(ingest=False)
     results = [r for report in reports for r in report.results]
+    # Idle checks watch hardware this node lacks: listed, but they never change the exit code.
+    idle = {report.check: report.idle_reason or "" for report in reports if report.outcome == "idle"}
     overall = worst(r.status for r in results)
     drained = _drain(engine, [r for r in results if r.status is Status.CRITICAL]) if drain else None
     if as_json:
         print(json.dumps({"node": config.agent.node_name, "status": overall.name,
-                          "results": [r.to_dict() for r in results], "drain": drained}, indent=1))
+                          "results": [r.to_dict() for r in results], "idle": idle, "drain": drained}, indent=1))
     else:
         rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
         rows += [[r.status.name, r.check, r.subject, r.summary]
                  for r in sorted(results, key=lambda r: (-r.status.severity, r.check, r.subject))]
+        rows += [["IDLE", name, "-", reason] for name, reason in sorted(idle.items())]
         print(_table(rows))
         print(f"\n{config.agent.node_name}: {overall.name}")
         if drained:
@@ -136,7 +164,6 @@ def _drain(engine: Engine, critical: list[Result]) -> str | None:
     import uuid
 
     from trainguard.core.events import Event, EventKind
-    from trainguard.core.model import Status
 
     if not critical:
         return None
@@ -150,12 +177,50 @@ def _drain(engine: Engine, critical: list[Result]) -> str | None:
     return f"drain: {record['outcome']}: {record['detail']}"
 
 
+def cmd_xid(config: Config, codes: list[int], as_json: bool) -> int:
+    from trainguard.checks.xid import XidSettings, explain
+    from trainguard.gpu.xid_catalog import catalog
+
+    name = next((n for n in config.checks if config.kind_of_check(n) == "xid"), None)
+    settings = config.checks[name] if name is not None else XidSettings()
+    assert isinstance(settings, XidSettings)
+    where = f"[checks.{name}]" if name is not None else "xid check defaults; the check is not in this config"
+    entries = [explain(code, settings) for code in (codes or sorted(catalog()))]
+    for e in entries:  # the actions its most severe outcome runs
+        e["actions"] = settings.actions.for_status(Status[e["worst"]])
+    if as_json:
+        print(json.dumps({"config": where, "xids": entries}, indent=1))
+        return 0
+    if not codes:
+        rows = [["XID", "RESPONSE", "NVIDIA-IMMEDIATE", "MNEMONIC"]]
+        rows += [[str(e["xid"]), e["response"], e["nvidia_immediate"] or "-", e["mnemonic"]] for e in entries]
+        print(_table(rows))
+        print(f"\n{len(entries)} codes; `trainguard xid CODE` for one in full. Responses as set by {where}.")
+        return 0
+    for e in entries:
+        print(f"XID {e['xid']} {e['mnemonic']}")
+        print(f"  NVIDIA      {e['description']}")
+        if e["known"]:
+            print(f"              immediate {e['nvidia_immediate'] or '(none)'}, investigatory "
+                  f"{e['nvidia_investigatory'] or '(none)'}")
+        print(f"  trainguard  {e['response']} ({e['source']}): {e['status']}")
+        print(f"  advice      {e['todo']}")
+        for verdict, d in e.get("decode", {}).items():
+            rows = f", {d['rows']} table rows" if d["rows"] else ""
+            print(f"  decode      {verdict}: {d['response']} ({d['status']}){rows}" + (f"; {d['why']}" if d["why"] else ""))
+        for action, todo in e.get("recovery_actions", {}).items():
+            print(f"  recovery    {action}: {todo}")
+        if e["why"]:
+            print(f"  why         {e['why']}")
+        print(f"  actions     {', '.join(e['actions']) or 'none'} ({where})")
+    return 0
+
+
 def cmd_notify_test(config: Config, channel: str | None) -> int:
     import time
     import uuid
 
     from trainguard.core.events import Event, EventKind
-    from trainguard.core.model import Status
     from trainguard.notifiers.base import NotifierError
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
@@ -204,8 +269,16 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
                  for i in incidents]
         print(_table(rows))
         for i in incidents:
+            if i.get("acked"):
+                ack = i["acked"]
+                print(f"  {i['check']}/{i['subject']}: acknowledged by {ack['by']}"
+                      + (f": {ack['reason']}" if ack.get("reason") else ""))
             for a in i.get("actions", []):
                 print(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}")
+    for s in data.get("silences", []):
+        until = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["until"]))
+        print(f"\nsilenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
+              + f" until {until} by {s['by']}: {s['reason']}")
     jobs = data.get("jobs")
     if jobs:
         print(f"\njobs on this node ({', '.join(jobs['sources'])}"
@@ -219,8 +292,28 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
     for name, chk in data.get("checks", {}).items():
         for r in chk.get("results", []):
             rows.append([r["status"], name, r["subject"], r["summary"]])
+        if chk.get("outcome") == "idle":
+            rows.append(["IDLE", name, "-", chk.get("idle_reason") or ""])
     print("\nlast results")
     print(_table(rows))
+    return 0
+
+
+def cmd_operator(config: Config, args: argparse.Namespace) -> int:
+    from trainguard.agent.client import AgentUnreachableError, CommandRefusedError, command
+
+    body = {"target": args.target, "reason": args.reason}
+    if args.command == "silence":
+        body["for"] = args.duration
+    try:
+        reply, _ = command(config, "/" + ("ack" if args.command == "ack" else args.command), body)
+    except CommandRefusedError as exc:
+        print(f"trainguard {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except AgentUnreachableError as exc:
+        print(f"trainguard {args.command}: cannot reach the agent: {exc}", file=sys.stderr)
+        return 3
+    print(reply["done"])
     return 0
 
 
@@ -248,8 +341,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trainguard.jobs.prolog import run_hook
 
         return run_hook(args.dir, os.environ, ended=args.command == "slurm-epilog")
-    from trainguard.agent.configfile import ConfigError
-
     if args.command in ("install", "uninstall"):
         return cmd_install(args)
     if args.command in ("config-reference", "metrics-reference"):
@@ -272,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_status(config, args.url, args.json)
     if args.command == "notify-test":
         return cmd_notify_test(config, args.channel)
+    if args.command in ("ack", "silence", "clear"):
+        return cmd_operator(config, args)
+    if args.command == "xid":
+        return cmd_xid(config, args.codes, args.json)
     from trainguard.agent.daemon import run_daemon
 
     return run_daemon(config)

@@ -16,22 +16,31 @@
 Switch files live in the switch dir ($TRAINGUARD_SWITCH_DIR, else ./.trainguard): `save` asks for one
 checkpoint (removed by `saved()`), `stop` asks the run to checkpoint and exit. The heartbeat file
 (`heartbeat.json` there, or $TRAINGUARD_HEARTBEAT) tells the agent the run is making progress.
+
+A distributed job calls `trainer.flight_recorder()` before `torch.distributed.init_process_group`: PyTorch then
+records every collective, and the agent can name the rank that never entered the one the others wait in.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import math
 import os
+import re
 import signal
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Trainer", "heartbeat", "install", "saved", "should_save", "should_stop"]
+__all__ = ["Trainer", "flight_recorder", "heartbeat", "install", "saved", "should_save", "should_stop"]
+
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per process: hours of a typical job's recent history
 
 
 def _signals(names: Iterable[str]) -> list[signal.Signals]:
@@ -98,6 +107,100 @@ class Trainer:
         os.replace(tmp, self.heartbeat_path)
 
 
+    def flight_recorder(self, entries: int = FLIGHT_RECORDER_ENTRIES, dumps: bool = True,
+                        rank: int | None = None) -> str | None:
+        """Turn on PyTorch's flight recorder and serve it to the agent. Call before init_process_group.
+
+        Sets, unless already set: TORCH_FR_BUFFER_SIZE to `entries` (before PyTorch 2.7:
+        TORCH_NCCL_TRACE_BUFFER_SIZE); with `dumps`, TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_FR_DUMP_TEMP_FILE (before
+        2.7: TORCH_NCCL_DEBUG_INFO_TEMP_FILE) to `<switch dir>/flight-recorder/rank_`, so the NCCL watchdog leaves
+        each rank's buffer there when a collective times out. Then starts PyTorch's worker server
+        (torch.distributed.elastic.control_plane.worker_main, which answers while the rank is blocked in a
+        collective) on `$TMPDIR/trainguard-fr-<pid>/worker.sock`, where the agent looks for it: a variable set
+        now is not in /proc/PID/environ. The directory is this user's alone (0700); the socket is writable by all
+        (0666) so that the agent, crossing the directory with CAP_DAC_READ_SEARCH, can connect under its own user.
+        `rank` (default: $RANK, $SLURM_PROCID) is written beside it for launchers that pass it as an argument.
+
+        Returns the socket's path, or None when PyTorch (2.4 or later) can't be imported or the directory is
+        taken: the variables are set all the same. PyTorch is imported only here, from the job's own environment.
+        """
+        env = os.environ
+        try:
+            import torch  # the job's own torch, imported late: this module stays standard-library only
+            from torch.distributed.elastic.control_plane import worker_main
+        except ImportError:
+            torch = worker_main = None
+        version = tuple(int(v) for v in re.findall(r"\d+", getattr(torch, "__version__", "0.0"))[:2])
+        legacy = version < (2, 7)  # the variables' names before the flight recorder left ProcessGroupNCCL
+        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE" if legacy else "TORCH_FR_BUFFER_SIZE", str(entries))
+        if dumps:
+            dump_dir = self.switch_dir / "flight-recorder"
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE" if legacy else "TORCH_FR_DUMP_TEMP_FILE", f"{dump_dir}/rank_")
+        if worker_main is None:
+            return None
+        _remove_stale_servers(Path(tempfile.gettempdir()))
+        run_dir = Path(tempfile.gettempdir()) / f"trainguard-fr-{os.getpid()}"
+        try:
+            run_dir.mkdir(mode=0o700)
+        except FileExistsError:  # left by an earlier process of this pid, or planted: reuse only our own
+            st = os.lstat(run_dir)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                return None
+            os.chmod(run_dir, 0o700)
+        path = run_dir / "worker.sock"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        rank = rank if rank is not None else next(
+            (int(v) for v in (env.get("RANK"), env.get("SLURM_PROCID")) if v and v.isdigit()), None)
+        if rank is not None:
+            (run_dir / "rank").write_text(f"{rank}\n")
+        env["TORCH_WORKER_SERVER_SOCKET"] = str(path)
+        server = worker_main()
+        server.__enter__()
+        path.chmod(0o666)
+        atexit.register(self._stop_server, server, run_dir)
+        return str(path)
+
+    @staticmethod
+    def _stop_server(server: Any, run_dir: Path) -> None:
+        with contextlib.suppress(Exception):  # at exit, whatever torch's state: the socket file must go
+            server.__exit__(None, None, None)
+        for name in ("worker.sock", "rank"):
+            with contextlib.suppress(OSError):
+                (run_dir / name).unlink()
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
+
+
+def _remove_stale_servers(tmp: Path) -> None:
+    """Remove this user's socket directories of processes that are gone: a rank killed with SIGKILL (SLURM after
+    KillWait) never runs its atexit."""
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name.removeprefix("trainguard-fr-")
+        if pid == entry.name or not pid.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
+                continue
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # alive under another user, or unreadable
+        for name in ("worker.sock", "rank"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(entry.path, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(entry.path)
+
+
 _default: Trainer | None = None
 
 
@@ -126,3 +229,7 @@ def saved() -> None:
 
 def heartbeat(step: int, **metrics: float) -> None:
     _trainer().heartbeat(step, **metrics)
+
+
+def flight_recorder(entries: int = FLIGHT_RECORDER_ENTRIES, dumps: bool = True, rank: int | None = None) -> str | None:
+    return _trainer().flight_recorder(entries, dumps, rank)

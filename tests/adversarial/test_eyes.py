@@ -21,7 +21,7 @@ import requests
 
 from tests.conftest import AgentProcess, free_port, require_root
 from tests.slurm_cluster import JOB_USER, SlurmCluster, ensure_user
-from tests.test_training_log import OOM_22_FRAG
+from tests.test_training_log import OOM_H100
 
 ASSERT_BOMB = ("/x/Indexing.cu:1: indexSelect: block: [0,0,0], thread: [0,0,0] Assertion `" + "srcIndex < " * 1150
                + "` failed.\nRuntimeError: CUDA error: an illegal memory access was encountered\n")  # ~12.6 KB
@@ -89,7 +89,7 @@ stale_after = "1h"
     with (hostile / "train.log").open("a") as f:
         f.write(bombs)
     shutil.chown(hostile / "train.log", JOB_USER, JOB_USER)
-    (honest / "train.log").write_text("step 41 loss=1.1\n" + OOM_22_FRAG + "\n")
+    (honest / "train.log").write_text("step 41 loss=1.1\n" + OOM_H100 + "\n")
     shutil.chown(honest / "train.log", JOB_USER, JOB_USER)
 
     latencies = []

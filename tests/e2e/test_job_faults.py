@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import MemoryCgroup, wait_until
+from tests.conftest import MemoryCgroup, free_port, require, wait_until
 from tests.e2e.stack import FAST, Stack
 from tests.slurm_cluster import JOB_USER, sh
 
@@ -145,3 +146,37 @@ def test_a_fragmentation_oom_is_one_alert_with_the_diagnosis_and_the_allocator_s
         assert "CUDA out of memory (fragmentation)" in message, message
         assert "expandable_segments:True" in message, message
     assert "at step 14" in post["raw"].decode()  # the last step logged before the OOM
+
+
+def test_the_rank_that_hung_a_two_task_slurm_job_is_named_in_every_channel(stack: Stack) -> None:
+    """srun starts two ranks of examples/train_ddp.py as the job user (Gloo, the CPU build of PyTorch); rank 1 stops
+    before an all_reduce. The agent reads both ranks' flight recorders through their worker sockets (owned by the job
+    user, in its private directory) and names rank 1 in Slack, email and Alertmanager."""
+    try:
+        import torch
+    except ImportError:
+        require(False, "needs the CPU build of PyTorch (pip install torch==2.13.0: in the test extras)")
+    site = Path(torch.__file__).resolve().parents[1]  # the job user runs the system Python on the test venv's packages
+    stack.start_agent(stack.config({"hang": {"stale_after": "5s", "interval": "2s"}}))
+    workdir = stack.slurm.workdir()
+    logs = workdir / "logs"
+    command = (f"export PYTHONPATH={site} MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()} PYTHONWARNINGS=ignore "
+               f"TMPDIR={workdir}\n"
+               f"exec srun --ntasks=2 {stack.slurm.python} {stack.slurm.lib}/examples/train_ddp.py --hang-rank 1 "
+               f"--hang-at 3 --log-dir {logs}")
+    job_id = stack.submit(command, "--ntasks=2", workdir=workdir, name="e2e-ddp-hang")
+    stack.slurm.wait_state(job_id, ("RUNNING",))
+    stack.wait_mark("trainer", "rank 1 stands before its all_reduce", lambda: "stops before" in text(logs / "rank1.log"),
+                    90)
+    pid = int(re.search(r"pid=(\d+)", text(logs / "rank1.log")).group(1))  # type: ignore[union-attr]
+    named = (rf"rank 1 \(node {stack.slurm.node}, pid {pid}\) never entered all_reduce #(\d+) "
+             rf"\(its last: all_reduce #\d+\); rank 0 waiting")
+    stack.wait_mark("slack", "hang alert naming rank 1", lambda: stack.slack_posts("never entered all_reduce"), 30)
+    stack.wait_mark("email", "hang alert naming rank 1", lambda: stack.emails("never entered all_reduce"), 10)
+    stack.wait_mark("alertmanager", "hang alert active", lambda: stack.alerts(f"slurm:{job_id}"), 10)
+    [post] = stack.slack_posts("never entered all_reduce")
+    [mail] = stack.emails("never entered all_reduce")
+    [alert] = stack.alerts(f"slurm:{job_id}")
+    for message in (post["raw"].decode(), mail.get_body(("plain",)).get_content(), alert["annotations"]["description"]):
+        assert re.search(named, message), message
+    assert f"Next: rank 1 (node {stack.slurm.node}, pid {pid}) is stuck in stuck_before_all_reduce" in post["raw"].decode()

@@ -111,13 +111,15 @@ def test_a_flood_of_10000_xids_is_one_grouped_alert_at_bounded_cost(stack: Stack
     stack.mark_deliveries(bus)
 
     assert all(code == 200 for _, code in scrapes), scrapes  # /metrics answered throughout
-    # The check is woken by the first two occurrences of an (XID, GPU) pair, not per line; else it runs on its period.
+    # The check is woken when an (XID, GPU) entry is new or another process hits it, not per line; else it runs on
+    # its period.
     assert runs <= 2 + elapsed / interval + 1, runs
     assert cpu < 10.0, f"{cpu:.1f}s of CPU for 10000 kernel records"  # per-record check runs would cost minutes
     assert written - start < 10
     assert len(stack.slack_posts(bus)) == 1 and len(stack.emails(bus)) == 1
-    # One incident, escalated by the repeat to CRITICAL: Alertmanager holds only the critical alert.
-    assert [a["labels"]["severity"] for a in stack.alerts(subject)] == ["critical"]
+    # One incident: 10000 lines from one process are one fault of one job (NVIDIA: RESTART_APP), so it stays a
+    # WARNING; only a second job hitting XID 31 on this GPU would make it a hardware suspect.
+    assert [a["labels"]["severity"] for a in stack.alerts(subject)] == ["warning"]
     assert "XID 31" in stack.slack_posts(bus)[0]["raw"].decode()
 
 

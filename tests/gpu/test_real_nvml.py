@@ -156,3 +156,60 @@ def test_a_real_cuda_oom_is_diagnosed_with_the_gpu_context(tmp_path: Path, gpu_h
     finally:
         proc.kill()
         proc.wait()
+
+
+# NVLink, PCIe, fabric, persistence and versions: read from the real driver, compared with nvidia-smi ---------------
+def test_pcie_persistence_and_versions_as_nvidia_smi_reads_them() -> None:
+    nvml = Nvml()
+    pcie = nvml.pcie()
+    driver, configs = nvml.config()
+    rows = smi("pcie.link.gen.max", "pcie.link.width.max", "persistence_mode", "vbios_version", "driver_version")
+    assert len(pcie) == len(configs) == len(rows) > 0
+    for link, config, (gen_max, width_max, persistence, vbios, smi_driver) in zip(pcie, configs, rows, strict=True):
+        print(link, config)
+        assert link.error is None and config.error is None and link.value is not None and config.value is not None
+        # the current generation moves with load; the maxima and the replay counter are stable reads
+        assert link.value.generation_max == int(gen_max) and link.value.width_max == int(width_max)
+        assert link.value.generation is not None and 1 <= link.value.generation <= link.value.generation_max
+        assert link.value.replays is not None and link.value.replays >= 0
+        assert config.value.persistence is (persistence == "Enabled")
+        assert config.value.vbios == vbios
+        assert driver == smi_driver
+
+
+def test_nvlinks_and_fabric_state_from_the_real_driver() -> None:
+    """An H100 PCIe card without a bridge has no NVLink and no fabric: both must read as such, not fail."""
+    nvml = Nvml()
+    links = nvml.nvlinks()
+    status = subprocess.run(["nvidia-smi", "nvlink", "--status"], capture_output=True, text=True, timeout=60).stdout
+    listed = status.count("Link ") if "Link " in status else 0
+    assert sum(len(r.value or ()) for r in links) == listed
+    for reading in links:
+        assert reading.error is None
+        for link in reading.value or ():
+            assert set(link.errors) <= {"replay", "recovery", "crc_flit", "crc_data"}
+    fabric = nvml.fabric()
+    for reading in fabric:
+        print(reading)
+        assert reading.error is None
+        assert reading.value is None or reading.value.state in (0, 1, 2, 3)
+
+
+def test_the_hardware_checks_on_the_real_driver(tmp_path: Path) -> None:
+    _, data = trainguard_check(tmp_path, """
+        [checks.nvlink]
+        [checks.pcie]
+        [checks.gpu_config]
+        [checks.fabric]
+        fabric_manager_log = ""
+    """)
+    print(json.dumps(data, indent=1))
+    by_check: dict[str, list[dict[str, Any]]] = {}
+    for r in data["results"]:
+        by_check.setdefault(r["check"], []).append(r)
+    assert all(r["status"] != "UNKNOWN" for r in data["results"]), data["results"]
+    assert by_check.get("pcie"), "the pcie check reads every GPU"
+    assert "versions" in {r["subject"] for r in by_check["gpu_config"]}
+    # NVLink and the fabric are idle on a node without them, never UNKNOWN
+    for name in ("nvlink", "fabric"):
+        assert by_check.get(name) or name in data["idle"]

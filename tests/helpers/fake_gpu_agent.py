@@ -1,25 +1,37 @@
 """`python -m tests.helpers.fake_gpu_agent ARGS...`: the trainguard command with the scripted NVML in place of
 pynvml, for tests and benchmarks of the whole agent on machines without a GPU. TRAINGUARD_FAKE_GPUS sets the
-number of GPUs (default 8); GPU 0 has a pending row remap so that fault panels have something to show;
-TRAINGUARD_FAKE_GPU_FAULT=remap_failed makes the last GPU fail its row remapping (a CRITICAL fault)."""
+number of GPUs (default 8), each as on an HGX H100 board (18 NVLinks, PCIe Gen5 x16, registered with the NVLink
+fabric); GPU 0 has a pending row remap and a few NVLink and PCIe replays so that fault panels have something to show;
+TRAINGUARD_FAKE_GPU_FAULT=remap_failed makes the last GPU fail its row remapping (a CRITICAL fault);
+TRAINGUARD_FAKE_NVML=missing makes NVML fail to load, as on a node without the driver."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from tests.helpers.fake_nvml import FakeGpu, FakeNvml
+from tests.helpers.fake_nvml import (
+    NVML_GPU_FABRIC_STATE_COMPLETED,
+    NVML_NVLINK_ERROR_DL_REPLAY,
+    FakeGpu,
+    FakeNvml,
+    NVMLError_LibraryNotFound,
+)
 
 
 def main() -> int:
     count = int(os.environ.get("TRAINGUARD_FAKE_GPUS", "8"))
     gpus = [FakeGpu(f"GPU-{i:08x}-0000-4000-8000-000000000000", bus_id=f"00000000:{0x18 + i:02X}:00.0".encode(),
-                    used=(2 + i) * 2**30) for i in range(count)]
+                    used=(2 + i) * 2**30, nvlinks=[True] * 18, fabric=(NVML_GPU_FABRIC_STATE_COMPLETED, 0))
+            for i in range(count)]
     if gpus:
         gpus[0].remap = (3, 0, 1, 0)
+        gpus[0].nvlink_errors = {(0, NVML_NVLINK_ERROR_DL_REPLAY): 3}
+        gpus[0].pcie_replays = 2
         if os.environ.get("TRAINGUARD_FAKE_GPU_FAULT") == "remap_failed":
             gpus[-1].remap = (0, 1, 0, 1)
-    sys.modules["pynvml"] = FakeNvml(gpus)  # type: ignore[assignment]
+    missing = NVMLError_LibraryNotFound if os.environ.get("TRAINGUARD_FAKE_NVML") == "missing" else None
+    sys.modules["pynvml"] = FakeNvml(gpus, init_error=missing)  # type: ignore[assignment]
     from trainguard.cli import main as trainguard
 
     return trainguard(sys.argv[1:])

@@ -38,16 +38,43 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def _get(conn: http.client.HTTPConnection, path: str) -> Any:
+class CommandRefusedError(Exception):
+    """The agent understood and refused (no such check, no incident): its message says why."""
+
+
+def _get(conn: http.client.HTTPConnection, path: str, body: dict[str, Any] | None = None) -> Any:
     try:
-        conn.request("GET", path)
+        if body is None:
+            conn.request("GET", path)
+        else:
+            conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        body = resp.read()
+        raw = resp.read()
     finally:
         conn.close()
+    if resp.status == 400:
+        try:
+            raise CommandRefusedError(json.loads(raw).get("error") or raw.decode(errors="replace"))
+        except ValueError:
+            raise CommandRefusedError(raw[:200].decode(errors="replace")) from None
     if resp.status != 200:
-        raise AgentUnreachableError(f"HTTP {resp.status}: {body[:200].decode(errors='replace')}")
-    return json.loads(body)
+        raise AgentUnreachableError(f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}")
+    return json.loads(raw)
+
+
+def command(config: Config, path: str, body: dict[str, Any]) -> tuple[Any, str]:
+    """An operator command (POST) over the control socket only: TCP never takes them."""
+    errors = []
+    for sock_path in control_candidates(config):
+        if not sock_path.exists():
+            continue
+        try:
+            return _get(_UnixConnection(sock_path), path, body), str(sock_path)
+        except PermissionError:
+            errors.append(f"{sock_path}: permission denied (root or the agent's group only)")
+        except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
+            errors.append(f"{sock_path}: {exc}")
+    raise AgentUnreachableError("; ".join(errors) or "no control socket found (is the agent running here?)")
 
 
 def control_candidates(config: Config) -> list[Path]:

@@ -178,7 +178,8 @@ def warn_inline_secrets(path: Path, raw: dict[str, Any], registry: Registry = DE
 
 
 def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
-    """Useful on any Linux machine: root fs and state dir, host memory, GPUs when NVML loads, console."""
+    """Useful on any Linux machine: root fs and state dir, host memory, InfiniBand ports (idle without them), GPUs
+    when NVML loads, console."""
     agent = AgentSettings()
     # The daemon creates the state dir before it loads the config; a one-shot `check` may run without it.
     paths = ["/"] + ([str(agent.state_dir)] if agent.state_dir.is_dir() else [])
@@ -186,6 +187,7 @@ def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
         "checks": {
             "disk": {"paths": paths},
             "memory": {},
+            **({"infiniband": {}} if "infiniband" in registry.checks else {}),  # idle on a node without HCAs
         },
         "notifiers": {"console": {}},
     }
@@ -194,7 +196,8 @@ def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
 
         reason = nvml.probe()
         if reason is None:
-            raw["checks"]["gpu"] = {}
+            raw["checks"].update({kind: {} for kind in ("gpu", "nvlink", "pcie", "gpu_config", "fabric")
+                                  if kind in registry.checks})
         else:
             log.info("GPU checks off", extra=kv(reason=reason))
     config = parse_config(raw, "(built-in default)", registry)

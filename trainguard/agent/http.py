@@ -1,10 +1,11 @@
-"""The agent's small HTTP endpoints, read-only.
+"""The agent's small HTTP endpoints.
 
-- TCP (`agent.listen`, 127.0.0.1:9721 by default): /metrics, /healthz, and /status with summaries only: any local
-  user can connect there, and a result's details carry other users' log lines and names.
+- TCP (`agent.listen`, 127.0.0.1:9721 by default), read-only: /metrics, /healthz, and /status with summaries only:
+  any local user can connect there, and a result's details carry other users' log lines and names.
 - The local control socket (`control.sock` in the runtime or state directory, mode 0660, group of the agent): the
-  same, and /status with every detail. The kernel lets only the agent's group open it; SO_PEERCRED checks the
-  peer again (root, the agent's user, or a member of its group).
+  same, /status with every detail, and the operator commands (POST /ack, /silence, /clear), recorded with the
+  peer's uid. The kernel lets only the agent's group open it; SO_PEERCRED checks the peer again (root, the agent's
+  user, or a member of its group).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,7 +30,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from trainguard.agent.metrics import build_registry
 from trainguard.agent.status import status_document
 from trainguard.core.logs import kv
-from trainguard.pipeline.engine import Engine
+from trainguard.core.text import one_line
+from trainguard.core.units import parse_duration
+from trainguard.pipeline.engine import Engine, OperatorError
+from trainguard.pipeline.incidents import Operator
 
 log = logging.getLogger("trainguard.http")
 
@@ -63,8 +68,13 @@ class _UnixServer(socketserver.ThreadingUnixStreamServer):
         self.allowed = allowed
         super().__init__(path, handler)
 
+    def get_request(self) -> tuple[Any, Any]:
+        """The connection and, as its "address", the peer's (pid, uid, gid) from the kernel (SO_PEERCRED)."""
+        conn, _ = self.socket.accept()
+        return conn, struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        pid, uid, gid = struct.unpack("3i", request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, gid = client_address
         if self.allowed(uid, gid):
             return True
         log.warning("control socket: peer refused", extra=kv(pid=pid, uid=uid, gid=gid))
@@ -90,6 +100,34 @@ def may_control(uid: int, gid: int) -> bool:
         return False
 
 
+MAX_BODY = 64 << 10
+
+
+def operate(engine: Engine, path: str, body: dict[str, Any], uid: int) -> str:
+    """One operator command (POST /ack, /silence, /clear on the control socket) by the peer `uid`; what was done."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = f"uid {uid}"
+    target = body.get("target")
+    if not isinstance(target, str) or not target:
+        raise ValueError("target: expected CHECK or CHECK/SUBJECT")
+    who = Operator(name, uid, one_line(str(body.get("reason") or ""), 500))
+    if path == "/ack":
+        events = engine.acknowledge(target, who)
+        return f"acknowledged {len(events)} incident(s) of {target}"
+    if path == "/silence":
+        duration = parse_duration(body.get("for"))
+        if duration <= 0:
+            raise ValueError("for: a silence needs a duration, e.g. '2h'")
+        silence = engine.silence(target, duration, who)
+        return f"silenced {silence.target} until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(silence.until))}"
+    if path == "/clear":
+        events = engine.clear(target, who)
+        return f"cleared {target}" + ("" if events else " (no incident was firing; its history is forgotten)")
+    raise ValueError(f"unknown command {path}: expected /ack, /silence or /clear")
+
+
 def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
     registry = build_registry(engine.snapshot)
 
@@ -112,7 +150,18 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
                 self._reply(404, b"not found\n")
 
         def do_POST(self) -> None:
-            self._reply(405, b"read-only endpoint\n")
+            if not details:  # TCP: anyone on the host can connect
+                self._reply(405, b"read-only endpoint: operator commands go over the control socket\n")
+                return
+            pid, uid, _ = self.client_address
+            try:
+                body = json.loads(self.rfile.read(min(int(self.headers.get("Content-Length") or 0), MAX_BODY)) or b"{}")
+                done = operate(engine, self.path.split("?", 1)[0], body if isinstance(body, dict) else {}, uid)
+            except (OperatorError, ValueError) as exc:
+                self._reply(400, json.dumps({"error": str(exc)}).encode(), "application/json")
+                return
+            log.warning("operator command", extra=kv(command=self.path, uid=uid, pid=pid, done=done))
+            self._reply(200, json.dumps({"done": done}).encode(), "application/json")
 
         do_PUT = do_DELETE = do_PATCH = do_POST  # noqa: N815
 
@@ -124,7 +173,7 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            client = self.client_address[0] if isinstance(self.client_address, tuple) else "local"
+            client = self.client_address[0] if details is False else "local"
             log.debug("http request", extra=kv(client=client, request=format % args))
 
     return Handler

@@ -26,6 +26,9 @@ CHECK_LAST_RUN = Metric("trainguard_check_last_run_timestamp_seconds", "Unix tim
                         ("check",))
 CHECK_SUCCESS = Metric("trainguard_check_success",
                        "1 if the latest run of a check completed, 0 if it failed, timed out or was skipped.", ("check",))
+CHECK_IDLE = Metric("trainguard_check_idle",
+                    "1 while a check is idle: what it watches (NVML, InfiniBand devices) is absent from this node, so it "
+                    "reports nothing and alerts on nothing.", ("check",))
 CHECK_RUNS = Metric("trainguard_check_runs_total", "Runs of a check, by outcome.", ("check", "outcome"), counter=True)
 CHECK_TIMEOUTS = Metric("trainguard_check_timeouts_total", "Runs of a check that exceeded their timeout.", ("check",),
                         counter=True)
@@ -37,12 +40,20 @@ SENT = Metric("trainguard_notifications_sent_total", "Notifications delivered.",
 FAILED = Metric("trainguard_notifications_failed_total", "Failed delivery attempts.", ("channel",), counter=True)
 DROPPED = Metric("trainguard_notifications_dropped_total", "Notifications dropped (rejected permanently or too old).",
                  ("channel",), counter=True)
+INCIDENT_FIRING = Metric("trainguard_incident_firing",
+                         "1 for each incident firing now (after the check's fire_after): what the alert rules follow.",
+                         ("check", "subject", "type", "severity", "job_id"))
+INCIDENT_ACKED = Metric("trainguard_incident_acknowledged", "1 for each incident an operator acknowledged.",
+                        ("check", "subject"))
+INCIDENT_SILENCED = Metric("trainguard_incident_silenced",
+                           "1 for each incident under an operator's silence (no notification, no action).",
+                           ("check", "subject"))
 START_TIME = Metric("trainguard_agent_start_time_seconds", "Unix time the agent started.")
 RSS = Metric("trainguard_agent_resident_memory_bytes", "Resident memory of the agent.")
 CPU = Metric("trainguard_agent_cpu_seconds_total", "CPU time used by the agent (user + system).", counter=True)
-AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_RUNS, CHECK_TIMEOUTS,
-                 INCIDENTS_FIRING, QUEUED, OLDEST_QUEUED, SENT, FAILED, DROPPED, START_TIME, RSS, CPU,
-                 *AgentCheck.metrics)
+AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS,
+                 CHECK_TIMEOUTS, INCIDENTS_FIRING, INCIDENT_FIRING, INCIDENT_ACKED, INCIDENT_SILENCED, QUEUED,
+                 OLDEST_QUEUED, SENT, FAILED, DROPPED, START_TIME, RSS, CPU, *AgentCheck.metrics)
 
 
 def family(metric: Metric, samples: Sequence[Sample] = ()) -> Family:
@@ -70,19 +81,21 @@ class SnapshotCollector(Collector):
         snap = self._snapshot()
         yield family(BUILD_INFO, [BUILD_INFO(1, {"version": __version__, "node": snap.node})])
         agent: dict[Metric, list[Sample]] = {m: [] for m in (CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN,
-                                                              CHECK_SUCCESS, CHECK_RUNS, CHECK_TIMEOUTS)}
+                                                              CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS, CHECK_TIMEOUTS)}
         by_metric: dict[Metric, list[Sample]] = {}
         for name, st in sorted(snap.checks.items()):
             check = {"check": name}
             agent[CHECK_TIMEOUTS].append(CHECK_TIMEOUTS(st.timeouts, check))
-            ok = st.runs - st.timeouts - st.errors - st.skipped
-            for outcome, count in (("ok", ok), ("error", st.errors), ("timeout", st.timeouts), ("skipped", st.skipped)):
+            ok = st.runs - st.timeouts - st.errors - st.skipped - st.idle
+            for outcome, count in (("ok", ok), ("idle", st.idle), ("error", st.errors), ("timeout", st.timeouts),
+                                   ("skipped", st.skipped)):
                 agent[CHECK_RUNS].append(CHECK_RUNS(count, {**check, "outcome": outcome}))
             if st.last is None:
                 continue
             agent[CHECK_DURATION].append(CHECK_DURATION(st.last.duration, check))
             agent[CHECK_LAST_RUN].append(CHECK_LAST_RUN(st.last.started, check))
             agent[CHECK_SUCCESS].append(CHECK_SUCCESS(1 if st.last.complete else 0, check))
+            agent[CHECK_IDLE].append(CHECK_IDLE(1 if st.last.outcome == "idle" else 0, check))
             for result in st.last.results:
                 agent[CHECK_STATUS].append(CHECK_STATUS(int(result.status), {**check, "subject": result.subject,
                                                                              "type": st.kind}))
@@ -91,6 +104,7 @@ class SnapshotCollector(Collector):
         yield from (family(m, samples) for m, samples in agent.items())
         yield family(INCIDENTS_FIRING, [INCIDENTS_FIRING(snap.firing.get(sev, 0), {"severity": sev.label})
                                         for sev in (Status.UNKNOWN, Status.WARNING, Status.CRITICAL)])
+        yield from incident_families(snap)
 
         delivery: dict[Metric, list[Sample]] = {m: [] for m in (QUEUED, OLDEST_QUEUED, SENT, FAILED, DROPPED)}
         now = snap.agent.get("now", 0.0)
@@ -110,6 +124,23 @@ class SnapshotCollector(Collector):
             yield family(CPU, [CPU(snap.agent["cpu"])])
         for metric, samples in sorted(by_metric.items(), key=lambda item: item[0].name):
             yield family(metric, samples)
+
+
+def incident_families(snap: Snapshot) -> Iterator[Family]:
+    """One series per firing, acknowledged or silenced incident: the agent's own hysteresis, for the rules."""
+    firing, acked, silenced = [], [], []
+    now = snap.agent.get("now", 0.0)
+    for i in snap.incidents:
+        where = {"check": i.check, "subject": i.subject}
+        if i.firing:
+            job = i.details.get("job_id") or i.details.get("job_key") or ""
+            kind = snap.checks[i.check].kind if i.check in snap.checks else i.check
+            firing.append(INCIDENT_FIRING(1, {**where, "type": kind, "severity": i.status.label, "job_id": job}))
+        if i.acked:
+            acked.append(INCIDENT_ACKED(1, where))
+        if any(s.until > now and s.matches(i.check, i.subject) for s in snap.silences):
+            silenced.append(INCIDENT_SILENCED(1, where))
+    yield from (family(INCIDENT_FIRING, firing), family(INCIDENT_ACKED, acked), family(INCIDENT_SILENCED, silenced))
 
 
 def build_registry(snapshot: Callable[[], Snapshot]) -> CollectorRegistry:

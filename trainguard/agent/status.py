@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 from trainguard import __version__
@@ -27,6 +28,7 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
                 "last_run": st.last.started if st.last else None,
                 "duration_s": round(st.last.duration, 4) if st.last else None,
                 "outcome": st.last.outcome if st.last else None,
+                "idle_reason": st.last.idle_reason if st.last else None,
                 "runs": st.runs,
                 "timeouts": st.timeouts,
                 "results": [_result(r.to_dict(), details) for r in st.last.results] if st.last else [],
@@ -37,6 +39,7 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
         "jobs": {"sources": engine.catalog.sources, "errors": view.errors,
                  "jobs": [_job(j.to_dict(), details) for j in view.on_node()]} if engine.catalog and view else None,
         "details": details,
+        "silences": [asdict(s) for s in engine.tracker.silences() if s.until > snap.agent.get("now", 0.0)],
         "outbox": {ch: {"queued": n, "oldest": oldest} for ch, (n, oldest) in snap.outbox.items()},
     }
 

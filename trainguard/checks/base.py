@@ -1,31 +1,31 @@
-"""The check interface: a small class with a name, validated settings and `run()` returning results; and the two
-family base classes, JobCheck (checks over the jobs on this node) and NvmlCheck (checks over the GPUs)."""
+"""The check interface: a small class with a name, validated settings and `run()` returning results; `CheckIdle`, which a
+check raises when what it watches is absent from this node; and the two family base classes, JobCheck (checks over the
+jobs on this node) and NvmlCheck (checks over the GPUs)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import Field, PositiveInt
 
-from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.settings import Duration, SettingsModel
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
-from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError, Reading
 from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
 from trainguard.node.access import NOBODY, Identity
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessSnapshots
 
-log = logging.getLogger("trainguard.checks")
+T = TypeVar("T")
+V = TypeVar("V")
 
 
 class ActionBinding(SettingsModel):
@@ -37,6 +37,17 @@ class ActionBinding(SettingsModel):
 
     def for_status(self, status: Status) -> list[str]:
         return {Status.WARNING: self.warning, Status.CRITICAL: self.critical}.get(status, [])
+
+
+class CheckIdle(Exception):  # noqa: N818 - an outcome, not an error
+    """Raised by `run()` when the hardware the check watches is absent from this node (no NVML on a CPU-only node, no
+    InfiniBand device): the run is `idle`, not a failure. The runner logs it once, the check opens no incident and
+    raises no alert (it reports no result), and `trainguard_check_idle{check}` is 1. A check raises it only when the
+    hardware was never expected here: hardware that vanished, or that the config names, is a fault to report."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class CheckSettings(SettingsModel):
@@ -96,6 +107,10 @@ class Check(ABC):
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Stop what `start` started."""
 
+    def clear(self, subject: str, at: float) -> None:  # noqa: B027 - optional hook
+        """An operator says the cause behind `subject` is fixed (`trainguard clear`): checks that keep a history
+        (XIDs seen, log findings) forget what they recorded about it up to `at`, so it does not fire again."""
+
     def load_state(self, key: str) -> dict[str, Any]:
         """A JSON object this check saved (counters, positions); {} when absent or unreadable."""
         return self.context.state.load_json(key)
@@ -139,21 +154,38 @@ class JobCheck(Check):
 
 
 class NvmlCheck(Check):
-    """A check over NVML: on a node without it, one UNKNOWN `NVML not available` and one log line."""
+    """A check over NVML: idle on a node without it (no driver, no library): the runner says so once."""
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
         self.nvml = context.nvml
-        self._reported_unavailable = False
 
-    def gpus(self) -> tuple[list[GpuState], Result | None]:
-        """The GPUs, or no GPUs and the UNKNOWN result saying why NVML can't be used."""
+    def gpus(self) -> list[GpuState]:
+        """The GPUs; CheckIdle with the reason when NVML can't be used on this node."""
+        return self.nvml_read(self.nvml.gpus)
+
+    @staticmethod
+    def nvml_read(read: Callable[[], T]) -> T:
+        """One of the gateway's reads; CheckIdle with the reason when NVML can't be used on this node."""
         try:
-            gpus = self.nvml.gpus()
+            return read()
         except NvmlUnavailableError as exc:
-            if not self._reported_unavailable:  # one log line, not a traceback per run
-                log.warning("GPU checks off", extra=kv(check=self.name, reason=str(exc)))
-                self._reported_unavailable = True
-            return [], self.result("nvml", Status.UNKNOWN, str(exc))
-        self._reported_unavailable = False
-        return gpus, None
+            raise CheckIdle(str(exc)) from None
+
+    @staticmethod
+    def gpu_labels(reading: Reading[Any]) -> dict[str, str]:
+        return {"gpu": str(reading.gpu.index), "uuid": reading.gpu.uuid}
+
+    @staticmethod
+    def present(readings: list[Reading[V]]) -> list[Reading[V]]:
+        """The readings of GPUs not lost. A lost GPU is the gpu check's CRITICAL: the checks over its links and
+        settings would only add an UNKNOWN (and a notification) each to the same fault."""
+        return [r for r in readings if not r.lost]
+
+    def unanswered(self, reading: Reading[Any]) -> Result | None:
+        """A GPU NVML answered with an error for this check: UNKNOWN naming it; None when it answered."""
+        if reading.error is None:
+            return None
+        return self.result(reading.gpu.uuid or f"gpu{reading.gpu.index}", Status.UNKNOWN,
+                           f"GPU {reading.gpu.index}: NVML error: {reading.error}",
+                           {"index": reading.gpu.index, "uuid": reading.gpu.uuid})

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, NvmlCheck
+from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, NvmlCheck
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration
 from trainguard.core.units import format_bytes, format_duration
 from trainguard.gpu.health import unreachable
-from trainguard.gpu.nvml import CLOCK_EVENTS, GpuState
+from trainguard.gpu.nvml import CLOCK_EVENTS, GpuState, NvmlUnavailableError
 
 COUNT_KEY = "gpu.max_count"
 
@@ -91,9 +91,10 @@ class GpuCheck(NvmlCheck):
         self._throttled_since: dict[str, float] = {}
 
     def run(self) -> Sequence[Result]:
-        gpus, unavailable = self.gpus()
-        if unavailable is not None:
-            return [unavailable]
+        try:
+            gpus = self.nvml.gpus()
+        except NvmlUnavailableError as exc:
+            return [self._without_nvml(str(exc))]
         now = self.context.clock()
         results = [self._one(gpu, now) for gpu in gpus]
         results.append(self._count(gpus))
@@ -125,6 +126,19 @@ class GpuCheck(NvmlCheck):
                    "remap_failed": gpu.remap_failed, "retired_pages_pending": gpu.retired_pages_pending,
                    "clock_events": throttle_names(gpu.clock_event_reasons)}
         return self.result(gpu.uuid or f"gpu{gpu.index}", status, summary, details, samples)
+
+    def _without_nvml(self, reason: str) -> Result:
+        """No NVML: idle on a node that never had GPUs; CRITICAL where GPUs are configured or were seen here (the
+        driver failed to load after a reboot, or was unloaded), since the node can no longer run GPU jobs."""
+        expected = self.settings.expected_count
+        source = "configured"
+        if expected is None:
+            expected, source = int(self.context.state.get(COUNT_KEY) or 0), "seen on this node"
+        if expected <= 0:
+            raise CheckIdle(reason)
+        return self.result("count", Status.CRITICAL, f"0 of {expected} GPUs answering ({expected} {source}): {reason}",
+                           {"answering": 0, "expected": expected, "source": source, "nvml": reason},
+                           [COUNT(0), EXPECTED(expected)])
 
     def _count(self, gpus: list[GpuState]) -> Result:
         """Fewer GPUs than configured, or than this node ever had: one fell off the bus or out of the driver."""

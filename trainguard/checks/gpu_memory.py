@@ -132,9 +132,7 @@ class GpuMemoryCheck(NvmlCheck):
         return owner_of, not view.errors
 
     def run(self) -> Sequence[Result]:
-        gpus, unavailable = self.gpus()
-        if unavailable is not None:
-            return [unavailable]
+        gpus = self.gpus()
         owner_of, jobs_known = self._owners()
         now = self.context.clock()
         results = []

@@ -7,8 +7,11 @@ neither, the write I/O counters of its process tree.
 
 The check is not polled blindly: after each run it sets a timer for the earliest deadline (last
 progress + stale_after), so a hang is reported within a second of it. The first run that finds a
-job hung captures its stacks (py-spy) before the incident fires and any action touches the job:
-once per hang, also across restarts of the agent (the state remembers which hang was dumped where).
+job hung captures its stacks (py-spy) and, for a distributed job, each rank's flight recorder (PyTorch's
+ring buffer of collectives, from the rank's worker socket or the dumps of the NCCL watchdog) before the
+incident fires and any action touches the job; the incident names the rank that never entered the
+collective the others wait in. Once per hang, also across restarts of the agent (the state remembers which hang
+was dumped where).
 """
 
 from __future__ import annotations
@@ -30,8 +33,17 @@ from trainguard.core.text import one_line
 from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import HEARTBEAT, heartbeat_path, job_log_files, job_processes, read_heartbeat
+from trainguard.jobs.tree import (
+    FLIGHT_RECORDER_DUMPS,
+    HEARTBEAT,
+    flight_traces,
+    heartbeat_path,
+    job_log_files,
+    job_processes,
+    read_heartbeat,
+)
 from trainguard.node.access import Identity, stat_as
+from trainguard.node.flight import Stall, analyze
 from trainguard.node.procfs import ProcFS
 from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, ptrace_refusal, write_dumps
 
@@ -66,6 +78,14 @@ class HangSettings(CheckSettings):
     native: bool = Field(False, description="py-spy --native: include C/C++/CUDA frames (slower; it stops each "
                                             "process with ptrace, which the unit allows with its native-stacks drop-in).")
     dump_timeout: Duration = Field(10.0, gt=0, description="Timeout of the py-spy dumps of one job.")
+    flight_recorder: bool = Field(True, description="Read each rank's PyTorch flight recorder (its worker socket, "
+                                                    "TORCH_WORKER_SERVER_SOCKET) and name the rank that never entered "
+                                                    "the collective the others wait in.")
+    flight_recorder_dumps: str = Field(FLIGHT_RECORDER_DUMPS, description="Where the ranks' NCCL "
+                                       "watchdog writes its flight-recorder dumps (TORCH_FR_DUMP_TEMP_FILE); "
+                                       "templates as logs; empty: none.")
+    flight_recorder_timeout: Duration = Field(5.0, gt=0, description="Timeout of reading the flight recorders "
+                                                                     "of one job.")
 
 
 @dataclass(frozen=True)
@@ -117,6 +137,45 @@ def io_written(procs: list[psutil.Process]) -> int | None:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What was captured of a hung job, once per hang: its stacks, where they were written, and its collectives."""
+
+    since: float  # the hang's last progress: a new hang captures anew
+    stacks: list[ProcessStack]
+    path: Path | None = None
+    stall: Stall | None = None
+
+
+def _stack_record(stack: ProcessStack) -> dict[str, Any]:
+    """What the state keeps of a stack: all but the full dump text, which is in the dump file."""
+    return {"pid": stack.pid, "rank": stack.rank, "state": stack.state, "where": stack.where, "wchan": stack.wchan}
+
+
+def _load_evidence(saved: dict[str, Any]) -> dict[str, Evidence]:
+    """The dumps an earlier run of the agent took, from its state; a record that does not parse is dropped (that
+    job is dumped again, nothing worse). The collectives are not kept: they are read again, without harm."""
+    dumps = {}
+    for key, record in saved.items():
+        try:
+            stacks = [ProcessStack(int(s["pid"]), s["rank"], str(s["state"]), str(s["where"]), wchan=s["wchan"])
+                      for s in record["stacks"]]
+            dumps[key] = Evidence(float(record["since"]), stacks, Path(record["path"]) if record["path"] else None)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return dumps
+
+
+def next_step(stall: Stall | None, stacks: list[ProcessStack]) -> str | None:
+    """The runbook's first move for this hang: the rank that never entered the collective, and where it is stuck."""
+    if stall is None or not stall.missing or stall.collective is None:
+        return None
+    where = {s.pid: s.where for s in stacks}
+    culprits = "; ".join(t.label() + (f" is stuck in {where[t.pid]}" if t.pid in where else "") for t in stall.missing)
+    return (f"{culprits}: it never entered {stall.collective.describe()} that the other ranks wait in, so it is the "
+            "cause; read its stack and its log, and check its node's XIDs")
+
+
+@dataclass(frozen=True)
 class Progress:
     last: Signal
     signals: tuple[Signal, ...]
@@ -127,12 +186,13 @@ def evaluate(progress: Progress, stale_after: float, now: float) -> Status:
 
 
 def summarize(job: Job, progress: Progress, stale_after: float, now: float, stacks: list[ProcessStack],
-              dump_path: Path | None) -> str:
+              dump_path: Path | None, stall: Stall | None = None) -> str:
     idle = format_duration(max(0.0, now - progress.last.at))
     if now - progress.last.at < stale_after:
         return f"{job.label()}: progressing ({progress.last.what}, {idle} ago)"
-    text = (f"{job.label()}: no progress for {idle} (stale after {format_duration(stale_after)}); "
-            f"last: {progress.last.what}")
+    # The rank that never entered the collective leads: it is the cause, and headlines are cut at 120 characters.
+    text = (f"{job.label()}: " + (f"{stall.describe()}; " if stall else "")
+            + f"no progress for {idle} (stale after {format_duration(stale_after)}); last: {progress.last.what}")
     if stacks:
         text += "; stuck in: " + "; ".join(s.describe() for s in stacks[:8])
         if len(stacks) > 8:
@@ -140,25 +200,6 @@ def summarize(job: Job, progress: Progress, stale_after: float, now: float, stac
     if dump_path is not None:
         text += f"; stacks in {dump_path}"
     return text
-
-
-def _stack_record(stack: ProcessStack) -> dict[str, Any]:
-    """What the state keeps of a stack: all but the full dump text, which is in the dump file."""
-    return {"pid": stack.pid, "rank": stack.rank, "state": stack.state, "where": stack.where, "wchan": stack.wchan}
-
-
-def _load_dumps(saved: dict[str, Any]) -> dict[str, tuple[float, list[ProcessStack], Path | None]]:
-    """The dumps an earlier run of the agent took, from its state; a record that does not parse is dropped (that
-    job is dumped again, nothing worse)."""
-    dumps = {}
-    for key, record in saved.items():
-        try:
-            stacks = [ProcessStack(int(s["pid"]), s["rank"], str(s["state"]), str(s["where"]), wchan=s["wchan"])
-                      for s in record["stacks"]]
-            dumps[key] = (float(record["since"]), stacks, Path(record["path"]) if record["path"] else None)
-        except (KeyError, TypeError, ValueError):
-            continue
-    return dumps
 
 
 class HangCheck(JobCheck):
@@ -171,7 +212,7 @@ class HangCheck(JobCheck):
         self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self._native(), self.settings.dump_timeout,
                                   context.proc)
         self._counters = self.load_state(STATE_KEY)  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
-        self._dumps = _load_dumps(self.load_state(DUMPS_KEY))
+        self._dumps = _load_evidence(self.load_state(DUMPS_KEY))
         self._timer: WakeTimer | None = None
         self._dirty = False
 
@@ -248,22 +289,25 @@ class HangCheck(JobCheck):
                 continue
             limit = self.stale_after(job)
             status = evaluate(progress, limit, now)
-            stacks, dump_path = self._stacks(job, procs, progress, now) if status is not Status.OK else ([], None)
+            evidence = self._evidence(job, procs, progress, now) if status is not Status.OK else Evidence(0.0, [])
             if status is Status.OK:
                 self._dirty |= self._dumps.pop(job.key, None) is not None
                 deadlines.append(progress.last.at + limit)
-            results.append(self._result(job, progress, limit, now, status, stacks, dump_path))
+            results.append(self._result(job, progress, limit, now, status, evidence))
         self._forget(live)
         if self._timer is not None:
             self._timer.set(min(deadlines) + 0.05 if deadlines else None)
         return results
 
-    def _stacks(self, job: Job, procs: list[psutil.Process], progress: Progress,
-                now: float) -> tuple[list[ProcessStack], Path | None]:
-        """Once per hang: dump the stacks and keep them for the runs that follow."""
+    def _evidence(self, job: Job, procs: list[psutil.Process], progress: Progress, now: float) -> Evidence:
+        """Once per hang: dump the stacks, read the flight recorders, and keep them for the runs that follow."""
         cached = self._dumps.get(job.key)
-        if cached is not None and cached[0] == progress.last.at:
-            return cached[1], cached[2]
+        if cached is not None and cached.since == progress.last.at:
+            if cached.stall is None and self.settings.flight_recorder and cached.stacks:
+                # restored from the state of an earlier agent: the stacks are kept, the collectives read again
+                cached = Evidence(cached.since, cached.stacks, cached.path, self._stall(job, procs))
+                self._dumps[job.key] = cached
+            return cached
         stacks: list[ProcessStack] = []
         path = None
         if self.settings.stacks:
@@ -275,9 +319,20 @@ class HangCheck(JobCheck):
                     log.error("writing stack dumps failed", extra=kv(job=job.key, error=exc))
             log.warning("hung job stacks", extra=kv(job=job.key, processes=len(stacks), path=path,
                                                     where=stacks[0].describe() if stacks else None))
-        self._dumps[job.key] = (progress.last.at, stacks, path)
+        stall = self._stall(job, procs)
+        if stall is not None:
+            log.warning("hung job collectives", extra=kv(job=job.key, stall=stall.describe()))
+        evidence = Evidence(progress.last.at, stacks, path, stall)
+        self._dumps[job.key] = evidence
         self._dirty = True
-        return stacks, path
+        return evidence
+
+    def _stall(self, job: Job, procs: list[psutil.Process]) -> Stall | None:
+        """What the ranks' flight recorders say: live from their worker sockets, else the NCCL watchdog's dumps."""
+        if not self.settings.flight_recorder:
+            return None
+        return analyze(flight_traces(job, procs, self.settings.flight_recorder_dumps, self.context.node,
+                                     self.settings.flight_recorder_timeout, self.context.proc))
 
     def _forget(self, live: set[str]) -> None:
         for key in set(self._counters) - live:
@@ -289,12 +344,12 @@ class HangCheck(JobCheck):
         if self._dirty:  # losing this only restarts the hang clocks (and dumps a still-hung job once more)
             self._dirty = False
             self.save_state(STATE_KEY, self._counters)
-            self.save_state(DUMPS_KEY, {key: {"since": since, "path": str(path) if path else None,
-                                              "stacks": [_stack_record(s) for s in stacks]}
-                                        for key, (since, stacks, path) in self._dumps.items()})
+            self.save_state(DUMPS_KEY, {key: {"since": e.since, "path": str(e.path) if e.path else None,
+                                              "stacks": [_stack_record(s) for s in e.stacks]}
+                                        for key, e in self._dumps.items()})
 
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
-                stacks: list[ProcessStack], dump_path: Path | None) -> Result:
+                evidence: Evidence) -> Result:
         labels = {"job_id": job.job_id or job.name, "name": job.name}
         samples = [LAST_PROGRESS(progress.last.at, labels), STALE_AFTER(limit, labels),
                    HUNG(1 if status is not Status.OK else 0, labels)]
@@ -302,6 +357,9 @@ class HangCheck(JobCheck):
             "job_key": job.key, "job_id": job.job_id, "last_progress": progress.last.at,
             "last_signal": progress.last.what, "idle_seconds": now - progress.last.at, "stale_after": limit,
             "signals": [{"what": s.what, "at": s.at} for s in progress.signals],
-            "stacks": [{"pid": s.pid, "rank": s.rank, "state": s.state, "where": s.where} for s in stacks],
-            "stacks_path": str(dump_path) if dump_path else None}
-        return self.result(job.key, status, summarize(job, progress, limit, now, stacks, dump_path), details, samples)
+            "stacks": [{"pid": s.pid, "rank": s.rank, "state": s.state, "where": s.where} for s in evidence.stacks],
+            "stacks_path": str(evidence.path) if evidence.path else None,
+            "collectives": evidence.stall.fields() if evidence.stall else None,
+            "next_step": next_step(evidence.stall, evidence.stacks)}
+        text = summarize(job, progress, limit, now, evidence.stacks, evidence.path, evidence.stall)
+        return self.result(job.key, status, text, details, samples)

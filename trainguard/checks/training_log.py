@@ -18,18 +18,30 @@ from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Size
 from trainguard.core.text import one_line
-from trainguard.core.units import format_bytes, parse_size
+from trainguard.core.units import parse_size
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import heartbeat_path, job_fields, job_log_files, job_processes, read_heartbeat
+from trainguard.jobs.tree import (
+    FLIGHT_RECORDER_DUMPS,
+    flight_traces,
+    heartbeat_path,
+    job_fields,
+    job_log_files,
+    job_processes,
+    read_heartbeat,
+)
+from trainguard.logscan.collectives import ADVICE, Story, gather, observe, tell
 from trainguard.logscan.context import finite_loss, last_step, oom_gpu
-from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, diagnose_oom, rank_of
+from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, rank_of
+from trainguard.logscan.oom import GpuContext, classify, explain, parse_oom
 from trainguard.logscan.reader import LogTail, Position
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
+from trainguard.node.flight import Stall, analyze
 
 log = logging.getLogger("trainguard.checks.training_log")
 
 POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"
+COLLECTIVES_KEY = "logscan.collectives"
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
 MAX_FINDINGS = 20  # per job: the first ones explain, the rest repeat
 
@@ -45,9 +57,23 @@ class TrainingLogSettings(CheckSettings):
     warmup_steps: int = Field(10, ge=0, description="An OOM at or before this step is a static sizing error.")
     max_line: Size = Field(parse_size("1MiB"), description="Longer lines are cut here.")
     read_limit: Size = Field(parse_size("256MiB"), description="At most this much of one log per run (catch up later).")
+    flight_recorder: bool = Field(True, description="Cross-check collective timeouts with the ranks' PyTorch flight "
+                                                    "recorders (worker sockets, else the dumps below).")
+    flight_recorder_dumps: str = Field(FLIGHT_RECORDER_DUMPS, description="Where the NCCL watchdog writes the "
+                                       "flight-recorder dumps (TORCH_FR_DUMP_TEMP_FILE); templates as logs.")
 
 
-_CAUSE = {"cuda_oom": 5, "cuda_error": 4, "exit": 3.5, "traceback": 3, "loss_scale_min": 2, "nan_loss": 2, "nccl_timeout": 0}
+_CAUSE = {"cuda_oom": 5, "cuda_error": 4, "exit": 3.5, "traceback": 3, "loss_scale_min": 2, "nan_loss": 2,
+          "nccl_timeout": 0, "collective_failure": 0}
+_COLLECTIVE = ("nccl_timeout", "nccl_progress", "collective_failure")
+
+
+def _gpu_dict(gpu: GpuContext | None) -> dict[str, Any] | None:
+    if gpu is None:
+        return None
+    return {"index": gpu.index, "faults": list(gpu.faults), "mig": gpu.mig,
+            "other_processes": [{"pid": o.pid, "bytes": o.bytes, "command": o.command, "user": o.user, "job": o.job}
+                                for o in gpu.others]}
 
 
 class TrainingLogCheck(JobCheck):
@@ -62,6 +88,8 @@ class TrainingLogCheck(JobCheck):
         self._positions: dict[str, Position] = {
             p: Position.from_list(v) for p, v in self.load_state(POSITIONS_KEY).items() if isinstance(v, list)}
         self._findings: dict[str, list[dict[str, Any]]] = self.load_state(FINDINGS_KEY)
+        self._collectives: dict[str, dict[str, Any]] = self.load_state(COLLECTIVES_KEY)  # job -> gathered record
+        self._stalls: dict[str, tuple[int, Stall | None]] = {}  # job -> (record size read at, flight recorder)
         self._counts: dict[str, dict[str, int]] = {}
         self._pending_assert: dict[str, str] = {}
         self._steps: dict[str, int] = {}  # log path -> step of its last step line read
@@ -94,7 +122,7 @@ class TrainingLogCheck(JobCheck):
         if not view.errors:  # a source that failed this time says nothing about which jobs are gone
             for key in set(self._findings) - live:  # the job is gone: its story is told
                 del self._findings[key]
-            for table in (self._nan_streaks, self._beat_steps, self._counts):
+            for table in (self._nan_streaks, self._beat_steps, self._counts, self._collectives, self._stalls):
                 for key in set(table) - live:
                     del table[key]
             for path in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
@@ -102,7 +130,15 @@ class TrainingLogCheck(JobCheck):
                 self._steps.pop(path, None)
         self.save_state(POSITIONS_KEY, {p: pos.to_list() for p, pos in self._positions.items()})
         self.save_state(FINDINGS_KEY, self._findings)
+        self.save_state(COLLECTIVES_KEY, self._collectives)
         return results
+
+    def clear(self, subject: str, at: float) -> None:
+        """The job's findings so far are dealt with: only what its logs say from now on counts."""
+        for table in (self._findings, self._nan_streaks, self._counts, self._collectives, self._stalls):
+            table.pop(subject, None)
+        self.save_state(FINDINGS_KEY, self._findings)
+        self.save_state(COLLECTIVES_KEY, self._collectives)
 
     def _read(self, job: Job, path: str) -> None:
         tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
@@ -175,8 +211,12 @@ class TrainingLogCheck(JobCheck):
         now = self.context.clock()
         finding: dict[str, Any] = {"signature": name, "rank": rank, "path": path, "at": now,
                                    "line": text[:500], "status": hit.signature.status.name}
+        if name in _COLLECTIVE and (obs := observe(hit.line)) is not None:
+            gather(self._collectives.setdefault(job.key, {}), obs)
         if name == "device_assert":
             self._pending_assert[job.key] = text
+            return
+        if name == "nccl_progress":  # part of the timeout's story (the collective), not a finding of its own
             return
         if name == "fp16_overflow":
             if counts[name] != self.settings.overflow_burst:
@@ -185,23 +225,14 @@ class TrainingLogCheck(JobCheck):
                            advice="a long run of loss-scale overflows means divergence: lower the learning rate "
                                   "or use bf16")
         elif name == "cuda_oom":
-            d = diagnose_oom(text)
-            step = self._oom_step(job, path, hit, data)
-            when = ("step unknown" if step is None else f"at step {step}: static sizing (first steps)"
-                    if step <= self.settings.warmup_steps else f"mid-run at step {step}: a growing working set "
-                    "or progressive fragmentation")
-            title = f"{d.title}; {when}"
-            gpu = oom_gpu(self.nvml, d.fields.get("gpu"), {p.pid for p in job_processes(job)}, self.context.proc)
-            if gpu is not None:
-                others = ", ".join(f"pid {p['pid']} ({p['command'] or '?'})"
-                                   + (f" {format_bytes(p['bytes'])}" if p["bytes"] is not None else "")
-                                   for p in gpu["other_processes"])
-                title += f"; GPU {gpu['index']} also held by {others}" if others else ""
-                title += f"; GPU {gpu['index']} faults: {', '.join(gpu['faults'])}" if gpu["faults"] else ""
-            finding.update(title=title, advice=d.advice, fields=d.fields, step=step, gpu=gpu)
+            finding.update(self._oom(job, path, hit, data, text))
         elif name == "nccl_timeout":
             d = diagnose_nccl(text)
             finding.update(title=d.title, advice=d.advice, fields=d.fields)
+        elif name == "collective_failure":
+            obs = observe(hit.line)
+            finding.update(title=f"collective failure: {text[:200]}", advice=ADVICE,
+                           fields={"rank": obs.rank if obs else None})
         elif name == "cuda_error":
             d = diagnose_cuda(text, self._pending_assert.pop(job.key, None))
             finding.update(title=d.title, advice=d.advice, fields=d.fields, hardware=d.hardware)
@@ -217,13 +248,38 @@ class TrainingLogCheck(JobCheck):
         else:
             finding.update(title=f"{name}: {text[:200]}", advice=hit.signature.advice)
         xids = self._xids_near(now)
-        if xids and name in ("cuda_error", "nccl_timeout", "cuda_oom"):
+        if xids and name in ("cuda_error", "nccl_timeout", "cuda_oom", "collective_failure"):
             finding["xids"] = xids
         kept = self._findings.setdefault(job.key, [])
         if name == "nan_loss":  # one running entry, not one per step
             kept[:] = [f for f in kept if f["signature"] != "nan_loss"]
         if len(kept) < MAX_FINDINGS:
             kept.append(finding)
+
+    def _oom(self, job: Job, path: str, hit: Hit, data: bytes, text: str) -> dict[str, Any]:
+        """The OOM's diagnosis, with what NVML knows of that GPU now and the step it came at."""
+        report = parse_oom(text)
+        pids = {p.pid for p in job_processes(job)}
+        gpu = oom_gpu(self.nvml, report.gpu, pids, self.context.proc, self._job_of_pid)
+        rule, facts = classify(report, gpu)
+        d = explain(report, rule, facts)
+        step = self._oom_step(job, path, hit, data)
+        when = ("step unknown" if step is None else f"at step {step}: static sizing (first steps)"
+                if step <= self.settings.warmup_steps else f"mid-run at step {step}: a growing working set "
+                "or progressive fragmentation")
+        title = d.title
+        if gpu is not None and gpu.index is not None and gpu.index != report.gpu:
+            title += f" (GPU {gpu.index} on this node)"
+        return {"title": f"{title}; {when}", "advice": d.advice, "fields": d.fields, "step": step,
+                "gpu": _gpu_dict(gpu), "hardware": d.hardware}
+
+    def _job_of_pid(self, pid: int) -> str | None:
+        """The label of the job a pid on this node belongs to (co-tenants of an OOMed GPU), None for none."""
+        view = self.context.jobs.cached() if self.context.jobs is not None else None
+        for other in view.on_node() if view is not None else ():
+            if any(p.pid == pid for p in job_processes(other)):
+                return other.label()
+        return None
 
     def _oom_step(self, job: Job, path: str, hit: Hit, data: bytes) -> int | None:
         """The step the OOM came at: the last step line before it, else the heartbeat's step."""
@@ -233,6 +289,20 @@ class TrainingLogCheck(JobCheck):
         if step is None and (beat := heartbeat_path(job)):
             step = read_heartbeat(beat, self.identity(job))[0]
         return step
+
+    def _story(self, job: Job) -> Story | None:
+        """The job's collective failure told once, cross-checked with the ranks' flight recorders: read when the
+        record grew (a new timeout), not every run."""
+        record = self._collectives.get(job.key)
+        if not record:
+            return None
+        size = sum(len(v) for v in record.values() if isinstance(v, dict))
+        read_at, stall = self._stalls.get(job.key, (-1, None))
+        if self.settings.flight_recorder and size != read_at:
+            stall = analyze(flight_traces(job, job_processes(job), self.settings.flight_recorder_dumps,
+                                          self.context.node, 5.0, self.context.proc))
+            self._stalls[job.key] = (size, stall)
+        return tell(record, stall)
 
     def _xids_near(self, when: float, window: float = 120.0) -> list[str]:
         """XIDs the kernel log reported on this node within `window` (as the xid check recorded them)."""
@@ -250,15 +320,18 @@ class TrainingLogCheck(JobCheck):
         lead = max(findings, key=lambda f: (Status[f["status"]].severity, _CAUSE.get(f["signature"], 1)))
         rank = f" (rank {lead['rank']})" if lead.get("rank") is not None else ""
         text = f"{job.label()}{rank}: {lead['title']}"
-        timeouts = sorted({str(f["fields"].get("rank")) for f in findings
-                           if f["signature"] == "nccl_timeout" and f.get("fields")})
-        if timeouts and lead["signature"] != "nccl_timeout":
-            text += f"; then NCCL collectives timed out on rank {', '.join(timeouts)}"
+        story = self._story(job)
+        if story is not None and lead["signature"] in ("nccl_timeout", "collective_failure"):
+            text = f"{job.label()}: {story.title}"  # the story names the ranks
+            lead = {**lead, "advice": story.advice}
+        elif story is not None:  # the lead is the cause; the collective that timed out after it is its echo
+            text += f"; then {story.echo}"
         if lead.get("xids"):
             text += f"; on this node meanwhile: {', '.join(lead['xids'][:3])}"
         if lead.get("advice"):
             text += f" — {lead['advice']}"
         details = {"job_key": job.key, "findings": findings, "next_step": lead.get("advice") or None,
+                   "collectives": story.fields if story else None,
                    **{k: v for k, v in job_fields(job).items() if k in ("job_id", "name")}}
         return self.result(job.key, status, text, details, samples)
 

@@ -14,6 +14,17 @@ class EventKind(str, enum.Enum):
     ESCALATED = "escalated"
     REMINDER = "reminder"
     RESOLVED = "resolved"
+    # What an operator did (trainguard ack / silence / clear), announced like the rest; actions never follow them.
+    ACKNOWLEDGED = "acknowledged"
+    SILENCED = "silenced"
+    UNSILENCED = "unsilenced"
+
+    @property
+    def operator(self) -> bool:
+        return self in _OPERATOR
+
+
+_OPERATOR = frozenset({EventKind.ACKNOWLEDGED, EventKind.SILENCED, EventKind.UNSILENCED})
 
 
 @dataclass(frozen=True)

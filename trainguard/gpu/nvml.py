@@ -7,17 +7,20 @@ Tests hand in a scripted module with the same function names and error classes.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.gpu.nvml")
 T = TypeVar("T")
+V = TypeVar("V")
 
 _UNAVAILABLE = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_FunctionNotFound",
                 "NVMLError_NoPermission")
@@ -61,6 +64,59 @@ class GpuState:
 CLOCK_EVENTS = {0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
 
 
+# The NVLink error counters NVML keeps per link (nvmlNvLinkErrorCounter_t), by the names the metrics use.
+NVLINK_COUNTERS = {"replay": "NVML_NVLINK_ERROR_DL_REPLAY", "recovery": "NVML_NVLINK_ERROR_DL_RECOVERY",
+                   "crc_flit": "NVML_NVLINK_ERROR_DL_CRC_FLIT", "crc_data": "NVML_NVLINK_ERROR_DL_CRC_DATA"}
+FABRIC_STATES = {0: "not_supported", 1: "not_started", 2: "in_progress", 3: "completed"}  # nvmlGpuFabricState_t
+
+
+@dataclass(frozen=True)
+class GpuId:
+    index: int
+    uuid: str
+    name: str
+    bus_id: str
+
+
+@dataclass(frozen=True)
+class Reading(Generic[V]):
+    """One GPU's answer to one family of reads: the value, or why there is none (lost, or an NVML error)."""
+
+    gpu: GpuId
+    value: V | None = None
+    lost: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class NvLink:
+    link: int
+    active: bool
+    errors: dict[str, int] = field(default_factory=dict)  # NVLINK_COUNTERS names; unsupported ones absent
+
+
+@dataclass(frozen=True)
+class PcieLink:
+    generation: int | None
+    generation_max: int | None  # the most this GPU in this slot can run (NVML: min of device and system)
+    width: int | None
+    width_max: int | None
+    replays: int | None  # PCIe replay counter (link-level retransmissions)
+    utilization: int | None  # GPU busy percent: an idle GPU drops its link generation to save power
+
+
+@dataclass(frozen=True)
+class Fabric:
+    state: int  # nvmlGpuFabricState_t; FABRIC_STATES names it
+    status: int  # an NVML return code: 0 once registration succeeded
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    persistence: bool | None
+    vbios: str | None
+
+
 def normalize_bus_id(bus_id: str | bytes) -> str:
     """`00000000:3B:00.0` (NVML) and `PCI:0000:3b:00` (kernel) both become `0000:3b:00`."""
     text = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
@@ -75,6 +131,7 @@ class Nvml:
         self._lib = lib
         self._lock = threading.Lock()
         self._initialized = False
+        self._links: dict[str, tuple[int, ...]] = {}  # uuid -> the links it has: probing the absent ones costs calls
 
     def _module(self) -> Any:
         if self._lib is None:
@@ -104,6 +161,7 @@ class Nvml:
 
     def reset(self) -> None:
         """Forget the session, e.g. after the driver was reloaded; the next call initialises again."""
+        self._links.clear()
         with self._lock:
             if self._initialized:
                 try:
@@ -112,25 +170,113 @@ class Nvml:
                     log.debug("nvmlShutdown failed", extra=kv(error=exc))
             self._initialized = False
 
-    def _optional(self, call: Callable[[], T]) -> T | None:
+    def _optional(self, call: Callable[[], T], *absent: str) -> T | None:
+        """The value, or None where the GPU doesn't support it (or, for `absent` errors, doesn't have it)."""
         try:
             return call()
         except self._module().NVMLError as exc:
-            if self._is(exc, "NVMLError_NotSupported"):
+            if self._is(exc, "NVMLError_NotSupported", *absent):
                 return None
             raise
 
-    def gpus(self) -> list[GpuState]:
+    def _count(self) -> tuple[Any, int]:
         lib = self.ensure()
         try:
-            count = lib.nvmlDeviceGetCount()
+            return lib, lib.nvmlDeviceGetCount()
         except lib.NVMLError as exc:
             if self._is(exc, "NVMLError_Uninitialized", "NVMLError_DriverNotLoaded"):
                 self.reset()
             if self._is(exc, *_UNAVAILABLE):
                 raise NvmlUnavailableError(f"NVML not available: {exc}") from None
             raise
+
+    def gpus(self) -> list[GpuState]:
+        lib, count = self._count()
         return [self._gpu(lib, i) for i in range(count)]
+
+    def read(self, reader: Callable[[Any, Any, GpuId], V]) -> list[Reading[V]]:
+        """One family of reads on every GPU: `reader(lib, handle, gpu)`; a lost GPU or an NVML error is that GPU's
+        reading, never an exception for the others."""
+        lib, count = self._count()
+        out: list[Reading[V]] = []
+        for index in range(count):
+            gpu = GpuId(index, "", "", "")
+            try:
+                handle = lib.nvmlDeviceGetHandleByIndex(index)
+                gpu = GpuId(index, _text(lib.nvmlDeviceGetUUID(handle)), _text(lib.nvmlDeviceGetName(handle)),
+                            normalize_bus_id(lib.nvmlDeviceGetPciInfo(handle).busId))
+                out.append(Reading(gpu, reader(lib, handle, gpu)))
+            except lib.NVMLError as exc:
+                lost = self._is(exc, "NVMLError_GpuIsLost", "NVMLError_ResetRequired")
+                out.append(Reading(gpu, lost=lost, error=str(exc) if lost else f"{type(exc).__name__}: {exc}"))
+        return out
+
+    def nvlinks(self) -> list[Reading[tuple[NvLink, ...]]]:
+        """Each GPU's NVLinks: state and error counters. Empty where the GPU has none (PCIe cards, no bridge)."""
+        return self.read(self._nvlinks)
+
+    def _nvlinks(self, lib: Any, handle: Any, gpu: GpuId) -> tuple[NvLink, ...]:
+        links = self._links.get(gpu.uuid)
+        probe = links is None
+        candidates = range(int(getattr(lib, "NVML_NVLINK_MAX_LINKS", 18))) if links is None else links
+        enabled = getattr(lib, "NVML_FEATURE_ENABLED", 1)
+        out = []
+        for link in candidates:  # a link the GPU lacks answers NotSupported or InvalidArgument
+            state = self._optional(partial(lib.nvmlDeviceGetNvLinkState, handle, link), "NVMLError_InvalidArgument")
+            if state is None:
+                continue
+            errors = {}
+            for name, constant in NVLINK_COUNTERS.items():
+                value = self._optional(partial(lib.nvmlDeviceGetNvLinkErrorCounter, handle, link, getattr(lib, constant)),
+                                       "NVMLError_InvalidArgument")
+                if isinstance(value, int) and 0 <= value < 2**63:
+                    errors[name] = value
+            out.append(NvLink(link, state == enabled, errors))
+        if probe and gpu.uuid:
+            self._links[gpu.uuid] = tuple(x.link for x in out)
+        return tuple(out)
+
+    def pcie(self) -> list[Reading[PcieLink]]:
+        return self.read(self._pcie)
+
+    def _pcie(self, lib: Any, handle: Any, gpu: GpuId) -> PcieLink:
+        def small(call: Callable[[], Any], limit: int) -> int | None:
+            value = self._optional(call)
+            return int(value) if isinstance(value, int) and 0 <= value <= limit else None
+
+        util = self._optional(lambda: lib.nvmlDeviceGetUtilizationRates(handle))
+        busy = getattr(util, "gpu", None)
+        return PcieLink(small(lambda: lib.nvmlDeviceGetCurrPcieLinkGeneration(handle), 16),
+                        small(lambda: lib.nvmlDeviceGetMaxPcieLinkGeneration(handle), 16),
+                        small(lambda: lib.nvmlDeviceGetCurrPcieLinkWidth(handle), 64),
+                        small(lambda: lib.nvmlDeviceGetMaxPcieLinkWidth(handle), 64),
+                        _count(self._optional(lambda: lib.nvmlDeviceGetPcieReplayCounter(handle))),
+                        int(busy) if isinstance(busy, int) and 0 <= busy <= 100 else None)
+
+    def fabric(self) -> list[Reading[Fabric | None]]:
+        """Each GPU's NVLink fabric registration (Hopper and later on NVSwitch systems); None where unsupported."""
+        return self.read(self._fabric)
+
+    def _fabric(self, lib: Any, handle: Any, gpu: GpuId) -> Fabric | None:
+        info = lib.c_nvmlGpuFabricInfo_t()
+        # pynvml passes the struct to C as given: the caller hands in a pointer, as to the C API.
+        done = self._optional(lambda: lib.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info)),
+                              "NVMLError_FunctionNotFound")
+        if done is None:
+            return None
+        state, status = int(info.state), int(info.status)
+        return Fabric(state, status) if state in FABRIC_STATES else None
+
+    def config(self) -> tuple[str | None, list[Reading[GpuConfig]]]:
+        """The driver version, and each GPU's persistence mode and VBIOS version."""
+        lib, _ = self._count()
+        driver = self._optional(lib.nvmlSystemGetDriverVersion)
+        return (_text(driver) if driver else None), self.read(self._config)
+
+    def _config(self, lib: Any, handle: Any, gpu: GpuId) -> GpuConfig:
+        mode = self._optional(lambda: lib.nvmlDeviceGetPersistenceMode(handle))
+        vbios = self._optional(lambda: lib.nvmlDeviceGetVbiosVersion(handle))
+        return GpuConfig(bool(mode) if mode in (0, 1) else None, _text(vbios) if vbios else None)
 
     def _gpu(self, lib: Any, index: int) -> GpuState:
         uuid = name = bus = ""

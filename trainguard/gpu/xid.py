@@ -1,20 +1,14 @@
-"""XID lines from the NVIDIA driver: parsing every format in the wild, and the catalog that explains them."""
+"""XID lines from the NVIDIA driver, and SXid lines from its NVSwitch driver: parsing every format in the wild (the
+catalogs that explain them are in `xid_catalog`)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 from trainguard.core.text import linear
 from trainguard.gpu.nvml import normalize_bus_id
+from trainguard.gpu.xid_catalog import NVLINK5_XIDS, nvlink5_verdict
 
 # Prefixes tools add before the kernel's text: dmesg, dmesg -T, dmesg -x, journald/syslog.
 _PREFIX = (r"^(?:\[\s*[\d.]+\]\s*|\[[A-Z][a-z]{2} [^\]]+\]\s*|kern\s*:\s*\w+\s*:\s*(?:\S+\s+)?"
@@ -25,11 +19,17 @@ _XID = linear(_PREFIX + r"NVRM: Xid \(" + _BUS + r"(?: GPU-I:(?P<gi>\d+))?(?: GP
 _PID = linear(r"^pid=(?P<pid>'<unknown>'|\d+|<unknown>),\s*(?:name=(?P<name>.*?),\s+)?(?P<text>.*)$")
 _CAUSE = linear(r"caused by previous Xid (\d+)")
 _RECOVERY = linear(r"recovery action changed from \S+ \((?P<old>[^)]*)\) to \S+ \((?P<new>[^)]*)\)")
+# XID 154 as some drivers print it: the action alone (`154, Node Reboot Required`).
+_RECOVERY_ALONE = ("none", "gpu reset required", "node reboot required", "drain p2p", "drain and reset")
 _OFF_BUS_ONE = linear(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\w)?): "
                           r"GPU has fallen off the bus")
 _OFF_BUS_FIRST = linear(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
                             r"(?:\.\w)?)\s*$")
 _OFF_BUS_LAST = linear(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
+# NVSwitch: `nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up`. The driver prints
+# follow-up records (`..., Data {0x...}`) without the severity word: those are not counted again.
+_SXID = linear(_PREFIX + r"nvidia-nvswitch(?P<sw>\d+): SXid \(" + _BUS + r"\):\s*(?P<sxid>\d+),\s*"
+                   r"(?P<sev>Fatal|Non-?fatal)(?:,\s*(?P<rest>.*))?$", ignore_case=True)
 _GPU_UUID = linear(_PREFIX + r"NVRM: GPU at PCI:(?P<bus>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
 
 
@@ -45,6 +45,9 @@ class XidEvent:
     cause_xid: int | None = None  # XID 45 "caused by previous Xid N"
     recovery: str | None = None  # XID 154: the recovery action now required
     line: str = ""
+    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; SXids: fatal | non_fatal. Variants stay apart.
+    kind: str = "xid"  # xid (a GPU) | sxid (an NVSwitch)
+    device: str = ""  # SXids: the switch, e.g. nvswitch3
 
 
 class XidParser:
@@ -56,7 +59,7 @@ class XidParser:
 
     def feed(self, message: str) -> XidEvent | None:
         if "NVRM" not in message:  # the cheap test first: most kernel lines are not from the driver
-            return None
+            return self._sxid(message) if "SXid" in message else None
         line = message.rstrip("\n")
         m = _XID.match(line)
         if m:
@@ -77,6 +80,16 @@ class XidParser:
             return XidEvent(79, bus, "GPU has fallen off the bus and is not responding to commands", line=line)
         return None
 
+    @staticmethod
+    def _sxid(message: str) -> XidEvent | None:
+        line = message.rstrip("\n")
+        m = _SXID.match(line)
+        if m is None:
+            return None
+        fatal = m.group("sev").lower() == "fatal"
+        return XidEvent(int(m.group("sxid")), normalize_bus_id(m.group("bus")), (m.group("rest") or "").strip(),
+                        line=line, variant="fatal" if fatal else "non_fatal", kind="sxid", device=f"nvswitch{m.group('sw')}")
+
     def _xid(self, m: Any, line: str) -> XidEvent:
         rest, pid, name = m.group("rest"), None, None
         pm = _PID.match(rest)
@@ -85,31 +98,15 @@ class XidParser:
             name = pm.group("name")
             name = None if name in (None, "<unknown>") else name
             rest = pm.group("text")
+        xid = int(m.group("xid"))
         cause = _CAUSE.search(rest)
         recovery = _RECOVERY.search(rest)
+        action = recovery.group("new") if recovery else None
+        if action is None and xid == 154 and rest.strip().rstrip(".").lower() in _RECOVERY_ALONE:
+            action = rest.strip().rstrip(".")
         return XidEvent(
-            xid=int(m.group("xid")), bus_id=normalize_bus_id(m.group("bus")), text=rest.strip(), pid=pid, process=name,
+            xid=xid, bus_id=normalize_bus_id(m.group("bus")), text=rest.strip(), pid=pid, process=name,
             gpu_instance=int(m.group("gi")) if m.group("gi") else None,
             compute_instance=int(m.group("ci")) if m.group("ci") else None,
-            cause_xid=int(cause.group(1)) if cause else None,
-            recovery=recovery.group("new") if recovery else None, line=line)
-
-
-@dataclass(frozen=True)
-class XidInfo:
-    xid: int
-    mnemonic: str
-    meaning: str
-    cause: str
-    action: str
-
-
-@cache
-def catalog() -> dict[int, XidInfo]:
-    """The XID catalog shipped as data in the package."""
-    raw = tomllib.loads(resources.files("trainguard.gpu").joinpath("xid_catalog.toml").read_text(encoding="utf-8"))
-    return {int(k): XidInfo(int(k), **v) for k, v in raw.items()}
-
-
-def describe(xid: int) -> XidInfo:
-    return catalog().get(xid, XidInfo(xid, "UNKNOWN_XID", "not in the catalog", "unknown", "watch"))
+            cause_xid=int(cause.group(1)) if cause else None, recovery=action, line=line,
+            variant=nvlink5_verdict(xid, rest)[0] if xid in NVLINK5_XIDS else "")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from trainguard.jobs.model import Job
 from trainguard.node.access import Identity, read_as
+from trainguard.node.flight import RankTrace, fetch, read_dumps
+from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessTable, read_table
 
 
@@ -78,3 +81,21 @@ def read_heartbeat(path: str, identity: Identity) -> tuple[int | None, dict[str,
     step, metrics = data.get("step"), data.get("metrics")
     return (step if isinstance(step, int) and not isinstance(step, bool) else None,
             metrics if isinstance(metrics, dict) else {})
+
+
+FLIGHT_RECORDER_DUMPS = "{switch_dir}/flight-recorder"  # where trainguard.trainer points the NCCL watchdog's dumps
+
+
+def flight_traces(job: Job, procs: Sequence[psutil.Process], dumps: str, node: str | None, timeout: float,
+                  proc: ProcFS | None = None) -> list[RankTrace]:
+    """The job's flight recorders: live from its ranks' worker sockets, else the dumps its NCCL watchdog left in
+    `dumps` (a path template as the logs'; empty: none), read only when owned by the job's user. Live ranks are this
+    node's (`node`); a dump's node is not known."""
+    traces = fetch(procs, node, timeout, proc) if procs else []
+    if traces or not dumps or (not job.switch_dir and "{switch_dir}" in dumps):
+        return traces
+    try:
+        directory = Path(dumps.format(**job_fields(job)))
+    except (KeyError, IndexError, ValueError):
+        return []
+    return read_dumps(directory, job.uid)  # a shared switch dir holds other nodes' ranks too: node unknown

@@ -3,14 +3,14 @@ finite, and the state of the GPU an OOM names (who else holds its memory, ECC an
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Callable, Collection
 
 import psutil
 
 from trainguard.core.text import linear
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.logscan.oom import CoTenant, GpuContext
 from trainguard.node.procfs import ProcFS
 
 STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one is close by
@@ -60,25 +60,33 @@ def pick_gpu(gpus: list[GpuState], ordinal: int | None, job_pids: Collection[int
     return None
 
 
-def _command(pid: int) -> str | None:
+def _who(pid: int) -> tuple[str | None, str | None]:
+    """A process's command name and user, None where it is gone or hidden."""
     try:
-        return psutil.Process(pid).name()
-    except psutil.Error:
-        return None
+        proc = psutil.Process(pid)
+        return proc.name(), proc.username()
+    except (psutil.Error, KeyError):
+        return None, None
 
 
-def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int],
-            proc: ProcFS | None = None) -> dict[str, Any] | None:
-    """The OOMed GPU as NVML sees it now: other processes holding its memory, and its fault state.
+def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int], proc: ProcFS | None = None,
+            job_of: Callable[[int], str | None] | None = None) -> GpuContext | None:
+    """The OOMed GPU as NVML sees it now: the other processes holding its memory (command, user, and the job they
+    belong to, `job_of(pid)`: a job's label or None), its faults, and whether the job runs on a MIG slice.
     None when NVML is not available or the GPU can't be told."""
+    visible = visible_devices(job_pids, proc)
+    mig = bool(visible) and all(d.startswith("MIG-") for d in visible or ())
     try:
         gpus = nvml.gpus()
     except NvmlUnavailableError:
-        return None
-    gpu = pick_gpu(gpus, ordinal, job_pids, visible_devices(job_pids, proc))
+        return GpuContext(mig=True) if mig else None
+    gpu = pick_gpu(gpus, ordinal, job_pids, visible)
     if gpu is None:
-        return None
-    others = [{"pid": p.pid, "bytes": p.used, "command": _command(p.pid)}
-              for p in gpu.processes or () if p.pid not in job_pids]
-    return {"index": gpu.index, "uuid": gpu.uuid, "memory_used": gpu.memory_used, "memory_total": gpu.memory_total,
-            "other_processes": others, "faults": gpu_faults(gpu)}
+        return GpuContext(mig=True) if mig else None
+    others = []
+    for p in gpu.processes or ():
+        if p.pid in job_pids:
+            continue
+        command, user = _who(p.pid)
+        others.append(CoTenant(p.pid, p.used, command, user, job_of(p.pid) if job_of else None))
+    return GpuContext(gpu.index, tuple(others), tuple(gpu_faults(gpu)), mig)

@@ -41,15 +41,27 @@ class SignatureSettings(SettingsModel):
 # the (rare) lines that contain one.
 BUILTIN: tuple[Signature, ...] = (
     Signature("cuda_oom", (b"out of memory",),
-              linear(r"CUDA out of memory|cuda runtime error \(2\) : out of memory|THCudaCheck FAIL.*out of memory"),
-              Status.CRITICAL),
+              linear(r"(?:CUDA|HIP) out of memory|cuda runtime error \(2\) : out of memory"
+                         r"|THCudaCheck FAIL.{0,300}?: out of memory"), Status.CRITICAL),
     Signature("nccl_timeout", (b"atchdog",),
               linear(r"Watchdog caught collective operation timeout|NCCL watchdog thread terminated"), Status.CRITICAL),
-    Signature("cuda_error", (b"CUDA",), linear(r"CUDA (?:driver )?error: |c10::CUDAError"), Status.CRITICAL),
+    # Where each rank's collectives stood when its watchdog fired: feeds the timeout's story, no finding of its own.
+    Signature("nccl_progress", (b"atchdog", b"Timeout at NCCL work"),
+              linear(r"detected by watchdog at work: \d|failure detected by watchdog at work sequence id: \d"
+                         r"|Timeout at NCCL work: \d"), Status.OK),
+    Signature("collective_failure", (b"monitoredBarrier", b"Connection closed by peer", b"Timed out waiting"),
+              linear(r"failed to pass monitoredBarrier|Connection closed by peer|Timed out waiting \d{1,12}ms for "
+                         r"(?:recv|send) operation"), Status.CRITICAL),
+    Signature("cuda_error", (b"CUDA", b"cuda runtime error", b"error=4 :"),
+              # THC's numbered errors, except 2 (out of memory: cuda_oom's)
+              # (RE2 has no lookahead: "a number but 2" is spelled out)
+              linear(r"CUDA (?:driver )?error: |c10::CUDAError|cuda runtime error \((?:[013-9]|\d{2,4})\) : "
+                     r"|THCudaCheck FAIL.{0,300}? error=(?:[013-9]|\d{2,4}) : "), Status.CRITICAL),
     Signature("device_assert", (b"Assertion `",), linear(r"Assertion `.+` failed"), Status.OK),
-    Signature("nan_loss", (b"nan", b"NaN", b"inf", b"Inf"),
+    Signature("nan_loss", (b"nan", b"NaN", b"inf", b"Inf", b"non-finite"),
               linear(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN"""
-                     r"""|found NaN in local grad norm)""", ignore_case=True), Status.WARNING,
+                         r"""|found NaN in local grad norm|returned nan values in its \d+th output"""
+                         r"""|is non-finite, so it cannot be clipped)""", ignore_case=True), Status.WARNING,
               "the loss diverged: lower the learning rate, check the data batch, resume from an earlier checkpoint"),
     Signature("fp16_overflow", (b"OVERFLOW!",), linear(r"OVERFLOW! Rank \d+ Skipping step"), Status.OK),
     Signature("loss_scale_min", (b"at minimum",), linear(r"loss scale already at minimum", ignore_case=True),

@@ -61,6 +61,8 @@ class Identity:
 
 
 NOBODY = Identity(65534)  # a job whose owner is unknown reads only what everyone may
+# Paths from the operator's own config (not a job's): read with the agent's own rights, the kernel deciding.
+AGENT = Identity(0)
 
 
 class Identities:

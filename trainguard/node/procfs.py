@@ -73,6 +73,15 @@ class ProcFS:
     def cgroup(self, pid: int) -> str | None:
         return self.read_text(pid, "cgroup")
 
+    def pids_named(self, name: str) -> list[int]:
+        """Processes whose command name (`comm`, which the kernel cuts to 15 characters) is `name`'s."""
+        comm = name[:15]
+        try:
+            entries = [e.name for e in os.scandir(self.root) if e.name.isdigit()]
+        except OSError:
+            return []
+        return sorted(int(pid) for pid in entries if (self.read_text(pid, "comm") or "").rstrip("\n") == comm)
+
 
 def own_usage() -> dict[str, float]:
     """This process's resident memory, CPU seconds and threads, for the agent's self metrics; {} if unreadable."""

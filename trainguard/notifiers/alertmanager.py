@@ -65,6 +65,17 @@ def alerts_for(event: Event, s: AlertmanagerSettings, now: float) -> list[dict[s
     return [replaced, current]
 
 
+def silence_for(event: Event) -> dict[str, Any]:
+    """The Alertmanager silence matching what `trainguard silence` silenced on this node."""
+    s = event.details.get("silence") or {}
+    matchers = [{"name": "node", "value": event.node, "isRegex": False, "isEqual": True},
+                {"name": "check", "value": str(s.get("check", event.check)), "isRegex": False, "isEqual": True}]
+    if s.get("subject"):
+        matchers.append({"name": "subject", "value": str(s["subject"]), "isRegex": False, "isEqual": True})
+    return {"matchers": matchers, "startsAt": _iso(event.at), "endsAt": _iso(float(s.get("until", event.at + 3600))),
+            "createdBy": f"trainguard ({s.get('by', '?')})", "comment": str(s.get("reason") or "silenced with trainguard")}
+
+
 class AlertmanagerNotifier(GroupNotifier):
     Settings = AlertmanagerSettings
     settings: AlertmanagerSettings
@@ -76,11 +87,18 @@ class AlertmanagerNotifier(GroupNotifier):
 
     def deliver(self, events: Sequence[Event]) -> None:
         now = datetime.now(timezone.utc).timestamp()
-        payload = [a for e in events for a in alerts_for(e, self.settings, now)]
+        payload = [a for e in events if not e.kind.operator for a in alerts_for(e, self.settings, now)]
+        if payload:
+            self._post("/api/v2/alerts", payload)
+        for event in events:  # a trainguard silence is an Alertmanager silence too: it keeps the fleet view quiet
+            if event.kind is EventKind.SILENCED:
+                self._post("/api/v2/silences", silence_for(event))
+
+    def _post(self, path: str, payload: Any) -> None:
         errors = []
         for url in self.settings.urls:  # every member of an HA pair gets it; one accepting is enough
             try:
-                post_json(url.rstrip("/") + "/api/v2/alerts", payload, self.settings.timeout, f"alertmanager {url}")
+                post_json(url.rstrip("/") + path, payload, self.settings.timeout, f"alertmanager {url}")
             except NotifierError as exc:
                 errors.append(exc)
         if len(errors) == len(self.settings.urls):

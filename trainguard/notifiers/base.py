@@ -67,7 +67,8 @@ class Notifier(ABC):
             return False
         if s.exclude_match and all(labels.get(k) == v for k, v in s.exclude_match.items()):
             return False
-        return event.status.severity >= s.min_severity.severity
+        # What an operator did goes wherever the check's incidents go, whatever the incident's severity.
+        return event.kind.operator or event.status.severity >= s.min_severity.severity
 
     @abstractmethod
     def send(self, event: Event) -> None:

@@ -27,9 +27,14 @@ def actions_done(event: Event) -> list[str]:
 
 def headline(events: Sequence[Event]) -> str:
     """`CRITICAL gpu-node-17: GPU 3 fell off the bus (XID 79) — job signalled, node drained (+2 more)`."""
-    lead = max(events, key=lambda e: (e.kind is not EventKind.RESOLVED, e.status.severity, -e.at))
-    status = "RESOLVED" if all(e.kind is EventKind.RESOLVED for e in events) else worst(
-        e.status for e in events if e.kind is not EventKind.RESOLVED).name
+    alerts = [e for e in events if not e.kind.operator] or list(events)
+    lead = max(alerts, key=lambda e: (e.kind is not EventKind.RESOLVED, e.status.severity, -e.at))
+    if all(e.kind.operator for e in events):
+        status = lead.kind.value.upper()  # ACKNOWLEDGED, SILENCED, UNSILENCED
+    elif all(e.kind is EventKind.RESOLVED for e in alerts):
+        status = "RESOLVED"
+    else:
+        status = worst(e.status for e in alerts if e.kind is not EventKind.RESOLVED).name
     summary = lead.summary if len(lead.summary) <= 120 else lead.summary[:117] + "..."
     done = actions_done(lead)
     text = f"{status} {lead.node}: {summary}" + (f" — {', '.join(done)}" if done else "")
@@ -39,6 +44,8 @@ def headline(events: Sequence[Event]) -> str:
 def event_line(event: Event) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(event.since))
     kind = event.kind.value.upper()
+    if event.kind.operator:
+        return f"{kind} {event.check}/{event.subject}: {event.summary}"
     if event.kind is EventKind.RESOLVED:
         return f"{kind} {event.check}/{event.subject} after {format_duration(event.at - event.since)}: {event.summary}"
     return f"{kind} {event.status.name} {event.check}/{event.subject} since {when}: {event.summary}"

@@ -23,7 +23,7 @@ from trainguard.node.proctable import ProcessSnapshots
 from trainguard.notifiers.base import Notifier
 from trainguard.pipeline.config import Config
 from trainguard.pipeline.dispatch import Dispatcher
-from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.incidents import Incident, IncidentPolicy, IncidentTracker, Operator, Silence
 from trainguard.pipeline.responder import Responder
 from trainguard.pipeline.runner import CheckRunner, RunReport
 from trainguard.pipeline.schedule import Schedule
@@ -33,6 +33,10 @@ from trainguard.pipeline.store import Store
 from trainguard.registry import DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.engine")
+
+class OperatorError(Exception):
+    """An operator command that can't be done as asked; the message says why."""
+
 
 class BrokenCheck(Check):
     """Stands in for a check whose constructor failed, so the failure shows up as data."""
@@ -54,6 +58,7 @@ class CheckState:
     timeouts: int = 0
     errors: int = 0
     skipped: int = 0
+    idle: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class Snapshot:
     outbox: Mapping[str, tuple[int, float | None]]
     delivery: Mapping[str, tuple[int, int, int]]  # sent, failed, dropped
     agent: Mapping[str, float] = field(default_factory=dict)
+    incidents: tuple[Incident, ...] = ()
+    silences: tuple[Silence, ...] = ()
 
 
 class Engine:
@@ -137,21 +144,23 @@ class Engine:
         reports: dict[str, RunReport] = {}
 
         def one(name: str) -> None:
-            reports[name] = self.runners[name].run_once(self.stop_event)
+            # The check's run lock, as run_check takes: a run an event triggers meanwhile (an XID during the first
+            # round) waits, so an older report is never ingested after a newer one (it would resolve what the newer
+            # one found, as "no longer reported").
+            with self._run_locks[name]:
+                reports[name] = self.runners[name].run_once(self.stop_event)
+                if ingest:
+                    try:
+                        self.ingest(reports[name])
+                    except Exception:
+                        log.exception("ingesting check results failed", extra=kv(check=name))
 
         threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in self.runners]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        ordered = [reports[n] for n in self.runners if n in reports]
-        if ingest:
-            for report in ordered:
-                try:
-                    self.ingest(report)
-                except Exception:
-                    log.exception("ingesting check results failed", extra=kv(check=report.check))
-        return ordered
+        return [reports[n] for n in self.runners if n in reports]
 
     def firing_events(self) -> list[Event]:
         """Every firing incident as a reminder-kind event, for channels that restate the current state."""
@@ -191,15 +200,57 @@ class Engine:
             state.timeouts += report.outcome == "timeout"
             state.errors += report.outcome == "error"
             state.skipped += report.outcome == "skipped"
+            state.idle += report.outcome == "idle"
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
-        events = self.tracker.observe(report.check, report.results, policy, report.complete, self.dispatcher.route)
+        self._emit(self.tracker.observe(report.check, report.results, policy, report.complete, self.dispatcher.route))
+
+    def _emit(self, events: list[Event]) -> None:
+        """Events already queued for the channels: log them, run the actions bound to them, wake the channels."""
         for event in events:
             log.info("incident event", extra=kv(event=event.kind.value, check=event.check, subject=event.subject,
                                                 status=event.status.name, incident=event.incident_id))
-            self.responder.handle(event, s.actions)
+            check = self.checks.get(event.check)
+            if check is not None:
+                self.responder.handle(event, check.settings.actions)
         if events:
             self.dispatcher.wake()
+
+    # operators -------------------------------------------------------------------
+    def _target(self, target: str, need_subject: bool = False) -> tuple[str, str | None]:
+        """`CHECK` or `CHECK/SUBJECT` (a subject may itself hold slashes: `disk//scratch`)."""
+        check, sep, subject = target.partition("/")
+        if check not in self.checks:
+            raise OperatorError(f"no check named {check!r} (configured: {', '.join(self.configured) or 'none'})")
+        if need_subject and not subject:
+            raise OperatorError(f"{target!r}: name the subject too, as CHECK/SUBJECT (see trainguard status)")
+        return check, subject if sep else None
+
+    def acknowledge(self, target: str, who: Operator) -> list[Event]:
+        check, subject = self._target(target)
+        events = self.tracker.acknowledge(check, subject, who, self.dispatcher.route)
+        if not events:
+            raise OperatorError(f"no incident of {target} to acknowledge")
+        self._emit(events)
+        return events
+
+    def silence(self, target: str, duration: float, who: Operator) -> Silence:
+        check, subject = self._target(target)
+        silence, events = self.tracker.silence(check, subject, duration, who, self.dispatcher.route)
+        self._emit(events)
+        return silence
+
+    def clear(self, target: str, who: Operator) -> list[Event]:
+        """The cause is fixed: the check forgets the history behind the subject, the incident resolves, and the check
+        runs again at once (what is still wrong fires as a new incident)."""
+        check, subject = self._target(target, need_subject=True)
+        assert subject is not None
+        with self._run_locks[check]:  # never while the check runs: it would change the history under the run
+            self.checks[check].clear(subject, self.clock())
+        events = self.tracker.clear(check, subject, who, self.dispatcher.route)
+        self._emit(events)
+        self.trigger(check)
+        return events
 
     def tick(self) -> None:
         """Liveness of the scheduler itself, plus the slow-changing parts of the snapshot."""
@@ -213,6 +264,10 @@ class Engine:
         with self._lock:
             self._outbox = outbox
             self._agent = agent
+        try:
+            self._emit(self.tracker.expire_silences(self.dispatcher.route))
+        except Exception as exc:  # noqa: BLE001 - the tick is the liveness signal: it must not die
+            log.warning("ending silences failed", extra=kv(error=exc))
 
     def healthy(self, max_age_s: float = 10.0) -> bool:
         """False when the scheduler stopped making progress: the systemd watchdog then restarts us."""
@@ -236,6 +291,10 @@ class Engine:
         self.dispatcher.start()
         for notifier in self.notifiers.values():
             notifier.start(self.firing_events)
+        try:  # a check taken out of the config no longer keeps its incidents firing
+            self._emit(self.tracker.resolve_unconfigured(self.checks, self.dispatcher.route))
+        except Exception:
+            log.exception("resolving incidents of checks no longer configured failed")
         self.tick()
         self._schedule = Schedule({n: (c.settings.interval, c.settings.jitter) for n, c in self.checks.items()},
                                   self.run_check, self.tick)
@@ -273,4 +332,6 @@ class Engine:
             outbox = dict(self._outbox)
             agent = dict(self._agent, start_time=self._started, now=self.clock())
         delivery = {n: (s.sent, s.failed, s.dropped) for n, s in self.dispatcher.stats.items()}
-        return Snapshot(self.node, self._started, checks, self.tracker.firing_by_status(), outbox, delivery, agent)
+        now = agent["now"]
+        return Snapshot(self.node, self._started, checks, self.tracker.firing_by_status(), outbox, delivery, agent,
+                        tuple(self.tracker.incidents()), tuple(s for s in self.tracker.silences() if s.until > now))

@@ -2,18 +2,24 @@
 
     (absent) --bad--> pending --held fire_after / fire_after_runs--> firing --OK--> (resolved, removed)
                                  firing: more severe -> ESCALATED; repeat_interval passed -> REMINDER
+
+Operators act on them (trainguard ack / silence / clear): an acknowledged incident sends no reminders; while a
+silence matches an incident nothing of it is announced and no action runs (what fired meanwhile is announced when
+the silence ends); a cleared incident resolves at once, and its check forgets the history behind it.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
+from trainguard.core.units import format_duration
 from trainguard.pipeline.store import Store
 
 
@@ -43,6 +49,7 @@ class Incident:
     last_notified: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
     actions: list[dict[str, Any]] = field(default_factory=list)  # what was done about it, with outcomes
+    acked: dict[str, Any] | None = None  # {"by", "uid", "reason", "at"}: no reminders while set
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -56,6 +63,42 @@ class Incident:
         data["status"] = Status[data["status"]]
         data["announced"] = Status[data["announced"]] if data.get("announced") else None
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class Silence:
+    """No notification and no action for the incidents of `check` (one `subject`, or all) until `until`."""
+
+    id: str
+    check: str
+    subject: str | None
+    until: float
+    by: str
+    uid: int
+    reason: str
+    at: float
+
+    def matches(self, check: str, subject: str) -> bool:
+        return self.check == check and (self.subject is None or self.subject == subject)
+
+    @property
+    def target(self) -> str:
+        return self.check if self.subject is None else f"{self.check}/{self.subject}"
+
+
+@dataclass(frozen=True)
+class Operator:
+    """Who asked, and why (the peer's uid from SO_PEERCRED; the name is looked up)."""
+
+    by: str
+    uid: int
+    reason: str
+
+    def record(self, at: float) -> dict[str, Any]:
+        return {"by": self.by, "uid": self.uid, "reason": self.reason, "at": at}
+
+
+SILENCES_KEY = "operator.silences"
 
 
 @dataclass
@@ -80,6 +123,17 @@ class IncidentTracker:
             except (KeyError, TypeError, ValueError):
                 continue
             self._incidents[(incident.check, incident.subject)] = incident
+        self._silences: list[Silence] = self._load_silences()
+
+    def _load_silences(self) -> list[Silence]:
+        try:
+            raw = json.loads(self._store.get(SILENCES_KEY) or "[]")
+            return [Silence(**s) for s in raw if isinstance(s, dict)]
+        except (ValueError, TypeError):
+            return []
+
+    def _save_silences(self) -> None:
+        self._store.put(SILENCES_KEY, json.dumps([asdict(s) for s in self._silences]))
 
     def incidents(self) -> list[Incident]:
         with self._lock:
@@ -108,6 +162,14 @@ class IncidentTracker:
                     counts[incident.status] = counts.get(incident.status, 0) + 1
         return counts
 
+    def silences(self) -> list[Silence]:
+        with self._lock:
+            return list(self._silences)
+
+    def silence_of(self, check: str, subject: str, now: float | None = None) -> Silence | None:
+        now = self._clock() if now is None else now
+        return next((s for s in self._silences if s.until > now and s.matches(check, subject)), None)
+
     def observe(
         self,
         check: str,
@@ -132,13 +194,7 @@ class IncidentTracker:
                 for (c, subject), incident in list(self._incidents.items()):
                     if c == check and subject not in seen:
                         self._resolve(incident, "no longer reported by the check", now, change)
-            outbox = [(channel, e.to_dict()) for e in change.events for channel in route(e)]
-            self._store.save((i.to_dict() for i in change.upserts), change.deletes, outbox, now)
-            for incident in change.upserts:
-                self._incidents[(incident.check, incident.subject)] = incident
-            for key in change.deletes:
-                self._incidents.pop(key, None)
-            return change.events
+            return self._commit(change, route, now)
 
     def _step(self, result: Result, policy: IncidentPolicy, now: float, change: Transition) -> None:
         key = (result.check, result.subject)
@@ -160,25 +216,133 @@ class IncidentTracker:
                 self._announce(incident, EventKind.FIRED, None, now, change)
         elif incident.announced is not None and incident.status.severity > incident.announced.severity:
             self._announce(incident, EventKind.ESCALATED, incident.announced, now, change)
-        elif incident.last_notified is not None and now - incident.last_notified >= policy.repeat_interval:
+        elif (incident.last_notified is not None and now - incident.last_notified >= policy.repeat_interval
+              and incident.acked is None):
             self._announce(incident, EventKind.REMINDER, None, now, change)
         change.upserts.append(incident)
 
     def _announce(self, incident: Incident, kind: EventKind, previous: Status | None, now: float,
                   change: Transition) -> None:
+        if self.silence_of(incident.check, incident.subject, now) is not None:
+            return  # silenced: kept as is, announced (and acted on) when the silence ends
         if incident.announced is None or incident.status.severity > incident.announced.severity:
             incident.announced = incident.status
         incident.last_notified = now
         change.events.append(self._event(incident, kind, incident.status, incident.summary, previous, now))
 
-    def _resolve(self, incident: Incident, summary: str, now: float, change: Transition) -> None:
+    def _resolve(self, incident: Incident, summary: str, now: float, change: Transition,
+                 details: dict[str, Any] | None = None) -> None:
         change.deletes.append((incident.check, incident.subject))
-        if incident.firing:
-            status = incident.announced or incident.status
-            change.events.append(self._event(incident, EventKind.RESOLVED, status, summary, incident.status, now))
+        # Only what was announced is resolved on the channels (nothing, for one that fired and ended in a silence).
+        if incident.firing and incident.announced is not None and self.silence_of(incident.check, incident.subject,
+                                                                                 now) is None:
+            event = self._event(incident, EventKind.RESOLVED, incident.announced, summary, incident.status, now)
+            change.events.append(replace(event, details={**event.details, **(details or {})}) if details else event)
 
     def _event(self, incident: Incident, kind: EventKind, status: Status, summary: str,
                previous: Status | None, now: float) -> Event:
         return Event(kind=kind, incident_id=incident.id, check=incident.check, subject=incident.subject,
                      status=status, summary=summary, node=self._node, at=now, since=incident.since,
                      previous=previous, details=dict(incident.details))
+
+    # operators ------------------------------------------------------------------------------------------------
+    def _commit(self, change: Transition, route: Callable[[Event], Iterable[str]], now: float) -> list[Event]:
+        outbox = [(channel, e.to_dict()) for e in change.events for channel in route(e)]
+        self._store.save((i.to_dict() for i in change.upserts), change.deletes, outbox, now)
+        for incident in change.upserts:
+            self._incidents[(incident.check, incident.subject)] = incident
+        for key in change.deletes:
+            self._incidents.pop(key, None)
+        return change.events
+
+    def _matching(self, check: str, subject: str | None) -> list[Incident]:
+        return [i for (c, s), i in self._incidents.items() if c == check and (subject is None or s == subject)]
+
+    def _operator_event(self, kind: EventKind, check: str, subject: str, status: Status, summary: str, now: float,
+                        event_id: str, details: dict[str, Any]) -> Event:
+        return Event(kind=kind, incident_id=event_id, check=check, subject=subject, status=status, summary=summary,
+                     node=self._node, at=now, since=now, details=details)
+
+    def acknowledge(self, check: str, subject: str | None, who: Operator,
+                    route: Callable[[Event], Iterable[str]]) -> list[Event]:
+        """Stop the reminders of the matching incidents; they stay visible. Returns the events (one per incident)."""
+        now = self._clock()
+        with self._lock:
+            change = Transition()
+            for current in self._matching(check, subject):
+                incident = Incident(**{**vars(current), "acked": who.record(now)})
+                change.upserts.append(incident)
+                change.events.append(self._operator_event(
+                    EventKind.ACKNOWLEDGED, incident.check, incident.subject, incident.status,
+                    f"acknowledged by {who.by}" + (f": {who.reason}" if who.reason else "") + f" ({incident.summary})",
+                    now, incident.id, {**incident.details, "acked": incident.acked}))
+            return self._commit(change, route, now)
+
+    def silence(self, check: str, subject: str | None, duration: float, who: Operator,
+                route: Callable[[Event], Iterable[str]]) -> tuple[Silence, list[Event]]:
+        now = self._clock()
+        with self._lock:
+            silence = Silence(uuid.uuid4().hex[:12], check, subject, now + duration, who.by, who.uid, who.reason, now)
+            self._silences = [s for s in self._silences if s.until > now] + [silence]
+            self._save_silences()
+            worst = max((i.status for i in self._matching(check, subject)), key=lambda s: s.severity,
+                        default=Status.OK)
+            event = self._operator_event(
+                EventKind.SILENCED, check, subject or "*", worst,
+                f"silenced by {who.by} for {format_duration(duration)}" + (f": {who.reason}" if who.reason else ""),
+                now, silence.id, {"silence": asdict(silence)})
+            return silence, self._commit(Transition(events=[event]), route, now)
+
+    def expire_silences(self, route: Callable[[Event], Iterable[str]]) -> list[Event]:
+        """Announce the end of silences whose time is up, then what fired or worsened under them."""
+        now = self._clock()
+        with self._lock:
+            ended = [s for s in self._silences if s.until <= now]
+            if not ended:
+                return []
+            self._silences = [s for s in self._silences if s.until > now]
+            self._save_silences()
+            change = Transition()
+            for s in ended:
+                change.events.append(self._operator_event(
+                    EventKind.UNSILENCED, s.check, s.subject or "*", Status.OK,
+                    f"silence by {s.by} ended" + (f" ({s.reason})" if s.reason else ""), now, s.id,
+                    {"silence": asdict(s)}))
+            for incident in self._incidents.values():
+                if not incident.firing or not any(s.matches(incident.check, incident.subject) for s in ended):
+                    continue
+                if self.silence_of(incident.check, incident.subject, now) is not None:
+                    continue  # still under another silence
+                updated = Incident(**vars(incident))
+                if updated.announced is None:
+                    self._announce(updated, EventKind.FIRED, None, now, change)
+                elif updated.status.severity > updated.announced.severity:
+                    self._announce(updated, EventKind.ESCALATED, updated.announced, now, change)
+                else:
+                    continue
+                change.upserts.append(updated)
+            return self._commit(change, route, now)
+
+    def clear(self, check: str, subject: str, who: Operator, route: Callable[[Event], Iterable[str]]) -> list[Event]:
+        """The operator says the cause is fixed: the incident resolves now (the check forgets its history: the
+        engine asks it to). Whatever is still wrong at the next run fires as a new incident."""
+        now = self._clock()
+        with self._lock:
+            change = Transition()
+            current = self._incidents.get((check, subject))
+            if current is not None:
+                cleared = who.record(now)
+                self._resolve(current, f"cleared by {who.by}" + (f": {who.reason}" if who.reason else ""), now,
+                              change, {"cleared": cleared})
+            return self._commit(change, route, now)
+
+    def resolve_unconfigured(self, configured: Iterable[str], route: Callable[[Event], Iterable[str]]) -> list[Event]:
+        """Incidents of checks no longer in the config resolve (at start), instead of firing forever."""
+        now = self._clock()
+        names = set(configured)
+        with self._lock:
+            change = Transition()
+            for incident in list(self._incidents.values()):
+                if incident.check not in names:
+                    self._resolve(incident, f"the check {incident.check} is no longer configured", now, change)
+            return self._commit(change, route, now)

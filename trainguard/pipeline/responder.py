@@ -42,6 +42,8 @@ class Responder:
         self.threads: list[threading.Thread] = []
 
     def handle(self, event: Event, binding: ActionBinding) -> threading.Thread | None:
+        if event.kind.operator:  # an operator's ack or silence is news, never a reason to act
+            return None
         if event.kind is EventKind.RESOLVED:
             names = [n for n in binding.resolved if n in self.actions]
         else:

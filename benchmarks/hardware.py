@@ -1,0 +1,120 @@
+"""The cost of the hardware checks: the infiniband check over a 10-HCA sysfs tree, and the NVML reads the nvlink,
+pcie, gpu_config and fabric checks add per GPU per round, next to the gpu check's own.
+
+The InfiniBand tree is the real one in tests/data (an H100 host: 8 NDR HCAs and a RoCE bond) plus copies of one HCA,
+so the tree has `--hcas` ports. The GPUs are the tests' scripted NVML as an HGX H100 board (18 NVLinks each), or with
+`--nvml real` this node's driver. Each figure is the median of `--runs` runs after two warm-up runs: wall time and
+CPU time of one run.
+
+    python -m benchmarks.hardware --runs 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.common import heading
+from tests.helpers.fake_nvml import NVML_GPU_FABRIC_STATE_COMPLETED, FakeGpu, FakeNvml
+from trainguard.checks.base import Check, CheckContext
+from trainguard.checks.fabric import FabricCheck, FabricSettings
+from trainguard.checks.gpu import GpuCheck, GpuSettings
+from trainguard.checks.gpu_config import GpuConfigCheck, GpuConfigSettings
+from trainguard.checks.infiniband import InfinibandCheck, InfinibandSettings
+from trainguard.checks.nvlink import NvlinkCheck, NvlinkSettings
+from trainguard.checks.pcie import PcieCheck, PcieSettings
+from trainguard.gpu.nvml import Nvml
+
+REPO = Path(__file__).resolve().parent.parent
+IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"
+
+
+def timed(run: Callable[[], object], runs: int) -> tuple[float, float]:
+    """(median wall, median CPU) seconds of one call."""
+    for _ in range(2):
+        run()
+    wall, cpu = [], []
+    for _ in range(runs):
+        w, c = time.perf_counter(), time.process_time()
+        run()
+        wall.append(time.perf_counter() - w)
+        cpu.append(time.process_time() - c)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def ib_tree(root: Path, hcas: int) -> Path:
+    shutil.copytree(IB_TREE, root)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    present = sorted(p.name for p in root.iterdir())
+    for i in range(len(present), hcas):
+        shutil.copytree(root / "mlx5_0", root / f"mlx5_x{i}")
+    return root
+
+
+def hgx(count: int) -> list[FakeGpu]:
+    return [FakeGpu(f"GPU-{i:08x}-0000-4000-8000-000000000000", bus_id=f"00000000:{0x18 + i:02X}:00.0".encode(),
+                    nvlinks=[True] * 18, fabric=(NVML_GPU_FABRIC_STATE_COMPLETED, 0)) for i in range(count)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--hcas", type=int, default=10)
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--nvml", choices=["fake", "real"], default="fake")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="trainguard-hw-") as tmp:
+        root = ib_tree(Path(tmp) / "infiniband", args.hcas)
+        ctx = CheckContext("bench", Path(tmp))
+        ib = InfinibandCheck("infiniband", InfinibandSettings(sysfs_root=str(root)), ctx)
+        ports = len([r for r in ib.run() if "/" in r.subject])
+        ib_wall, ib_cpu = timed(ib.run, args.runs)
+
+        print(heading(f"The infiniband check over {ports} ports ({args.hcas} HCAs), {args.runs} runs"))
+        print("| one run | wall | CPU |")
+        print("|---|---|---|")
+        print(f"| infiniband check, {ports} ports | {1000 * ib_wall:.2f} ms | {1000 * ib_cpu:.2f} ms |")
+        print(f"| per port | {1000 * ib_wall / ports:.3f} ms | {1000 * ib_cpu / ports:.3f} ms |\n")
+
+        counts = [0] if args.nvml == "real" else args.gpus
+        title = "NVML reads per round, real driver" if args.nvml == "real" else \
+            "NVML reads per round, scripted NVML (HGX H100 board: 18 NVLinks a GPU)"
+        print(heading(f"{title}, {args.runs} runs"))
+        print("| check | " + " | ".join("this node's GPUs" if n == 0 else f"{n} GPUs" for n in counts)
+              + " | per GPU |")
+        print("|---|" + "---|" * (len(counts) + 1))
+        rows: dict[str, list[tuple[int, float]]] = {}
+        for count in counts:
+            fake = None if args.nvml == "real" else FakeNvml(hgx(count))
+            nvml = Nvml(fake)
+            gpus = len(nvml.gpus())
+            context = CheckContext("bench", Path(tmp), nvml=nvml)
+            checks: list[Check] = [
+                GpuCheck("gpu", GpuSettings(), context), NvlinkCheck("nvlink", NvlinkSettings(), context),
+                PcieCheck("pcie", PcieSettings(), context), GpuConfigCheck("gpu_config", GpuConfigSettings(), context),
+                FabricCheck("fabric", FabricSettings(fabric_manager_log="", pci_root=str(Path(tmp) / "no-pci")),
+                            context)]
+            for check in checks:
+                rows.setdefault(check.name, []).append((gpus, timed(check.run, args.runs)[0]))
+        new = ("nvlink", "pcie", "gpu_config", "fabric")
+        for name, cells in rows.items():
+            gpus, wall = cells[-1]
+            print(f"| {name}{' (new)' if name in new else ''} | " + " | ".join(f"{1000 * w:.2f} ms" for _, w in cells)
+                  + f" | {1000 * wall / max(gpus, 1):.3f} ms |")
+        added = [sum(w for n, c in rows.items() if n in new for g, w in [c[i]]) for i in range(len(counts))]
+        gpus_at = [c[0] for c in rows["gpu"]]
+        print("| **the new reads together** | " + " | ".join(f"**{1000 * a:.2f} ms**" for a in added)
+              + f" | **{1000 * added[-1] / max(gpus_at[-1], 1):.3f} ms** |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

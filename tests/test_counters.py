@@ -1,0 +1,54 @@
+"""Hardware counters as increases over a window: resets on driver reload, wraps of narrow counters, saturation."""
+
+from __future__ import annotations
+
+from trainguard.core.counters import CounterWindow, counter_delta, saturated
+
+
+def test_delta_growth_reset_and_wrap() -> None:
+    assert counter_delta(10, 25) == 15
+    assert counter_delta(40_000, 7) == 7  # a 64-bit counter that fell: the driver reloaded, 7 counted since
+    assert counter_delta(65_530, 4, bits=16) == 10  # a 16-bit counter wrapped: 5 to the top, 0..4 after
+    assert counter_delta(20_000, 4, bits=16) == 4  # fell from the lower half: a reset, not a wrap
+    assert counter_delta(250, 3, bits=8) == 9
+
+
+def test_saturation() -> None:
+    assert saturated(255, 8) and saturated(65535, 16)
+    assert not saturated(254, 8) and not saturated(10**9, None)
+
+
+def test_window_sums_increases_and_forgets_old_ones() -> None:
+    w = CounterWindow(window=3600)
+    assert w.update("symbol_error", 100, now=0) == 0  # the first reading is the baseline
+    w.update("symbol_error", 160, now=600)
+    w.update("symbol_error", 190, now=1200)
+    assert w.increase("symbol_error", now=1200) == 90
+    w.update("symbol_error", 5, now=1800)  # driver reload: counters back to zero, 5 new
+    assert w.increase("symbol_error", now=1800) == 95
+    assert w.increase("symbol_error", now=600 + 3601) == 35  # the +60 at t=600 left the window
+    assert w.increase("unknown", now=0) == 0
+
+
+def test_window_memory_is_bounded_and_follows_the_hardware() -> None:
+    w = CounterWindow(window=10**9, max_events=8)
+    for i in range(1, 1000):
+        w.update("c", i * 2, now=float(i))
+    assert w.increase("c", now=1000.0) == 1996  # folded, not lost
+    assert len(w.to_json()["c"][1]) <= 8
+    w.update("gone", 1, now=0)
+    w.keep(["c"])
+    assert w.last("gone") is None and w.last("c") == 1998
+
+
+def test_window_survives_a_restart_through_its_json() -> None:
+    w = CounterWindow(window=3600)
+    w.update(("mlx5_0", 1, "link_downed"), 2, now=0)
+    w.update(("mlx5_0", 1, "link_downed"), 3, now=10)
+    saved = w.to_json(encode=lambda k: "/".join(map(str, k)))
+    again = CounterWindow(window=3600)
+    again.load_json(saved, decode=lambda t: (t.split("/")[0], int(t.split("/")[1]), t.split("/")[2]))
+    assert again.update(("mlx5_0", 1, "link_downed"), 4, now=20) == 1  # an increase while the agent was down counts
+    assert again.increase(("mlx5_0", 1, "link_downed"), now=20) == 2
+    again.load_json({"bad": "not a list", "x/1/y": [1, [["t", 1]]]}, decode=lambda t: t)  # garbage is skipped
+    assert again.last("bad") is None

@@ -1,0 +1,131 @@
+"""NvlinkCheck: each GPU's NVLinks are up (as many as configured, or as the GPU had on this node), and their error
+counters (replay, recovery, CRC) grow slower than their limits over a window.
+
+A link down cuts the bandwidth NCCL was tuned for or breaks the collectives outright: CRITICAL. A link retransmitting
+or retraining often is a marginal cable or connector before it fails: WARNING. Idle on a node whose GPUs have no
+NVLink (PCIe cards without a bridge) or no NVML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field, NonNegativeInt
+
+from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, NvmlCheck
+from trainguard.core.counters import CounterWindow
+from trainguard.core.model import Metric, Result, Sample, Status, worst
+from trainguard.core.settings import Duration
+from trainguard.core.units import format_duration
+from trainguard.gpu.nvml import NVLINK_COUNTERS, NvLink, Reading
+
+SEEN_KEY = "nvlink.max_up"  # uuid -> the most links it had up on this node
+COUNTERS_KEY = "nvlink.counters"
+
+_GPU = ("gpu", "uuid")
+LINKS_UP = Metric("trainguard_gpu_nvlink_links_up", "NVLinks of the GPU that are active.", _GPU)
+LINKS_EXPECTED = Metric("trainguard_gpu_nvlink_links_expected",
+                        "NVLinks the GPU should have up: configured, or the most it had up on this node.", _GPU)
+LINK_ERRORS = Metric("trainguard_gpu_nvlink_errors_total",
+                     "NVLink error counter of one link (replay, recovery, crc_flit, crc_data), as NVML reports it.",
+                     (*_GPU, "link", "counter"), counter=True)
+METRICS = (LINKS_UP, LINKS_EXPECTED, LINK_ERRORS)
+
+
+class NvlinkSettings(CheckSettings):
+    expected_links: NonNegativeInt | None = Field(None, description="NVLinks each GPU should have up; unset: the most "
+                                                  "that GPU had up on this node (remembered across restarts).")
+    error_window: Duration = Field(3600.0, gt=0, description="The window the error counters' growth is summed over.")
+    replay_max: NonNegativeInt = Field(1, description="WARNING when a link's replays grow by more than this within "
+                                       "error_window (DCGM's limit for NVLink errors).")
+    recovery_max: NonNegativeInt = Field(1, description="WARNING when a link's recoveries (retrainings) grow by more "
+                                         "than this within error_window.")
+    crc_max: NonNegativeInt = Field(360_000, description="WARNING when a link's CRC flit or data errors grow by more "
+                                    "than this within error_window (100 a second for an hour: DCGM's rate below which "
+                                    "they don't matter).")
+    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]))
+
+
+def limits(s: NvlinkSettings) -> dict[str, int]:
+    return {"replay": s.replay_max, "recovery": s.recovery_max, "crc_flit": s.crc_max, "crc_data": s.crc_max}
+
+
+def evaluate(index: int, links: Sequence[NvLink], expected: int, source: str, grown: dict[tuple[int, str], int],
+             s: NvlinkSettings) -> tuple[Status, str]:
+    """The links of one GPU against what it should have, and each link's error growth against its limit."""
+    up = [x.link for x in links if x.active]
+    down = [x.link for x in links if not x.active]
+    findings: list[tuple[Status, str]] = []
+    if len(up) < expected:
+        where = f"links {', '.join(map(str, down))} down; " if down else ""
+        findings.append((Status.CRITICAL, f"{len(up)} of {expected} NVLinks up ({where}{expected} {source}): "
+                                          "collectives lose bandwidth or fail; drain, then reset the GPU"))
+    window = format_duration(s.error_window)
+    for (link, counter), increase in sorted(grown.items()):
+        limit = limits(s)[counter]
+        if increase > limit:
+            findings.append((Status.WARNING, f"link {link} {counter.replace('_', ' ')} errors +{increase} in {window} "
+                                             f"(limit {limit}): a marginal link; check its cable or connector"))
+    if findings:
+        return worst(f[0] for f in findings), f"GPU {index}: " + "; ".join(t for _, t in findings)
+    return Status.OK, f"GPU {index}: {len(up)} of {len(links)} NVLinks up" + (f" ({expected} {source})" if expected
+                                                                               else "")
+
+
+class NvlinkCheck(NvmlCheck):
+    Settings = NvlinkSettings
+    metrics = METRICS
+    settings: NvlinkSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.window = CounterWindow(self.settings.error_window)
+        self.window.load_json(self.load_state(COUNTERS_KEY), decode=_decode_key)
+        self.seen: dict[str, int] = {k: int(v) for k, v in self.load_state(SEEN_KEY).items() if str(v).isdigit()}
+
+    def run(self) -> Sequence[Result]:
+        readings = self.present(self.nvml_read(self.nvml.nvlinks))
+        if self.settings.expected_links is None and not self.seen and all(not r.value for r in readings if r.error is None):
+            raise CheckIdle("no GPU on this node has NVLink")
+        now = self.context.clock()
+        results = [self.unanswered(r) or self._one(r, now) for r in readings]
+        self.window.keep(k for r in readings for x in r.value or () for k in ((r.gpu.uuid, x.link, c) for c in x.errors))
+        self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key))
+        self.save_state(SEEN_KEY, self.seen)
+        return results
+
+    def _one(self, reading: Reading[tuple[NvLink, ...]], now: float) -> Result:
+        gpu, links = reading.gpu, reading.value or ()
+        up = sum(1 for x in links if x.active)
+        if self.settings.expected_links is not None:
+            expected, source = self.settings.expected_links, "configured"
+        else:
+            self.seen[gpu.uuid] = max(self.seen.get(gpu.uuid, 0), up)
+            expected, source = self.seen[gpu.uuid], "seen on this node"
+        labels = self.gpu_labels(reading)
+        samples: list[Sample] = [LINKS_UP(up, labels), LINKS_EXPECTED(expected, labels)]
+        grown: dict[tuple[int, str], int] = {}
+        for link in links:
+            for counter, value in link.errors.items():
+                self.window.update((gpu.uuid, link.link, counter), value, now)
+                grown[(link.link, counter)] = self.window.increase((gpu.uuid, link.link, counter), now)
+                samples.append(LINK_ERRORS(value, {**labels, "link": link.link, "counter": counter}))
+        status, summary = evaluate(gpu.index, links, expected, source, grown, self.settings)
+        details: dict[str, Any] = {
+            "index": gpu.index, "uuid": gpu.uuid, "bus_id": gpu.bus_id, "links_up": up, "links_expected": expected,
+            "expected_source": source, "down": [x.link for x in links if not x.active],
+            "errors_in_window": {f"{link}/{counter}": n for (link, counter), n in grown.items() if n},
+            "error_window_s": self.settings.error_window}
+        return self.result(gpu.uuid or f"gpu{gpu.index}", status, summary, details, samples)
+
+
+def _encode_key(key: tuple[str, int, str]) -> str:
+    return "/".join(map(str, key))
+
+
+def _decode_key(text: str) -> tuple[str, int, str]:
+    uuid, link, counter = text.rsplit("/", 2)
+    if counter not in NVLINK_COUNTERS:
+        raise ValueError(text)
+    return uuid, int(link), counter

@@ -1,0 +1,186 @@
+"""Collective failures read from the ranks' logs (NCCL watchdog timeouts, Gloo), gathered per job, and told as one
+story: which collective the ranks timed out in, which rank stopped first, cross-checked with the flight recorder.
+
+One rank that died, hung or OOMed leaves every other rank waiting in the next collective until its watchdog fires:
+the logs fill with timeouts from the victims, and the culprit is the rank that reported none, or whose last
+enqueued collective is older than the one the others wait in ("last enqueued NCCL work: 1579" while they time out
+in #1580). The per-job `Gathered` record is bounded (MAX_RANKS ranks) and JSON-able, so it survives restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.core.text import linear
+from trainguard.node.flight import Stall, ranges
+
+MAX_RANKS = 4096
+_PG = r"\[(?:PG (?:ID (\d{1,7}) PG GUID (\d{1,7})[^\]]{0,80}|(\d{1,7})[^\]]{0,80}) )?Rank (\d{1,7})\]"
+_TIMEOUT = linear(r"\[Rank (\d{1,7})\] Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d{1,12}), "
+                      r"OpType=(\w{1,40})[^)]{0,200}?Timeout\(ms\)=(\d{1,12})\) ran for (\d{1,15}) milliseconds")
+_PROGRESS = linear(_PG + r"\s{1,4}(?:Exception \(either an error or timeout\) detected by watchdog at work: (\d{1,12}), "
+                       r"last enqueued NCCL work: (\d{1,12}), last completed NCCL work: (\d{1,12})"
+                       r"|failure detected by watchdog at work sequence id: (\d{1,12}) PG status: last enqueued work: "
+                       r"(\d{1,12}), last completed work: (\d{1,12})"
+                       r"|Timeout at NCCL work: (\d{1,12}), last enqueued NCCL work: (\d{1,12}), last completed NCCL "
+                       r"work: (\d{1,12}))")
+_BARRIER = linear(r"\[Rank (\d{1,7})\]: Ranks? ([\d, ]{1,200}) failed to pass monitoredBarrier in (\d{1,12}) ms")
+_PEER = linear(r"Connection closed by peer \[([^\]]{1,100})\]:(\d{1,5})")
+_GLOO_TIMEOUT = linear(r"Timed out waiting (\d{1,12})ms for (recv|send) operation")
+_DIGITS = linear(r"\d{1,7}")
+_RANK_PREFIX = linear(r"^\[rank(\d{1,7})\]:")
+
+ADVICE = ("a collective hang: one rank died, hung or OOMed and the others waited in the next collective until their "
+          "watchdog fired; the rank that stopped first is the cause: read its log, and the XIDs of its node")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one log line says about one rank's collectives."""
+
+    kind: str  # timeout, progress, barrier, peer_closed, gloo_timeout
+    rank: int | None
+    seq: int | None = None
+    op: str | None = None
+    pg: str | None = None
+    enqueued: int | None = None
+    completed: int | None = None
+    timeout_ms: int | None = None
+    culprits: tuple[int, ...] = ()  # ranks a monitored barrier names
+    peer: str | None = None
+
+
+def observe(text: str) -> Observation | None:
+    """The observation in one line (at most its first 2 KiB), or None."""
+    text = text[:2048]
+    prefix = _RANK_PREFIX.match(text)
+    rank = int(prefix.group(1)) if prefix else None
+    if (m := _TIMEOUT.search(text)) is not None:
+        return Observation("timeout", int(m.group(1)), int(m.group(2)), m.group(3), timeout_ms=int(m.group(4)))
+    if (m := _PROGRESS.search(text)) is not None:
+        g = m.groups()
+        pg = g[1] or g[0] or g[2]
+        seq, enqueued, completed = next((g[i], g[i + 1], g[i + 2]) for i in (4, 7, 10) if g[i] is not None)
+        return Observation("progress", int(g[3]), int(seq), pg=pg, enqueued=int(enqueued), completed=int(completed))
+    if (m := _BARRIER.search(text)) is not None:
+        culprits = tuple(int(r) for r in _DIGITS.findall(m.group(2)))[:MAX_RANKS]
+        return Observation("barrier", int(m.group(1)), timeout_ms=int(m.group(3)), culprits=culprits)
+    if (m := _PEER.search(text)) is not None:
+        return Observation("peer_closed", rank, peer=f"{m.group(1)}:{m.group(2)}")
+    if (m := _GLOO_TIMEOUT.search(text)) is not None:
+        return Observation("gloo_timeout", rank, timeout_ms=int(m.group(1)), op=m.group(2))
+    return None
+
+
+def gather(record: dict[str, Any], obs: Observation) -> None:
+    """Fold one observation into a job's record (a JSON-able dict, bounded by MAX_RANKS per table)."""
+    if obs.rank is None and obs.kind not in ("peer_closed", "gloo_timeout"):
+        return
+    key = str(obs.rank)
+    if obs.kind == "timeout":
+        table = record.setdefault("timeouts", {})
+        if key in table or len(table) < MAX_RANKS:
+            table[key] = {"seq": obs.seq, "op": obs.op, "timeout_ms": obs.timeout_ms}
+    elif obs.kind == "progress":
+        table = record.setdefault("progress", {})
+        if key in table or len(table) < MAX_RANKS:
+            table[key] = {"pg": obs.pg, "seq": obs.seq, "enqueued": obs.enqueued, "completed": obs.completed}
+    elif obs.kind == "barrier":
+        record["barrier"] = {"reporter": obs.rank, "culprits": list(obs.culprits), "timeout_ms": obs.timeout_ms}
+    else:
+        table = record.setdefault(obs.kind, {})
+        if len(table) < MAX_RANKS:
+            table[key] = {"peer": obs.peer, "timeout_ms": obs.timeout_ms}
+
+
+@dataclass(frozen=True)
+class Story:
+    title: str
+    advice: str
+    fields: dict[str, Any]
+    first: tuple[int, ...] = ()  # the rank(s) that stopped first, when the messages (or the recorder) tell
+    echo: str = ""  # what followed, when another finding (an OOM, a crash) is the cause: "ALLREDUCE #5 timed out ..."
+
+
+def _ints(keys: Iterable[str]) -> set[int]:
+    return {int(k) for k in keys if k.lstrip("-").isdigit()}
+
+
+def tell(record: dict[str, Any], stall: Stall | None = None) -> Story | None:
+    """The job's collective failure as one story, or None when its logs hold none."""
+    barrier = record.get("barrier")
+    if barrier and barrier.get("culprits"):
+        culprits = tuple(barrier["culprits"])
+        title = (f"rank {ranges(culprits)} failed to pass a monitored barrier (rank {barrier['reporter']} waited "
+                 f"{barrier['timeout_ms'] // 1000}s): it stopped first")
+        return Story(title, ADVICE, {"barrier": barrier}, culprits, title)
+    timeouts: dict[str, dict[str, Any]] = record.get("timeouts", {})
+    progress: dict[str, dict[str, Any]] = record.get("progress", {})
+    if not timeouts and not progress:
+        return _gloo(record, stall)
+    # The collective most ranks time out in, and the ranks that report it
+    by_seq: dict[int, set[int]] = {}
+    for rank, t in timeouts.items():
+        by_seq.setdefault(int(t["seq"]), set()).add(int(rank))
+    for rank, p in progress.items():
+        by_seq.setdefault(int(p["seq"]), set()).add(int(rank))
+    seq = max(by_seq, key=lambda s: (len(by_seq[s]), s))
+    op = next((t["op"] for t in timeouts.values() if t["seq"] == seq), None) or "collective"
+    reporting = by_seq[seq]
+    # Sequence numbers count per process group, and a timeout line does not name its group: only a rank's own
+    # "last enqueued" in the group of the collective shows it never entered it.
+    group = next((p["pg"] for p in progress.values() if p["seq"] == seq), None)
+    behind = {int(r) for r, p in progress.items()
+              if p.get("enqueued") is not None and p["enqueued"] < seq and p.get("pg") == group}
+    seen = _ints(timeouts) | _ints(progress)
+    first = tuple(sorted(behind))
+    limit = next((t["timeout_ms"] for t in timeouts.values() if t["seq"] == seq and t.get("timeout_ms")), None)
+    echo = f"{op} #{seq} timed out on rank{'s' if len(reporting) > 1 else ''} {ranges(reporting)}"
+    title = f"NCCL collective timeout: {echo}" + (f" (timeout {limit // 1000}s)" if limit else "")
+    if first:
+        title += f"; rank {ranges(first)} stopped first (never entered it)"
+    else:
+        title += f"; the rank that stopped first reported nothing here (seen: ranks {ranges(seen)})"
+    fields: dict[str, Any] = {"seq": seq, "op": op, "timed_out": sorted(reporting), "first": list(first),
+                              "seen": sorted(seen)}
+    if stall is not None:
+        check, agreed = _cross_check(stall, seq, set(first))
+        title += f"; {check}"
+        fields["flight_recorder"] = {**stall.fields(), "agrees": agreed}
+        first = first or tuple(t.rank for t in stall.missing)
+    return Story(title, ADVICE, fields, first, echo)
+
+
+def _cross_check(stall: Stall, seq: int, first: set[int]) -> tuple[str, bool | None]:
+    """What the flight recorder adds: the same rank and collective as the messages (it agrees), a rank the
+    messages could not name, or something else (it disagrees)."""
+    if stall.collective is None:
+        return "the flight recorder shows no collective in flight", None
+    missing = {t.rank for t in stall.missing}
+    agrees = stall.collective.seq == seq and bool(first) and missing == first
+    if not first and stall.collective.seq == seq:
+        return f"flight recorder: {stall.describe()}", None
+    return f"flight recorder {'agrees' if agrees else 'disagrees'}: {stall.describe()}", agrees
+
+
+def _gloo(record: dict[str, Any], stall: Stall | None) -> Story | None:
+    closed, timed = record.get("peer_closed", {}), record.get("gloo_timeout", {})
+    if not closed and not timed:
+        return None
+    if closed:
+        ranks = _ints(closed)
+        peers = sorted({c["peer"] for c in closed.values() if c.get("peer")})
+        title = (f"a peer rank died: the connection to {', '.join(peers[:3])} was closed"
+                 + (f" under rank {ranges(ranks)}" if ranks else ""))
+    else:
+        ms = next(iter(timed.values())).get("timeout_ms") or 0
+        title = f"a Gloo collective timed out after {ms // 1000}s" + (f" on rank {ranges(_ints(timed))}" if _ints(timed) else "")
+    fields: dict[str, Any] = {"peer_closed": closed, "gloo_timeout": timed}
+    first: tuple[int, ...] = ()
+    if stall is not None and stall.collective is not None:
+        title += f"; flight recorder: {stall.describe()}"
+        fields["flight_recorder"] = stall.fields()
+        first = tuple(t.rank for t in stall.missing)
+    return Story(title, ADVICE, fields, first, title)
