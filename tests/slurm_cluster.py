@@ -133,7 +133,6 @@ JobCompType=jobcomp/none
 MpiDefault=none
 KillWait=5
 Prolog={b}/hooks/prolog
-Epilog={b}/hooks/epilog
 HealthCheckProgram={b}/hooks/healthcheck
 HealthCheckInterval=5
 NodeName={self.node} CPUs={cpus} RealMemory={mem} State=UNKNOWN
@@ -281,6 +280,15 @@ StorageLoc=slurm_acct_db
         if reset:
             sh("sdiag", "-r")
         return parse_sdiag(sh("sdiag"))
+
+    def use_epilog(self, on: bool) -> None:
+        """Add or remove `Epilog=` (its hook) and reconfigure. Off by default: an epilog, even `exit 0`, keeps a
+        job COMPLETING a moment longer, which tests of requeues and prolog failures would see."""
+        line = f"Epilog={self.base}/hooks/epilog\n"
+        self.conf.write_text(self.conf.read_text().replace(line, "") + (line if on else ""))
+        sh("scontrol", "reconfigure")
+        self.wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10).returncode == 0,
+                  30, "slurmctld answering")
 
     def node_info(self) -> dict[str, str]:
         out = sh("scontrol", "show", "node", "--oneliner", self.node)

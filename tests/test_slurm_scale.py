@@ -89,6 +89,7 @@ def test_prolog_and_epilog_hooks_announce_the_job(slurm: SlurmCluster, tmp_path:
     # the prolog lingers: the job is known from its record before any process of it runs
     slurm.set_hook("prolog", hook % "prolog" + "; sleep 3")
     slurm.set_hook("epilog", hook % "epilog")
+    slurm.use_epilog(True)
     try:
         catalog = catalog_for(slurm, prolog_dir=str(records), slurm_timeout="10s")
         catalogs.append(catalog)
@@ -111,7 +112,7 @@ def test_prolog_and_epilog_hooks_announce_the_job(slurm: SlurmCluster, tmp_path:
         assert "ended" in (records / f"{job_id}.json").read_text()
     finally:
         slurm.set_hook("prolog", "exit 0")
-        slurm.set_hook("epilog", "exit 0")
+        slurm.use_epilog(False)
 
 
 def test_hook_never_fails_a_job(tmp_path: Path) -> None:

@@ -124,8 +124,6 @@ def test_a_failed_jobs_stdout_naming_roots_secret_never_reaches_an_alert(
     secret.chmod(0o600)
     name = f"tg-eyes-{uuid.uuid4().hex[:6]}"
     workdir = slurm.workdir()
-    job_id = slurm.submit("exit 3", f"--output={secret}", workdir=workdir, name=name)
-    slurm.wait_state(job_id, ("FAILED", "COMPLETED"))
     port = free_port()
     config = tmp_path / "trainguard.toml"
     config.write_text(f"""
@@ -141,6 +139,10 @@ interval = "1s"
 [notifiers.console]
 """)
     agent = agent_process(config)
+    agent.wait_for("msg=ready")
+    # the agent knows the jobs that run on its node while it runs (issue 19: not the whole queue's finished ones)
+    job_id = slurm.submit("sleep 2; exit 3", f"--output={secret}", workdir=workdir, name=name)
+    slurm.wait_state(job_id, ("FAILED", "COMPLETED"))
     agent.wait_for(f"event=fired check=training_log subject=slurm:{job_id}", timeout=30)
     assert "hunter3" not in agent.output()
     status = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
