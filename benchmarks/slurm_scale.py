@@ -6,7 +6,8 @@ no HTTP endpoint set, the disk check on /), once as this tree has it and once as
 (a git worktree of it, run with the same config), one after the other for `--seconds` each, after a warm-up. Per
 run: the agent's CPU (self plus reaped children: the SLURM commands it runs) as a share of one core, its peak RSS
 (sampled each second), and the REQUEST_JOB_INFO* RPCs slurmctld counted meanwhile (`sdiag -r` before, `sdiag`
-after), per minute. `--running N` adds rows with N toy trainers running on the node as the unprivileged test user.
+after), per minute. `--running N` adds rows (at the largest size) with N toy trainers running on the node as the unprivileged test
+user.
 
 `--fleet N` then starts a second cluster of N slurmd on this host (tests/slurm_fleet.py) and N agents (both
 revisions in turn), each with its own `node_name` and `[jobs] slurm_node`, and reports slurmctld's CPU and RPCs per
@@ -141,8 +142,8 @@ def node_rows(args: argparse.Namespace, trees: dict[str, Path], tmp: Path) -> li
     try:
         have = 0
         sizes = [int(s) for s in args.sizes.split(",")]
-        plans = [(size, 0) for size in sizes] + ([(sizes[0], args.running), (sizes[-1], args.running)]
-                                                  if args.running else [])
+        # the rows with trainers running come last, at the largest size (held jobs are only ever added)
+        plans = [(size, 0) for size in sizes] + ([(sizes[-1], args.running)] if args.running else [])
         running: list[str] = []
         for size, jobs_here in sorted(plans, key=lambda p: (p[1], p[0])):
             have = held_jobs(size, have)
@@ -152,7 +153,7 @@ def node_rows(args: argparse.Namespace, trees: dict[str, Path], tmp: Path) -> li
                                                                   "--ckpt-dir", f"{workdir}/ckpt"),
                                               workdir=workdir, user=JOB_USER, name=f"toy{len(running)}"))
             for job in running:
-                cluster.wait_state(job, ("RUNNING",), 60)
+                cluster.wait_state(job, ("RUNNING",), 300)
             for label, tree in trees.items():
                 config = agent_config(tmp / f"{label}-{size}-{jobs_here}", cluster.node)
                 with agents(tree, [config], env) as procs:

@@ -6,13 +6,16 @@ the unprivileged test users `tgjob` and `tgother`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -289,6 +292,20 @@ StorageLoc=slurm_acct_db
         sh("scontrol", "reconfigure")
         self.wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10).returncode == 0,
                   30, "slurmctld answering")
+
+    @contextlib.contextmanager
+    def trainguard_hooks(self, records: Path, prolog_tail: str = "") -> Iterator[None]:
+        """`trainguard slurm-prolog`/`slurm-epilog --dir records` as this cluster's Prolog and Epilog (docs/slurm.md);
+        `prolog_tail` runs after the prolog's record is written."""
+        hook = f"cd / && {sys.executable} -m trainguard slurm-%s --dir {records}"
+        self.set_hook("prolog", hook % "prolog" + prolog_tail)
+        self.set_hook("epilog", hook % "epilog")
+        self.use_epilog(True)
+        try:
+            yield
+        finally:
+            self.set_hook("prolog", "exit 0")
+            self.use_epilog(False)
 
     def node_info(self) -> dict[str, str]:
         out = sh("scontrol", "show", "node", "--oneliner", self.node)

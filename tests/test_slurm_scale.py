@@ -85,12 +85,8 @@ def test_jobs_appear_and_disappear_through_the_node(slurm: SlurmCluster, method:
 def test_prolog_and_epilog_hooks_announce_the_job(slurm: SlurmCluster, tmp_path: Path,
                                                   catalogs: list[JobCatalog]) -> None:
     records = tmp_path / "records"
-    hook = f"cd / && {sys.executable} -m trainguard slurm-%s --dir {records}"
     # the prolog lingers: the job is known from its record before any process of it runs
-    slurm.set_hook("prolog", hook % "prolog" + "; sleep 3")
-    slurm.set_hook("epilog", hook % "epilog")
-    slurm.use_epilog(True)
-    try:
+    with slurm.trainguard_hooks(records, prolog_tail="; sleep 3"):
         catalog = catalog_for(slurm, prolog_dir=str(records), slurm_timeout="10s")
         catalogs.append(catalog)
         name = f"tg-prolog-{uuid.uuid4().hex[:6]}"
@@ -110,9 +106,6 @@ def test_prolog_and_epilog_hooks_announce_the_job(slurm: SlurmCluster, tmp_path:
                            what="the job's end")
         assert isinstance(final, Job) and final.exit_code == "3:0" and not final.running
         assert "ended" in (records / f"{job_id}.json").read_text()
-    finally:
-        slurm.set_hook("prolog", "exit 0")
-        slurm.use_epilog(False)
 
 
 def test_hook_never_fails_a_job(tmp_path: Path) -> None:

@@ -173,7 +173,7 @@ def parse_named(line: str) -> Job | None:
     job_id, array_job, task, state, reason, user, start, end, code, name = fields
     if not _small_id(job_id) or not state.isascii() or not state.replace("_", "").isalpha():
         return None
-    is_task = _small_id(array_job) and _small_id(task) and array_job != job_id
+    is_task = _small_id(array_job) and _small_id(task)  # the last task run takes the array's own id
     return Job(key=f"slurm:{job_id}", source="slurm", name=name, state=state, job_id=job_id,
                array_job_id=array_job if is_task else None, array_task_id=task if is_task else None,
                user=user or None, reason=reason if reason not in ("", "None") else None,
@@ -236,7 +236,7 @@ def parse_job_record(text: str, uid: int | None = None) -> JobRecord | None:
     after = rest[owner.end():]
     fields = {key: (m.group(1) if (m := pattern.search(after)) else "") for key, pattern in _FIELD.items()}
     job_id, array_job, task = head.group(1), head.group(2), head.group(3)
-    is_task = array_job is not None and task is not None and _small_id(task) and array_job != job_id
+    is_task = array_job is not None and task is not None and _small_id(task)  # JobId == ArrayJobId: the last task
     paths = {name: m.group(1) if (m := pattern.search(after)) and m.group(1) else None
              for name, pattern in (("workdir", _WORKDIR), ("stdout", _STDOUT), ("stderr", _STDERR))}
     state = fields["JobState"]

@@ -206,7 +206,7 @@ class SlurmSource:
                     local.ended = now
                     if records.get(job_id) is not None:
                         local.prolog = records[job_id]
-                    self._schedule(job_id, "final", now + 1.0)
+                    self._schedule(job_id, "final", now)  # at once: a stop switch may wait on it
                 elif now - local.ended > LINGER_S:
                     del self._jobs[job_id]
                     self._due.pop(job_id, None)
