@@ -7,13 +7,16 @@ stop tgjob's runs where the switch group is tgteam).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -90,11 +93,11 @@ class SlurmCluster:
 
     # lifecycle ------------------------------------------------------------------------------
     @staticmethod
-    def kill_stale() -> None:
+    def kill_stale(marker: str = "trainguard-slurm-") -> None:
         """Daemons of an earlier test session that died without teardown would hold our ports."""
         for p in psutil.process_iter(["name", "cmdline"]):
             cmd = " ".join(p.info.get("cmdline") or [])
-            if "trainguard-slurm-" in cmd and any(d in cmd for d in ("slurmctld", "slurmd", "slurmstepd", "mariadbd")):
+            if marker in cmd and any(d in cmd for d in ("slurmctld", "slurmd", "slurmstepd", "mariadbd")):
                 try:
                     p.kill()
                     p.wait(5)
@@ -139,6 +142,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MinJobAge=600
+MaxJobCount=20000
 MessageTimeout=5
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost={self.node}
@@ -159,7 +163,7 @@ PartitionName=fleet Nodes={self.node},tg-ghost[01-19] Default=NO MaxTime=INFINIT
 """)
         self.conf.chmod(0o644)
         (b / "hooks").mkdir(exist_ok=True)
-        for hook in ("prolog", "healthcheck"):
+        for hook in ("prolog", "epilog", "healthcheck"):
             self.set_hook(hook, "exit 0")
         os.environ["SLURM_CONF"] = str(self.conf)
         self.start_accounting()
@@ -254,7 +258,7 @@ StorageLoc=slurm_acct_db
             time.sleep(0.2)
 
     def set_hook(self, hook: str, body: str) -> None:
-        """The Prolog or HealthCheckProgram slurmd runs: `exit 0` unless a test puts trainguard there."""
+        """The Prolog, Epilog or HealthCheckProgram slurmd runs: `exit 0` unless a test puts trainguard there."""
         path = self.base / "hooks" / hook
         tmp = path.with_suffix(".tmp")
         tmp.write_text(f"#!/bin/sh\n{body}\n")
@@ -294,6 +298,35 @@ StorageLoc=slurm_acct_db
         self.wait(lambda: self.job(job_id).get("JobState") in states, timeout, f"job {job_id} in {states}")
         return self.job(job_id)
 
+    def rpc_counts(self, reset: bool = False) -> dict[str, int]:
+        """slurmctld's RPC counts by message type since the last reset (`sdiag`; `sdiag -r` first when `reset`)."""
+        if reset:
+            sh("sdiag", "-r")
+        return parse_sdiag(sh("sdiag"))
+
+    def use_epilog(self, on: bool) -> None:
+        """Add or remove `Epilog=` (its hook) and reconfigure. Off by default: an epilog, even `exit 0`, keeps a
+        job COMPLETING a moment longer, which tests of requeues and prolog failures would see."""
+        line = f"Epilog={self.base}/hooks/epilog\n"
+        self.conf.write_text(self.conf.read_text().replace(line, "") + (line if on else ""))
+        sh("scontrol", "reconfigure")
+        self.wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10).returncode == 0,
+                  30, "slurmctld answering")
+
+    @contextlib.contextmanager
+    def trainguard_hooks(self, records: Path, prolog_tail: str = "") -> Iterator[None]:
+        """`trainguard slurm-prolog`/`slurm-epilog --dir records` as this cluster's Prolog and Epilog (docs/slurm.md);
+        `prolog_tail` runs after the prolog's record is written."""
+        hook = f"cd / && {sys.executable} -m trainguard slurm-%s --dir {records}"
+        self.set_hook("prolog", hook % "prolog" + prolog_tail)
+        self.set_hook("epilog", hook % "epilog")
+        self.use_epilog(True)
+        try:
+            yield
+        finally:
+            self.set_hook("prolog", "exit 0")
+            self.use_epilog(False)
+
     def node_info(self) -> dict[str, str]:
         out = sh("scontrol", "show", "node", "--oneliner", self.node)
         state = re.search(r"\bState=(\S+)", out)
@@ -302,3 +335,17 @@ StorageLoc=slurm_acct_db
 
     def resume_node(self) -> None:
         subprocess.run(["scontrol", "update", f"nodename={self.node}", "state=resume"], capture_output=True, timeout=10)
+
+
+_SDIAG_RPC = re.compile(r"^\s+([A-Z][A-Z0-9_]+)\s+\(\s*\d+\) count:(\d+)", re.M)
+
+
+def parse_sdiag(text: str) -> dict[str, int]:
+    """The "by message type" table of `sdiag` (tests/data/slurm/sdiag.txt) as message type -> count."""
+    table = text.split("Remote Procedure Call statistics by message type", 1)[-1].split("statistics by user", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in _SDIAG_RPC.finditer(table)}
+
+
+def job_info_rpcs(counts: dict[str, int]) -> int:
+    """The REQUEST_JOB_INFO* RPCs (the whole queue, one job, one user's): what an agent asks about jobs."""
+    return sum(n for name, n in counts.items() if name.startswith("REQUEST_JOB_INFO"))

@@ -50,10 +50,20 @@ def event(job: Job | None = None, summary: str = "test incident") -> Event:
                  time.time(), time.time(), details={"job_key": job.key} if job else {})
 
 
-def find_job(slurm: SlurmCluster, job_id: str) -> Job:
+def job_here(slurm: SlurmCluster, job_id: str) -> Job | None:
+    """The job as a fresh catalog lists it, once what slurmctld knows of it came back; None until its first step
+    runs on this node (the controller says RUNNING a moment before)."""
     catalog = JobCatalog(JobsSettings(sources=["slurm"], refresh=0), slurm.node)
-    job = catalog.view().by_key(f"slurm:{job_id}")
-    assert job is not None, f"job {job_id} not in the catalog"
+    try:
+        catalog.settle(10)
+        return catalog.view().by_key(f"slurm:{job_id}")
+    finally:
+        catalog.close()
+
+
+def find_job(slurm: SlurmCluster, job_id: str) -> Job:
+    job = wait_until(lambda: job_here(slurm, job_id), 10, what=f"job {job_id} running on this node")
+    assert isinstance(job, Job)
     return job
 
 
@@ -79,7 +89,7 @@ def test_catalog_sees_jobs_on_this_node(slurm: SlurmCluster) -> None:
     job = find_job(slurm, job_id)
     assert job.name == name and job.user == JOB_USER and job.on_this_node and job.running
     assert job.stdout and Path(job.stdout).exists()
-    wait_until(lambda: find_job(slurm, job_id).processes, 10, what="pids of the job")
+    wait_until(lambda: getattr(job_here(slurm, job_id), "processes", None), 10, what="pids of the job")
     assert all(ref.matches() for ref in find_job(slurm, job_id).processes)
     sh("scancel", job_id)
 
@@ -181,7 +191,7 @@ def test_requeue_waits_for_the_job_to_exit(slurm: SlurmCluster, tmp_path: Path, 
     engines.append(engine)
     job_id = slurm.submit("sleep 3", "--requeue", name="tg-requeue-wait")
     slurm.wait_state(job_id, ("RUNNING",))
-    wait_until(lambda: find_job(slurm, job_id).processes, 10, what="pids of the job")
+    wait_until(lambda: getattr(job_here(slurm, job_id), "processes", None), 10, what="pids of the job")
     job = find_job(slurm, job_id)
     started = time.monotonic()
     record = run_action(engine, "requeue", event(), (job,))
@@ -306,9 +316,9 @@ def test_slurm_commands_missing(tmp_path: Path) -> None:
     empty.mkdir()
     catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_bin_dir=str(empty)), "node1")
     view = catalog.view()
-    assert view.errors == {"slurm": "squeue not installed (not found on PATH)"}
+    assert view.errors == {"slurm": "scontrol not installed (not found on PATH)"}
     assert shutil.which("true")
-    assert SlurmClient(5, str(empty)).listpids  # the client itself constructs fine
+    assert SlurmClient(5, str(empty)).local_pids  # the client itself constructs fine
 
 
 def test_scancel_failure_is_a_clear_action_failure(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:

@@ -27,6 +27,7 @@ from trainguard.logscan.signatures import BUILTIN, Scanner
 from trainguard.node.access import Identity
 from trainguard.pipeline.store import Store
 
+from .conftest import wait_until
 from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError
 from .slurm_cluster import SlurmCluster
 from .test_messages import CORPUS
@@ -285,10 +286,14 @@ def test_a_failed_slurm_job_gets_its_exit_code_and_final_exception(slurm: SlurmC
                                                                    traceback: bool) -> None:
     header = "echo 'Traceback (most recent call last):'; echo '  File \"train.py\", line 9, in <module>'; " \
         if traceback else ""
-    job_id = slurm.submit(f"echo 'step 1 loss=2.0'; {header}echo 'ValueError: bad shard 7'; exit 3",
-                          name=f"tg-exit-{uuid.uuid4().hex[:6]}")
-    slurm.wait_state(job_id, ("FAILED",))
     jobs = JobCatalog(JobsSettings(sources=["slurm"], refresh=0), slurm.node)
+    job_id = slurm.submit(f"echo 'step 1 loss=2.0'; {header}echo 'ValueError: bad shard 7'; sleep 2; exit 3",
+                          name=f"tg-exit-{uuid.uuid4().hex[:6]}")
+    # the agent sees the job run on its node, then end; what it ended with comes from the controller, once
+    wait_until(lambda: jobs.view().by_key(f"slurm:{job_id}"), 20, what="the job found on this node")
+    slurm.wait_state(job_id, ("FAILED",))
+    wait_until(lambda: getattr(jobs.view().by_key(f"slurm:{job_id}"), "state", None) == "FAILED", 20,
+               what="the job's final state")
     watch = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
         slurm.node, tmp_path, jobs=jobs, nvml=Nvml(FakeNvml(init_error=NVMLError))))
     [result] = [r for r in watch.run() if r.subject == f"slurm:{job_id}"]

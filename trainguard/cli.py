@@ -1,10 +1,11 @@
 """The `trainguard` command: run, check, status, ack, silence, clear, validate, notify-test, install, uninstall,
-config-reference, metrics-reference."""
+config-reference, metrics-reference, slurm-prolog, slurm-epilog."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -102,6 +103,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the table of docs/runbooks/gpu-xid.md: each response of the default config, its XIDs")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
+    for hook, when in (("slurm-prolog", "starts"), ("slurm-epilog", "ends")):
+        p = sub.add_parser(hook, help=f"SLURM {hook[6:].capitalize()} hook: record the job that {when} for the agent",
+                           description=f"Run by slurmd (as root, from a Prolog=/Epilog= script) when a job {when} on "
+                                       "this node: writes what slurmd's environment says of the job to a small file "
+                                       "the agent reads (docs/slurm.md). Reads no config, calls no SLURM command, "
+                                       "always exits 0.")
+        p.add_argument("--dir", default="/run/trainguard/jobs", metavar="DIR",
+                       help="where the records go: the agent's [jobs] prolog_dir (default: /run/trainguard/jobs)")
     return parser
 
 
@@ -367,6 +376,10 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("slurm-prolog", "slurm-epilog"):
+        from trainguard.jobs.prolog import run_hook
+
+        return run_hook(args.dir, os.environ, ended=args.command == "slurm-epilog")
     if args.command in ("install", "uninstall"):
         return cmd_install(args)
     if args.command in ("config-reference", "metrics-reference"):

@@ -52,10 +52,10 @@ BUILTIN_ACTIONS: Mapping[str, Mapping[str, str]] = {
     "hold-array": {"type": "array", "mode": "hold"},
 }
 
-# Where jobs come from (`[jobs] sources`): each a class built with (JobsSettings, node name, SlurmClient) whose
-# `jobs()` lists them.
+# Where jobs come from (`[jobs] sources`): each a class built with (JobsSettings, node name, SlurmClient,
+# ProcessSnapshots) whose `jobs()` lists them.
 JOB_SOURCES: Mapping[str, str] = {
-    "slurm": "trainguard.jobs.slurm:SlurmSource",
+    "slurm": "trainguard.jobs.slurmsource:SlurmSource",
     "process": "trainguard.jobs.process:ProcessSource",
 }
 

@@ -124,8 +124,6 @@ def test_a_failed_jobs_stdout_naming_roots_secret_never_reaches_an_alert(
     secret.chmod(0o600)
     name = f"tg-eyes-{uuid.uuid4().hex[:6]}"
     workdir = slurm.workdir()
-    job_id = slurm.submit("exit 3", f"--output={secret}", workdir=workdir, name=name)
-    slurm.wait_state(job_id, ("FAILED", "COMPLETED"))
     port = free_port()
     config = tmp_path / "trainguard.toml"
     config.write_text(f"""
@@ -136,12 +134,19 @@ node_name = "{slurm.node}"
 [jobs]
 sources = ["slurm"]
 refresh = "0s"
+prolog_dir = "{tmp_path / 'records'}"
 [checks.training_log]
 interval = "1s"
 [notifiers.console]
 """)
-    agent = agent_process(config)
-    agent.wait_for(f"event=fired check=training_log subject=slurm:{job_id}", timeout=30)
+    # The agent knows the jobs of its node, not every finished job of the queue (issue 19). This one never runs a
+    # process (slurmstepd can't open root's file as its stdout): only the Prolog/Epilog hook tells of it.
+    with slurm.trainguard_hooks(tmp_path / "records"):
+        agent = agent_process(config)
+        agent.wait_for("msg=ready")
+        job_id = slurm.submit("exit 3", f"--output={secret}", workdir=workdir, name=name)
+        slurm.wait_state(job_id, ("FAILED", "COMPLETED"))
+        agent.wait_for(f"event=fired check=training_log subject=slurm:{job_id}", timeout=30)
     assert "hunter3" not in agent.output()
     status = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
     assert "hunter3" not in str(status) and status["details"] is False

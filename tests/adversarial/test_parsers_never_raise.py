@@ -17,7 +17,16 @@ from hypothesis import strategies as st
 from trainguard.agent.configfile import ConfigError, parse_config
 from trainguard.core.units import parse_count, parse_count_limit, parse_duration, parse_size, parse_size_limit
 from trainguard.jobs.hostlist import expand
-from trainguard.jobs.slurm import expand_output_path, parse_history, parse_job
+from trainguard.jobs.prolog import parse_record
+from trainguard.jobs.slurm import (
+    expand_output_path,
+    parse_history,
+    parse_job_record,
+    parse_listpids,
+    parse_named,
+    wait_status,
+)
+from trainguard.jobs.slurmnode import conf_value, spool_jobs
 from trainguard.jobs.tree import read_heartbeat
 from trainguard.logscan.context import finite_loss, last_step
 from trainguard.logscan.reader import LogTail
@@ -26,6 +35,7 @@ from trainguard.node.access import Identity
 from trainguard.node.cgroup import _cgroup_paths, _mounts
 from trainguard.node.kmsg import parse_journal, parse_kmsg
 from trainguard.node.mounts import parse_mountinfo
+from trainguard.node.proctable import parse_stat
 from trainguard.node.stacks import innermost
 from trainguard.quota.parsers import grace_seconds, parse_beegfs, parse_lfs, parse_mmlsquota, parse_quota
 
@@ -87,19 +97,57 @@ def test_journal_records(line: str) -> None:
     assert parsed is None or isinstance(parsed[1], str)
 
 
-SQUEUE_KEYS = ["job_id", "name", "user_name", "user_id", "nodes", "job_state", "array_job_id", "array_task_id",
-               "current_working_directory", "standard_output", "standard_error", "start_time", "end_time",
-               "exit_code", "state_reason", "requeue"]
+SLURM = sorted((DATA / "slurm").glob("*.txt"))
+SLURM_TEXT = [f.read_text() for f in SLURM]
+SLURM_LINES = [line for text in SLURM_TEXT for line in text.splitlines()]
+ENVIRONS = [f.read_bytes() for f in sorted((DATA / "slurm").glob("*-environ-*"))]
+# Real records and lines, cut, spliced and salted with the separators a job's name may hold.
+SLURM_HOSTILE = st.one_of(
+    st.sampled_from(SLURM_TEXT),
+    st.tuples(st.sampled_from(SLURM_TEXT), st.integers(0, 3000), st.text(alphabet="|= ()\n\x00JobIdUser0123", max_size=60))
+    .map(lambda t: t[0][: t[1]] + t[2] + t[0][t[1]:]),
+    st.lists(st.one_of(st.sampled_from(SLURM_LINES), st.text(max_size=80)), max_size=8).map("\n".join))
 
 
 @PROPERTY
-@given(st.dictionaries(st.sampled_from(SQUEUE_KEYS), JSONISH, max_size=16), st.text(max_size=40))
-def test_squeue_jobs(raw: dict[str, object], template: str) -> None:
-    job = parse_job(raw, "node1", "{workdir}/.trainguard")
-    assert job.key.startswith("slurm:")
-    pattern = raw.get("standard_output")
-    if isinstance(pattern, str):
-        assert isinstance(expand_output_path(pattern, raw, "node1"), str)
+@given(SLURM_HOSTILE, st.one_of(st.none(), st.integers(-5, 2**40)))
+def test_slurm_job_records_listpids_and_squeue_lines(text: str, uid: int | None) -> None:
+    record = parse_job_record(text, uid)
+    assert record is None or (record.job_id.isdigit() and (uid is None or record.uid == uid))
+    assert all(isinstance(pids, list) for pids in parse_listpids(text).values())
+    for line in text.splitlines():
+        job = parse_named(line)
+        assert job is None or job.key == f"slurm:{job.job_id}"
+    assert wait_status(text[:12]) is None or ":" in wait_status(text[:12])  # type: ignore[operator]
+    assert isinstance(spool_jobs(text.splitlines()), set)
+    conf_value(text, "SlurmdSpoolDir")
+
+
+@PROPERTY
+@given(st.text(max_size=80), st.one_of(st.none(), st.text(max_size=20)))
+def test_output_patterns(pattern: str, name: str | None) -> None:
+    path = expand_output_path(pattern, job_id="12", name=name, user="u", array_job_id="10", array_task_id="2")
+    assert path is None or isinstance(path, str)
+
+
+@PROPERTY
+@given(st.one_of(st.sampled_from(ENVIRONS), st.binary(max_size=400),
+                 JSONISH.map(lambda v: json.dumps({"job_id": "12", "uid": v, "started": v, "stdout": v,
+                                                   "array_job_id": v, "array_task_id": "3", "exit_code": v}).encode())))
+def test_prolog_records(raw: bytes) -> None:
+    env = dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
+    record = parse_record(json.dumps({"job_id": env.get("SLURM_JOB_ID", "7"), **env}).encode())
+    assert record is None or record.job_id.isdigit()
+    again = parse_record(raw)
+    assert again is None or (again.uid is None or again.uid >= 0)
+
+
+@PROPERTY
+@given(st.integers(1, 2**22), HOSTILE_TEXT)
+def test_proc_stat_lines(pid: int, comm: str) -> None:
+    info = parse_stat(pid, f"{pid} ({comm}) S 1 2 3 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 123 4096 10 " + comm, 1e9)
+    assert info is None or (info.pid == pid and info.rss >= 0)
+    parse_stat(pid, comm, 0.0)
 
 
 @PROPERTY

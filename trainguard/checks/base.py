@@ -22,6 +22,7 @@ from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
 from trainguard.node.access import NOBODY, Identity
 from trainguard.node.procfs import ProcFS
+from trainguard.node.proctable import ProcessSnapshots
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -80,7 +81,8 @@ class CheckContext:
     """What the engine hands each check: where it runs, and the node's sources and services, typed.
 
     `state` is this check instance's own store (keys scoped to its name). `xid_history` is the node's XID ledger
-    this boot: the xid check records into it and other checks (training_log) read it.
+    this boot: the xid check records into it and other checks (training_log) read it. `processes` is the node's
+    shared /proc snapshot: the checks of one round (job_memory, hang, gpu_memory, memory) share one pass.
     """
 
     node: str
@@ -91,6 +93,7 @@ class CheckContext:
     proc: ProcFS = field(default_factory=ProcFS)
     state: ScopedState = field(default_factory=lambda: ScopedState(None, "check"))
     xid_history: XidLedger = field(default_factory=lambda: XidLedger(None))
+    processes: ProcessSnapshots = field(default_factory=ProcessSnapshots)
 
 
 class Check(ABC):

@@ -23,7 +23,7 @@ from trainguard.core.units import format_bytes, format_duration, parse_size
 from trainguard.gpu.health import unreachable
 from trainguard.gpu.nvml import GpuState
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import job_processes
+from trainguard.jobs.tree import job_pids
 
 SECONDS_TO_FULL = Metric("trainguard_gpu_memory_seconds_to_full",
                          "Forecast time until the GPU's memory is full at the current trend (+Inf: never).", ("gpu", "uuid"))
@@ -129,7 +129,8 @@ class GpuMemoryCheck(NvmlCheck):
         if self.context.jobs is None:
             return {}, False
         view = self.context.jobs.view()
-        owner_of = {p.pid: job for job in view.on_node() for p in job_processes(job)}
+        table = self.context.processes.get()
+        owner_of = {pid: job for job in view.on_node() for pid in job_pids(job, table)}
         return owner_of, not view.errors
 
     def run(self) -> Sequence[Result]:

@@ -273,8 +273,9 @@ class HangCheck(JobCheck):
         results = self.source_errors(view)
         deadlines = []
         live = set()
+        table = self.context.processes.get()
         for job in self.jobs_here(view, self.settings.names):
-            procs = job_processes(job)
+            procs = job_processes(job, table)
             if not procs:
                 continue
             live.add(job.key)

@@ -1,14 +1,16 @@
 """JobLivenessCheck: a job of each watched name is running or pending; when none is, how the last one ended
 (from the controller, else from accounting).
 
-Run it on one node (a login or head node), not on every compute node: it is about the cluster, not this node.
+It is about the cluster, not this node: it asks the controller with one filtered query per run (`squeue --name`,
+text, never the whole queue as JSON), and accounting (`sacct --name`) only for a name that is down. Run it on one
+node (a login or head node), not on every compute node: each agent that configures it adds one query per interval.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainguard.checks.base import CheckSettings, JobCheck
 from trainguard.core.model import Metric, Result, Status
@@ -22,9 +24,19 @@ ALIVE = Metric("trainguard_job_alive", "1 if a job of this name is running or pe
 
 class LivenessSettings(CheckSettings):
     names: list[str] = Field(min_length=1, description="Job names that must always be running or pending.")
+    interval: Duration = Field(60.0, gt=0, description="Time between runs (each asks the controller once).")
     accounting: bool = Field(True, description="When the controller knows no job of a name any more, ask "
                                                "accounting (sacct) for the last one.")
     lookback: Duration = Field(7 * 86400.0, gt=0, description="How far back accounting is searched.")
+
+    @field_validator("names")
+    @classmethod
+    def _one_name_each(cls, names: list[str]) -> list[str]:
+        for name in names:  # squeue and sacct split --name on commas; a line break would let a name forge a line
+            if not name or "," in name or any(ch in name for ch in "\r\n\0"):
+                raise ValueError(f"job name {name[:60]!r}: a watched name is one non-empty name without commas or "
+                                 "line breaks (squeue --name splits on commas)")
+        return names
 
 
 def _pick_last(jobs: list[Job]) -> Job | None:
@@ -63,19 +75,30 @@ class JobLivenessCheck(JobCheck):
     settings: LivenessSettings
 
     def run(self) -> Sequence[Result]:
-        view = self.view()
-        errors = self.source_errors(view, ["slurm", "process"])
-        if errors:
-            return errors
+        catalog = self.context.jobs
+        if catalog is None:
+            raise RuntimeError("no job source configured ([jobs] sources)")
+        jobs: list[Job] = []
+        if "process" in catalog.sources:  # declared process jobs are this node's: the catalog has them
+            view = catalog.view()
+            errors = self.source_errors(view, ["process"])
+            if errors:
+                return errors
+            jobs += [j for j in view.jobs if j.source == "process"]
+        if "slurm" in catalog.sources:
+            try:
+                jobs += catalog.slurm.named(self.settings.names)
+            except SlurmError as exc:
+                return [self.result("source:slurm", Status.UNKNOWN, f"job source slurm: {exc}", {"source": "slurm"})]
         now = self.context.clock()
-        verdicts = {name: evaluate_liveness(name, list(view.jobs), now) for name in self.settings.names}
+        verdicts = {name: evaluate_liveness(name, jobs, now) for name in self.settings.names}
         down = [name for name, (status, _, _) in verdicts.items() if status is Status.CRITICAL]
         history, history_error = self._history(down)
         out = []
         for name in self.settings.names:
             status, summary, details = verdicts[name]
             if name in down and history is not None:
-                status, summary, details = evaluate_liveness(name, list(view.jobs), now, history)
+                status, summary, details = evaluate_liveness(name, jobs, now, history)
             if name in down and history_error:
                 details = {**details, "accounting_error": history_error}
             out.append(self.result(name, status, summary, details,

@@ -22,9 +22,10 @@ from trainguard.core.settings import Duration, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size_limit
 from trainguard.jobs.model import Job
-from trainguard.jobs.tree import job_processes
+from trainguard.jobs.tree import job_pids
 from trainguard.node.cgroup import CgroupMemory, memory_limit
 from trainguard.node.procfs import ProcFS
+from trainguard.node.proctable import ProcessTable
 
 _JOB = ("job_id", "name")
 USED = Metric("trainguard_job_memory_bytes", "Memory of the job's processes here (RSS or PSS).", _JOB)
@@ -75,18 +76,21 @@ class JobMemory:
         return self.cgroup.describe() if self.cgroup else "host memory"
 
 
-def gather(job: Job, pss: bool = False, proc: ProcFS | None = None) -> JobMemory | None:
-    procs = job_processes(job)
-    if not procs:
+def gather(job: Job, table: ProcessTable, pss: bool = False, proc: ProcFS | None = None) -> JobMemory | None:
+    """The job's memory from the shared snapshot (RSS), or PSS read per process (smaps_rollup: costlier)."""
+    pids = job_pids(job, table)
+    if not pids:
         return None
-    used = 0
-    for p in procs:
-        try:
-            used += p.memory_full_info().pss if pss else p.memory_info().rss
-        except psutil.Error:
-            continue
+    used = table.rss(pids)
+    if pss:
+        used = 0
+        for pid in pids:
+            try:
+                used += psutil.Process(pid).memory_full_info().pss
+            except psutil.Error:
+                continue
     vm = psutil.virtual_memory()
-    return JobMemory(used, len(procs), memory_limit(procs[0].pid, proc), vm.total, vm.available)
+    return JobMemory(used, len(pids), memory_limit(pids[0], proc), vm.total, vm.available)
 
 
 @dataclass(frozen=True)
@@ -138,8 +142,9 @@ class JobMemoryCheck(JobCheck):
         now = self.context.clock()
         results = self.source_errors(view)
         seen = set()
+        table = self.context.processes.get()
         for job in self.jobs_here(view, self.settings.names):
-            m = gather(job, self.settings.pss, self.context.proc)
+            m = gather(job, table, self.settings.pss, self.context.proc)
             if m is None:
                 continue
             seen.add(job.key)

@@ -77,13 +77,14 @@ class SwitchCheck(JobCheck):
     settings: SwitchCheckSettings
 
     def candidates(self, view: JobView) -> list[Job]:
-        """Running jobs; for `stop`, also finished tasks of an array that still has tasks pending,
-        since the trainer may honour the switch and exit before this check next runs."""
+        """Running jobs; for `stop`, also finished tasks of an array that still has tasks pending (the source asked
+        the controller once when the task ended), since the trainer may honour the switch and exit before this check
+        next runs."""
         running = view.on_node()
         if self.settings.switch != "stop":
             return running
-        pending = {j.array_job_id for j in view.jobs if j.state == "PENDING" and j.array_job_id}
-        finished = [j for j in view.jobs if j.on_this_node and not j.running and j.array_job_id in pending]
+        finished = [j for j in view.jobs if j.on_this_node and not j.running and j.array_job_id
+                    and j.extra.get("array_pending")]
         return running + finished
 
     def teammate(self, uid: int) -> bool:

@@ -13,6 +13,7 @@ from trainguard.core.settings import Duration
 from trainguard.core.units import format_duration
 
 TIME_LEFT = Metric("trainguard_job_time_left_seconds", "Seconds until the job's time limit.", ("job_id",))
+LOOKAHEAD_S = 120.0  # this long before a job enters its margin, its EndTime is asked again (a TimeLimit update)
 
 
 class TimeLimitSettings(CheckSettings):
@@ -31,17 +32,26 @@ class TimeLimitCheck(JobCheck):
         view = self.view()
         out = self.source_errors(view, ["slurm"])
         now = self.context.clock()
+        stale = view.stale.get("slurm")
         for job in view.on_node():
-            if job.source != "slurm" or not job.end_time:
+            if job.source != "slurm":
+                continue
+            if not job.end_time:
+                if stale and job.extra.get("incomplete"):  # only the controller knows its EndTime, and it is silent
+                    out.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: time limit unknown: {stale}",
+                                           {"job_key": job.key, "job_id": job.job_id}))
                 continue
             left = job.end_time - now
+            if left <= self.settings.margin + LOOKAHEAD_S and self.context.jobs is not None:
+                self.context.jobs.refresh(job)  # once a minute at most: a TimeLimit extended since is seen in time
             end = time.strftime("%H:%M:%S", time.localtime(job.end_time))
             details = {"job_key": job.key, "job_id": job.job_id, "end_time": job.end_time, "seconds_left": round(left)}
             sample = TIME_LEFT(left, {"job_id": job.job_id or ""})
+            as_of = f" (EndTime as last known: {stale})" if stale else ""
             if left <= self.settings.margin:
                 out.append(self.result(job.key, Status.WARNING, f"{job.label()} reaches its time limit at {end} "
-                                       f"(in {format_duration(left)}): save and exit now", details, [sample]))
+                                       f"(in {format_duration(left)}): save and exit now{as_of}", details, [sample]))
             else:
-                out.append(self.result(job.key, Status.OK, f"{job.label()}: {format_duration(left)} left", details,
-                                       [sample]))
+                out.append(self.result(job.key, Status.OK, f"{job.label()}: {format_duration(left)} left{as_of}",
+                                       details, [sample]))
         return out

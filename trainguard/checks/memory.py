@@ -14,6 +14,7 @@ from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, parse_size_limit
+from trainguard.node.proctable import ProcessTable
 
 TOTAL = Metric("trainguard_memory_total_bytes", "Host memory in bytes.")
 AVAILABLE = Metric("trainguard_memory_available_bytes", "Host memory available for new work.")
@@ -43,18 +44,18 @@ def gather() -> MemoryUsage:
     return MemoryUsage(vm.total, vm.available, sw.total, sw.free)
 
 
-def top_consumers(n: int) -> list[dict[str, Any]]:
-    if n == 0:
-        return []
+def top_consumers(n: int, table: ProcessTable) -> list[dict[str, Any]]:
+    """The `n` largest processes of the shared snapshot; only their owners and command lines are read."""
     procs = []
-    for p in psutil.process_iter(["pid", "username", "name", "cmdline", "memory_info"]):
-        mi = p.info.get("memory_info")
-        if mi is None:
-            continue
-        cmd = " ".join(p.info.get("cmdline") or []) or p.info.get("name") or "?"
-        procs.append({"pid": p.info["pid"], "user": p.info.get("username"), "rss_bytes": mi.rss, "command": cmd[:200]})
-    procs.sort(key=lambda d: d["rss_bytes"], reverse=True)
-    return procs[:n]
+    for info in table.largest(n):
+        user, cmd = None, info.comm
+        try:
+            p = psutil.Process(info.pid)
+            user, cmd = p.username(), " ".join(p.cmdline()) or info.comm
+        except psutil.Error:
+            pass
+        procs.append({"pid": info.pid, "user": user, "rss_bytes": info.rss, "command": cmd[:200]})
+    return procs
 
 
 def evaluate(u: MemoryUsage, s: MemorySettings) -> tuple[Status, list[str]]:
@@ -88,7 +89,7 @@ class MemoryCheck(Check):
     def run(self) -> Sequence[Result]:
         u = gather()
         status, reasons = evaluate(u, self.settings)
-        top = top_consumers(self.settings.top)
+        top = top_consumers(self.settings.top, self.context.processes.get())
         samples = [TOTAL(u.total), AVAILABLE(u.available), SWAP_TOTAL(u.swap_total), SWAP_FREE(u.swap_free)]
         details = {"total_bytes": u.total, "available_bytes": u.available, "swap_total_bytes": u.swap_total,
                    "swap_free_bytes": u.swap_free, "top": top}

@@ -1,7 +1,12 @@
 """JobCatalog: one cached view of the jobs from every configured source, shared by all checks and actions.
 
-Sources are queried at most once per `refresh` period however many checks ask; a source that
-fails (slurmctld down, squeue timing out) is reported in `errors`, never raised at the caller.
+A view is listed again when a source says something changed (a job step started or ended on this node, a prolog
+ran, a record came back from slurmctld: cheap probes, asked at every call) or once it is `refresh` old; an
+action asks for a fresh one. A source that fails is reported in `errors`, and one that answers from its cache
+because slurmctld does not answer in `stale`; neither is raised at the caller.
+
+The catalog also holds the node's shared process snapshot (`processes`): the per-job checks of one round find
+their jobs' process trees in one pass over /proc.
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurm import SlurmClient, SlurmError
 from trainguard.node.access import Identities
+from trainguard.node.proctable import ProcessSnapshots, ProcessTable
 from trainguard.registry import JOB_SOURCES, load
 
 
 class JobSource(Protocol):
     """A job source: one module in trainguard/jobs and one line in the registry's JOB_SOURCES. Built with the
-    `[jobs]` settings, this node's name and the shared SLURM client; `jobs()` raises SlurmError or OSError on failure."""
+    `[jobs]` settings, this node's name, the shared SLURM client and the shared process snapshot; `jobs()` raises
+    SlurmError or OSError on failure. Optional: `changed()` (a cheap probe: would a listing now differ?),
+    `stale()` (why what it lists may be out of date), `refresh(job_id)`, `close()`."""
 
     def jobs(self) -> Sequence[Job]: ...
-
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class JobView:
     jobs: tuple[Job, ...] = ()
     errors: dict[str, str] = field(default_factory=dict)
     taken: float = 0.0
+    stale: dict[str, str] = field(default_factory=dict)  # source -> why it answered from its cache
 
     def on_node(self) -> list[Job]:
         return [j for j in self.jobs if j.on_this_node and j.running]
@@ -41,14 +49,16 @@ class JobView:
 
 
 class JobCatalog:
-    def __init__(self, settings: JobsSettings, node: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: JobsSettings, node: str, clock: Callable[[], float] = time.time,
+                 processes: ProcessSnapshots | None = None) -> None:
         self.settings = settings
         self.node = settings.slurm_node or node
         self.clock = clock
         self.slurm = SlurmClient(settings.slurm_timeout, settings.slurm_bin_dir)
+        self.snapshots = processes or ProcessSnapshots()
         names = list(settings.sources) + (["process"] if settings.processes and "process" not in settings.sources else [])
         self._sources: dict[str, JobSource] = {
-            name: load(JOB_SOURCES[name])(settings, self.node, self.slurm) for name in names}
+            name: load(JOB_SOURCES[name])(settings, self.node, self.slurm, self.snapshots) for name in names}
         self.identities = Identities()  # whose authority a job's files are read with
         self._lock = threading.Lock()
         self._view: JobView | None = None
@@ -61,14 +71,24 @@ class JobCatalog:
         """The last view, without querying anything (for /status)."""
         return self._view
 
-    def view(self, max_age: float | None = None) -> JobView:
+    def processes(self) -> ProcessTable:
+        """The shared snapshot of this node's processes (a few seconds old at most)."""
+        return self.snapshots.get()
+
+    def view(self, max_age: float | None = None, fresh: bool = False) -> JobView:
+        """The jobs now: the last listing unless a source changed, it is older than `max_age` (default `refresh`),
+        or `fresh` (an action about to act on them)."""
         max_age = self.settings.refresh if max_age is None else max_age
-        with self._lock:  # concurrent callers share one query
+        with self._lock:  # concurrent callers share one listing
             now = self.clock()
-            if self._view is not None and now - self._view.taken <= max_age:
+            if (self._view is not None and not fresh and now - self._view.taken <= max_age
+                    and not any(self._changed(s) for s in self._sources.values())):
                 return self._view
+            if fresh:  # the processes of a job that started a moment ago too
+                self.snapshots.get(max_age=0.0)
             jobs: list[Job] = []
             errors: dict[str, str] = {}
+            stale: dict[str, str] = {}
             for name, source in self._sources.items():
                 try:
                     jobs.extend(source.jobs())
@@ -76,5 +96,34 @@ class JobCatalog:
                     errors[name] = str(exc)
                 except OSError as exc:
                     errors[name] = f"{type(exc).__name__}: {exc}"
-            self._view = JobView(tuple(jobs), errors, now)
+                reason = getattr(source, "stale", lambda: None)()
+                if reason:
+                    stale[name] = reason
+            self._view = JobView(tuple(jobs), errors, now, stale)
             return self._view
+
+    @staticmethod
+    def _changed(source: JobSource) -> bool:
+        probe = getattr(source, "changed", None)
+        return bool(probe()) if probe is not None else False
+
+    def refresh(self, job: Job) -> None:
+        """Ask the job's source to fetch what only the controller knows again (rate-limited by the source)."""
+        source = self._sources.get(job.source)
+        ask = getattr(source, "refresh", None)
+        if ask is not None and job.job_id:
+            ask(job.job_id)
+
+    def settle(self, timeout: float) -> None:
+        """List the jobs, then wait (`timeout` at most) for what their sources fetch in the background."""
+        self.view(fresh=True)
+        for source in self._sources.values():
+            wait = getattr(source, "settle", None)
+            if wait is not None:
+                wait(timeout)
+
+    def close(self) -> None:
+        for source in self._sources.values():
+            stop = getattr(source, "close", None)
+            if stop is not None:
+                stop()

@@ -74,12 +74,14 @@ class Job:
     def label(self) -> str:
         if self.source == "slurm":
             if self.array_job_id and self.array_task_id:
-                return f"job {self.array_job_id}_{self.array_task_id} ({self.job_id}, {self.name})"
-            return f"job {self.job_id} ({self.name})"
+                return f"job {self.array_job_id}_{self.array_task_id} ({self.job_id}" + (f", {self.name})" if self.name
+                                                                                       else ")")
+            return f"job {self.job_id}" + (f" ({self.name})" if self.name else "")
         return f"process job {self.name}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "source": self.source, "name": self.name, "state": self.state, "job_id": self.job_id,
                 "array_job_id": self.array_job_id, "array_task_id": self.array_task_id, "user": self.user,
                 "reason": self.reason, "start_time": self.start_time, "end_time": self.end_time,
-                "exit_code": self.exit_code, "pids": [p.pid for p in self.processes], "switch_dir": self.switch_dir}
+                "exit_code": self.exit_code, "pids": [p.pid for p in self.processes], "switch_dir": self.switch_dir,
+                **{k: v for k, v in self.extra.items() if k in ("found_by", "incomplete")}}

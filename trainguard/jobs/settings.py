@@ -46,13 +46,19 @@ class JobsSettings(SettingsModel):
         json_schema_extra={"default_doc": "`[\"slurm\"]` when squeue is installed, else `[]`"})
     slurm_timeout: Duration = Field(10.0, gt=0, description="Timeout of every SLURM command.")
     slurm_bin_dir: str = Field("", description="Directory of the SLURM commands; empty: PATH.")
-    slurm_node: str = Field("", description="This node's SLURM name; empty: the agent's node_name.")
+    slurm_node: str = Field("", description="This node's SLURM name; empty: the agent's node_name. Set it where one "
+                                            "host runs several slurmd: it then names this node's steps to scontrol.")
+    slurmd_spool_dir: str = Field("", description="This node's SlurmdSpoolDir, where a step's socket appears while it "
+                                                  "runs; empty: from slurm.conf, else SLURM's default.")
+    prolog_dir: str = Field("/run/trainguard/jobs", description="Where `trainguard slurm-prolog` and `slurm-epilog` "
+                                                                "leave job records (docs/slurm.md); empty: not read.")
     switch_dir: str = Field("{workdir}/.trainguard",
                             description="Switch dir of a SLURM job; {workdir} {job_id} {array_job_id} {name} {user}.")
     stop_dir: Path = Field(STOP_DIR, description="The operator's kill switches: a file root creates here, named after a "
                                                  "job, stops it (`trainguard install` makes it: root-owned, 0750, group "
                                                  "trainguard, kept across restarts).")
-    refresh: Duration = Field(5.0, ge=0, description="How long one query of the sources is reused.")
+    refresh: Duration = Field(5.0, ge=0, description="How long one listing of the node's jobs is reused when nothing "
+                                                     "says it changed (a step's start or end, a prolog, a fetch).")
     processes: dict[str, ProcessJobSettings] = Field(default_factory=dict, description="Plain-process jobs by name.")
 
     @field_validator("sources")

@@ -1,23 +1,17 @@
-"""SLURM: every command runs with a timeout; a controller that doesn't answer is an error, never a hang."""
+"""SLURM's commands and what they print. Every command runs with a timeout; a controller that doesn't answer is an
+error, never a hang. What they print about a job holds that job's user's text (its name, its paths): the parsers
+here are typed and bounded, and never raise."""
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from trainguard.core.logs import kv
 from trainguard.core.text import linear
 from trainguard.core.tools import run_tool
-from trainguard.jobs.hostlist import expand
-from trainguard.jobs.model import Job, ProcessRef
-from trainguard.jobs.settings import JobsSettings
-
-log = logging.getLogger("trainguard.slurm")
+from trainguard.jobs.model import Job
 
 
 class SlurmError(Exception):
@@ -34,30 +28,38 @@ class SlurmClient:
         return run_tool(cmd, timeout or self.timeout, SlurmError, label=" ".join(args[:2]),
                         hint=" (slurmctld not answering?)")
 
-    # queries -------------------------------------------------------------------
-    def queue(self) -> list[dict[str, Any]]:
-        out = self.run("squeue", "--json")
+    # on this node: answered by the local slurmstepds, no RPC to slurmctld ------------------------------------------
+    def local_pids(self, node: str = "") -> dict[str, list[int]]:
+        """job id -> pids of every job step on this node (`scontrol listpids`, which reads the slurmd spool dir and
+        asks each step's slurmstepd; `node` names this node's slurmd where a host runs several)."""
         try:
-            data = json.loads(out)
-        except ValueError as exc:
-            raise SlurmError(f"squeue --json printed invalid JSON: {exc}") from None
-        return list(data.get("jobs", []))
-
-    def listpids(self, job_id: str, node: str = "") -> list[int]:
-        """The job's pids on `node`. Named, because on a host running several slurmd (`slurmd -N NAME`: front-end
-        and multiple-slurmd setups) scontrol guesses the first NodeName of this hostname and lists only its steps."""
-        try:
-            out = self.run("scontrol", "listpids", job_id, *([node] if node else []))
+            out = self.run("scontrol", "listpids", *(["*", node] if node else []))
         except SlurmError as exc:
-            if "No job steps exist" in str(exc) or "does not exist" in str(exc):
-                return []
+            if "No job steps exist" in str(exc) or "no steps" in str(exc).lower():
+                return {}
             raise
-        pids = []
-        for line in out.splitlines()[1:]:
-            fields = line.split()
-            if fields and fields[0].isascii() and fields[0].isdigit() and len(fields[0]) <= 10:
-                pids.append(int(fields[0]))
-        return pids
+        return parse_listpids(out)
+
+    # one job, by id: one REQUEST_JOB_INFO_SINGLE -------------------------------------------------------------------
+    def show_job(self, job_id: str) -> str | None:
+        """`scontrol show job ID --oneliner` as printed; None when the controller no longer knows the job."""
+        try:
+            return self.run("scontrol", "show", "job", job_id, "--oneliner")
+        except SlurmError as exc:
+            if "Invalid job id" in str(exc):
+                return None
+            raise
+
+    # about the cluster: filtered queries, for the checks that are about the cluster ----------------------------
+    def named(self, names: Sequence[str]) -> list[Job]:
+        """The jobs of these exact names the controller knows (pending, running, and finished within MinJobAge):
+        `squeue --name` (22.05 filters names on the client, but the text form is a small part of a JSON dump)."""
+        if not names:
+            return []
+        out = self.run("squeue", "--noheader", "--states=all", "--name=" + ",".join(names), "--Format=" + NAMED_FORMAT)
+        wanted = set(names)
+        jobs = [parse_named(line) for line in out.splitlines()]
+        return [j for j in jobs if j is not None and j.name in wanted]
 
     def history(self, names: Sequence[str], lookback: float) -> list[Job]:
         """Jobs of these names that accounting (slurmdbd) recorded within `lookback` seconds, newest last.
@@ -116,15 +118,137 @@ _NODE_STATE = linear(r"\bState=(\S+)")
 _NODE_REASON = linear(r"(?m)\bReason=(.*?)(?: \[|$| \w+=)")
 
 
-def expand_output_path(pattern: str, job: dict[str, Any], node: str) -> str:
-    """squeue --json gives StdOut as submitted (`slurm-%j.out`); expand what identifies the file."""
-    values = {
-        "%": "%", "j": str(job.get("job_id", "")), "x": _text(job, "name") or "", "u": _text(job, "user_name") or "",
-        "A": str(_int(job.get("array_job_id")) or job.get("job_id", "")),
-        "a": str(task if (task := _int(job.get("array_task_id"))) is not None else 4294967294),
-        "N": node, "n": "0",
-    }
-    return _PATTERN.sub(lambda m: values[m.group(1)], pattern)
+def expand_output_path(pattern: str, *, job_id: str, name: str | None = None, user: str | None = None,
+                       array_job_id: str | None = None, array_task_id: str | None = None, node: str = "") -> str | None:
+    """A StdOut/StdErr pattern as submitted (`%x-%A_%a.out`, as a prolog sees it) expanded the way slurmstepd does;
+    None when it names something unknown here (the job's name or user before the controller said them)."""
+    values = {"%": "%", "j": job_id, "x": name, "u": user, "A": array_job_id or job_id,
+              "a": array_task_id if array_job_id and array_task_id else "4294967294", "N": node, "n": "0"}
+    if any(values[m.group(1)] is None for m in _PATTERN.finditer(pattern)):
+        return None
+    return _PATTERN.sub(lambda m: values[m.group(1)] or "", pattern)
+
+
+def slurm_time(value: str) -> float | None:
+    """A time as SLURM's commands print it (local time); None for Unknown, None, N/A, NONE and anything odd."""
+    try:
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S"))
+    except (ValueError, OverflowError):
+        return None
+
+
+def wait_status(value: str) -> str | None:
+    """A raw wait status (squeue's exit_code, an epilog's SLURM_JOB_EXIT_CODE) as SLURM's `code:signal`."""
+    if not (value.isascii() and value.isdigit() and len(value) <= 10):
+        return None
+    code = int(value)
+    return f"{(code >> 8) & 0xFF}:{code & 0x7F}"
+
+
+def _small_id(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 10
+
+
+def parse_listpids(out: str) -> dict[str, list[int]]:
+    """`scontrol listpids` (PID JOBID STEPID LOCALID GLOBALID, one line per process) as job id -> pids."""
+    jobs: dict[str, list[int]] = {}
+    for line in out.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 2 and _small_id(fields[0]) and _small_id(fields[1]):
+            jobs.setdefault(fields[1], []).append(int(fields[0]))
+    return jobs
+
+
+# squeue --Format: every field but the last ends with "|" and is printed whole; the name is last and whole (`:0`).
+NAMED_FIELDS = ("JobID", "ArrayJobID", "ArrayTaskID", "State", "Reason", "UserName", "StartTime", "EndTime",
+                "exit_code", "Name")
+NAMED_FORMAT = ",".join(f"{f}:|" for f in NAMED_FIELDS[:-1]) + ",Name:0"
+
+
+def parse_named(line: str) -> Job | None:
+    """One line of `squeue --Format=NAMED_FORMAT`; None when it does not have that shape. Only the name is the job
+    user's text, and it is last: a `|` in it stays in the name. (A name with a line break never matches the names
+    asked for, which may not hold one, so it can't forge a line.)"""
+    fields = line.split("|", len(NAMED_FIELDS) - 1)
+    if len(fields) != len(NAMED_FIELDS):
+        return None
+    job_id, array_job, task, state, reason, user, start, end, code, name = fields
+    if not _small_id(job_id) or not state.isascii() or not state.replace("_", "").isalpha():
+        return None
+    is_task = _small_id(array_job) and _small_id(task)  # the last task run takes the array's own id
+    return Job(key=f"slurm:{job_id}", source="slurm", name=name, state=state, job_id=job_id,
+               array_job_id=array_job if is_task else None, array_task_id=task if is_task else None,
+               user=user or None, reason=reason if reason not in ("", "None") else None,
+               start_time=slurm_time(start), end_time=slurm_time(end), exit_code=wait_status(code),
+               extra={"from": "controller"})
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the controller says of one job (`scontrol show job ID --oneliner`), fields the agent uses."""
+
+    job_id: str
+    name: str
+    state: str
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    user: str | None = None
+    uid: int | None = None
+    reason: str | None = None
+    requeue: bool = True
+    exit_code: str | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    workdir: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+RECORD_MAX = 64 << 10  # one job's record is 1-2 KiB; the rest of a longer one is a job user's text
+# Everything up to JobName= is the controller's own numbers; the job's name follows, free text that may hold line
+# breaks, `UserId=` or a whole forged record, so nothing after it is trusted by position alone.
+_RECORD_HEAD = linear(r"\AJobId=(\d{1,10})(?: ArrayJobId=(\d{1,10}) ArrayTaskId=(\S{1,64})(?: ArrayTaskThrottle=\d+)?)?"
+                      r"(?: HetJobId=\d+ HetJobOffset=\d+)?(?: HetJobIdSet=\S+)? JobName=")
+_USER = linear(r" UserId=([^\s()]{0,64})\((\d{1,10})\) GroupId=")
+_FIELD = {key: linear(rf" {key}=(\S*)") for key in ("JobState", "Reason", "Requeue", "ExitCode", "StartTime",
+                                                     "EndTime")}
+_WORKDIR = linear(r"(?s) WorkDir=(.*?) (?:AdminComment|SystemComment|Comment|StdErr)=")
+_STDERR = linear(r"(?s) StdErr=(.*?) StdIn=")
+_STDOUT = linear(r"(?s) StdIn=\S* StdOut=(.*?) Power=")
+_EXIT = linear(r"^\d{1,3}:\d{1,3}$")
+
+
+def parse_job_record(text: str, uid: int | None = None) -> JobRecord | None:
+    """The record `scontrol show job ID --oneliner` prints; None when it does not start like one.
+
+    `uid` is the job's user as this node knows it without the controller (its processes, its cgroup, the prolog's
+    environment): the record's own UserId is found as the first `UserId=...(uid)` after the name. Without it the
+    first one is taken, and when the name holds another `UserId=` the user is left unknown rather than guessed.
+    """
+    text = text[:RECORD_MAX]
+    head = _RECORD_HEAD.match(text)
+    if head is None:
+        return None
+    rest = text[head.end():]
+    owners = [m for m in _USER.finditer(rest) if uid is None or int(m.group(2)) == uid]
+    if not owners:
+        return None
+    owner = owners[0]
+    forged = uid is None and len(owners) > 1  # the name holds a `UserId=`: which one is the controller's is unknown
+    after = rest[owner.end():]
+    fields = {key: (m.group(1) if (m := pattern.search(after)) else "") for key, pattern in _FIELD.items()}
+    job_id, array_job, task = head.group(1), head.group(2), head.group(3)
+    is_task = array_job is not None and task is not None and _small_id(task)  # JobId == ArrayJobId: the last task
+    paths = {name: m.group(1) if (m := pattern.search(after)) and m.group(1) else None
+             for name, pattern in (("workdir", _WORKDIR), ("stdout", _STDOUT), ("stderr", _STDERR))}
+    state = fields["JobState"]
+    return JobRecord(
+        job_id=job_id, name=rest[:owner.start()], state=state if state.replace("_", "").isalpha() else "UNKNOWN",
+        array_job_id=array_job if is_task else None, array_task_id=task if is_task else None,
+        user=None if forged else owner.group(1) or None, uid=None if forged else int(owner.group(2)),
+        reason=fields["Reason"] if fields["Reason"] not in ("", "None") else None, requeue=fields["Requeue"] != "0",
+        exit_code=fields["ExitCode"] if _EXIT.match(fields["ExitCode"]) else None,
+        start_time=slurm_time(fields["StartTime"]), end_time=slurm_time(fields["EndTime"]), **paths)
 
 
 _SEP = "\x1f"  # ASCII unit separator: never part of a job name, unlike "|"
@@ -151,93 +275,3 @@ def parse_history(line: str) -> Job | None:
                user=user or None, reason=reason if reason not in ("", "None") else None,
                start_time=_sacct_time(start), end_time=_sacct_time(end), exit_code=exit_code or None,
                extra={"from": "accounting"})
-
-
-def _when(value: Any) -> float | None:
-    number = _int(value)
-    return float(number) if number is not None and 0 < number < 2**40 else None  # a Unix time, or nothing
-
-
-def _exit_code(job: dict[str, Any]) -> str | None:
-    code = job.get("exit_code")
-    if isinstance(code, int) and not isinstance(code, bool) and 0 <= code < 2**32:  # 22.05: the raw wait status
-        return f"{code >> 8}:{code & 0x7F}"
-    if isinstance(code, dict):  # 23.02+: {"status": [...], "return_code": N, "signal": {...}}
-        signal = code.get("signal")
-        return f"{_int(code.get('return_code')) or 0}:{(_int(signal.get('id')) if isinstance(signal, dict) else 0) or 0}"
-    return None
-
-
-def _state(job: dict[str, Any]) -> str:
-    state = job.get("job_state", "")
-    return str(state[0] if isinstance(state, list) and state else state)
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, dict):  # newer SLURM: {"set": true, "infinite": false, "number": N}
-        value = value.get("number") if value.get("set", True) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _text(raw: dict[str, Any], key: str) -> str | None:
-    """A string field of squeue's JSON; None when absent, empty or not a string (the JSON is the controller's, the
-    values in it are the job user's)."""
-    value = raw.get(key)
-    return value if isinstance(value, str) and value else None
-
-
-def parse_job(raw: dict[str, Any], node: str, switch_template: str) -> Job:
-    job_id = str(_int(raw.get("job_id")) if _int(raw.get("job_id")) is not None else _text(raw, "job_id") or "")
-    array_job = str(_int(raw.get("array_job_id"))) if _int(raw.get("array_job_id")) else None
-    task = _int(raw.get("array_task_id"))
-    task_id = str(task) if array_job and task is not None else None
-    try:
-        hosts = expand(_text(raw, "nodes") or "")
-    except ValueError:
-        hosts = []
-    name, user = _text(raw, "name") or "", _text(raw, "user_name")
-    workdir = _text(raw, "current_working_directory")
-    default_out = "slurm-%A_%a.out" if array_job and task_id else "slurm-%j.out"
-    stdout = _text(raw, "standard_output") or (os.path.join(workdir, default_out) if workdir else None)
-    stderr = _text(raw, "standard_error") or stdout
-    fields = {"workdir": workdir or "", "job_id": job_id, "array_job_id": array_job or job_id, "name": name,
-              "user": user or ""}
-    reason = _text(raw, "state_reason")
-    return Job(
-        key=f"slurm:{job_id}", source="slurm", name=name, state=_state(raw), job_id=job_id,
-        array_job_id=array_job, array_task_id=task_id, user=user, uid=_int(raw.get("user_id")),
-        reason=reason if reason != "None" else None,
-        start_time=_when(raw.get("start_time")), end_time=_when(raw.get("end_time")), exit_code=_exit_code(raw),
-        workdir=workdir, stdout=expand_output_path(stdout, raw, node) if stdout else None,
-        stderr=expand_output_path(stderr, raw, node) if stderr else None, on_this_node=node in hosts,
-        switch_dir=switch_template.format(**fields) if switch_template and workdir else None,
-        requeue=raw.get("requeue", True) is not False,
-    )
-
-
-class SlurmSource:
-    """All jobs the controller knows; pids for the ones running on this node."""
-
-    def __init__(self, settings: JobsSettings, node: str, client: SlurmClient) -> None:
-        self.client = client
-        self.node = node
-        self.switch_template = settings.switch_dir
-
-    def jobs(self) -> Sequence[Job]:
-        jobs = []
-        for raw in self.client.queue():
-            job = parse_job(raw, self.node, self.switch_template)
-            if not job.on_this_node:
-                jobs.append(job)
-                continue
-            refs: tuple[ProcessRef, ...] = ()
-            if job.running and job.job_id:
-                try:
-                    refs = tuple(r for r in (ProcessRef.of(p) for p in self.client.listpids(job.job_id, self.node)) if r)
-                except SlurmError as exc:
-                    log.warning("listpids failed", extra=kv(job=job.job_id, error=str(exc)))
-            # an ended job's logs too: the crash it died of is written last, maybe after the last read
-            log_paths = tuple(dict.fromkeys(p for p in (job.stdout, job.stderr) if p))
-            job = Job(**{**vars(job), "processes": refs, "log_paths": log_paths})
-            jobs.append(job)
-        return jobs

@@ -14,22 +14,24 @@ from trainguard.jobs.model import Job
 from trainguard.node.access import Identity, read_as
 from trainguard.node.flight import RankTrace, fetch, read_dumps
 from trainguard.node.procfs import ProcFS
+from trainguard.node.proctable import ProcessTable, read_table
 
 
-def job_processes(job: Job) -> list[psutil.Process]:
-    """Every process of the job on this node, each once; pids whose identity changed are left out."""
-    found: dict[int, psutil.Process] = {}
-    for ref in job.processes:
-        if not ref.matches():
-            continue
+def job_pids(job: Job, table: ProcessTable) -> list[int]:
+    """Every process of the job on this node, from the shared snapshot: its trusted top pids (those whose start
+    time still matches: a recycled pid is not the job's) and their descendants, each once."""
+    return table.descendants(ref.pid for ref in job.processes if table.is_alive(ref.pid, ref.create_time))
+
+
+def job_processes(job: Job, table: ProcessTable | None = None) -> list[psutil.Process]:
+    """The job's processes as psutil objects, for what the snapshot does not hold (open files, I/O counters)."""
+    found = []
+    for pid in job_pids(job, table if table is not None else read_table()):
         try:
-            top = psutil.Process(ref.pid)
-            found.setdefault(top.pid, top)
-            for child in top.children(recursive=True):
-                found.setdefault(child.pid, child)
+            found.append(psutil.Process(pid))
         except psutil.Error:
             continue
-    return list(found.values())
+    return found
 
 
 def job_fields(job: Job) -> dict[str, str]:

@@ -24,6 +24,23 @@ class ProcFS:
         except OSError:
             return None
 
+    def pids(self) -> list[int]:
+        """The pids of every process now (a snapshot: some may be gone by the time they are read)."""
+        try:
+            return [int(name) for name in os.listdir(self.root) if name.isdigit()]
+        except OSError:
+            return []
+
+    def boot_time(self) -> float:
+        """When the kernel booted (Unix time), from /proc/stat: process start times count from it."""
+        for line in (self.read_text("stat") or "").splitlines():
+            if line.startswith("btime "):
+                try:
+                    return float(line.split()[1])
+                except (IndexError, ValueError):
+                    break
+        return 0.0
+
     def boot_id(self) -> str:
         """This boot's id: persisted cursors and ledgers from another boot describe hardware that was reset."""
         return (self.read_text("sys", "kernel", "random", "boot_id") or "").strip()

@@ -19,6 +19,7 @@ from trainguard.gpu.faults import XidLedger
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.node.procfs import ProcFS, own_usage
+from trainguard.node.proctable import ProcessSnapshots
 from trainguard.notifiers.base import Notifier
 from trainguard.pipeline.config import Config
 from trainguard.pipeline.dispatch import Dispatcher
@@ -90,12 +91,15 @@ class Engine:
         self.clock = clock
         self.node = config.agent.node_name
         jobs = config.jobs
-        self.catalog = JobCatalog(jobs, self.node, clock) if jobs.sources or jobs.processes else None
-        self.store = store if store is not None else Store(config.agent.state_dir)
         proc = ProcFS()
-        # One of each per agent, shared by every check: one NVML session, one ledger of this boot's XIDs.
+        processes = ProcessSnapshots(proc)
+        self.catalog = JobCatalog(jobs, self.node, clock, processes) if jobs.sources or jobs.processes else None
+        self.store = store if store is not None else Store(config.agent.state_dir)
+        # One of each per agent, shared by every check: one NVML session, one ledger of this boot's XIDs, one /proc
+        # snapshot per round.
         shared = CheckContext(config.agent.node_name, config.agent.state_dir, clock, self.catalog,
-                              nvml if nvml is not None else Nvml(), proc, xid_history=XidLedger(self.store, clock, proc=proc))
+                              nvml if nvml is not None else Nvml(), proc, xid_history=XidLedger(self.store, clock, proc=proc),
+                              processes=processes)
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
             if settings.enabled:
@@ -135,7 +139,11 @@ class Engine:
 
     # running -------------------------------------------------------------------
     def run_round(self, ingest: bool = True) -> list[RunReport]:
-        """Run every check once, concurrently; each bounded by its own timeout."""
+        """Run every check once, concurrently; each bounded by its own timeout. A one-shot round (`trainguard
+        check`) first waits, `slurm_timeout` at most, for what slurmctld knows of this node's jobs; the daemon's
+        scheduled runs never wait for it."""
+        if self.catalog is not None:
+            self.catalog.settle(self.config.jobs.slurm_timeout)
         reports: dict[str, RunReport] = {}
 
         def one(name: str) -> None:
@@ -345,6 +353,8 @@ class Engine:
         self.dispatcher.stop()
         for notifier in self.notifiers.values():
             notifier.stop()
+        if self.catalog is not None:
+            self.catalog.close()
         self.store.close()
 
     # read side -----------------------------------------------------------------

@@ -72,10 +72,11 @@ class Responder:
         return thread
 
     def jobs_for(self, event: Event) -> tuple[Job, ...]:
-        """The incident's own job when it names one, else every job running on this node."""
+        """The incident's own job when it names one, else every job running on this node. Listed afresh (the node
+        only: no controller RPC): a job that started a second before the fault is still the one to act on."""
         if self.catalog is None:
             return ()
-        view = self.catalog.view()
+        view = self.catalog.view(fresh=True)
         key = event.details.get("job_key")
         if key:
             job = view.by_key(str(key))
