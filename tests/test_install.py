@@ -66,7 +66,7 @@ def test_install_and_uninstall_staged(tmp_path: Path, capsys: object) -> None:
     stop = tmp_path / "etc/trainguard/stop"  # the operator's kill switches, the default jobs.stop_dir
     assert stat.S_IMODE(stop.stat().st_mode) == 0o750 and f"created {stop} (mode 0750" in out
     assert load_config(str(config)).jobs.stop_dir == Path("/") / stop.relative_to(tmp_path)
-    assert f"`trainguard` below is {sys.executable} -m trainguard;" in out  # how to call it, not a bare name
+    assert f"(`trainguard` below is {sys.executable} -m trainguard)" in out  # how to call it, not a bare name
     config.write_text(config.read_text() + "\n# edited by the operator\n")
     config.parent.chmod(0o755)  # as installed by earlier versions: set right, and said
     assert main(["install", "--root", str(tmp_path), "--dropin", "switch-files"]) == 0  # the edit is kept

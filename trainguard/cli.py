@@ -359,7 +359,7 @@ def cmd_operator(config: Config, args: argparse.Namespace) -> int:
 def cmd_install(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins, executable_path
+    from trainguard.install import NEXT_STEPS, Installer, InstallError, documentation, dropins, executable_path, path_link
 
     installer = Installer(Path(args.root), args.user, with_dropins=tuple(getattr(args, "dropin", ())))
     try:
@@ -370,7 +370,8 @@ def cmd_install(args: argparse.Namespace) -> int:
     print("\n".join(done))
     if args.command == "install":
         print(NEXT_STEPS.format(config=installer.config_path, user=args.user, dropins=", ".join(dropins()),
-                                docs=documentation(), trainguard=executable_path()), end="")
+                                docs=documentation(), trainguard=executable_path(),
+                                link=path_link(executable_path())), end="")
     return 0
 
 

@@ -204,7 +204,8 @@ def _exists(lookup: Callable[[str], object], name: str) -> bool:
 
 
 NEXT_STEPS = """
-Next steps (`trainguard` below is {trainguard}; `ln -s {trainguard} /usr/local/bin/trainguard` puts it on PATH):
+Next steps:
+  (`trainguard` below is {trainguard}{link})
   1. Edit {config} (checks, Slack/email, jobs); check it: {trainguard} validate --config {config}
   2. SLURM drain/requeue as user {user}: sacctmgr -i add user {user} account=root adminlevel=Operator
      (or: {trainguard} install --dropin run-as-root)
@@ -213,6 +214,13 @@ Next steps (`trainguard` below is {trainguard}; `ln -s {trainguard} /usr/local/b
   5. curl -s localhost:9721/healthz; curl -s localhost:9721/metrics | head; point Prometheus at port 9721
 See {docs}
 """
+
+
+def path_link(exe: str) -> str:
+    """How to put a script that is not on PATH (/opt/trainguard/bin/trainguard) there, for the next steps."""
+    if " " in exe or shutil.which("trainguard") == exe:
+        return ""
+    return f"; `ln -s {exe} /usr/local/bin/trainguard` puts it on PATH"
 
 
 def documentation() -> str:
