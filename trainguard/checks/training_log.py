@@ -73,7 +73,7 @@ class TrainingLogSettings(CheckSettings):
 # knock-on (an OOM after a NCCL timeout): it moves behind the echoes, and so does an impossible allocation.
 HARDWARE, CAUSE, END, GENERIC, ECHO, KNOCK_ON = 0, 1, 2, 3, 4, 5
 _TIER = {"cuda_oom": CAUSE, "cuda_error": CAUSE, "nccl_error": CAUSE, "nan_loss": CAUSE, "loss_scale_min": CAUSE,
-         "fp16_overflow": CAUSE, "launcher": END, "exit": END, "traceback": END, "nccl_timeout": ECHO,
+         "fp16_overflow": CAUSE, "launcher": END, "exit": CAUSE, "traceback": END, "nccl_timeout": ECHO,
          "nccl_progress": ECHO, "collective_failure": ECHO}
 _CAUGHT = linear(r"(?i)\bwarn(?:ing)?\b")  # `| WARNING: ran out of memory`, `| WARNING | fairseq.trainer | OOM:`
 _NAN_NORM = linear(r"(?i)grad[_ ]norm['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
@@ -93,7 +93,8 @@ def _unparsed_timeout(text: str) -> bool:
         return False
     rest = text[at:]
     cut = rest.find("exception: ")
-    return cut < 0 or rest[cut + len("exception: "):].startswith("[Rank") or not rest[cut + 11:].strip()
+    what = rest[cut + len("exception: "):] if cut >= 0 else ""
+    return not what.strip() or what.startswith("[Rank")
 
 
 def _tier(f: dict[str, Any]) -> int:
@@ -259,7 +260,7 @@ class TrainingLogCheck(JobCheck):
             exc = last_exception(path, self.identity(job)) or exc
         title = f"the job ended {job.state} with exit code {code}" + (f": {exc}" if exc else "")
         kept.append({"signature": "exit", "rank": None, "path": None, "at": self.context.clock(), "line": exc or "",
-                     "status": Status.CRITICAL.name, "title": title, "exit_code": code, "n": 1 << 30, "tier": CAUSE,
+                     "status": Status.CRITICAL.name, "title": title, "exit_code": code, "n": 1 << 30,
                      "advice": "read the end of the job's log; the final exception says what failed" if exc else
                      "no exception in the log: look for the OOM killer (dmesg), a signal, or the scheduler's reason"})
 

@@ -11,13 +11,6 @@ from typing import Any
 
 from trainguard.core.text import linear
 from trainguard.logscan.collectives import ADVICE, observe
-from trainguard.logscan.lines import plain
-
-
-def rank_of(line: str) -> tuple[str | None, str]:
-    """`[default0]:[rank3]: text` -> ("3", "text"); the rank PyTorch names inside (`[PG 0 Rank 3]`) otherwise."""
-    p = plain(line)
-    return p.rank, p.text
 
 
 @dataclass(frozen=True)
