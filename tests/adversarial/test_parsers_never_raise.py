@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+import tomllib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,12 @@ from trainguard.jobs.slurm import (
 )
 from trainguard.jobs.slurmnode import conf_value, spool_jobs
 from trainguard.jobs.tree import read_heartbeat
+from trainguard.logscan.collectives import observe
 from trainguard.logscan.context import finite_loss, last_step
+from trainguard.logscan.launcher import root_cause
+from trainguard.logscan.lines import plain, timestamp, unwrap
+from trainguard.logscan.nccl import diagnose_nccl_error
+from trainguard.logscan.oom import parse_oom
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner, final_exception
 from trainguard.node.access import Identity
@@ -47,7 +53,8 @@ REAL = [line for f in sorted((DATA / "quota").glob("*.txt")) for line in f.read_
     'Thread 0x7F (idle): "MainThread"', "    stuck_in_allreduce (train_toy.py:51)",
     "step 100 loss=1.25", "[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB",
     "Traceback (most recent call last):", "RuntimeError: CUDA error: an illegal memory access was encountered",
-]
+] + [line for entry in tomllib.loads((DATA / "logs" / "excerpts.toml").read_text())["log"]
+     for line in entry["text"].splitlines()]
 # Digits, separators and units: the alphabet of numbers, where overflow and backtracking live.
 NUMERIC = st.text(alphabet="0123456789.,:-+eE %*kKmMgGtTpPiIBbsdhw ", max_size=400)
 FRAGMENT = st.one_of(st.sampled_from(REAL), st.text(max_size=80), NUMERIC,
@@ -177,6 +184,16 @@ def test_log_scanning(data: bytes) -> None:
     data = data + b"\n"
     for hit in Scanner(BUILTIN).scan(data):
         final_exception(data, hit.offset)
+        p = plain(hit.line)
+        assert isinstance(p.text, str) and (p.rank is None or p.rank.isdigit())
+        assert timestamp(hit.line) is None or isinstance(timestamp(hit.line), float)
+        diagnose_nccl_error(hit.line)
+        root_cause(data[hit.offset:].decode("utf-8", errors="replace"))
+        observe(hit.line)
+        parse_oom(hit.line)
+        end = data.find(b"\n", hit.offset)
+        joined = unwrap(data, end, lambda t: "Timeout(ms)" in t)
+        assert joined is None or joined[1] <= len(data)
     last_step(data)
     finite_loss(data, 0, len(data))
 

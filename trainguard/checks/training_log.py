@@ -17,7 +17,7 @@ from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Size
-from trainguard.core.text import one_line
+from trainguard.core.text import linear, one_line
 from trainguard.core.units import parse_size
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import (
@@ -31,8 +31,11 @@ from trainguard.jobs.tree import (
 )
 from trainguard.logscan.collectives import ADVICE, Story, gather, observe, tell
 from trainguard.logscan.context import finite_loss, last_step, oom_gpu
-from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl, rank_of
-from trainguard.logscan.oom import GpuContext, classify, explain, parse_oom
+from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
+from trainguard.logscan.launcher import BLOCK, root_cause
+from trainguard.logscan.lines import plain, timestamp, unwrap
+from trainguard.logscan.nccl import diagnose_nccl_error
+from trainguard.logscan.oom import IMPOSSIBLE, GpuContext, classify, explain, parse_oom
 from trainguard.logscan.reader import LogTail, Position
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
 from trainguard.node.flight import Stall, analyze
@@ -43,7 +46,7 @@ POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"
 COLLECTIVES_KEY = "logscan.collectives"
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
-MAX_FINDINGS = 20  # per job: the first ones explain, the rest repeat
+MAX_PER_SIGNATURE = 8  # per job and signature: a flood of one kind (25 ranks' timeouts) never crowds out another
 
 
 class TrainingLogSettings(CheckSettings):
@@ -63,9 +66,63 @@ class TrainingLogSettings(CheckSettings):
                                        "flight-recorder dumps (TORCH_FR_DUMP_TEMP_FILE); templates as logs.")
 
 
-_CAUSE = {"cuda_oom": 5, "cuda_error": 4, "exit": 3.5, "traceback": 3, "loss_scale_min": 2, "nan_loss": 2,
-          "nccl_timeout": 0, "collective_failure": 0}
+# Which finding leads: the hardware first, then a cause (what failed on some rank), then the job's end as the launcher
+# or a traceback tells it, then the echoes (the other ranks' timeouts, a peer that went away); within one tier the
+# earliest by the lines' own timestamps (else the order read). A job that ended non-zero counts as a cause read last:
+# its final exception leads when nothing more specific came before. A cause that came after an echo in time is its
+# knock-on (an OOM after a NCCL timeout): it moves behind the echoes, and so does an impossible allocation.
+HARDWARE, CAUSE, END, GENERIC, ECHO, KNOCK_ON = 0, 1, 2, 3, 4, 5
+_TIER = {"cuda_oom": CAUSE, "cuda_error": CAUSE, "nccl_error": CAUSE, "nan_loss": CAUSE, "loss_scale_min": CAUSE,
+         "fp16_overflow": CAUSE, "launcher": END, "exit": CAUSE, "traceback": END, "nccl_timeout": ECHO,
+         "nccl_progress": ECHO, "collective_failure": ECHO}
+_CAUGHT = linear(r"(?i)\bwarn(?:ing)?\b")  # `| WARNING: ran out of memory`, `| WARNING | fairseq.trainer | OOM:`
+_NAN_NORM = linear(r"(?i)grad[_ ]norm['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
+_NAN_LOSS = linear(r"(?i)\bloss['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
+_ZERO_LOSS = linear(r"""\bloss['"]?\s{0,40}[:=]\s{0,40}['"]?0(?:\.0{1,8})?(?:[,\s}|]|$)""")
 _COLLECTIVE = ("nccl_timeout", "nccl_progress", "collective_failure")
+
+
+def _unparsed_timeout(text: str) -> bool:
+    """A watchdog line whose timeout is cut short (wrapped): `... terminated with exception: [Rank 0`, `... terminat`,
+    `Watchdog caught ... NumelOut=5`; a complete one (or one about something else: a CUDA error) is not."""
+    if "Watchdog caught" in text:
+        obs = observe(text)
+        return obs is None or obs.kind != "timeout"
+    at = text.find("atchdog thread terminat")
+    if at < 0:
+        return False
+    rest = text[at:]
+    cut = rest.find("exception: ")
+    what = rest[cut + len("exception: "):] if cut >= 0 else ""
+    return not what.strip() or what.startswith("[Rank")
+
+
+def _tier(f: dict[str, Any]) -> int:
+    return HARDWARE if f.get("hardware") else int(f.get("tier", _TIER.get(f["signature"], END)))
+
+
+def _when(f: dict[str, Any]) -> tuple[float, int]:
+    """The time order of findings: the lines' own timestamps where they have them, else the order read."""
+    ts = f.get("ts")
+    return (ts if ts is not None else float("inf"), int(f.get("n", 0)))
+
+
+def _knock_ons(findings: list[dict[str, Any]]) -> set[int]:
+    """The causes that came after an echo (a collective timeout, a peer gone) by the lines' timestamps, or later on
+    the same rank's log: knock-on effects of that failure (an OOM after a NCCL timeout), not its cause."""
+    echoes = [f for f in findings if _tier(f) == ECHO]
+    late = set()
+    for i, f in enumerate(findings):
+        if _tier(f) != CAUSE or f["signature"] == "nan_loss":
+            continue
+        for e in echoes:
+            timed = e.get("ts") is not None and f.get("ts") is not None and e["ts"] < f["ts"]
+            same_log = (e.get("path") == f.get("path") and f.get("rank") is not None and e.get("rank") == f["rank"]
+                        and int(e.get("pos", 0)) < int(f.get("pos", 0)))
+            if timed or same_log:
+                late.add(i)
+                break
+    return late
 
 
 def _gpu_dict(gpu: GpuContext | None) -> dict[str, Any] | None:
@@ -151,14 +208,18 @@ class TrainingLogCheck(JobCheck):
 
     def _scan(self, job: Job, path: str, tail: LogTail, streaks: dict[str, int]) -> None:
         for chunk in tail.read(int(self.settings.read_limit)):
+            base = (tail.position.offset if tail.position is not None else len(chunk)) - len(chunk)
             since = 0  # end of the last NaN line in this chunk: a finite loss after it ends the streak
+            consumed = -1  # end of the last line a wrapped message was joined up to: its continuations are read
             for hit in self.scanner.scan(chunk):
+                if hit.offset <= consumed:
+                    continue
                 if hit.signature.name == "nan_loss":
                     self._end_streaks(streaks, path, chunk, since, hit.offset)
-                    key = f"{path}|{rank_of(hit.line)[0]}"
+                    key = f"{path}|{plain(hit.line).rank}"
                     streaks[key] = streaks.get(key, 0) + 1
                     since = hit.offset + 1
-                self._record(job, path, hit, chunk)
+                consumed = max(consumed, self._record(job, path, hit, chunk, base))
             self._end_streaks(streaks, path, chunk, since, len(chunk))
             step = last_step(chunk)
             if step is not None:
@@ -199,38 +260,69 @@ class TrainingLogCheck(JobCheck):
             exc = last_exception(path, self.identity(job)) or exc
         title = f"the job ended {job.state} with exit code {code}" + (f": {exc}" if exc else "")
         kept.append({"signature": "exit", "rank": None, "path": None, "at": self.context.clock(), "line": exc or "",
-                     "status": Status.CRITICAL.name, "title": title, "exit_code": code,
+                     "status": Status.CRITICAL.name, "title": title, "exit_code": code, "n": 1 << 30,
                      "advice": "read the end of the job's log; the final exception says what failed" if exc else
                      "no exception in the log: look for the OOM killer (dmesg), a signal, or the scheduler's reason"})
 
-    def _record(self, job: Job, path: str, hit: Hit, data: bytes) -> None:
+    def _record(self, job: Job, path: str, hit: Hit, data: bytes, base: int = 0) -> int:
+        """Record one hit as a finding of the job; returns the end of the bytes it read (past its line when the
+        message was wrapped over the next lines), -1 for its own line."""
         name = hit.signature.name
         counts = self._counts.setdefault(job.key, {})
         counts[name] = counts.get(name, 0) + 1
-        rank, text = rank_of(hit.line)
+        line, consumed = hit.line, -1
+        if name == "nccl_timeout" and _unparsed_timeout(line):  # wrapped by a terminal or a paste: join it back
+            end = data.find(b"\n", hit.offset)
+            joined = unwrap(data, len(data) if end < 0 else end, lambda t: not _unparsed_timeout(t))
+            if joined is not None:
+                line, consumed = joined
+        p = plain(line)
+        rank, text = p.rank, p.text
         now = self.context.clock()
-        finding: dict[str, Any] = {"signature": name, "rank": rank, "path": path, "at": now,
-                                   "line": text[:500], "status": hit.signature.status.name}
-        if name in _COLLECTIVE and (obs := observe(hit.line)) is not None:
+        finding: dict[str, Any] = {"signature": name, "rank": rank, "path": path, "at": now, "line": text[:500],
+                                   "status": hit.signature.status.name, "ts": timestamp(line), "pos": base + hit.offset}
+        if name in _COLLECTIVE and (obs := observe(line)) is not None:
             gather(self._collectives.setdefault(job.key, {}), obs)
         if name == "device_assert":
             self._pending_assert[job.key] = text
-            return
-        if name == "nccl_progress":  # part of the timeout's story (the collective), not a finding of its own
-            return
+            return consumed
         if name == "fp16_overflow":
             if counts[name] != self.settings.overflow_burst:
-                return
+                return consumed
             finding.update(status=Status.WARNING.name, title=f"{counts[name]} fp16 overflow steps skipped",
                            advice="a long run of loss-scale overflows means divergence: lower the learning rate "
                                   "or use bf16")
         elif name == "cuda_oom":
             finding.update(self._oom(job, path, hit, data, text))
+            if finding["fields"].get("diagnosis") == IMPOSSIBLE:
+                finding["tier"] = KNOCK_ON
+            if _CAUGHT.search(text, 0, max(0, text.find("out of memory"))):  # the trainer caught it and went on
+                finding.update(status=Status.WARNING.name,
+                               title=finding["title"] + "; caught and logged as a warning (training went on)")
+        elif name == "nccl_progress":  # the story tells it across ranks; alone, it says which work failed
+            obs = observe(line)
+            if obs is None:
+                return consumed
+            finding.update(title=f"NCCL work #{obs.seq} failed or timed out on rank {obs.rank} (last completed "
+                                 f"#{obs.completed})", advice=ADVICE, fields={"seq": obs.seq, "rank": obs.rank})
+            finding["tier"] = ECHO
         elif name == "nccl_timeout":
             d = diagnose_nccl(text)
             finding.update(title=d.title, advice=d.advice, fields=d.fields)
+        elif name == "nccl_error":
+            e = diagnose_nccl_error(text)
+            finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields},
+                           tier=ECHO if e.effect else CAUSE)
+        elif name == "launcher":
+            cause = root_cause(data[hit.offset:hit.offset + BLOCK].decode("utf-8", errors="replace"))
+            if cause is None:
+                return consumed
+            # a signal says more than the rank's own traceback does; an exit code says less (read its exception)
+            finding.update(title=cause.title, advice=cause.advice, fields=cause.fields,
+                           rank=str(cause.rank) if cause.rank is not None else rank,
+                           tier=END if cause.fields["signal"] is not None else GENERIC)
         elif name == "collective_failure":
-            obs = observe(hit.line)
+            obs = observe(line)
             finding.update(title=f"collective failure: {text[:200]}", advice=ADVICE,
                            fields={"rank": obs.rank if obs else None})
         elif name == "cuda_error":
@@ -239,21 +331,39 @@ class TrainingLogCheck(JobCheck):
         elif name == "nan_loss":
             row = max(self._nan_streaks.get(job.key, {}).values(), default=1)
             critical = row >= self.settings.nan_limit
+            collapsed = "; the loss collapsed to 0" if _ZERO_LOSS.search(text) else ""
+            what = "NaN/Inf grad norm" if _NAN_NORM.search(text) and not _NAN_LOSS.search(text) else "NaN/Inf loss"
             finding.update(status=(Status.CRITICAL if critical else Status.WARNING).name, in_a_row=row,
-                           title=f"NaN/Inf loss, {row} in a row ({counts[name]} in all)", advice=hit.signature.advice)
+                           title=f"{what}, {row} in a row ({counts[name]} in all): divergence{collapsed}",
+                           advice=hit.signature.advice)
         elif name == "traceback":
             exc = final_exception(data, hit.offset)
+            if exc is not None and "ChildFailedError" in exc:  # the launcher's own: its root cause is the failure
+                return consumed
             finding.update(title=f"the job crashed: {exc or 'Python traceback'}", exception=exc,
-                           advice="read the traceback in the log; the final exception says what failed")
+                           advice="read the traceback in the log; the final exception says what failed",
+                           tier=END if exc else GENERIC)
         else:
             finding.update(title=f"{name}: {text[:200]}", advice=hit.signature.advice)
         xids = self._xids_near(now)
-        if xids and name in ("cuda_error", "nccl_timeout", "cuda_oom", "collective_failure"):
+        if xids and name in ("cuda_error", "nccl_timeout", "cuda_oom", "collective_failure", "nccl_error"):
             finding["xids"] = xids
-        kept = self._findings.setdefault(job.key, [])
-        if name == "nan_loss":  # one running entry, not one per step
+        finding["n"] = sum(counts.values())  # the order read, for findings without a timestamp
+        self._keep(self._findings.setdefault(job.key, []), finding)
+        return consumed
+
+    @staticmethod
+    def _keep(kept: list[dict[str, Any]], finding: dict[str, Any]) -> None:
+        """Add a finding: one running entry for NaN losses, a count for a repeat of the same line's meaning on the
+        same rank, and at most MAX_PER_SIGNATURE of one signature (the first ones: the earliest explain)."""
+        name = finding["signature"]
+        if name == "nan_loss":
             kept[:] = [f for f in kept if f["signature"] != "nan_loss"]
-        if len(kept) < MAX_FINDINGS:
+        same = next((f for f in kept if f["signature"] == name and f.get("title") == finding.get("title")
+                     and f.get("rank") == finding.get("rank")), None)
+        if same is not None:
+            same["count"] = same.get("count", 1) + 1
+        elif sum(f["signature"] == name for f in kept) < MAX_PER_SIGNATURE:
             kept.append(finding)
 
     def _oom(self, job: Job, path: str, hit: Hit, data: bytes, text: str) -> dict[str, Any]:
@@ -316,12 +426,17 @@ class TrainingLogCheck(JobCheck):
             return self.result(job.key, Status.OK, f"{job.label()}: no known failure in its logs",
                                {"job_key": job.key}, samples)
         status = worst(Status[f["status"]] for f in findings)
-        # A collective timeout is the symptom; an OOM, a CUDA error or a crash on some rank is the cause.
-        lead = max(findings, key=lambda f: (Status[f["status"]].severity, _CAUSE.get(f["signature"], 1)))
+        late = _knock_ons(findings)
+        tiers = [KNOCK_ON if i in late else _tier(f) for i, f in enumerate(findings)]
+        lead_at = min(range(len(findings)), key=lambda i: (-Status[findings[i]["status"]].severity, tiers[i],
+                                                             _when(findings[i])))
+        lead = findings[lead_at]
+        if lead_at in late:
+            lead = {**lead, "title": lead["title"] + " (after a collective failure: its knock-on)"}
         rank = f" (rank {lead['rank']})" if lead.get("rank") is not None else ""
         text = f"{job.label()}{rank}: {lead['title']}"
         story = self._story(job)
-        if story is not None and lead["signature"] in ("nccl_timeout", "collective_failure"):
+        if story is not None and tiers[lead_at] in (ECHO, KNOCK_ON) and lead["signature"] != "nccl_error":
             text = f"{job.label()}: {story.title}"  # the story names the ranks
             lead = {**lead, "advice": story.advice}
         elif story is not None:  # the lead is the cause; the collective that timed out after it is its echo
@@ -330,7 +445,7 @@ class TrainingLogCheck(JobCheck):
             text += f"; on this node meanwhile: {', '.join(lead['xids'][:3])}"
         if lead.get("advice"):
             text += f" — {lead['advice']}"
-        details = {"job_key": job.key, "findings": findings, "next_step": lead.get("advice") or None,
+        details = {"job_key": job.key, "findings": sorted(findings, key=_when), "next_step": lead.get("advice") or None,
                    "collectives": story.fields if story else None,
                    **{k: v for k, v in job_fields(job).items() if k in ("job_id", "name")}}
         return self.result(job.key, status, text, details, samples)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.core.text import linear
+from trainguard.logscan.lines import plain
 from trainguard.node.flight import Stall, ranges
 
 MAX_RANKS = 4096
@@ -30,7 +31,6 @@ _BARRIER = linear(r"\[Rank (\d{1,7})\]: Ranks? ([\d, ]{1,200}) failed to pass mo
 _PEER = linear(r"Connection closed by peer \[([^\]]{1,100})\]:(\d{1,5})")
 _GLOO_TIMEOUT = linear(r"Timed out waiting (\d{1,12})ms for (recv|send) operation")
 _DIGITS = linear(r"\d{1,7}")
-_RANK_PREFIX = linear(r"^\[rank(\d{1,7})\]:")
 
 ADVICE = ("a collective hang: one rank died, hung or OOMed and the others waited in the next collective until their "
           "watchdog fired; the rank that stopped first is the cause: read its log, and the XIDs of its node")
@@ -50,15 +50,17 @@ class Observation:
     timeout_ms: int | None = None
     culprits: tuple[int, ...] = ()  # ranks a monitored barrier names
     peer: str | None = None
+    ran_ms: int | None = None  # how long the timed-out collective ran before the watchdog fired
 
 
 def observe(text: str) -> Observation | None:
     """The observation in one line (at most its first 2 KiB), or None."""
     text = text[:2048]
-    prefix = _RANK_PREFIX.match(text)
-    rank = int(prefix.group(1)) if prefix else None
+    named = plain(text).rank
+    rank = int(named) if named else None
     if (m := _TIMEOUT.search(text)) is not None:
-        return Observation("timeout", int(m.group(1)), int(m.group(2)), m.group(3), timeout_ms=int(m.group(4)))
+        return Observation("timeout", int(m.group(1)), int(m.group(2)), m.group(3), timeout_ms=int(m.group(4)),
+                           ran_ms=int(m.group(5)))
     if (m := _PROGRESS.search(text)) is not None:
         g = m.groups()
         pg = g[1] or g[0] or g[2]
@@ -82,7 +84,7 @@ def gather(record: dict[str, Any], obs: Observation) -> None:
     if obs.kind == "timeout":
         table = record.setdefault("timeouts", {})
         if key in table or len(table) < MAX_RANKS:
-            table[key] = {"seq": obs.seq, "op": obs.op, "timeout_ms": obs.timeout_ms}
+            table[key] = {"seq": obs.seq, "op": obs.op, "timeout_ms": obs.timeout_ms, "ran_ms": obs.ran_ms}
     elif obs.kind == "progress":
         table = record.setdefault("progress", {})
         if key in table or len(table) < MAX_RANKS:
@@ -129,28 +131,64 @@ def tell(record: dict[str, Any], stall: Stall | None = None) -> Story | None:
     seq = max(by_seq, key=lambda s: (len(by_seq[s]), s))
     op = next((t["op"] for t in timeouts.values() if t["seq"] == seq), None) or "collective"
     reporting = by_seq[seq]
+    if (split := _desync(timeouts)) is not None:
+        return split
     # Sequence numbers count per process group, and a timeout line does not name its group: only a rank's own
     # "last enqueued" in the group of the collective shows it never entered it.
     group = next((p["pg"] for p in progress.values() if p["seq"] == seq), None)
-    behind = {int(r) for r, p in progress.items()
-              if p.get("enqueued") is not None and p["enqueued"] < seq and p.get("pg") == group}
+    mine = {int(r): p for r, p in progress.items() if p.get("pg") == group}
+    behind = {r for r, p in mine.items() if p.get("enqueued") is not None and p["enqueued"] < seq}
+    far = {r: p["completed"] for r, p in mine.items()
+           if r not in behind and p.get("completed") is not None and p["completed"] < seq - 1}
+    waiting = {r for r, p in mine.items() if p.get("completed") == seq - 1 and r not in behind}
     seen = _ints(timeouts) | _ints(progress)
     first = tuple(sorted(behind))
     limit = next((t["timeout_ms"] for t in timeouts.values() if t["seq"] == seq and t.get("timeout_ms")), None)
     echo = f"{op} #{seq} timed out on rank{'s' if len(reporting) > 1 else ''} {ranges(reporting)}"
     title = f"NCCL collective timeout: {echo}" + (f" (timeout {limit // 1000}s)" if limit else "")
-    if first:
-        title += f"; rank {ranges(first)} stopped first (never entered it)"
+    if first:  # the evidence: what the others completed and wait in, what the first never entered
+        last = {mine[r]["enqueued"] for r in first}
+        title += (f"; rank {ranges(first)} never entered {op} #{seq} (last enqueued: "
+                  f"#{', #'.join(str(x) for x in sorted(last))})")
+        if waiting:
+            title += f"; ranks {ranges(waiting)} completed #{seq - 1} and wait in #{seq}"
+    elif far:
+        title += "; far behind: " + ", ".join(f"rank {r} (last completed #{c})" for r, c in sorted(far.items())[:8])
+        first = tuple(sorted(far))
     else:
         title += f"; the rank that stopped first reported nothing here (seen: ranks {ranges(seen)})"
+    ran = max((t.get("ran_ms") or 0 for t in timeouts.values() if t["seq"] == seq), default=0)
+    if limit and ran > 2 * limit:  # the watchdog fires once the limit is past: far past it, the watchdog was stuck
+        title += (f"; it ran {ran // 60000} min against a {limit // 60000} min timeout: the watchdog itself was held "
+                  "up (a hung GPU or driver call, a stopped or starved process)")
     fields: dict[str, Any] = {"seq": seq, "op": op, "timed_out": sorted(reporting), "first": list(first),
-                              "seen": sorted(seen)}
+                              "seen": sorted(seen), "far_behind": {str(r): c for r, c in far.items()},
+                              "waiting": sorted(waiting)}
     if stall is not None:
         check, agreed = _cross_check(stall, seq, set(first))
         title += f"; {check}"
         fields["flight_recorder"] = {**stall.fields(), "agrees": agreed}
         first = first or tuple(t.rank for t in stall.missing)
     return Story(title, ADVICE, fields, first, echo)
+
+
+DESYNC_ADVICE = ("the ranks wait in different collectives: a desync in the training code (a rank-dependent branch "
+                 "issued a collective the others did not), or ranks of different process groups, of which the one "
+                 "that stalled first is to be read; a longer timeout does not help")
+
+
+def _desync(timeouts: dict[str, dict[str, Any]]) -> Story | None:
+    """Ranks timing out in collectives of different types: they did not run the same program of collectives."""
+    by_op: dict[tuple[str, int], set[int]] = {}
+    for rank, t in timeouts.items():
+        by_op.setdefault((str(t["op"]), int(t["seq"])), set()).add(int(rank))
+    if len({op for op, _ in by_op}) < 2:
+        return None
+    groups = sorted(by_op.items(), key=lambda kv: (-len(kv[1]), kv[0][1]))
+    told = ", ".join(f"rank{'s' if len(r) > 1 else ''} {ranges(r)} in {op} #{seq}" for (op, seq), r in groups[:4])
+    title = f"the ranks wait in different collectives (a desync?): {told}"
+    return Story(title, DESYNC_ADVICE, {"desync": [{"op": op, "seq": seq, "ranks": sorted(r)}
+                                                   for (op, seq), r in groups]}, (), title)
 
 
 def _cross_check(stall: Stall, seq: int, first: set[int]) -> tuple[str, bool | None]:

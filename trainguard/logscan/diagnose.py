@@ -12,14 +12,6 @@ from typing import Any
 from trainguard.core.text import linear
 from trainguard.logscan.collectives import ADVICE, observe
 
-_RANK = linear(r"^\[rank(\d+)\]:\s*")
-
-
-def rank_of(line: str) -> tuple[str | None, str]:
-    """`[rank3]: text` -> ("3", "text")."""
-    m = _RANK.match(line)
-    return (m.group(1), line[m.end():]) if m else (None, line)
-
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -54,14 +46,23 @@ _CUDA_ERRORS = (  # (needle, name, hardware?, advice)
     ("unspecified launch failure", "unspecified launch failure", True,
      "often a GPU fault (check XIDs on the node); else a kernel crashed"),
     ("unknown error", "unknown error", True, "often a GPU or driver fault: check XIDs and the GPU's health"),
+    # In public threads these are mostly the software stack (a CUDA build too old for the GPU, a cuBLAS/driver
+    # mismatch: isl-org/DPT#4, facebookresearch/SparseConvNet#208), seldom the GPU itself.
+    ("CUBLAS_STATUS_EXECUTION_FAILED", "CUBLAS_STATUS_EXECUTION_FAILED", False, CUBLAS_ADVICE := (
+        "check versions and XIDs: usually the software stack (a CUDA or cuBLAS build that does not match the GPU's "
+        "architecture or the driver: torch.version.cuda, the driver, the GPU), a GPU fault only when the node logged "
+        "XIDs at that time")),
+    ("CUBLAS_STATUS_", "cuBLAS error", False, CUBLAS_ADVICE),
 )
 _ASSERT = linear(r"(\S+:\d+): (\w+).*Assertion `(.+)` failed")
+_CUBLAS = linear(r"CUBLAS_STATUS_[A-Z_]{2,40}")
 _CUDA_GENERIC = linear(r"CUDA (?:driver )?error: ([^.\n]+)")
 
 
 def diagnose_cuda(text: str, assertion: str | None = None) -> Diagnosis:
-    for needle, name, hardware, advice in _CUDA_ERRORS:
+    for needle, label, hardware, advice in _CUDA_ERRORS:
         if needle in text:
+            name = m.group(0) if needle == "CUBLAS_STATUS_" and (m := _CUBLAS.search(text)) else label
             f: dict[str, Any] = {"error": name}
             title = f"CUDA error: {name}"
             if assertion and (m := _ASSERT.search(assertion)):

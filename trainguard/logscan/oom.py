@@ -45,6 +45,10 @@ _ALLOCATED = linear(rf"Of the allocated memory {_SIZE} is allocated by PyTorch, 
 _ALLOCATED_ONLY = linear(rf"Of the allocated memory {_SIZE} is allocated by PyTorch")
 _PROCESS = linear(rf"Process (\d{{1,10}}) has {_SIZE} memory in use")
 _THIS = linear(rf"this process has {_SIZE} memory in use")
+# A request no working set makes: "more than 1EB" (2.x prints that above 1 EiB), or billions of GiB (a negative size
+# read as unsigned): a bug that computed the size, or a knock-on of an earlier failure (NVIDIA/nccl#1284: after a
+# NCCL timeout), never a batch to cut.
+_IMPOSSIBLE = linear(r"Tried to allocate (?:more than 1EB|\d{7,12}(?:\.\d{1,4})? ?[GT]iB)")
 _THC = linear(r"cuda runtime error \(2\) : out of memory|THCudaCheck FAIL.{0,300}? : out of memory")
 
 
@@ -75,6 +79,7 @@ class OomReport:
     allowed: int | None = None  # the allocator's cap (set_per_process_memory_fraction)
     this_process: int | None = None  # 2.1+: the process's memory including non-PyTorch allocations
     processes: tuple[tuple[int, int], ...] = ()  # 2.1+: (pid, bytes) of the other listed processes
+    impossible: bool = False  # a request no working set makes (more than 1EB, billions of GiB)
 
     @property
     def reserved(self) -> int | None:
@@ -148,7 +153,8 @@ def parse_oom(text: str) -> OomReport:
     report = next((r for parse in PARSERS if (r := parse(text)) is not None), None) or OomReport("unknown")
     device = _DEVICE.search(text)
     tried = _TRIED.search(text)
-    return replace(report, device=device.group(1) if device else "CUDA", tried=_bytes(tried.group(1)) if tried else None)
+    return replace(report, device=device.group(1) if device else "CUDA", tried=_bytes(tried.group(1)) if tried else None,
+                   impossible=_IMPOSSIBLE.search(text) is not None)
 
 
 # 2. classify ------------------------------------------------------------------------------------------------------
@@ -205,6 +211,7 @@ class OomFacts:
     outside_unowned: int | None  # ... less a context's worth when the message does not say what this process holds
     faults: tuple[str, ...]
     mig: bool
+    impossible: bool = False
 
 
 def _others_from_message(r: OomReport) -> tuple[CoTenant, ...]:
@@ -242,7 +249,7 @@ def facts(r: OomReport, ctx: GpuContext | None = None) -> OomFacts:
         unowned = max(0, outside - (0 if r.this_process is not None else CONTEXT_ALLOWANCE))
     shortfall = r.tried - r.free if r.tried is not None and r.free is not None else None
     return OomFacts(r.tried, r.total, r.free, r.reserved, r.reserved_unallocated, r.allowed, shortfall, others,
-                    others_bytes, outside, unowned, ctx.faults, ctx.mig)
+                    others_bytes, outside, unowned, ctx.faults, ctx.mig, r.impossible)
 
 
 def _inconsistent(f: OomFacts) -> bool:
@@ -284,6 +291,7 @@ def _measured(f: OomFacts) -> bool:
 FRAGMENTATION = "fragmentation"
 TRUE_OOM = "true OOM"
 NOT_WORKING_SET = "not this job's working set"
+IMPOSSIBLE = "an impossible allocation"
 
 
 @dataclass(frozen=True)
@@ -295,6 +303,7 @@ class Rule:
 
 # The decision, in order: the first rule that applies names the outcome.
 RULES: tuple[Rule, ...] = (
+    Rule(IMPOSSIBLE, None, lambda f: f.impossible),
     Rule("OOM", "inconsistent numbers", _inconsistent),
     Rule(TRUE_OOM, "larger than the GPU", _larger_than_gpu),
     Rule(NOT_WORKING_SET, "cap", _capped),
@@ -324,6 +333,10 @@ NO_BATCH = "do not cut the batch size: the GPU had room for the job"
 
 def _advice(rule: Rule, f: OomFacts) -> str:
     b = format_bytes
+    if rule.kind == IMPOSSIBLE:
+        return ("no working set asks for that much: a size computed from garbage, a knock-on of an earlier failure "
+                "(a NCCL timeout or error just before it: that is the cause) or a bug in the shape that asked for it; "
+                "do not cut the batch size")
     if rule.kind == FRAGMENTATION:
         return FRAGMENTATION_ADVICE
     if rule.cause == "inconsistent numbers":

@@ -16,6 +16,8 @@ from pydantic import Field
 from trainguard.core.model import Status
 from trainguard.core.settings import Regex, SettingsModel, StatusName
 from trainguard.core.text import Pattern, linear
+from trainguard.logscan import launcher, nccl
+from trainguard.logscan.lines import plain
 from trainguard.node.access import Identity, read_as
 
 
@@ -45,10 +47,11 @@ BUILTIN: tuple[Signature, ...] = (
                          r"|THCudaCheck FAIL.{0,300}?: out of memory"), Status.CRITICAL),
     Signature("nccl_timeout", (b"atchdog",),
               linear(r"Watchdog caught collective operation timeout|NCCL watchdog thread terminated"), Status.CRITICAL),
-    # Where each rank's collectives stood when its watchdog fired: feeds the timeout's story, no finding of its own.
+    # Where each rank's collectives stood when its watchdog fired: feeds the timeout's story; a finding of its own
+    # where a log carries only these (no `Watchdog caught` line: a timeout or an error in that collective).
     Signature("nccl_progress", (b"atchdog", b"Timeout at NCCL work"),
               linear(r"detected by watchdog at work: \d|failure detected by watchdog at work sequence id: \d"
-                         r"|Timeout at NCCL work: \d"), Status.OK),
+                         r"|Timeout at NCCL work: \d"), Status.CRITICAL),
     Signature("collective_failure", (b"monitoredBarrier", b"Connection closed by peer", b"Timed out waiting"),
               linear(r"failed to pass monitoredBarrier|Connection closed by peer|Timed out waiting \d{1,12}ms for "
                          r"(?:recv|send) operation"), Status.CRITICAL),
@@ -58,14 +61,20 @@ BUILTIN: tuple[Signature, ...] = (
               linear(r"CUDA (?:driver )?error: |c10::CUDAError|cuda runtime error \((?:[013-9]|\d{2,4})\) : "
                      r"|THCudaCheck FAIL.{0,300}? error=(?:[013-9]|\d{2,4}) : "), Status.CRITICAL),
     Signature("device_assert", (b"Assertion `",), linear(r"Assertion `.+` failed"), Status.OK),
+    # A NaN/Inf loss or gradient norm in the forms trainers print: `loss=nan`, `'loss': nan`, Megatron's
+    # `lm loss: nan`, columns (`loss        nan`), HF's `'grad_norm': nan`, Megatron's `grad norm: nan`.
     Signature("nan_loss", (b"nan", b"NaN", b"inf", b"Inf", b"non-finite"),
-              linear(r"""(?:\bloss['"]?\s*[:=]\s*['"]?(?:nan|[-+]?inf)\b|Loss became infinite or NaN"""
-                         r"""|found NaN in local grad norm|returned nan values in its \d+th output"""
-                         r"""|is non-finite, so it cannot be clipped)""", ignore_case=True), Status.WARNING,
-              "the loss diverged: lower the learning rate, check the data batch, resume from an earlier checkpoint"),
+              linear(r"""(?:\b(?:loss|grad[_ ]norm)['"]?(?:\s{0,40}[:=]\s{0,40}['"]?|\s{1,40})(?:nan|[-+]?inf)\b"""
+                     r"""|Loss became infinite or NaN|found NaN in local grad norm|returned nan values in its \d+th output"""
+                     r"""|is non-finite, so it cannot be clipped)""", ignore_case=True), Status.WARNING,
+              "the run diverged: lower the learning rate, check the data batch, resume from an earlier checkpoint"),
     Signature("fp16_overflow", (b"OVERFLOW!",), linear(r"OVERFLOW! Rank \d+ Skipping step"), Status.OK),
     Signature("loss_scale_min", (b"at minimum",), linear(r"loss scale already at minimum", ignore_case=True),
               Status.CRITICAL, "fp16 loss scaling gave up: the run diverged; switch to bf16 or lower the learning rate"),
+    # NCCL failures other than the timeout (nccl.py: the classes and their levers)
+    Signature("nccl_error", nccl.NEEDLES, nccl.PATTERN, Status.CRITICAL),
+    # torchrun's summary: the worker that failed first (launcher.py)
+    Signature("launcher", launcher.NEEDLES, launcher.PATTERN, Status.CRITICAL),
     Signature("traceback", (b"Traceback (",), linear(r"Traceback \(most recent call last\)"), Status.CRITICAL),
 )
 
@@ -115,7 +124,7 @@ class Scanner:
 
 
 _EXCEPTION_TEXT = r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$"
-_EXCEPTION = linear(_EXCEPTION_TEXT)
+_EXCEPTION = linear(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$")
 _EXCEPTION_LINE = linear("(?m)" + _EXCEPTION_TEXT)
 
 
@@ -127,7 +136,7 @@ def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None
             return None
         end = data.find(b"\n", pos + 1)
         line = data[pos + 1:end if end >= 0 else len(data)].decode("utf-8", errors="replace")
-        m = _EXCEPTION.match(line)
+        m = _EXCEPTION.match(plain(line).text)
         if m:
             return m.group(1)
         pos = end

@@ -1,0 +1,93 @@
+"""A log line as people's logs really carry it, made plain before a diagnosis reads it.
+
+Launchers and terminals put things in front of and across the lines PyTorch prints: `[rank3]:` (PyTorch 2.2+),
+`[default0]:` (torchrun --tee, the local rank), `0: ` (srun --label), indentation (a traceback inside torchrun's
+summary), a tqdm progress bar whose line the next message was glued to, and a terminal or a paste that wraps a long
+line mid-word or mid-number. `plain` strips the prefixes and names the rank; `unwrap` joins a wrapped line back;
+`timestamp` reads when a line was printed, so findings can be ordered by time rather than by file.
+
+All patterns are RE2 (linear in the line) and bounded; nothing here raises on any input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainguard.core.text import linear
+
+MAX_LINE = 8192  # what a diagnosis looks at of one line (messages are a few hundred characters; tracebacks longer)
+MAX_WRAP = 3  # a wrapped message spans at most this many lines more
+
+# `[default0]:[rank12]:`, `[rank3]: `, `0: ` in any of the orders launchers stack them, after indentation
+_PREFIX = linear(r"^(?:\s{1,200}|\[default(\d{1,7})\]:|\[rank(\d{1,7})\]:|(\d{1,5}): )")
+# tqdm: `Loading checkpoint shards:  57% 4/7 [00:40<00:29,  9.96s/it]` (then the glued message)
+_BAR = linear(r"^.{0,600}?\[\d{1,4}:\d{2}(?::\d{2})?<[^\]\n]{0,60}(?:it/s|s/it)\]")
+# PyTorch's own rank inside the message: `[Rank 5]`, `[PG 3 Rank 5]`, `[PG ID 0 PG GUID 0(default_pg) Rank 1]`
+_INNER_RANK = linear(r"\[(?:PG [^\]\n]{1,80} )?Rank (\d{1,7})\]")
+# glog `[E1016 03:33:45.317536384`, ISO `2024-05-11 14:10:52.224`, torchrun's `2025-05-21_15:43:03`
+_GLOG = linear(r"\[[EWIF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2}(?:\.\d{1,9})?)")
+_ISO = linear(r"\b\d{4}-(\d{2})-(\d{2})[ T_](\d{2}):(\d{2}):(\d{2}(?:[.,]\d{1,9})?)")
+
+
+@dataclass(frozen=True)
+class Plain:
+    text: str  # the message without launcher prefixes, progress bar or indentation
+    rank: str | None  # the global rank the line names (`[rankN]:`, else PyTorch's `[Rank N]`), else None
+    local_rank: str | None = None  # torchrun --tee's `[defaultN]:`
+
+
+def plain(line: str) -> Plain:
+    """The message in one log line and the rank that printed it."""
+    text = line[:MAX_LINE].rstrip("\r\n")
+    rank = local = None
+    for _ in range(8):  # a few stacked prefixes at most
+        m = _PREFIX.match(text)
+        if m is None or m.end() == 0:
+            break
+        local = local or m.group(1)
+        rank = rank or m.group(2) or m.group(3)
+        text = text[m.end():]
+    if (bar := _BAR.match(text)) is not None:
+        text = text[bar.end():].lstrip()
+    if rank is None and (inner := _INNER_RANK.search(text)) is not None:
+        rank = inner.group(1)
+    return Plain(text, rank, local)
+
+
+def unwrap(data: bytes, end: int, complete: Callable[[str], bool]) -> tuple[str, int] | None:
+    """The line ending at `end` in `data` joined with the lines after it, as a terminal or a paste wrapped it, when
+    `complete(joined)` holds for the join and not before: (the joined text, the end of its last line); else None.
+
+    The wrap is joined without a separator: a terminal breaks a line at its width, mid-word or mid-number
+    (`NumelOut=5` / `164000`); the following lines' own leading spaces are kept."""
+    start = data.rfind(b"\n", 0, end) + 1
+    text = data[start:end].decode("utf-8", errors="replace")[:MAX_LINE]
+    stop = end
+    for _ in range(MAX_WRAP):
+        if stop >= len(data):
+            return None
+        nxt = data.find(b"\n", stop + 1)
+        nxt = len(data) if nxt < 0 else nxt
+        more = data[stop + 1:nxt].decode("utf-8", errors="replace").rstrip()
+        if not more or len(text) + len(more) > MAX_LINE:
+            return None
+        text += more
+        stop = nxt
+        if complete(text):
+            return text, stop
+    return None
+
+
+def timestamp(line: str) -> float | None:
+    """When the line was printed, as seconds since the start of its year (the forms PyTorch's glog and loggers
+    print carry no year or a year we can ignore: findings of one job are compared), or None."""
+    m = _GLOG.search(line) or _ISO.search(line)
+    if m is None:
+        return None
+    try:
+        month, day, hour, minute = (int(g) for g in m.groups()[:4])
+        second = float(m.group(5).replace(",", "."))
+    except ValueError:
+        return None
+    return ((month * 31 + day) * 24 + hour) * 3600.0 + minute * 60 + second
