@@ -77,14 +77,15 @@ class SwitchCheck(JobCheck):
     settings: SwitchCheckSettings
 
     def candidates(self, view: JobView) -> list[Job]:
-        """Running jobs; for `stop`, also finished tasks of an array that still has tasks pending (the source asked
-        the controller once when the task ended), since the trainer may honour the switch and exit before this check
-        next runs."""
+        """Running jobs; for `stop`, also finished tasks of an array that may still have tasks pending, since the
+        trainer may honour the switch and exit before this check next runs. The source asks the controller once when
+        a task ends; until it answered (`array_pending` unknown) the task counts: the next task may start any moment,
+        and `hold-array` itself holds only what is pending."""
         running = view.on_node()
         if self.settings.switch != "stop":
             return running
         finished = [j for j in view.jobs if j.on_this_node and not j.running and j.array_job_id
-                    and j.extra.get("array_pending")]
+                    and j.extra.get("array_pending") is not False]
         return running + finished
 
     def teammate(self, uid: int) -> bool:
