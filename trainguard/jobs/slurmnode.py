@@ -43,6 +43,25 @@ def conf_path(env: Mapping[str, str]) -> Path | None:
     return None
 
 
+def conf_text(env: Mapping[str, str]) -> str | None:
+    """The text of slurm.conf (its first CONF_MAX bytes: a slurm.conf is kilobytes); None when none is found."""
+    path = conf_path(env)
+    if path is None:
+        return None
+    try:
+        with path.open("rb") as f:
+            return f.read(CONF_MAX).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def cluster_name() -> str:
+    """slurm.conf's ClusterName, read from the file (no RPC to slurmctld for a fact every node holds); "" when
+    there is no slurm.conf or it names none."""
+    text = conf_text(os.environ)
+    return ((conf_value(text, "ClusterName") if text else None) or "")[:128]
+
+
 def conf_value(text: str, key: str) -> str | None:
     """The value of `key` (case-insensitive, as slurmd reads it) in slurm.conf text; None when not set."""
     wanted = key.lower()

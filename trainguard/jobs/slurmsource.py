@@ -34,7 +34,7 @@ from trainguard.jobs.slurmnode import (
     cgroup_job_ids,
     cgroup_jobs,
     cgroup_roots,
-    conf_path,
+    conf_text,
     spool_dir,
     spool_listing,
 )
@@ -124,12 +124,7 @@ class SlurmSource:
         if not force and (self._discovery.method != "listpids" or now - self._discovery.decided < REDISCOVER_S):
             return
         roots = cgroup_roots(self.processes.proc.mountinfo(), self._named or self.node)
-        conf = conf_path(os.environ)
-        try:
-            conf_text = conf.read_text(errors="replace")[: 1 << 20] if conf else None
-        except OSError:
-            conf_text = None
-        spool = spool_dir(self._named or self.node, socket.gethostname().split(".")[0], conf_text,
+        spool = spool_dir(self._named or self.node, socket.gethostname().split(".")[0], conf_text(os.environ),
                           self.settings.slurmd_spool_dir)
         before = self._discovery.method
         self._discovery = _Discovery(roots, spool, now)

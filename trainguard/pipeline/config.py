@@ -17,7 +17,7 @@ from trainguard.checks.base import CheckSettings
 from trainguard.core.settings import SettingsModel
 from trainguard.core.text import linear
 from trainguard.jobs.settings import JobsSettings
-from trainguard.jobs.slurmconf import cluster_name
+from trainguard.jobs.slurmnode import cluster_name
 from trainguard.notifiers.base import NotifierSettings
 
 
@@ -39,8 +39,9 @@ class AgentSettings(SettingsModel):
     cluster: str = Field(default_factory=cluster_name, max_length=128,
                          description="Name of this cluster in alerts: Alertmanager groups a job's alerts from all its "
                                      "nodes by cluster and job id (deploy/alertmanager).",
-                         json_schema_extra={"default_doc": "`ClusterName` of slurm.conf (`$SLURM_CONF` or "
-                                                           "/etc/slurm/slurm.conf), else empty"})
+                         json_schema_extra={"default_doc": "`ClusterName` of slurm.conf as SLURM's commands "
+                                                           "find it (`$SLURM_CONF`, /etc/slurm, the configless "
+                                                           "cache), else empty"})
     state_dir: Path = Field(default_factory=default_state_dir, description="Where incidents and the outbox persist.",
                             json_schema_extra={"default_doc": "`$STATE_DIRECTORY` (systemd), `/var/lib/trainguard` as root, "
                                                               "else `~/.local/state/trainguard`"})
