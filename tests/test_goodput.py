@@ -58,8 +58,6 @@ def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_be
     missing = missing_components()
     require(not missing, f"needs SLURM and munge installed (missing: {', '.join(missing)})")
     require(os.access("/dev/kmsg", os.W_OK), "needs a writable /dev/kmsg")
-    require("memory" in Path("/sys/fs/cgroup/cgroup.controllers").read_text().split()
-            if Path("/sys/fs/cgroup/cgroup.controllers").exists() else False, "needs the cgroup v2 memory controller")
     for sbin in ("/usr/sbin", "/sbin"):
         if sbin not in os.environ.get("PATH", "").split(":"):
             os.environ["PATH"] = os.environ.get("PATH", "") + ":" + sbin
