@@ -105,4 +105,8 @@ def test_a_gpu_lost_on_one_node_of_a_job_is_one_slack_message_naming_that_node(
         assert "job 7001 on c1" in attachment["title"]
         text = attachment["text"]
         assert text.startswith("Node at fault: gpu-02 (critical)"), text
+        # Critical hardware lines come first (the ring buffer may hold older, lesser XIDs of other tests).
+        critical = [line for line in text.splitlines() if line.startswith("Node at fault: gpu-02 (critical)")]
+        assert any("GPU 2 (0000:1a:00) fell off the bus" in line for line in critical), text
+        assert text.splitlines()[:len(critical)] == critical, text
         assert "gpu-01" not in text and "gpu-03" not in text, text  # their hangs are the fault's consequence

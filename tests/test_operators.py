@@ -182,9 +182,12 @@ def test_incidents_of_a_check_no_longer_configured_resolve_on_start(tmp_path: Pa
     second.start()
     try:
         assert second.tracker.incidents() == []
-        # Only the old check's: another check of the new config (host memory) may fire meanwhile on a busy machine.
-        [row] = [r for r in second.store.outbox_group("console", time.time() + 1, 10) if r.event["check"] == "old"] or [None]
-        assert row is None or row.event["summary"] == "the check old is no longer configured"
+        # Only the old check's rows (host memory may fire meanwhile on a busy machine); the first engine's "fired"
+        # may still wait in the outbox beside the "resolved", or both may have been delivered already.
+        old = [r.event for r in second.store.outbox_group("console", time.time() + 1, 10) if r.event["check"] == "old"]
+        resolved = [e["summary"] for e in old if e["kind"] == "resolved"]
+        assert resolved in ([], ["the check old is no longer configured"]), old
+        assert {e["kind"] for e in old} <= {"fired", "resolved"}, old
     finally:
         second.stop()
 
