@@ -333,7 +333,7 @@ class Run:
             write_as_user(faults / "hang", f"{attempt} {f.target}")
         elif f.kind == "leak" and node:
             pid = int((self.run_dir / "pids" / f"{attempt}.{node}").read_text())
-            headroom = 160 * MiB  # cgroup v2 charges only what the rank allocates from now on
+            headroom = 160 * MiB  # the cgroup is charged only what the rank allocates from now on
             self.cgroups.append(cg := memory_cgroup(headroom))
             (cg / "cgroup.procs").write_text(str(pid))
             per_step = headroom / MiB / (self.s(40 * 60) / self.step_time)  # the limit ~40 (real) minutes away
@@ -451,11 +451,20 @@ def write_as_user(path: Path, text: str) -> None:
 
 
 def memory_cgroup(limit: int) -> Path:
-    path = Path("/sys/fs/cgroup") / f"trainguard-goodput-{uuid.uuid4().hex[:8]}"
+    """A memory-limited cgroup, v2 where the node has it, else v1 (as tests/conftest.py's fixture)."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    if v2.exists() and "memory" in v2.read_text().split():
+        path = Path("/sys/fs/cgroup") / f"trainguard-goodput-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        (path / "memory.max").write_text(str(limit))
+        if (path / "memory.swap.max").exists():
+            (path / "memory.swap.max").write_text("0")
+        return path
+    path = Path("/sys/fs/cgroup/memory") / f"trainguard-goodput-{uuid.uuid4().hex[:8]}"
+    if not path.parent.joinpath("memory.limit_in_bytes").exists():
+        raise RuntimeError("no cgroup memory controller (v2 or v1 at /sys/fs/cgroup/memory): the leak fault needs one")
     path.mkdir()
-    (path / "memory.max").write_text(str(limit))
-    if (path / "memory.swap.max").exists():
-        (path / "memory.swap.max").write_text("0")
+    (path / "memory.limit_in_bytes").write_text(str(limit))
     return path
 
 
@@ -487,7 +496,7 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
         humans = [a for a in rec.actions if a["who"].startswith("human") and t <= a["t"] < until]
         detected = fired[0]["t"] - t if fired else (humans[0]["t"] - t if humans else None)
         by = "trainguard" if fired else ("human" if humans else "trainer" if f["kind"] == "stop_switch" else "-")
-        restart = [a for a in rec.attempts if a[0] > t and a[0] < until + 60]
+        restart = [a for a in rec.attempts if t < a[0] < until]  # a fault that stopped nothing has no restart
         before = [s for ts, s, _ in rec.steps if ts <= (restart[0][0] if restart else until)]
         lost = max(0, (max(before) + 1 - restart[0][1])) if restart and before else 0
         faults.append({"kind": f["kind"], "node": f["node"], "at": round(t, 1), "by": by,

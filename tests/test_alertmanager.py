@@ -28,7 +28,7 @@ alerts = alertmanager_alerts
 
 
 def test_incident_appears_with_labels_and_resolves(alertmanager: str, tmp_path: Path) -> None:
-    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "cluster": "c1", "listen": ""},
            "jobs": {"sources": []},
            "checks": {"flaky": {"interval": "1h", "jitter": 0}},
            "notifiers": {"am": {"type": "alertmanager", "urls": [alertmanager], "resend_interval": "1s",
@@ -39,7 +39,7 @@ def test_incident_appears_with_labels_and_resolves(alertmanager: str, tmp_path: 
     try:
         [firing] = wait_until(lambda: alerts(alertmanager), 15, what="the alert in Alertmanager")  # type: ignore[misc]
         assert firing["labels"] == {"alertname": "trainguard_flaky", "severity": "critical", "node": "node1",
-                                    "layer": "node", "type": "flaky",
+                                    "layer": "node", "type": "flaky", "cluster": "c1",
                                     "check": "flaky", "subject": "thing"}
         assert firing["annotations"]["summary"] == "thing is CRITICAL"
         assert firing["annotations"]["runbook_url"] == "https://runbooks.example/flaky"

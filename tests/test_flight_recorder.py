@@ -177,6 +177,10 @@ def test_only_a_socket_owned_by_the_ranks_user_is_spoken_to(tmp_path: Path, serv
 
 # The real thing ------------------------------------------------------------------------------------------------------
 
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def torch_or_skip() -> None:
     try:
         import torch.distributed.elastic.control_plane  # noqa: F401
@@ -209,7 +213,6 @@ def test_the_hang_check_names_the_rank_that_never_entered_the_collective(
     torch_or_skip()
     marker = f"ddp-{uuid.uuid4().hex[:8]}"
     with slack_emulator() as slack, smtp_server(tmp_path) as smtp:
-        agent = agent_process(agent_config(tmp_path, marker, slack, smtp))
         env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "TRAINGUARD_SWITCH_DIR": str(tmp_path / "switch"), "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)}
         for rank in (0, 1):
@@ -218,6 +221,11 @@ def test_the_hang_check_names_the_rank_that_never_entered_the_collective(
                  "--log-dir", str(tmp_path / "logs"), "--run-name", marker], env={**env, "RANK": str(rank)},
                 stderr=subprocess.DEVNULL, text=True))
         pids = [p.pid for p in children]
+        # The agent starts once the ranks are past their rendezvous (rank 1 has reached its hang): on a loaded machine
+        # the rendezvous alone can outlast stale_after, and that hang, outside any collective, is not this test's.
+        wait_until(lambda: "stops before its all_reduce" in _read(tmp_path / "logs" / "rank1.log"), 120,
+                   what="rank 1 to reach its hang")
+        agent = agent_process(agent_config(tmp_path, marker, slack, smtp))
         agent.wait_for("logger=trainguard.alert event=fired", timeout=60)  # the console notifier's line
         line = next(x for x in agent.output().splitlines() if "logger=trainguard.alert event=fired" in x)
         assert "never entered all_reduce #" in line, line  # says which incident fired instead

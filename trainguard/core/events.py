@@ -25,14 +25,18 @@ class EventKind(str, enum.Enum):
         return self in _OPERATOR
 
 
+def job_of(details: Mapping[str, Any]) -> str | None:
+    """The incident's own job (its id, else the job's key), as channels show and route on it; None when it has none."""
+    job = details.get("job_id") or details.get("job_key")
+    return str(job) if job else None
+
+
 def jobs_of(details: Mapping[str, Any]) -> list[str]:
     """The jobs an incident is about: its own job; for a fault of the node's hardware, each job that ran on the node
     when it was seen (`jobs_here`); none for the node's own resources. Alerts carry one copy per job, so that a
     job's alerts from all its nodes group together, and its hardware fault inhibits its hangs on the other nodes."""
-    job = details.get("job_id") or details.get("job_key")
-    if job:
-        return [str(job)]
-    return [str(j) for j in details.get("jobs_here") or ()]
+    job = job_of(details)
+    return [job] if job else [str(j) for j in details.get("jobs_here") or ()]
 
 
 _OPERATOR = frozenset({EventKind.ACKNOWLEDGED, EventKind.SILENCED, EventKind.UNSILENCED})

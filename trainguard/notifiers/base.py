@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from trainguard.core.events import Event, EventKind
+from trainguard.core.events import Event, EventKind, job_of
 from trainguard.core.model import Status
 from trainguard.core.settings import Duration, SettingsModel, StatusName
 
@@ -34,9 +34,9 @@ class NotifierSettings(SettingsModel):
 def event_labels(event: Event) -> dict[str, str]:
     """What routing rules match on."""
     labels = {"check": event.check, "subject": event.subject, "node": event.node, "status": event.status.name.lower()}
-    job = event.details.get("job_id") or event.details.get("job_key")
+    job = job_of(event.details)
     if job:
-        labels["job"] = str(job)
+        labels["job"] = job
     return labels
 
 

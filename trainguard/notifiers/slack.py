@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, SecretStr
 
-from trainguard.core.events import Event, EventKind
+from trainguard.core.events import Event, EventKind, job_of
 from trainguard.core.model import Status, worst
 from trainguard.core.settings import Duration
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
@@ -38,9 +38,9 @@ def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
     ]
     for event in events[:MAX_BLOCK_EVENTS]:
         lines = [f"*{escape(event_line(event))}*"[:2900]]
-        job = event.details.get("job_id") or event.details.get("job_key")
+        job = job_of(event.details)
         if job:
-            lines.append(f"Job: `{escape(str(job))}`")
+            lines.append(f"Job: `{escape(job)}`")
         done = actions_done(event)
         if done:
             lines.append("Done: " + escape(", ".join(done)))
