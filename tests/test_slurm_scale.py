@@ -82,6 +82,22 @@ def test_jobs_appear_and_disappear_through_the_node(slurm: SlurmCluster, method:
     assert isinstance(ended, Job) and not ended.running and not ended.processes
 
 
+def test_a_job_that_ends_between_two_listings_is_still_known(slurm: SlurmCluster, catalogs: list[JobCatalog]) -> None:
+    """An array task that honours the stop switch exits within a second: the watcher between listings (the spool
+    dir's mtime, every WATCH_S) takes it in and asks for its record, so the next listing knows it ended here."""
+    catalog = catalog_for(slurm, refresh="30s")  # listings far apart: only the watcher can see the job
+    catalogs.append(catalog)
+    catalog.view()  # the first listing starts the watcher
+    name = f"tg-short-{uuid.uuid4().hex[:6]}"
+    job_id = slurm.submit("sleep 0.7", name=name)
+    final = slurm.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED"))
+    assert final["JobState"] == "COMPLETED", final
+    job = wait_until(lambda: (j := catalog.view(max_age=0).by_key(f"slurm:{job_id}")) and j.state == "COMPLETED" and j,
+                     20, what="the short job known, with its final state")
+    assert isinstance(job, Job) and not job.running and job.name == name and job.user == "tgjob"
+    assert job.uid == pwd.getpwnam("tgjob").pw_uid  # from the controller's record: no process of it was ever read
+
+
 def test_prolog_and_epilog_hooks_announce_the_job(slurm: SlurmCluster, tmp_path: Path,
                                                   catalogs: list[JobCatalog]) -> None:
     records = tmp_path / "records"

@@ -163,6 +163,11 @@ def cgroup_job_ids(root: CgroupRoot) -> frozenset[str]:
     return frozenset(job for job, _, _ in _job_dirs(root))
 
 
+def cgroup_job_owners(root: CgroupRoot) -> dict[str, int | None]:
+    """job id -> uid (v1's `uid_N` directory; None on v2) of every job under the root, from the listings alone."""
+    return {job: uid for job, uid, _ in _job_dirs(root)}
+
+
 def cgroup_jobs(root: CgroupRoot) -> dict[str, CgroupJob]:
     """Every job under the root with the pids of its steps' tasks (not its slurmstepds: v1 keeps those in the job
     directory itself, v2 in each step's `slurm` directory)."""

@@ -8,9 +8,12 @@ REQUEST_JOB_INFO_SINGLE), in a background thread so that a slow or dead controll
 for the job's life; it is fetched again only when asked (`refresh`, at most once a minute per job: the time-limit
 check near EndTime) and once when the job ends, for its final state and exit code.
 
-A job is known as soon as its first process runs (or its prolog ran); one whose steps are gone is no longer running
-at once, and is forgotten `LINGER_S` later (its final state stays visible that long, for the checks that report how
-a job ended). While the controller does not answer, the jobs stay known from the node and `stale()` says so.
+A job is known as soon as its first process runs (or its prolog ran). Between two listings a watcher thread looks at
+the node's job directories every WATCH_S (a stat, or a directory listing: no process read, no RPC), so that a job
+living less than a listing period (an array task that honours the stop switch before its first step) is still known
+and its record fetched. One whose steps are gone is no longer running at once, and is forgotten `LINGER_S` later
+(its final state stays visible that long, for the checks that report how a job ended). While the controller does not
+answer, the jobs stay known from the node and `stale()` says so.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from trainguard.jobs.slurm import JobRecord, SlurmClient, SlurmError, expand_out
 from trainguard.jobs.slurmnode import (
     CgroupRoot,
     cgroup_job_ids,
+    cgroup_job_owners,
     cgroup_jobs,
     cgroup_roots,
     conf_text,
@@ -48,6 +52,7 @@ REFRESH_MIN_S = 60.0  # a job's controller record is fetched again at most this 
 RETRY_S = (5.0, 30.0, 60.0, 300.0)  # after a failed fetch (controller down), then every 5 minutes
 FINAL_TRIES = 5  # an ended job's final state: the controller may still say COMPLETING for a moment
 REDISCOVER_S = 60.0  # where no cgroup or spool dir was found, look again this often (slurmd may start later)
+WATCH_S = 0.25  # the watcher's period: jobs that live longer than this are seen even between two listings
 
 
 @dataclass
@@ -67,6 +72,7 @@ class _Local:
     ended: float | None = None
     final_tries: int = 0
     array_pending: bool | None = None
+    glimpsed: bool = False  # found by the watcher, between listings
 
 
 @dataclass
@@ -109,6 +115,8 @@ class SlurmSource:
         self._jobs: dict[str, _Local] = {}
         self._due: dict[str, _Due] = {}
         self._worker: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
         self._closed = False
         self._dirty = True  # something arrived since the last listing (a fetched record)
         self._built: object = None  # the node's signature at the last listing
@@ -173,9 +181,48 @@ class SlurmSource:
             return {job: (pids, None) for job, pids in self._pids.items() if job in here}
         return {job: (pids, None) for job, pids in self.client.local_pids(self._named).items()}
 
+    def _glimpse(self) -> dict[str, int | None]:
+        """job id -> uid (None where the node does not say) of the jobs with a step here now: listings only."""
+        d = self._discovery
+        if d.roots:
+            return {job: uid for root in d.roots for job, uid in cgroup_job_owners(root).items()}
+        if d.spool is not None:
+            return dict.fromkeys(spool_listing(d.spool, self._named))
+        return {}
+
+    def _watch(self) -> None:
+        """Between listings: a job not known yet is taken in at once and its record asked for, so that it is known
+        (name, array, workdir) even if it has ended by the next listing. The spool dir is listed only when its
+        mtime changed; a cgroup tree has no such stamp and is listed each time (one directory per user on v1)."""
+        stamp: object = None
+        while not self._stop.wait(WATCH_S):
+            d = self._discovery
+            if d.spool is not None and not d.roots:
+                now_stamp = _mtime(d.spool)
+                if now_stamp == stamp:
+                    continue
+                stamp = now_stamp
+            try:
+                found = self._glimpse()
+            except OSError as exc:  # the listings handle their own errors; this is belt and braces for a thread
+                log.warning("job directory watch failed", extra=kv(error=exc))
+                continue
+            now = self.clock()
+            with self._lock:
+                for job_id, uid in found.items():
+                    if job_id in self._jobs or self._closed:
+                        continue
+                    self._jobs[job_id] = _Local(job_id, now, uid=uid, stepped=True, glimpsed=True)
+                    self._schedule(job_id, "first", now)
+                    self._dirty = True
+
     # the listing -----------------------------------------------------------------------------------------------
     def jobs(self) -> Sequence[Job]:
         self._discover()
+        if self._watcher is None and self._discovery.method != "listpids" and not self._closed:
+            self._watcher = threading.Thread(target=self._watch, name="slurm-watch", daemon=True)
+            self._watcher.start()
+        looked = self.clock()
         signature = self._signature()
         table = self.processes.get()
         evidence = self._evidence(table)  # raises SlurmError when listpids fails: nothing is known then
@@ -195,7 +242,7 @@ class SlurmSource:
                                                 ended=record.ended)
                     self._schedule(job_id, "final", now)
             for job_id, local in list(self._jobs.items()):
-                if job_id in live:
+                if job_id in live or (local.glimpsed and local.seen >= looked):  # the watcher saw it after we looked
                     continue
                 if local.ended is None:
                     local.ended = now
@@ -222,6 +269,7 @@ class SlurmSource:
         if local is None or local.ended is not None:  # new here, or back (requeued onto this node): a new life
             local = self._jobs[job_id] = _Local(job_id, now)
             self._schedule(job_id, "first", now)
+        local.glimpsed = False
         if record is not None:
             local.prolog = record
             local.uid = local.uid if local.uid is not None else record.uid
@@ -353,6 +401,8 @@ class SlurmSource:
             if text is not None:  # None: the controller forgot it (MinJobAge): what we had stays
                 local.raw = text
                 local.record = parse_job_record(text, local.uid) or local.record
+                if local.uid is None and local.record is not None:  # a job the watcher alone saw (spool, v2):
+                    local.uid = local.record.uid  # the controller's word (None where the name forged a UserId)
             if due.kind == "final" and local.ended is not None:
                 local.final_tries += 1
                 local.array_pending = pending if pending is not None else local.array_pending
@@ -372,6 +422,7 @@ class SlurmSource:
                 if local.ended is None), timeout)
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
             self._wake.notify_all()
