@@ -35,6 +35,7 @@ ILLUSTRATIVE = "<!-- illustrative -->"
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[\w-]*)[ ]*\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.M | re.S)
 SHELLS = ("sh", "shell", "bash", "console")
+CONTROL = ("||", "&&", "|", ";", ">", ">>", "2>&1")
 # The spellings of the trainguard command in the docs: on PATH (install.md links it), in a checkout, in /opt.
 COMMAND = re.compile(r"^(?:exec\s+)?(?:trainguard|\.venv/bin/trainguard|/opt/trainguard/bin/trainguard)(?:\s|$)")
 
@@ -71,7 +72,9 @@ def commands() -> Iterator[tuple[Block, list[str]]]:
                 continue
             command = line.removeprefix("$ ").split(" #", 1)[0].strip()
             if COMMAND.match(command):
-                yield block, shlex.split(command)
+                argv = shlex.split(command)  # the trainguard command itself, up to a `|| true` or `&& ...` after it
+                cut = next((i for i, word in enumerate(argv) if word in CONTROL), len(argv))
+                yield block, argv[:cut]
 
 
 def test_the_docs_have_blocks_of_each_kind() -> None:

@@ -202,7 +202,8 @@ def test_installed_config_stops_an_array_and_holds_the_rest(
         sh("scontrol", "release", f"{array}_[1-2]", user=JOB_USER)
         task1 = slurm.wait_state(f"{array}_1", ("RUNNING",), timeout=30)
         step = int(saved[0].removeprefix("ckpt-").removesuffix(".json")) + 1
-        wait_until(lambda: f"training start step={step}" in Path(task1["StdOut"]).read_text(errors="replace"), 20,
+        out1 = Path(task1["StdOut"])  # RUNNING may come before slurmstepd opened the file
+        wait_until(lambda: out1.exists() and f"training start step={step}" in out1.read_text(errors="replace"), 20,
                    what="task 1 resuming from task 0's checkpoint")
     finally:
         sh("scancel", array, check=False)

@@ -139,8 +139,11 @@ def test_hook_never_fails_a_job(tmp_path: Path) -> None:
 
 
 def test_slurmctld_killed_mid_run_leaves_the_node_jobs_and_checks_working(slurm: SlurmCluster, tmp_path: Path) -> None:
+    # `scontrol listpids` alone (no spool dir, so no watcher): the late job below is found only once the controller
+    # is gone; the spool dir's watcher would have asked for it within a quarter of a second of its start
     raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": slurm.node, "listen": ""},
-           "jobs": {"sources": ["slurm"], "slurm_timeout": "3s", "prolog_dir": ""},
+           "jobs": {"sources": ["slurm"], "slurm_timeout": "3s", "prolog_dir": "", "slurmd_spool_dir": "/nonexistent",
+                    "refresh": 0},
            "checks": {"job_memory": {}, "job_timelimit": {"margin": "10m"}}, "notifiers": {}, "actions": {}}
     engine = Engine(parse_config(raw, "test.toml"))
     catalog = engine.catalog
@@ -236,6 +239,30 @@ def test_cgroup_tree_lists_the_node_jobs(real_cgroup: tuple[Path, subprocess.Pop
         wait_until(lambda: not (task / "cgroup.procs").read_text().strip(), 5, what="the cgroup empty")
         [ended] = source.jobs()
         assert not ended.running
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("real_cgroup", [1, 2], indirect=True, ids=["v1", "v2"])
+def test_a_job_the_watcher_saw_is_starting_until_its_directory_goes(
+        real_cgroup: tuple[Path, subprocess.Popen[bytes], str], tmp_path: Path) -> None:
+    """A job directory with no process in it yet (slurmstepd made it, the first task has not started) is a job
+    starting, not one that ended; once the directory is gone it has ended."""
+    task, _, node = real_cgroup
+    job_dir = next(p for p in task.parents if p.name == "job_4242001").with_name("job_4242002")
+    source = SlurmSource(JobsSettings(sources=["slurm"], slurm_node=node, prolog_dir="", slurm_bin_dir=str(tmp_path)),
+                         node, SlurmClient(3, str(tmp_path)))
+    try:
+        assert [j.job_id for j in source.jobs()] == ["4242001"]  # the first listing starts the watcher
+        (job_dir / "step_0").mkdir(parents=True)
+        starting = wait_until(lambda: {j.job_id: j for j in source.jobs()}.get("4242002"), 5,
+                              what="the watcher taking the new job in")
+        assert isinstance(starting, Job)
+        assert starting.running and not starting.processes
+        assert {j.job_id: j for j in source.jobs()}["4242002"].running  # and again: not ended by a listing
+        (job_dir / "step_0").rmdir()
+        job_dir.rmdir()
+        assert not {j.job_id: j for j in source.jobs()}["4242002"].running
     finally:
         source.close()
 

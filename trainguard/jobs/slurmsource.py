@@ -226,6 +226,11 @@ class SlurmSource:
         signature = self._signature()
         table = self.processes.get()
         evidence = self._evidence(table)  # raises SlurmError when listpids fails: nothing is known then
+        with self._lock:
+            glimpsed = any(local.glimpsed for local in self._jobs.values())
+        # a job the watcher saw whose step has no process yet (a socket or cgroup before its first task) is starting,
+        # not ended: only one gone from the directories too has ended (listed only while such a job exists)
+        present = self._glimpse() if glimpsed else {}
         records = self.records.read() if self.records else {}
         if self.records and self.records.problem:
             log.warning("prolog records ignored", extra=kv(reason=self.records.problem))
@@ -242,7 +247,7 @@ class SlurmSource:
                                                 ended=record.ended)
                     self._schedule(job_id, "final", now)
             for job_id, local in list(self._jobs.items()):
-                if job_id in live or (local.glimpsed and local.seen >= looked):  # the watcher saw it after we looked
+                if job_id in live or (local.glimpsed and (local.seen >= looked or job_id in present)):
                     continue
                 if local.ended is None:
                     local.ended = now
