@@ -32,7 +32,7 @@ from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurm import SlurmClient
-from trainguard.jobs.slurmsource import SlurmSource
+from trainguard.jobs.slurmsource import LINGER_S, STARTING_S, WATCH_S, SlurmSource
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine
 
@@ -250,8 +250,13 @@ def test_a_job_the_watcher_saw_is_starting_until_its_directory_goes(
     starting, not one that ended; once the directory is gone it has ended."""
     task, _, node = real_cgroup
     job_dir = next(p for p in task.parents if p.name == "job_4242001").with_name("job_4242002")
+    now = [time.time()]
     source = SlurmSource(JobsSettings(sources=["slurm"], slurm_node=node, prolog_dir="", slurm_bin_dir=str(tmp_path)),
-                         node, SlurmClient(3, str(tmp_path)))
+                         node, SlurmClient(3, str(tmp_path)), clock=lambda: now[0])
+
+    def listed() -> dict[str, Job]:
+        return {j.job_id: j for j in source.jobs()}
+
     try:
         assert [j.job_id for j in source.jobs()] == ["4242001"]  # the first listing starts the watcher
         (job_dir / "step_0").mkdir(parents=True)
@@ -262,7 +267,20 @@ def test_a_job_the_watcher_saw_is_starting_until_its_directory_goes(
         assert {j.job_id: j for j in source.jobs()}["4242002"].running  # and again: not ended by a listing
         (job_dir / "step_0").rmdir()
         job_dir.rmdir()
-        assert not {j.job_id: j for j in source.jobs()}["4242002"].running
+        now[0] += 1  # a listing after the watcher's last look
+        assert not listed()["4242002"].running
+
+        # A directory that never holds a process (left behind by a crashed slurmstepd) is a job starting for
+        # STARTING_S only; then it has ended, and once forgotten it is not taken in again while it stays.
+        leftover = job_dir.with_name("job_4242003")
+        (leftover / "step_0").mkdir(parents=True)
+        wait_until(lambda: "4242003" in listed(), 5, what="the watcher taking the leftover in")
+        now[0] += STARTING_S + 1
+        assert not listed()["4242003"].running
+        now[0] += LINGER_S + 1
+        assert "4242003" not in listed()
+        time.sleep(4 * WATCH_S)
+        assert "4242003" not in listed()
     finally:
         source.close()
 

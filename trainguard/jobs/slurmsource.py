@@ -53,6 +53,7 @@ RETRY_S = (5.0, 30.0, 60.0, 300.0)  # after a failed fetch (controller down), th
 FINAL_TRIES = 5  # an ended job's final state: the controller may still say COMPLETING for a moment
 REDISCOVER_S = 60.0  # where no cgroup or spool dir was found, look again this often (slurmd may start later)
 WATCH_S = 0.25  # the watcher's period: jobs that live longer than this are seen even between two listings
+STARTING_S = 60.0  # a job directory with no process in it is a job starting for this long; after, a leftover
 
 
 @dataclass
@@ -117,6 +118,7 @@ class SlurmSource:
         self._worker: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
+        self._leftovers: set[str] = set()  # job directories that never held a process: not taken in again
         self._closed = False
         self._dirty = True  # something arrived since the last listing (a fetched record)
         self._built: object = None  # the node's signature at the last listing
@@ -209,8 +211,9 @@ class SlurmSource:
                 continue
             now = self.clock()
             with self._lock:
+                self._leftovers.intersection_update(found)  # gone and back (a requeue): a job again
                 for job_id, uid in found.items():
-                    if job_id in self._jobs or self._closed:
+                    if job_id in self._jobs or job_id in self._leftovers or self._closed:
                         continue
                     self._jobs[job_id] = _Local(job_id, now, uid=uid, stepped=True, glimpsed=True)
                     self._schedule(job_id, "first", now)
@@ -247,8 +250,14 @@ class SlurmSource:
                                                 ended=record.ended)
                     self._schedule(job_id, "final", now)
             for job_id, local in list(self._jobs.items()):
-                if job_id in live or (local.glimpsed and (local.seen >= looked or job_id in present)):
+                if job_id in live:
                     continue
+                if local.glimpsed and local.ended is None:
+                    if local.seen >= looked or (job_id in present and now - local.seen < STARTING_S):
+                        continue  # starting; or seen by the watcher after this listing looked
+                    if job_id in present:  # a socket or cgroup left behind (a crashed slurmstepd), never a process
+                        log.warning("SLURM job directory without processes ignored", extra=kv(job=job_id))
+                        self._leftovers.add(job_id)
                 if local.ended is None:
                     local.ended = now
                     if records.get(job_id) is not None:
