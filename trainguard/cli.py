@@ -15,6 +15,7 @@ from trainguard import __version__
 from trainguard.agent.configfile import ConfigError, load_config
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import Status, worst
+from trainguard.core.units import parse_duration
 from trainguard.pipeline.config import Config, default_state_dir
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain", action="store_true",
                    help="on CRITICAL, drain this node through the configured `drain` action, with the reason "
                         "(for a SLURM HealthCheckProgram)")
+    p.add_argument("--since", default="boot", type=since_arg, metavar="DURATION|boot",
+                   help="count only kernel log records (XIDs, SXids) newer than this, e.g. 10m, 2h, 1d; default "
+                        "boot: all of this boot's (a prolog that should not refuse a node for an XID hours old)")
     p = with_config(sub.add_parser("status", help="show a running agent's incidents and last results",
                                    description="Ask a running agent's /status endpoint and print a table."))
     p.add_argument("--url", help="agent base URL (default: from the config's agent.listen)")
@@ -140,13 +144,33 @@ def _warn(config: Config) -> bool:
     return bool(config.warnings())
 
 
-def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False) -> int:
+def since_arg(value: str) -> float | None:
+    """`--since`: seconds back from now, or None for `boot` (the whole of this boot's kernel log)."""
+    if value.strip().lower() == "boot":
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or 'boot'") from None
+
+
+def kernel_since_usec(seconds: float | None) -> int | None:
+    """Where `--since` starts in the kernel log's clock: microseconds since boot (CLOCK_MONOTONIC, what the kernel
+    stamps records with); None (everything) for `boot` or a duration longer than the uptime."""
+    if seconds is None:
+        return None
+    start = time.clock_gettime(time.CLOCK_MONOTONIC) - seconds
+    return int(start * 1e6) if start > 0 else None
+
+
+def cmd_check(config: Config, as_json: bool, critical_only: bool = False, drain: bool = False,
+              since: float | None = None) -> int:
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
 
     _warn(config)  # stderr only: the exit code a SLURM health check reads stays that of the results
 
-    engine = Engine(config, store=Store(None), notifiers={})
+    engine = Engine(config, store=Store(None), notifiers={}, kernel_since_usec=kernel_since_usec(since))
     reports = engine.run_round(ingest=False)
     results = [r for report in reports for r in report.results]
     # Idle checks watch hardware this node lacks: listed, but they never change the exit code.
@@ -400,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 0
     if args.command == "check":
-        return cmd_check(config, args.json, args.critical_only, args.drain)
+        return cmd_check(config, args.json, args.critical_only, args.drain, args.since)
     if args.command == "status":
         return cmd_status(config, args.url, args.json)
     if args.command == "notify-test":

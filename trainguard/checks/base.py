@@ -94,6 +94,8 @@ class CheckContext:
     state: ScopedState = field(default_factory=lambda: ScopedState(None, "check"))
     xid_history: XidLedger = field(default_factory=lambda: XidLedger(None))
     processes: ProcessSnapshots = field(default_factory=ProcessSnapshots)
+    # `trainguard check --since`: kernel log records stamped before this (microseconds since boot) do not count.
+    kernel_since_usec: int | None = None
 
 
 class Check(ABC):

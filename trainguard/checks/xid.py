@@ -4,6 +4,11 @@ A KmsgFollower thread parses every record; an XID wakes this check at once, so t
 actions bound to it: save, drain, requeue) follows the kernel record within milliseconds. The
 response to each XID is data: NVIDIA's catalog and trainguard's policy (`trainguard.gpu.xid_catalog`), with single
 codes overridden by the settings below.
+
+History: what the buffer held at the agent's first start on this boot was logged while nothing watched. It is
+reported as found, but a GPU that reads healthy in NVML now gets at most a WARNING for it, so the actions bound to
+CRITICAL (drain, requeue) run only for a fault still present (the GPU lost or missing, a memory fault pending, NVML
+unreadable) or logged since the agent started (docs/gpu-faults.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from trainguard.core.model import Metric, Result, Sample, Status, worst
 from trainguard.core.settings import Duration, StatusName
 from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry
+from trainguard.gpu.health import gpu_faults
+from trainguard.gpu.nvml import GpuState
 from trainguard.gpu.xid import XidParser
 from trainguard.gpu.xid_catalog import describe, describe_sxid, nvlink5_rules, nvlink5_verdict, policy
 from trainguard.node.kmsg import KernelRecord, KmsgFollower, LogPoint
@@ -45,7 +52,10 @@ KMSG_RECORDS = Metric("trainguard_kmsg_records_total", "Kernel log records read.
 KMSG_LOST = Metric("trainguard_kmsg_lost_records_total", "Kernel log records overwritten before they were read.",
                    counter=True)
 KMSG_UP = Metric("trainguard_kmsg_follower_up", "1 while the kernel log follower runs.", ("source",))
-METRICS = (XID_ERRORS, XID_LAST, SXID_ERRORS, SXID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
+XID_BEFORE_START = Metric("trainguard_gpu_xid_before_start",
+                          "1 if this XID on this GPU was last logged before the agent's first start on this boot "
+                          "(history: at most WARNING while the GPU reads healthy, no drain), 0 if logged since.", _XID)
+METRICS = (XID_ERRORS, XID_LAST, XID_BEFORE_START, SXID_ERRORS, SXID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
 
 
 class XidSettings(CheckSettings):
@@ -89,6 +99,7 @@ class Grade:
     why: str
     todo: str
     response: str
+    history: bool = False  # logged before the agent's first start, on a GPU that reads healthy now: not acted on
 
 
 def response_of(xid: int, s: XidSettings) -> tuple[str, str]:
@@ -187,7 +198,8 @@ def summarize(label: str, graded: list[tuple[XidEntry, Grade]]) -> str:
         else:
             info = describe(entry.xid)
             parts.append(f"XID {entry.xid} {info.name}{count}: {info.description} ({g.why}; {g.todo})")
-    head = f"{label} fell off the bus (XID 79)" if any(e.xid == 79 and e.kind == "xid" for e, _ in active) else label
+    fell_off = any(e.xid == 79 and e.kind == "xid" and not g.history for e, g in active)
+    head = f"{label} fell off the bus (XID 79)" if fell_off else label
     return f"{head}: " + "; ".join(parts)
 
 
@@ -228,26 +240,63 @@ def explain(xid: int, s: XidSettings) -> dict[str, Any]:
     return out
 
 
-def _entry_details(e: XidEntry, g: Grade) -> dict[str, Any]:
+def _entry_details(e: XidEntry, g: Grade, before_start: bool = False) -> dict[str, Any]:
     info = describe(e.xid)
     return {"xid": e.xid, "mnemonic": info.mnemonic, "count": e.count, "first": e.first, "last": e.last,
             "status": g.status.name, "why": g.why, "todo": g.todo, "response": g.response, "text": e.text,
             "pid": e.pid, "process": e.process, "occurrences": e.occurrences, "nvidia_immediate": info.immediate,
-            "nvidia_investigatory": info.investigatory, **({"nvlink5": e.variant} if e.variant else {})}
+            "nvidia_investigatory": info.investigatory, "before_start": before_start, "history": g.history,
+            "kernel_usec": e.usec if e.usec >= 0 else None, **({"nvlink5": e.variant} if e.variant else {})}
 
 
-def _samples(entries: list[XidEntry], labels: dict[str, str], errors: Metric, last_at: Metric) -> list[Sample]:
-    """One count per code (XID or SXid): entries of one code with different variants add up."""
-    totals: dict[int, tuple[int, float]] = {}
+def _samples(entries: list[XidEntry], labels: dict[str, str], errors: Metric, last_at: Metric,
+             before_start: Callable[[XidEntry], bool] | None = None) -> list[Sample]:
+    """One count per code (XID or SXid): entries of one code with different variants add up. With `before_start`, also
+    whether each code was logged only before the agent's first start."""
+    totals: dict[int, tuple[int, float, bool]] = {}
     for e in entries:
-        count, last = totals.get(e.xid, (0, 0.0))
-        totals[e.xid] = (count + e.count, max(last, e.last))
+        count, last, old = totals.get(e.xid, (0, 0.0, True))
+        totals[e.xid] = (count + e.count, max(last, e.last), old and before_start is not None and before_start(e))
     key = "sxid" if errors is SXID_ERRORS else "xid"
     samples = []
-    for code, (count, last) in sorted(totals.items()):
+    for code, (count, last, old) in sorted(totals.items()):
         code_labels = {**labels, key: str(code)}
         samples += [errors(count, code_labels), last_at(last, code_labels)]
+        if before_start is not None:
+            samples.append(XID_BEFORE_START(1 if old else 0, code_labels))
     return samples
+
+
+def gpu_problem(gpus: list[GpuState] | str, bus_id: str) -> str | None:
+    """What keeps a GPU from reading healthy now, in words (None: it does): missing from NVML, lost, unreadable, or a
+    memory fault that awaits a reset (uncorrected ECC errors, a pending or failed row remap, pending page retirement).
+    `gpus` is NVML's list, or why NVML could not be read."""
+    if isinstance(gpus, str):
+        return f"can't be read (NVML: {gpus})"
+    gpu = next((g for g in gpus if g.bus_id == bus_id), None)
+    if gpu is None:
+        return "is missing (NVML does not list it)"
+    if gpu.lost:
+        return f"is lost ({gpu.error})"
+    if gpu.error:
+        return f"can't be read (NVML: {gpu.error})"
+    faults = gpu_faults(gpu)
+    return "has " + ", ".join(faults) if faults else None
+
+
+def history(entry: XidEntry, g: Grade, problem: str | None) -> Grade:
+    """An entry logged before the agent's first start: at most WARNING while its GPU reads healthy now (`problem` is
+    None), so what is bound to CRITICAL (drain, requeue) does not run for an old record of a fault that is gone; as
+    graded otherwise, saying why."""
+    if g.status is Status.OK:
+        return g
+    when = f"logged at boot+{format_duration(entry.usec / 1e6)}" if entry.usec >= 0 else "logged"
+    if problem is not None:
+        return replace(g, why=f"{g.why}; {when}, before trainguard started, and GPU {entry.bus_id} {problem} now")
+    status = Status.WARNING if g.status is Status.CRITICAL else g.status
+    return replace(g, status=status, history=True,
+                   why=f"{when}, before trainguard started; GPU {entry.bus_id} reads healthy now: no drain "
+                       f"(else {g.status.name}: {g.why})")
 
 
 class XidCheck(Check):
@@ -273,6 +322,11 @@ class XidCheck(Check):
     def start(self, wake: Callable[[], None]) -> None:
         self._wake = wake
         self._started = True
+        # Before the follower replays the buffer: what it holds now was logged before this start. Kept through
+        # restarts on this boot, so a record logged while the agent was down counts as since, and is acted on.
+        point, new = self.ledger.mark_first_start(lambda: LogPoint.now(self.settings.kmsg_path))
+        log.info("first start on this boot" if new else "started before on this boot",
+                 extra=kv(kmsg_seq=point.seq, boot_usec=point.usec))
         self.follower.start()
 
     def stop(self) -> None:
@@ -288,6 +342,9 @@ class XidCheck(Check):
         with self._lock:  # the parser is stateful across records
             event = self.parser.feed(record.message)
         if event is None:
+            return
+        since = self.context.kernel_since_usec
+        if since is not None and record.usec < since:  # `trainguard check --since`: older records do not count
             return
         recorded = self.ledger.record(replace(event, seq=record.seq, usec=record.usec))
         if recorded is None:  # from before an operator's clear of its device
@@ -350,21 +407,34 @@ class XidCheck(Check):
         for entry in self.ledger.entries():
             by_gpu.setdefault(entry.bus_id, []).append(entry)
         results = [self._follower_result()]
+        gpus: list[GpuState] | str | None = None  # NVML now, read once a run and only for history
         for bus_id, entries in sorted(by_gpu.items()):
             index, uuid = self._gpu(bus_id)
             graded = [(e, grade(e, self.settings, now)) for e in entries]
+            if any(g.status is not Status.OK and self.ledger.before_start(e) for e, g in graded):
+                gpus = self._gpus_now() if gpus is None else gpus
+                problem = gpu_problem(gpus, bus_id)
+                graded = [(e, history(e, g, problem) if self.ledger.before_start(e) else g) for e, g in graded]
             label = f"GPU {index} ({bus_id})" if index is not None else f"GPU {bus_id}"
             labels = {"gpu": "" if index is None else str(index), "uuid": uuid or "", "bus_id": bus_id}
             details: dict[str, Any] = {"bus_id": bus_id, "index": index, "uuid": uuid,
-                                       "xids": [_entry_details(e, g) for e, g in graded]}
+                                       "xids": [_entry_details(e, g, self.ledger.before_start(e))
+                                                for e, g in graded]}
             worst_entry = max(graded, key=lambda eg: eg[1].status.severity)
             if worst_entry[1].status is not Status.OK:
                 details["next_step"] = worst_entry[1].todo
             results.append(self.result(uuid or f"pci:{bus_id}", worst(g.status for _, g in graded),
                                        summarize(label, graded), details,
-                                       _samples(entries, labels, XID_ERRORS, XID_LAST)))
+                                       _samples(entries, labels, XID_ERRORS, XID_LAST, self.ledger.before_start)))
         results += self._switch_results(now)
         return results
+
+    def _gpus_now(self) -> list[GpuState] | str:
+        """NVML's GPUs now, or why they can't be read (then no history is taken as over)."""
+        try:
+            return self.nvml.gpus()
+        except Exception as exc:  # noqa: BLE001 - any NVML failure reads as "can't tell": graded as logged
+            return f"{type(exc).__name__}: {exc}"
 
     def _switch_results(self, now: float) -> list[Result]:
         """One result per NVSwitch that logged SXids this boot."""
@@ -391,8 +461,10 @@ class XidCheck(Check):
         f = self.follower
         samples = [KMSG_RECORDS(f.records), KMSG_LOST(f.lost),
                    KMSG_UP(1 if f.running or not self._started else 0, {"source": f.source})]
+        first = self.ledger.first_start
         details = {"source": f.source, "records": f.records, "lost": f.lost, "last_seq": f.last_seq,
-                   "replayed": f.caught_up.is_set() or not self._started, "ledger_dropped": self.ledger.evicted}
+                   "replayed": f.caught_up.is_set() or not self._started, "ledger_dropped": self.ledger.evicted,
+                   "first_start": None if first is None else {"seq": first.seq, "usec": first.usec}}
         if self._started and not f.running:
             return self.result("kernel-log", Status.UNKNOWN,
                                f"kernel log follower not running: {f.error or 'starting'}", details, samples)

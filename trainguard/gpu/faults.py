@@ -1,5 +1,7 @@
 """XidLedger: what the kernel log said about each GPU (XIDs) and NVSwitch (SXids) this boot, aggregated so that a
-flood of identical lines is one entry with a count, and kept in the store so a restart forgets nothing."""
+flood of identical lines is one entry with a count, and kept in the store so a restart forgets nothing. It also keeps
+where the kernel log stood at the agent's first start on this boot: what was logged before it is history the agent
+reports but does not act on while the GPU reads healthy (issue 20)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class XidEntry:
     device: str = ""  # SXids: the switch, e.g. nvswitch3
     pids: list[int] = field(default_factory=list)  # distinct processes the driver named
     bursts: int = 0  # pid-less lines more than BURST_GAP_S apart
+    seq: int = -1  # the latest record's place in the kernel log: sequence number (-1: the journal, or unknown)
+    usec: int = -1  # and its kernel timestamp, microseconds since boot (-1: unknown)
 
     @property
     def occurrences(self) -> int:
@@ -58,6 +62,7 @@ class XidLedger:
         self._rank: dict[tuple[str, str, int, str], int] = {}  # what each entry is worth keeping (its severity)
         self._ranker: Callable[[XidEntry], int] | None = None
         self._cleared: dict[tuple[str, str], LogPoint] = {}  # (kind, device) -> an operator's clear: older is over
+        self._first_start: LogPoint | None = None  # the kernel log at the agent's first start on this boot
         self.evicted = 0  # entries dropped this life of the agent to stay within MAX_ENTRIES
         self._dirty = False
         self._saved_at = 0.0
@@ -73,7 +78,12 @@ class XidLedger:
         except ValueError:
             return
         if data.get("boot_id") != self.boot_id:
-            return  # a reboot resets the GPUs: the old boot's XIDs no longer describe them
+            return  # a reboot resets the GPUs: the old boot's XIDs no longer describe them, nor its first start
+        try:
+            seq, usec = data.get("first_start") or (None, None)
+            self._first_start = LogPoint(int(seq), int(usec)) if seq is not None else None
+        except (TypeError, ValueError):
+            self._first_start = None
         for raw in data.get("cleared", []):
             try:
                 kind, bus, seq, usec = raw
@@ -108,6 +118,27 @@ class XidLedger:
             self._ranker = ranker
             self._rank.clear()
 
+    def mark_first_start(self, now: Callable[[], LogPoint]) -> tuple[LogPoint, bool]:
+        """The agent starts: on the first start of this boot the kernel log's position now (`now()`, read only then)
+        is kept, and stays through restarts until the next boot. Returns it, and whether it was set now."""
+        with self._lock:
+            if self._first_start is not None:
+                return self._first_start, False
+            self._first_start = now()
+            self._dirty = True
+        self.save(force=True)  # a crash right after start must not move the first start to the next one
+        return self._first_start, True
+
+    @property
+    def first_start(self) -> LogPoint | None:
+        return self._first_start
+
+    def before_start(self, entry: XidEntry) -> bool:
+        """Whether the entry's latest record was logged before the agent's first start on this boot (an entry with a
+        record since is not). An entry of unknown place (recorded by an older version) counts as since."""
+        first = self._first_start
+        return first is not None and first.before(entry.seq, entry.usec)
+
     def forget(self, kind: str, bus_id: str, point: LogPoint) -> int:
         """An operator cleared this device (`trainguard clear`): its entries go, and records from before `point`
         are not recorded again (a replay of the buffer, a restart that resumes from an older cursor). Returns how
@@ -122,8 +153,9 @@ class XidLedger:
             return len(gone)
 
     def record(self, event: XidEvent) -> tuple[XidEntry, bool] | None:
-        """The entry after this event, and whether it changed beyond its count (new, or a new occurrence); None for
-        a record from before an operator cleared its device."""
+        """The entry after this event, and whether it changed beyond its count (new, a new occurrence, or a record
+        since the first start of an entry of history); None for a record from before an operator cleared its
+        device."""
         now = self._clock()
         with self._lock:
             mark = self._cleared.get((event.kind, event.bus_id))
@@ -138,6 +170,9 @@ class XidLedger:
                                  kind=event.kind, device=event.device)
                 self._entries[key] = entry
             before = entry.occurrences
+            # An entry of history (before the first start) with a record since now counts, and is graded as logged.
+            first = self._first_start
+            was_history = entry.count > 0 and first is not None and first.before(entry.seq, entry.usec)
             if event.pid is not None:
                 if event.pid not in entry.pids and len(entry.pids) < MAX_PIDS:
                     entry.pids.append(event.pid)
@@ -148,10 +183,12 @@ class XidLedger:
             entry.text = event.text
             entry.pid, entry.process = event.pid, event.process
             entry.cause_xid, entry.recovery, entry.gpu_instance = event.cause_xid, event.recovery, event.gpu_instance
+            entry.seq, entry.usec = event.seq, event.usec
             self._dirty = True
             if self._ranker is not None:
                 self._rank[key] = self._ranker(entry)
-            return XidEntry(**asdict(entry)), entry.count == 1 or entry.occurrences != before
+            now_since = was_history and first is not None and not first.before(entry.seq, entry.usec)
+            return XidEntry(**asdict(entry)), entry.count == 1 or entry.occurrences != before or now_since
 
     def entries(self, kind: str = "xid") -> list[XidEntry]:
         """This boot's entries of one kind: GPU XIDs (the default), or NVSwitch SXids."""
@@ -166,6 +203,8 @@ class XidLedger:
                 return
             payload: dict[str, Any] = {"boot_id": self.boot_id, "entries": [asdict(e) for e in self._entries.values()],
                                        "cleared": [[kind, bus, p.seq, p.usec] for (kind, bus), p in self._cleared.items()]}
+            if self._first_start is not None:
+                payload["first_start"] = [self._first_start.seq, self._first_start.usec]
             self._dirty = False
             self._saved_at = time.monotonic()
         self._store.put(LEDGER_KEY, json.dumps(payload))

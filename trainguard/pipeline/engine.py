@@ -86,6 +86,7 @@ class Engine:
         clock: Callable[[], float] = time.time,
         nvml: Nvml | None = None,
         self_check: bool = False,
+        kernel_since_usec: int | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -99,7 +100,7 @@ class Engine:
         # snapshot per round.
         shared = CheckContext(config.agent.node_name, config.agent.state_dir, clock, self.catalog,
                               nvml if nvml is not None else Nvml(), proc, xid_history=XidLedger(self.store, clock, proc=proc),
-                              processes=processes)
+                              processes=processes, kernel_since_usec=kernel_since_usec)
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
             if settings.enabled:
