@@ -295,8 +295,10 @@ def history(entry: XidEntry, g: Grade, problem: str | None) -> Grade:
         return replace(g, why=f"{g.why}; {when}, before trainguard started, and GPU {entry.bus_id} {problem} now")
     status = Status.WARNING if g.status is Status.CRITICAL else g.status
     return replace(g, status=status, history=True,
-                   why=f"{when}, before trainguard started; GPU {entry.bus_id} reads healthy now: no drain "
-                       f"(else {g.status.name}: {g.why})")
+                   why=f"{when}, before trainguard started; GPU {entry.bus_id} reads healthy now: no drain; "
+                       f"{g.status.name} if logged now: {g.why}",
+                   todo=f"check the GPU (nvidia-smi -q -d ECC,ROW_REMAPPER -i {entry.bus_id}) before long jobs, then "
+                        f"trainguard clear it; if it faults again: {g.todo}")
 
 
 class XidCheck(Check):
