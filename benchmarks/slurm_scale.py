@@ -123,7 +123,10 @@ def measure(procs: list[subprocess.Popen[bytes]], seconds: float, warmup: float,
 def held_jobs(total: int, have: int) -> int:
     """Submit held jobs of the other test user until the controller holds `total` of them."""
     if total > have:
-        loop = f"for i in $(seq {total - have}); do sbatch --hold --quiet -J held -o /dev/null --wrap true || exit 1; done"
+        # Four submitters at once: one after the other, 10,000 sbatch took most of the 10 minutes a run may hold the
+        # shared test lock. xargs exits non-zero when any sbatch failed.
+        loop = (f"seq {total - have} | xargs -P 4 -n 1 sh -c "
+                "'exec sbatch --hold --quiet -J held -o /dev/null --wrap true' _")
         sh("bash", "-c", loop, user=OTHER_USER, timeout=3600, cwd=tempfile.gettempdir())
     return total
 
@@ -142,11 +145,19 @@ def node_rows(args: argparse.Namespace, trees: dict[str, Path], tmp: Path) -> li
     try:
         have = 0
         sizes = [int(s) for s in args.sizes.split(",")]
-        # the rows with trainers running come last, at the largest size (held jobs are only ever added)
-        plans = [(size, 0) for size in sizes] + ([(sizes[-1], args.running)] if args.running else [])
+        busy = [int(s) for s in args.running_sizes.split(",")] if args.running_sizes else sizes[-1:]
+        plans = [(size, 0) for size in sizes] + [(size, args.running) for size in busy if args.running]
         running: list[str] = []
-        for size, jobs_here in sorted(plans, key=lambda p: (p[1], p[0])):
+        # Held jobs are only ever added, so sizes go up. Within a size the trainers' row comes first when they
+        # already run (started behind few held jobs): trainers submitted behind 10,000 held jobs took minutes.
+        for size, jobs_here in sorted(plans, key=lambda p: (p[0], -p[1] if running else p[1])):
             have = held_jobs(size, have)
+            if len(running) > jobs_here:
+                subprocess.run(["scancel", *running], capture_output=True, timeout=120)
+                for job in running:
+                    cluster.wait(lambda j=job: cluster.job(j).get("JobState") not in ("RUNNING", "COMPLETING"),
+                                 120, f"job {job} ended")
+                running = []
             while len(running) < jobs_here:
                 workdir = cluster.workdir()
                 running.append(cluster.submit(cluster.toy_command("--steps", "1000000", "--step-time", "1",
@@ -193,6 +204,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--warmup", type=float, default=15.0)
     parser.add_argument("--running", type=int, default=8, help="toy trainers on the node for the extra rows (0: none)")
+    parser.add_argument("--running-sizes", default="", help="the sizes with rows of trainers running (default: the "
+                        "largest of --sizes)")
     parser.add_argument("--before", default="", help="a git revision to compare with (a worktree of it is made)")
     parser.add_argument("--fleet", type=int, default=0, help="agents (and slurmd) in the fleet simulation; 0: none")
     args = parser.parse_args()
