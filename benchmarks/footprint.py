@@ -27,7 +27,7 @@ import psutil
 import requests
 import tomli_w
 
-from benchmarks.common import heading, installed_config, log_writers, percentile, writer_jobs
+from benchmarks.common import exit_cleanly_on_sigterm, heading, installed_config, log_writers, percentile, writer_jobs
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,6 +93,7 @@ def main() -> int:
     parser.add_argument("--mounts", type=int, default=4)
     parser.add_argument("--burst", type=int, default=200, help="back-to-back scrapes of each for the latency table")
     args = parser.parse_args()
+    exit_cleanly_on_sigterm()
     exporter = shutil.which("prometheus-node-exporter")
     if exporter is None:
         raise SystemExit("needs prometheus-node-exporter (apt install prometheus-node-exporter)")

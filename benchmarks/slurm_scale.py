@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import tomli_w
 
-from benchmarks.common import heading, installed_config
+from benchmarks.common import exit_cleanly_on_sigterm, heading, installed_config
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, job_info_rpcs, parse_sdiag, sh
 from tests.slurm_fleet import SlurmFleet
 
@@ -209,6 +209,7 @@ def main() -> int:
     parser.add_argument("--before", default="", help="a git revision to compare with (a worktree of it is made)")
     parser.add_argument("--fleet", type=int, default=0, help="agents (and slurmd) in the fleet simulation; 0: none")
     args = parser.parse_args()
+    exit_cleanly_on_sigterm()
     tmp = Path(tempfile.mkdtemp(prefix="tg-slurm-scale-"))
     trees = {"after": REPO}
     if args.before:

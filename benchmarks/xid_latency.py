@@ -30,7 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.common import heading, percentile
+from benchmarks.common import exit_cleanly_on_sigterm, heading, percentile
 from tests.slurm_cluster import JOB_USER, SlurmCluster, sh
 from trainguard.agent.configfile import parse_config
 from trainguard.core.state import scoped_key
@@ -121,6 +121,7 @@ def main() -> int:
     parser.add_argument("--job-age", type=float, default=1.0, help="with --slurm-job: seconds between the job's "
                         "start and the XID")
     args = parser.parse_args()
+    exit_cleanly_on_sigterm()
     if args.slurm_job and not args.slurm:
         parser.error("--slurm-job needs --slurm")
     if not os.access("/dev/kmsg", os.W_OK):
