@@ -150,7 +150,11 @@ def node_rows(args: argparse.Namespace, trees: dict[str, Path], tmp: Path) -> li
         running: list[str] = []
         # Held jobs are only ever added, so sizes go up. Within a size the trainers' row comes first when they
         # already run (started behind few held jobs): trainers submitted behind 10,000 held jobs took minutes.
-        for size, jobs_here in sorted(plans, key=lambda p: (p[0], -p[1] if running else p[1])):
+        while plans:
+            size = min(p[0] for p in plans)
+            here = sorted((p for p in plans if p[0] == size), key=lambda p: -p[1] if running else p[1])
+            size, jobs_here = here[0]
+            plans.remove(here[0])
             have = held_jobs(size, have)
             if len(running) > jobs_here:
                 subprocess.run(["scancel", *running], capture_output=True, timeout=120)
