@@ -54,6 +54,10 @@ def agent_config(tmp: Path, node: str, slurm_node: str = "") -> Path:
     if slurm_node:
         raw["jobs"] = {"slurm_node": slurm_node}
     raw["checks"]["disk"]["paths"] = ["/"]
+    # This boot's kernel log holds the fake XID 79s the tests wrote: replayed at start, they drained the node (no
+    # trainer could start) and would signal and requeue the trainers. The check still follows and grades the log;
+    # only its actions are off.
+    raw["checks"]["xid"]["actions"] = {"critical": []}
     raw["notifiers"] = {"console": {}}
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "trainguard.toml"
