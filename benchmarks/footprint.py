@@ -78,6 +78,9 @@ def agent_config(tmp: Path, port: int, mounts: list[Path], logs: list[Path]) -> 
     raw["jobs"] = {"sources": ["process"], "processes": writer_jobs(logs)}
     raw["checks"]["disk"]["paths"] = [str(m) for m in mounts]
     raw["checks"]["gpu_memory"] = {}
+    # This boot's kernel log may hold the tests' fake XID 79s: replayed at start, their signal action would kill the
+    # log writers (SIGUSR1), leaving the agent fewer jobs to watch. The check still follows the log; its actions are off.
+    raw["checks"]["xid"]["actions"] = {"critical": []}
     raw["notifiers"] = {"console": {}}
     path = tmp / "trainguard.toml"
     path.write_text(tomli_w.dumps(raw))
