@@ -29,6 +29,9 @@ import tomli_w
 
 from benchmarks.common import exit_cleanly_on_sigterm, heading, installed_config, log_writers, percentile, writer_jobs
 from tests.conftest import free_port
+from trainguard.core.state import scoped_key
+from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
+from trainguard.pipeline.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,6 +85,12 @@ def agent_config(tmp: Path, port: int, mounts: list[Path], logs: list[Path]) -> 
     # log writers (SIGUSR1), leaving the agent fewer jobs to watch. The check still follows the log; its actions are off.
     raw["checks"]["xid"]["actions"] = {"critical": []}
     raw["notifiers"] = {"console": {}}
+    # ... and the agent starts with its kernel log cursor at the end, as one restarted on a node resumes from its
+    # saved cursor: replaying those fake XIDs (1,422 over 69 GPUs on one test VM) gave the agent an XID ledger and an
+    # incident per fake GPU, and grew /metrics sevenfold, a cost no real node's buffer imposes.
+    store = Store(tmp / "state")
+    store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())
+    store.close()
     path = tmp / "trainguard.toml"
     path.write_text(tomli_w.dumps(raw))
     return path
