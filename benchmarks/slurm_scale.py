@@ -35,6 +35,9 @@ import tomli_w
 from benchmarks.common import exit_cleanly_on_sigterm, heading, installed_config
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, job_info_rpcs, parse_sdiag, sh
 from tests.slurm_fleet import SlurmFleet
+from trainguard.core.state import scoped_key
+from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
+from trainguard.pipeline.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,6 +61,11 @@ def agent_config(tmp: Path, node: str, slurm_node: str = "") -> Path:
     # trainer could start) and would signal and requeue the trainers. The check still follows and grades the log;
     # only its actions are off.
     raw["checks"]["xid"]["actions"] = {"critical": []}
+    # ... and the agent starts with its kernel log cursor at the end (as one restarted resumes from its saved
+    # cursor), so those fake XIDs, an XID ledger and an incident per fake GPU, are not part of the measured cost.
+    store = Store(tmp / "state")
+    store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())
+    store.close()
     raw["notifiers"] = {"console": {}}
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "trainguard.toml"
