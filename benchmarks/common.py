@@ -6,6 +6,7 @@ import contextlib
 import getpass
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,12 @@ def heading(title: str) -> str:
     """`**TITLE, DATE, HOST (N CPUs, Linux X, Python Y)**`: a table's numbers only mean something with these."""
     return (f"**{title}, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs, Linux "
             f"{platform.release()}, Python {platform.python_version()})**\n")
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (`timeout` ending a run that holds the shared test lock) as SystemExit, so the `finally` blocks stop
+    the SLURM daemons, agents and mounts a benchmark started instead of leaving them to the next user of the lock."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def installed_config() -> dict[str, Any]:

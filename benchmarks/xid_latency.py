@@ -5,7 +5,13 @@ process against the real /dev/kmsg, with a plain-process job whose SIGUSR1 handl
 the signal arrived. Each trial writes one XID 79 line for a fresh, fake PCI bus (a new incident),
 so every trial walks the whole path. Needs root (writing /dev/kmsg).
 
+With `--slurm-job` (and `--slurm`) the job is instead a SLURM batch job of the tests' job user, found through the
+node-local job source (issue 19: slurmd and the cgroup tree, no prolog hook), a fresh one per trial that started
+`--job-age` seconds (default 1) before the XID: the signal goes through `scancel --signal=USR1 --full`, and the job
+writes when it arrived to its StdOut.
+
     sudo python -m benchmarks.xid_latency --trials 50
+    sudo python -m benchmarks.xid_latency --trials 20 --slurm --slurm-job
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.common import heading, percentile
-from tests.slurm_cluster import SlurmCluster
+from benchmarks.common import exit_cleanly_on_sigterm, heading, percentile
+from tests.slurm_cluster import JOB_USER, SlurmCluster, sh
 from trainguard.agent.configfile import parse_config
 from trainguard.core.state import scoped_key
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
@@ -48,6 +54,54 @@ def start_cluster() -> SlurmCluster:
     return SlurmCluster(Path(tempfile.mkdtemp(prefix="trainguard-slurm-", dir="/tmp"))).start()
 
 
+class SlurmTarget:
+    """A fresh batch job per trial running TARGET; the SIGUSR1 times come from its StdOut file."""
+
+    def __init__(self, cluster: SlurmCluster, age: float) -> None:
+        self.cluster = cluster
+        self.age = age
+        self.workdir = cluster.workdir(JOB_USER)
+        script = self.workdir / "target.py"
+        script.write_text(TARGET)
+        os.chmod(script, 0o644)
+        self.job_id = ""
+        self.out: Path | None = None
+
+    def start(self, tag: str) -> None:
+        """Submit a job, wait for its handler, and return `age` seconds after the job started."""
+        self.job_id = self.cluster.submit(f"exec {self.cluster.python} {self.workdir}/target.py {tag}",
+                                          workdir=self.workdir, user=JOB_USER, name="tg-xid-bench")
+        info = self.cluster.wait_state(self.job_id, ("RUNNING",), 60)
+        self.out = Path(info["StdOut"])
+        started = time.time()
+        deadline = time.monotonic() + 30
+        while not (self.out.exists() and "ready" in self.out.read_text(errors="replace")):
+            if time.monotonic() > deadline:
+                sys.exit(f"job {self.job_id} never got ready")
+            time.sleep(0.01)
+        time.sleep(max(0.0, started + self.age - time.time()))
+
+    def signal_time(self, timeout: float = 10.0) -> float:
+        assert self.out is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = self.out.read_text(errors="replace").split("\n")
+            got = [line for line in lines[1:] if line.strip()]
+            if got:
+                return float(got[0])
+            time.sleep(0.002)
+        sys.exit(f"job {self.job_id}: no SIGUSR1 within {timeout}s")
+
+    def end(self) -> None:
+        """Cancel the trial's job and wait until slurmd no longer runs it (the next trial's job is the only one)."""
+        if not self.job_id:
+            return
+        sh("scancel", self.job_id, check=False)
+        self.cluster.wait(lambda: self.cluster.job(self.job_id).get("JobState") not in ("RUNNING", "COMPLETING"),
+                          60, f"job {self.job_id} ended")
+        self.job_id = ""
+
+
 def node_drained(cluster: SlurmCluster, timeout: float = 10.0) -> float:
     deadline = time.monotonic() + timeout
     while "DRAIN" not in cluster.node_info()["State"]:
@@ -62,7 +116,14 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
     parser.add_argument("--slurm", action="store_true", help="also drain: start the tests' one-node SLURM cluster and "
                                                              "time the node turning DRAIN in the controller")
+    parser.add_argument("--slurm-job", action="store_true", help="with --slurm: signal a SLURM batch job found "
+                        "through the node-local job source, a fresh one per trial")
+    parser.add_argument("--job-age", type=float, default=1.0, help="with --slurm-job: seconds between the job's "
+                        "start and the XID")
     args = parser.parse_args()
+    exit_cleanly_on_sigterm()
+    if args.slurm_job and not args.slurm:
+        parser.error("--slurm-job needs --slurm")
     if not os.access("/dev/kmsg", os.W_OK):
         sys.exit("needs a writable /dev/kmsg (run as root)")
 
@@ -78,9 +139,13 @@ def main() -> int:
         knob.write_text("on\n")  # lift userspace rate limiting for the injected records
     state = tempfile.mkdtemp(prefix="trainguard-bench-")
     cluster = start_cluster() if args.slurm else None
+    slurm_target = SlurmTarget(cluster, args.job_age) if cluster is not None and args.slurm_job else None
+    jobs: dict[str, object] = {"sources": ["process"], "refresh": "60s",
+                               "processes": {"bench": {"cmdline": tag, "user": getpass.getuser()}}}
+    if slurm_target is not None:
+        jobs = {"sources": ["slurm"], "prolog_dir": ""}  # the node-local source alone, no prolog hook
     raw = {"agent": {"state_dir": state, "node_name": cluster.node if cluster else "bench", "listen": ""},
-           "jobs": {"sources": ["process"], "refresh": "60s",
-                    "processes": {"bench": {"cmdline": tag, "user": getpass.getuser()}}},
+           "jobs": jobs,
            "checks": {"xid": {"actions": {"critical": ["signal", "drain"] if cluster else ["signal"]}}},
            "notifiers": {"console": {"min_severity": "CRITICAL", "send_resolved": False}}}
     engine = Engine(parse_config(raw, "benchmark"))
@@ -93,9 +158,11 @@ def main() -> int:
         for trial in range(args.trials):
             bus = f"00{0x40 + trial % 0xbf:02x}:{random.randint(0, 255):02x}:00"
             line = f"<4>NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus. [{tag}]\n"
+            if slurm_target is not None:
+                slurm_target.start(tag)
             written = time.time()
             os.write(fd, line.encode())
-            got = float(target.stdout.readline())
+            got = slurm_target.signal_time() if slurm_target is not None else float(target.stdout.readline())
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 incident = next((i for i in engine.tracker.incidents() if i.subject == f"pci:{bus}" and i.actions), None)
@@ -113,9 +180,13 @@ def main() -> int:
                 cluster.resume_node()
                 while "DRAIN" in cluster.node_info()["State"]:
                     time.sleep(0.05)
+            if slurm_target is not None:
+                slurm_target.end()
             time.sleep(0.05)
     finally:
         os.close(fd)
+        if slurm_target is not None:
+            slurm_target.end()
         engine.stop()
         target.kill()
         if cluster is not None:
@@ -123,7 +194,9 @@ def main() -> int:
         if old_knob is not None:
             knob.write_text(old_knob + "\n")
 
-    print(heading(f"XID fault-to-action latency, {args.trials} trials"))
+    job = (f"a SLURM batch job found by the node-local source, started {args.job_age:g} s before the XID"
+           if slurm_target is not None else "a plain-process job")
+    print(heading(f"XID fault-to-action latency, {args.trials} trials, {job}"))
     print("| kmsg record written -> | median | p99 | max |")
     print("|---|---|---|---|")
     rows = [("incident fired", fired), ("first action started", acted), ("SIGUSR1 received by the job", delivered)]

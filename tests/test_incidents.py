@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from trainguard.checks.base import Check, CheckContext, CheckSettings, PartialView
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
-from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.incidents import DESCRIPTION_WRITE_INTERVAL, IncidentPolicy, IncidentTracker
 from trainguard.pipeline.runner import CheckRunner
 from trainguard.pipeline.store import Store
 
@@ -205,3 +206,60 @@ def test_actions_that_finish_after_their_incident_resolved_are_kept_for_its_mess
     h.tracker.record_action("disk", "/scratch", {"action": "late", "outcome": "ok"}, fired.incident_id)
     assert h.tracker.actions_of(again.incident_id) == []
     assert [a["action"] for a in h.tracker.actions_of(fired.incident_id)] == ["signal", "hold-array", "late"]
+
+
+class CountingStore(Store):
+    """A real SQLite store that counts the incident rows written and the transactions opened for them."""
+
+    def __init__(self, state_dir: Path | None) -> None:
+        super().__init__(state_dir)
+        self.rows = 0
+        self.saves = 0
+
+    def save(self, upserts: Iterable[dict[str, Any]] = (), deletes: Iterable[tuple[str, str]] = (),
+             outbox: Iterable[tuple[str, dict[str, Any]]] = (), now: float | None = None) -> None:
+        rows = list(upserts)
+        self.rows += len(rows)
+        self.saves += 1
+        super().save(rows, deletes, outbox, now)
+
+
+def test_a_steady_incident_is_not_rewritten_at_every_run(tmp_path: Path) -> None:
+    """A firing incident whose state does not change costs no write per run: its lifecycle is written when it
+    changes, its description (summary, details, run count) at most once a DESCRIPTION_WRITE_INTERVAL, and a restart
+    still finds it firing, unannounced again, with the description last written."""
+    store = CountingStore(tmp_path)
+    h = Harness(store)
+    [fired] = h.feed(r(Status.WARNING, summary="3 GiB free"), advance=5)
+    assert (store.rows, store.saves) == (1, 1)
+    steady = int(DESCRIPTION_WRITE_INTERVAL // 5) - 1
+    for _ in range(steady):  # the same result every 5 s: nothing stored changes
+        assert h.feed(r(Status.WARNING, summary="3 GiB free"), advance=5) == []
+    assert (store.rows, store.saves) == (1, 1)
+    assert h.tracker.incidents()[0].bad_runs == 1 + steady  # counted in memory all the same
+    assert h.feed(r(Status.WARNING, summary="2 GiB free"), advance=1) == []  # description: not yet
+    assert store.rows == 1
+    h.feed(r(Status.WARNING, summary="2 GiB free"), advance=5)  # the interval since the last write is up
+    assert store.rows == 2
+    for _ in range(steady):
+        h.feed(r(Status.WARNING, summary="2 GiB free"), advance=5)
+    assert store.rows == 2
+    assert kinds(h.feed(r(Status.CRITICAL, summary="1 GiB free"), advance=5)) == ["escalated"]  # lifecycle: at once
+    assert store.rows == 3
+    assert h.feed(r(Status.CRITICAL, summary="0 GiB free"), advance=5) == []
+    assert store.rows == 3
+    store.close()
+
+    store2 = CountingStore(tmp_path)
+    again = Harness(store2)
+    again.clock.now = h.clock.now
+    [incident] = again.tracker.incidents()
+    assert (incident.id, incident.firing, incident.status) == (fired.incident_id, True, Status.CRITICAL)
+    assert incident.summary == "1 GiB free"  # the last description written, not the one kept in memory only
+    assert again.feed(r(Status.CRITICAL, summary="0 GiB free"), advance=5) == []  # not announced again
+    assert store2.rows == 1  # written once after the restart: a state disk that filled meanwhile shows at once
+    for _ in range(steady):
+        again.feed(r(Status.CRITICAL, summary="0 GiB free"), advance=5)
+    assert (store2.rows, store2.saves) == (1, 1)
+    assert kinds(again.feed(r(Status.OK), advance=5)) == ["resolved"]
+    assert store2.load_incidents() == []

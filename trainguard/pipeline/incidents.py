@@ -24,6 +24,12 @@ from trainguard.core.units import format_duration
 from trainguard.pipeline.store import Store
 
 ENDED_KEPT = 256  # resolved incidents whose actions are remembered for late messages: a node's recent history
+# A firing incident is observed at every run of its check (every few seconds) for as long as it lasts: a row rewritten
+# each time costs a SQLite transaction and fsync'd WAL pages per run for nothing. Its lifecycle (what fired, what was
+# announced and when, acks, actions) is written the run it changes; what only describes it (summary, details, the run
+# count once past fire_after_runs) at most this often, so a restart shows a description at most this old (the next
+# run replaces it in memory anyway).
+DESCRIPTION_WRITE_INTERVAL = 60.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,13 @@ class Transition:
     upserts: list[Incident] = field(default_factory=list)
     deletes: list[tuple[str, str]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    kept: list[Incident] = field(default_factory=list)  # changed in memory only: the stored row still holds
+
+
+def _lifecycle(incident: Incident, fire_after_runs: int) -> Incident:
+    """What must survive a restart the moment it changes: the incident less its description. The run count counts
+    only up to what fire_after_runs needs; past it, it is description."""
+    return replace(incident, summary="", details={}, bad_runs=min(incident.bad_runs, fire_after_runs))
 
 
 class IncidentTracker:
@@ -120,6 +133,10 @@ class IncidentTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self._incidents: dict[tuple[str, str], Incident] = {}
+        # Each incident as last written to the store by this process, and when: what the next run compares with
+        # before writing. Empty at start, so each incident read back is written once at its first run: a state disk
+        # that filled while the agent was down shows at once (the agent's own state incident), not at the next change.
+        self._written: dict[tuple[str, str], tuple[Incident, float]] = {}
         # The actions of incidents that resolved lately, by id: a grouped message sent after its incident resolved
         # (the trainer obeyed the stop switch within the group window) still says what was done. Bounded.
         self._ended: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -173,6 +190,7 @@ class IncidentTracker:
             updated = Incident(**{**vars(current), "actions": [*current.actions, record]})
             self._store.save([updated.to_dict()])
             self._incidents[(check, subject)] = updated
+            self._written[(check, subject)] = (updated, self._clock())
 
     def firing_by_status(self) -> dict[Status, int]:
         counts = {Status.UNKNOWN: 0, Status.WARNING: 0, Status.CRITICAL: 0}
@@ -239,7 +257,20 @@ class IncidentTracker:
         elif (incident.last_notified is not None and now - incident.last_notified >= policy.repeat_interval
               and incident.acked is None):
             self._announce(incident, EventKind.REMINDER, None, now, change)
-        change.upserts.append(incident)
+        (change.upserts if self._must_write(incident, policy, now) else change.kept).append(incident)
+
+    def _must_write(self, incident: Incident, policy: IncidentPolicy, now: float) -> bool:
+        """Whether a run's version of an incident goes to the store: on any change of its lifecycle; a change of
+        its description only once DESCRIPTION_WRITE_INTERVAL has passed since the last write; nothing unchanged."""
+        written = self._written.get((incident.check, incident.subject))
+        if written is None:
+            return True
+        stored, at = written
+        runs = policy.fire_after_runs
+        if _lifecycle(incident, runs) != _lifecycle(stored, runs):
+            return True
+        described = (incident.summary, incident.details, incident.bad_runs)
+        return described != (stored.summary, stored.details, stored.bad_runs) and now - at >= DESCRIPTION_WRITE_INTERVAL
 
     def _announce(self, incident: Incident, kind: EventKind, previous: Status | None, now: float,
                   change: Transition) -> None:
@@ -268,10 +299,15 @@ class IncidentTracker:
     # operators ------------------------------------------------------------------------------------------------
     def _commit(self, change: Transition, route: Callable[[Event], Iterable[str]], now: float) -> list[Event]:
         outbox = [(channel, e.to_dict()) for e in change.events for channel in route(e)]
-        self._store.save((i.to_dict() for i in change.upserts), change.deletes, outbox, now)
+        if change.upserts or change.deletes or outbox:  # a run that changed nothing stored opens no transaction
+            self._store.save((i.to_dict() for i in change.upserts), change.deletes, outbox, now)
         for incident in change.upserts:
             self._incidents[(incident.check, incident.subject)] = incident
+            self._written[(incident.check, incident.subject)] = (incident, now)
+        for incident in change.kept:
+            self._incidents[(incident.check, incident.subject)] = incident
         for key in change.deletes:
+            self._written.pop(key, None)
             ended = self._incidents.pop(key, None)
             if ended is not None:
                 self._ended[ended.id] = list(ended.actions)
