@@ -21,6 +21,7 @@ from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.core.state import scoped_key
+from trainguard.jobs import slurmsource
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
@@ -221,6 +222,42 @@ def test_time_limit_exit_before_end_time(slurm: SlurmCluster, tmp_path: Path, en
     [incident] = [i for i in engine.tracker.incidents() if i.check == "limit"] or [None]
     if incident is not None:  # the job may already be gone, resolving it
         assert incident.actions[0]["action"] == "signal" and incident.actions[0]["outcome"] == "ok"
+
+
+def test_time_limit_judges_only_running_jobs(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24's run: `job_timelimit` fired on an ended job ("reaches its time limit ... (in 0s)": a finished job's
+    EndTime is its end) and requeued it. A cancelled job whose steps ignore SIGTERM stays on the node for KillWait
+    (5 s here) while the controller already says it ended: the source reports it COMPLETING and the check leaves it
+    alone, before and after its steps are gone."""
+    monkeypatch.setattr(slurmsource, "REFRESH_MIN_S", 0.0)  # the check's refresh near the margin: every round
+    engine = engine_for(slurm, tmp_path, {"limit": {"type": "job_timelimit", "margin": "110s", "interval": "1s",
+                                                    "jitter": 0}})
+    engines.append(engine)
+    assert engine.catalog is not None
+    job_id = slurm.submit("trap '' TERM; while :; do sleep 0.2; done", "--time=3", name="tg-going")
+    slurm.wait_state(job_id, ("RUNNING",))
+    key = f"slurm:{job_id}"
+
+    def limit() -> list[Any]:
+        [report] = [r for r in engine.run_round(ingest=False) if r.check == "limit"]
+        return [r for r in report.results if r.subject == key]
+
+    first = wait_until(lambda: limit() or None, 15, what="the running job judged")
+    assert first[0].status is Status.OK and first[0].details["seconds_left"] > 110
+    sh("scancel", job_id)
+    states: list[str] = []
+    deadline = time.monotonic() + 12
+    while time.monotonic() < deadline:
+        results = limit()
+        job = engine.catalog.view().by_key(key)
+        states.append(job.state if job else "gone")
+        assert all(r.status is Status.OK for r in results), (results, states)
+        if job is not None and job.state == "COMPLETING":
+            assert job.processes  # its steps are still here, and the check did not judge it
+        time.sleep(0.2)
+    assert "COMPLETING" in states, " ".join(states)  # the controller's word was seen while the steps were still here
+    assert states[-1] in ("CANCELLED", "ENDED", "gone"), states
 
 
 def _switch_engine(slurm: SlurmCluster, tmp_path: Path) -> Engine:
