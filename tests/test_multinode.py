@@ -15,8 +15,11 @@ import pytest
 from tests.conftest import require, wait_until
 from tests.multinode_cluster import MultiNodeCluster
 from tests.slurm_cluster import JOB_USER, missing_components
+from trainguard.agent.configfile import parse_config
+from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings
+from trainguard.pipeline.engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -68,4 +71,44 @@ def test_each_nodes_agent_sees_the_pids_of_its_own_rank(multinode: MultiNodeClus
             assert psutil.Process(pid).username() == JOB_USER
             assert psutil.Process(pid).environ().get("SLURMD_NODENAME") == node
     finally:
+        multinode.run("scancel", job_id, check=False)
+
+
+@pytest.mark.slow
+def test_only_the_owner_node_speaks_for_a_job_level_check(multinode: MultiNodeCluster, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: a job-level problem was announced and acted on by the agent of every node the job runs on. A
+    two-node job's stop switch is seen by both nodes' `job_switch`; only the owner (BatchHost n1) opens an incident."""
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    job_id = multinode.submit("exec srun --ntasks-per-node=1 sleep 120", "-N", "2", workdir=workdir, name="tg-owner")
+    engines: dict[str, Engine] = {}
+    try:
+        wait_until(lambda: multinode.job(job_id).get("JobState") == "RUNNING", 30, what="the job running")
+        info = multinode.job(job_id)
+        assert (info["NodeList"], info["BatchHost"]) == ("n[1-2]", "n1")
+        for node in ("n1", "n2"):
+            raw = {"agent": {"state_dir": str(tmp_path / node), "node_name": node, "listen": ""},
+                   "jobs": {"sources": ["slurm"], "slurm_node": node, "slurm_timeout": "10s", "refresh": 0},
+                   "checks": {"stop": {"type": "job_switch", "switch": "stop", "interval": "1s"}},
+                   "notifiers": {"console": {}}, "actions": {}}
+            engines[node] = Engine(parse_config(raw, f"{node}.toml"))
+        multinode.run("mkdir", "-p", str(workdir / ".trainguard"), user=JOB_USER)
+        multinode.run("touch", str(workdir / ".trainguard" / "stop"), user=JOB_USER)
+        subject = f"slurm:{job_id}:stop"
+
+        def round_on(node: str) -> tuple[list[Status], set[str]]:
+            [report] = engines[node].run_round(ingest=True)
+            seen = [r.status for r in report.results if r.subject == subject]
+            return seen, {i.subject for i in engines[node].tracker.incidents() if i.firing}
+
+        wait_until(lambda: subject in round_on("n1")[1], 20, what="n1's incident")
+        # n2 sees the same switch (its check reports it) and stays silent: no incident, so no notification or action
+        seen, firing = wait_until(lambda: (r := round_on("n2"))[0] and r, 20, what="n2 seeing the switch")  # type: ignore[misc]
+        assert seen == [Status.WARNING] and firing == set()
+        assert [j.spoken_for_by(n) for n in ("n1", "n2") for j in engines[n].catalog.view().jobs  # type: ignore[union-attr]
+                if j.job_id == job_id] == [True, False]
+    finally:
+        for engine in engines.values():
+            engine.stop()
         multinode.run("scancel", job_id, check=False)

@@ -9,6 +9,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ from trainguard.jobs import slurmsource
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
-from trainguard.jobs.slurm import SlurmClient
+from trainguard.jobs.slurm import SlurmClient, parse_job_record
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine
+from trainguard.registry import CHECKS, Registry
 
 
 def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], actions: dict[str, Any] | None = None,
@@ -420,3 +422,38 @@ def test_liveness_asks_accounting_for_jobs_the_controller_forgot(slurm: SlurmClu
     assert result.status is Status.CRITICAL
     assert f"last was job {job_id} ({name}) FAILED exit 3:0, down for" in result.summary, result.summary
     assert result.details["known_from"] == "accounting" and result.details["exit_code"] == "3:0"
+
+
+DATA = Path(__file__).parent / "data" / "slurm"
+
+
+def test_record_names_the_jobs_nodes_and_owner() -> None:
+    """BatchHost and NodeList as 22.05 prints them (tests/data/slurm/README.md): a two-node job of the multi-node
+    cluster, a one-node job, and a pending job (no nodes yet)."""
+    two = parse_job_record((DATA / "show-job-multinode.txt").read_text(), 1001)
+    one = parse_job_record((DATA / "show-job-running.txt").read_text(), 1001)
+    pending = parse_job_record((DATA / "show-job-pending.txt").read_text(), 1001)
+    assert two and one and pending
+    assert (two.node_list, two.batch_host) == ("n[1-2]", "n1")
+    assert (one.node_list, one.batch_host) == ("vm", "vm")
+    assert (pending.node_list, pending.batch_host) == (None, None)
+
+
+def test_only_the_owner_speaks_for_a_multi_node_job() -> None:
+    job = Job(key="slurm:1", source="slurm", name="x", state="RUNNING", job_id="1", node_list="n[1-2]",
+              batch_host="n1")
+    assert job.spoken_for_by("n1") and not job.spoken_for_by("n2")
+    assert job.spoken_for_by("n1.cluster")  # a name SLURM does not use for this node: it speaks, as before
+    assert replace(job, batch_host=None, node_list="n[2-3],n1").spoken_for_by("n2")  # no BatchHost: first node
+    assert replace(job, node_list="n1").spoken_for_by("n1")
+    assert replace(job, node_list=None, batch_host=None).spoken_for_by("n2")  # not known: every node speaks
+    assert replace(job, node_list="n[bad").spoken_for_by("n2")
+
+
+def test_hardware_checks_speak_on_the_node_at_fault() -> None:
+    """A fault of the node's hardware (an XID, a GPU, a link) is that node's evidence: every node speaks for its own;
+    only checks about a job as a whole are job-scoped."""
+    scopes = {kind: Registry().check_class(kind) for kind in CHECKS}
+    assert {k for k, c in scopes.items() if c.scope == "job"} == {"hang", "training_log", "job_timelimit",
+                                                                   "job_switch"}
+    assert all(c.scope == "node" for c in scopes.values() if c.layer == "hardware")

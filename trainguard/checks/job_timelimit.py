@@ -24,6 +24,7 @@ class TimeLimitSettings(CheckSettings):
 class TimeLimitCheck(JobCheck):
     """The `--signal=USR1@600` SLURM gives, also for jobs whose authors forgot it: bind the `signal` action."""
 
+    scope = "job"
     Settings = TimeLimitSettings
     settings: TimeLimitSettings
     metrics = (TIME_LEFT,)

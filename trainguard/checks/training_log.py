@@ -134,6 +134,7 @@ def _gpu_dict(gpu: GpuContext | None) -> dict[str, Any] | None:
 
 
 class TrainingLogCheck(JobCheck):
+    scope = "job"
     Settings = TrainingLogSettings
     metrics = (FINDINGS,)
     settings: TrainingLogSettings

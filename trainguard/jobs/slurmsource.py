@@ -348,7 +348,8 @@ class SlurmSource:
             workdir=workdir, stdout=stdout, stderr=stderr, on_this_node=True,
             processes=local.refs if local.ended is None else (), switch_dir=switch_dir,
             log_paths=tuple(dict.fromkeys(p for p in (stdout, stderr) if p)),
-            requeue=rec.requeue if rec else True, extra=extra)
+            requeue=rec.requeue if rec else True, batch_host=rec.batch_host if rec else None,
+            node_list=rec.node_list if rec else None, extra=extra)
 
     # the controller, in the background ------------------------------------------------------------------------------
     def stale(self) -> str | None:
