@@ -437,6 +437,8 @@ def test_record_names_the_jobs_nodes_and_owner() -> None:
     assert (two.node_list, two.batch_host) == ("n[1-2]", "n1")
     assert (one.node_list, one.batch_host) == ("vm", "vm")
     assert (pending.node_list, pending.batch_host) == (None, None)
+    requeued = parse_job_record((DATA / "show-job-requeued.txt").read_text(), 1001)
+    assert requeued and (two.restarts, requeued.restarts) == (0, 1)  # a requeued job keeps its id: this is its life
 
 
 def test_only_the_owner_speaks_for_a_multi_node_job() -> None:

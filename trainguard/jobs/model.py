@@ -65,6 +65,7 @@ class Job:
     requeue: bool = True  # SLURM lets the job be requeued (not submitted with --no-requeue)
     batch_host: str | None = None  # SLURM: the node running the batch script
     node_list: str | None = None  # SLURM: the job's nodes, a hostlist expression
+    restarts: int | None = None  # SLURM: requeues so far; a requeued job keeps its id, and this is its life
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property

@@ -349,7 +349,7 @@ class SlurmSource:
             processes=local.refs if local.ended is None else (), switch_dir=switch_dir,
             log_paths=tuple(dict.fromkeys(p for p in (stdout, stderr) if p)),
             requeue=rec.requeue if rec else True, batch_host=rec.batch_host if rec else None,
-            node_list=rec.node_list if rec else None, extra=extra)
+            node_list=rec.node_list if rec else None, restarts=rec.restarts if rec else None, extra=extra)
 
     # the controller, in the background ------------------------------------------------------------------------------
     def stale(self) -> str | None:
