@@ -79,6 +79,7 @@ class _Local:
     final_tries: int = 0
     array_pending: bool | None = None
     glimpsed: bool = False  # found by the watcher, between listings
+    placed: tuple[str | None, str | None] = (None, None)  # (BatchHost, NodeList) of this life, as last said
 
 
 @dataclass
@@ -306,6 +307,8 @@ class SlurmSource:
                                                               None)
         if local.raw is not None and (local.record is None or local.record.uid != local.uid) and local.uid is not None:
             local.record = parse_job_record(local.raw, local.uid) or local.record
+            if local.record is not None and local.record.node_list:
+                local.placed = (local.record.batch_host, local.record.node_list)
 
     # building a Job ----------------------------------------------------------------------------------------------
     def _job(self, local: _Local) -> Job:
@@ -348,8 +351,8 @@ class SlurmSource:
             workdir=workdir, stdout=stdout, stderr=stderr, on_this_node=True,
             processes=local.refs if local.ended is None else (), switch_dir=switch_dir,
             log_paths=tuple(dict.fromkeys(p for p in (stdout, stderr) if p)),
-            requeue=rec.requeue if rec else True, batch_host=rec.batch_host if rec else None,
-            node_list=rec.node_list if rec else None, restarts=rec.restarts if rec else None, extra=extra)
+            requeue=rec.requeue if rec else True, batch_host=local.placed[0], node_list=local.placed[1],
+            restarts=rec.restarts if rec else None, extra=extra)
 
     # the controller, in the background ------------------------------------------------------------------------------
     def stale(self) -> str | None:
@@ -428,6 +431,8 @@ class SlurmSource:
             if text is not None:  # None: the controller forgot it (MinJobAge): what we had stays
                 local.raw = text
                 local.record = parse_job_record(text, local.uid) or local.record
+                if local.record is not None and local.record.node_list:  # a requeued (pending) job has none:
+                    local.placed = (local.record.batch_host, local.record.node_list)  # its owner is this life's
                 if local.uid is None and local.record is not None:  # a job the watcher alone saw (spool, v2):
                     local.uid = local.record.uid  # the controller's word (None where the name forged a UserId)
             if due.kind == "final" and local.ended is not None:
