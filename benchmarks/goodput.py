@@ -169,6 +169,7 @@ class Record:
     actions: list[dict[str, Any]] = field(default_factory=list)  # agent audit lines and human actions: t, who, what
     drains: list[dict[str, Any]] = field(default_factory=list)  # t, node, reason, right
     paused: float = 0.0  # the user's own pause after the stop switch: not time the run could have trained
+    stops: list[dict[str, Any]] = field(default_factory=list)  # how each attempt ended on each rank (the trainer's)
 
 
 class Run:
@@ -412,6 +413,19 @@ class Run:
         return [(float(m.group(3)), int(m.group(1)), m.group(2) not in ("nan", "inf"))
                 for m in re.finditer(r"^step (\d+) loss=(\S+) t=(\S+)$", text, re.M)]
 
+    def stops(self) -> list[dict[str, Any]]:
+        """What each rank recorded when its attempt ended (RUN_DIR/stops.jsonl), on the run's clock. A rank killed
+        (SIGKILL: a requeue's, the OOM killer) or stuck records nothing."""
+        path = self.run_dir / "stops.jsonl"
+        out = []
+        for line in (path.read_text(errors="replace").splitlines() if path.exists() else ()):
+            try:
+                stop = json.loads(line)
+                out.append({**stop, "t": round(float(stop["t"]) - self.t0, 2)})
+            except (ValueError, KeyError, TypeError):
+                continue
+        return sorted(out, key=lambda s: s["t"])
+
     def fired(self) -> list[dict[str, Any]]:
         alerts = []
         for node, agent in self.agents.items():
@@ -431,6 +445,7 @@ class Run:
             self.rec.checkpoints.append((float(m.group(3)) - self.t0, int(m.group(1)), m.group(2) not in ("nan", "inf")))
         self.rec.attempts = [(float(m.group(2)) - self.t0, int(m.group(1)))
                              for m in re.finditer(r"^start attempt=\S+ step=(\d+) t=(\S+)$", text, re.M)]
+        self.rec.stops = self.stops()
         if self.trainguard:
             self.rec.alerts = self.fired()
             for node, agent in self.agents.items():
@@ -513,7 +528,19 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
     return {"trainguard": rec.trainguard, "duration_s": round(rec.duration, 1), "paused_s": round(rec.paused, 1),
             "pace_s": round(pace, 3), "possible_steps": round(possible), "counted_steps": counted,
             "goodput": round(counted / possible, 3) if possible else 0.0, "restarts": max(0, len(rec.attempts) - 1),
-            "drains": rec.drains, "alerts": len(rec.alerts), "duplicate_alerts": dup, "faults": faults}
+            "drains": rec.drains, "alerts": len(rec.alerts), "duplicate_alerts": dup, "faults": faults,
+            "attempt_ends": attempt_ends(rec)}
+
+
+def attempt_ends(rec: Record) -> list[dict[str, Any]]:
+    """Per attempt, when and why it ended: rank 0's record, else the first rank's that has one."""
+    ends: dict[str, dict[str, Any]] = {}
+    for stop in rec.stops:
+        have = ends.get(stop["attempt"])
+        if have is None or (stop.get("rank") == 0 and have.get("rank") != 0):
+            ends[stop["attempt"]] = stop
+    return [{"attempt": s["attempt"], "t": s["t"], "rank": s.get("rank"), "node": s.get("node"), "step": s.get("step"),
+             "why": s.get("why")} for s in sorted(ends.values(), key=lambda s: s["t"])]
 
 
 def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
@@ -549,6 +576,10 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
             return f"{x['by']} {x['detect_s']}" if x["detect_s"] is not None else x["by"]
         lines.append(f"| {a['kind']} ({a['node'] or '-'}) | {a['at']} | {det(a)} ({a['deadline_s']}) / {det(b)} | "
                      f"{a['resume_s']} / {b['resume_s']} | {a['lost_steps']} / {b['lost_steps']} |")
+    for r, label in ((w, "with trainguard"), (wo, "without")):
+        lines += ["", f"How each attempt ended ({label}; the trainer's own record, rank 0's where it has one):", ""]
+        lines += [f"- {e['attempt']} at {e['t']} s, step {e['step']} (rank {e['rank']} on {e['node']}): {e['why']}"
+                  for e in r.get("attempt_ends", [])] or ["- none recorded"]
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainguard/trainer.py is copied beside this file
 
@@ -94,6 +94,38 @@ def stuck_before_all_reduce() -> None:
         time.sleep(3600)
 
 
+STOPS: dict[str, Any] = {}  # where this rank's stop is recorded (run dir, attempt, rank, node), set by main
+
+
+def stop_reason(trainer: Trainer) -> str:
+    """Why this rank is asked to stop: the signal (USR1: save and exit, as `signal` sends; TERM: scancel, SLURM's
+    own kill or the time limit) or the stop switch, with who made it and when."""
+    if trainer.last_signal:
+        return trainer.last_signal
+    path = trainer.switch_dir / "stop"
+    try:
+        st = path.lstat()
+    except OSError:
+        return "stop asked, no signal or switch seen"
+    return f"stop switch (uid {st.st_uid}, written {st.st_mtime:.3f})"
+
+
+def record_stop(why: str, step: int | None) -> None:
+    """One line per rank and attempt in RUN_DIR/stops.jsonl: how the attempt ended on this rank (issue 24's run had
+    attempts that exited 0 early with no known cause). Appended with one write: lines of ranks never interleave."""
+    if not STOPS or STOPS.get("recorded"):
+        return
+    STOPS["recorded"] = True
+    line = json.dumps({"t": time.time(), "attempt": STOPS["attempt"], "rank": STOPS["rank"], "node": STOPS["node"],
+                       "step": step, "why": why})
+    with contextlib.suppress(OSError):
+        fd = os.open(STOPS["run_dir"] / "stops.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
+
 def main() -> int:
     import argparse
 
@@ -115,6 +147,7 @@ def main() -> int:
     (a.run_dir / "pids" / f"{attempt}.{node}").write_text(str(os.getpid()))
     if rank == 0:
         (a.run_dir / "attempt").write_text(attempt)
+    STOPS.update(run_dir=a.run_dir, attempt=attempt, rank=rank, node=node)
     step, loss = resume_step(a.ckpt_dir)
     # The harness's record of progress across attempts (SLURM truncates the job's output file on a requeue).
     progress = open(a.run_dir / "progress.log", "a", buffering=1) if rank == 0 else open(os.devnull, "w")
@@ -134,7 +167,9 @@ def main() -> int:
             leaked.append(bytearray(b"\x5a") * int(float(leak[2]) * 2**20))  # written, so resident
         nan = nan or fault(a.run_dir, "nan")[:1] == [attempt]
         loss = math.nan if nan else loss * 0.999
-        vote = ("stop" if trainer.should_stop() else "") + (" save" if trainer.should_save() else "")
+        # a stop vote carries its reason: the rank that asked, and why, is in every rank's record
+        vote = (f"stop[rank {rank}: {stop_reason(trainer)}]" if trainer.should_stop() else "") + (
+            " save" if trainer.should_save() else "")
         tmp = barrier / f".{step}.{rank}.tmp"
         tmp.write_text(vote)
         os.replace(tmp, barrier / f"{step}.{rank}")  # a peer never reads a half-written vote
@@ -145,6 +180,7 @@ def main() -> int:
                 save(a.ckpt_dir, step - 1, loss, a.ckpt_pad, progress)
             print(f"rank {rank}: stop requested ({trainer.last_signal or 'switch'}) in the barrier of step {step}",
                   flush=True)
+            record_stop(f"asked to stop while a peer was missing ({stop_reason(trainer)})", step)
             return 0
         if rank == 0:
             line = f"step {step} loss={loss:.4f} t={time.time():.3f}"
@@ -161,10 +197,13 @@ def main() -> int:
             except OSError as exc:
                 print(f"Traceback (most recent call last):\n  File \"goodput_trainer.py\", in save\n"
                       f"OSError: [Errno {exc.errno}] {exc.strerror}: {a.ckpt_dir}", flush=True)
+                record_stop(f"checkpoint save failed: [Errno {exc.errno}] {exc.strerror}", step)
                 return 1
             trainer.saved()
         if stop:
             print(f"rank {rank}: stop requested ({trainer.last_signal or 'switch'}): exiting at step {step}", flush=True)
+            record_stop("stop voted: " + "; ".join(v.split("]")[0].split("[", 1)[1] for v in votes if "stop[" in v),
+                        step)
             return 0
         step += 1
 
@@ -190,9 +229,24 @@ def wait_all(barrier: Path, step: int, world: int, timeout: float, trainer: Trai
         if now > deadline:
             print(f"RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting {timeout:.0f}s "
                   f"for all_reduce of step {step} (rank {rank}: {world - len(votes)} ranks missing)", flush=True)
+            record_stop(f"collective timeout: {world - len(votes)} of {world} ranks missing after {timeout:.0f}s", step)
             sys.exit(1)
         time.sleep(0.02)
 
 
+def run() -> int:
+    """main(), with how it ended recorded whatever the way: a return or exit not recorded above, an exception."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        record_stop(f"exit {exc.code}", None)
+        raise
+    except BaseException as exc:  # recorded, then raised as before: the job fails the way it did
+        record_stop(f"{type(exc).__name__}: {exc}"[:300], None)
+        raise
+    record_stop(f"exit {code}", None)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput import KINDS, Record, Scale, analyse, benchmark, schedule, table
+from benchmarks.goodput import KINDS, Record, Scale, analyse, attempt_ends, benchmark, schedule, table
 from benchmarks.goodput_trainer import resume_step
-from tests.conftest import require, require_root
-from tests.slurm_cluster import missing_components
+from tests.conftest import require, require_root, wait_until
+from tests.slurm_cluster import REPO, missing_components
 
 
 def test_the_schedule_is_the_seeds_each_kind_once_inside_the_run() -> None:
@@ -83,3 +86,52 @@ def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_be
     assert nan["by"] == "trainguard" and nan["detect_s"] <= nan["deadline_s"], nan
     assert 0 < with_tg["goodput"] <= 1.05 and 0 <= without["goodput"] <= 1.05
     assert records[0].steps and records[1].steps
+    for r in results:  # every attempt that ended before the run did says why (issue 24: early exits, cause unknown)
+        assert len(r["attempt_ends"]) >= r["restarts"] and all(e["why"] for e in r["attempt_ends"]), r["attempt_ends"]
+
+
+def _trainer(tmp_path: Path, ntasks: int, *args: str) -> subprocess.Popen[str]:
+    (tmp_path / "run").mkdir(exist_ok=True)
+    env = {**os.environ, "SLURM_PROCID": "0", "SLURM_NTASKS": str(ntasks), "SLURMD_NODENAME": "n1",
+           "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "goodput_trainer.py"), "--run-dir",
+                             str(tmp_path / "run"), "--ckpt-dir", str(tmp_path / "ckpt"), "--step-time", "0.05", *args],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stops(tmp_path: Path) -> list[dict[str, object]]:
+    path = tmp_path / "run" / "stops.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_the_trainer_records_why_each_attempt_stopped(tmp_path: Path) -> None:
+    """Issue 24: early exits of the run with trainguard had no known cause. Each rank records how its attempt ended."""
+    (tmp_path / "ckpt").mkdir()
+    proc = _trainer(tmp_path, 1)
+    wait_until(lambda: (tmp_path / "run" / "progress.log").exists()
+               and "step 3 " in (tmp_path / "run" / "progress.log").read_text(), 20, what="a few steps")
+    proc.send_signal(signal.SIGUSR1)  # what the `signal` action sends
+    assert proc.wait(20) == 0
+    [stop] = _stops(tmp_path)
+    assert stop["attempt"] == "7.2" and stop["rank"] == 0 and stop["node"] == "n1"
+    assert stop["why"] == "stop voted: rank 0: SIGUSR1" and isinstance(stop["step"], int)
+
+    (tmp_path / ".trainguard").mkdir(exist_ok=True)
+    (tmp_path / ".trainguard" / "stop").touch()  # the user's stop switch
+    assert _trainer(tmp_path, 1).wait(20) == 0
+    assert str(_stops(tmp_path)[-1]["why"]).startswith(f"stop voted: rank 0: stop switch (uid {os.getuid()}, written")
+    (tmp_path / ".trainguard" / "stop").unlink()
+
+    # two ranks expected, one runs: the collective times out
+    proc = _trainer(tmp_path, 2, "--collective-timeout", "1")
+    assert proc.wait(20) == 1
+    assert _stops(tmp_path)[-1]["why"] == "collective timeout: 1 of 2 ranks missing after 1s"
+
+
+def test_each_attempts_end_is_rank_0s_record_where_it_has_one() -> None:
+    rec = Record(trainguard=True)
+    rec.stops = [{"t": 5.0, "attempt": "1.0", "rank": 2, "node": "n3", "step": 9, "why": "stop voted: rank 1: SIGUSR1"},
+                 {"t": 5.1, "attempt": "1.0", "rank": 0, "node": "n1", "step": 9, "why": "stop voted: rank 1: SIGUSR1"},
+                 {"t": 9.0, "attempt": "1.1", "rank": 1, "node": "n2", "step": 20,
+                  "why": "collective timeout: 1 of 3 ranks missing after 10s"}]
+    assert [(e["attempt"], e["rank"]) for e in attempt_ends(rec)] == [("1.0", 0), ("1.1", 1)]

@@ -3,6 +3,7 @@ job source needs there: each node's pids of a job spanning nodes, not the first 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -13,10 +14,17 @@ import psutil
 import pytest
 
 from tests.conftest import require, wait_until
+from tests.helpers.fake_nvml import FakeNvml, NVMLError
 from tests.multinode_cluster import MultiNodeCluster
 from tests.slurm_cluster import JOB_USER, missing_components
+from trainguard.agent.configfile import parse_config
+from trainguard.checks.base import CheckContext
+from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
+from trainguard.core.model import Status
+from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings
+from trainguard.pipeline.engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +37,7 @@ def multinode() -> Iterator[MultiNodeCluster]:
             os.environ["PATH"] = os.environ.get("PATH", "") + ":" + sbin
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-", dir="/tmp"))
     base.chmod(0o755)
-    cluster = MultiNodeCluster(base / "cluster", 3)
+    cluster = MultiNodeCluster(base / "cluster", 3, cred_expire=5, sched_interval=1)  # a requeued job back in ~7 s
     cluster.base.mkdir()
     try:
         cluster.start()
@@ -68,4 +76,89 @@ def test_each_nodes_agent_sees_the_pids_of_its_own_rank(multinode: MultiNodeClus
             assert psutil.Process(pid).username() == JOB_USER
             assert psutil.Process(pid).environ().get("SLURMD_NODENAME") == node
     finally:
+        multinode.run("scancel", job_id, check=False)
+
+
+@pytest.mark.slow
+def test_only_the_owner_node_speaks_for_a_job_level_check(multinode: MultiNodeCluster, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: a job-level problem was announced and acted on by the agent of every node the job runs on. A
+    two-node job's stop switch is seen by both nodes' `job_switch`; only the owner (BatchHost n1) opens an incident."""
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    job_id = multinode.submit("exec srun --ntasks-per-node=1 sleep 120", "-N", "2", workdir=workdir, name="tg-owner")
+    engines: dict[str, Engine] = {}
+    try:
+        wait_until(lambda: multinode.job(job_id).get("JobState") == "RUNNING", 30, what="the job running")
+        info = multinode.job(job_id)
+        assert (info["NodeList"], info["BatchHost"]) == ("n[1-2]", "n1")
+        for node in ("n1", "n2"):
+            raw = {"agent": {"state_dir": str(tmp_path / node), "node_name": node, "listen": ""},
+                   "jobs": {"sources": ["slurm"], "slurm_node": node, "slurm_timeout": "10s", "refresh": 0},
+                   "checks": {"stop": {"type": "job_switch", "switch": "stop", "interval": "1s"}},
+                   "notifiers": {"console": {}}, "actions": {}}
+            engines[node] = Engine(parse_config(raw, f"{node}.toml"))
+        multinode.run("mkdir", "-p", str(workdir / ".trainguard"), user=JOB_USER)
+        multinode.run("touch", str(workdir / ".trainguard" / "stop"), user=JOB_USER)
+        subject = f"slurm:{job_id}:stop"
+
+        def round_on(node: str) -> tuple[list[Status], set[str]]:
+            [report] = engines[node].run_round(ingest=True)
+            seen = [r.status for r in report.results if r.subject == subject]
+            return seen, {i.subject for i in engines[node].tracker.incidents() if i.firing}
+
+        wait_until(lambda: subject in round_on("n1")[1], 20, what="n1's incident")
+        # n2 sees the same switch (its check reports it) and stays silent: no incident, so no notification or action
+        seen, firing = wait_until(lambda: (r := round_on("n2"))[0] and r, 20, what="n2 seeing the switch")  # type: ignore[misc]
+        assert seen == [Status.WARNING] and firing == set()
+        assert [j.spoken_for_by(n) for n in ("n1", "n2") for j in engines[n].catalog.view().jobs  # type: ignore[union-attr]
+                if j.job_id == job_id] == [True, False]
+    finally:
+        for engine in engines.values():
+            engine.stop()
+        multinode.run("scancel", job_id, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("open_mode", ["truncate", "append"])
+def test_a_requeued_job_starts_a_new_life_in_its_logs(multinode: MultiNodeCluster, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch, open_mode: str) -> None:
+    """Issue 24: SLURM keeps a requeued job's id; the NaN streak of its earlier life must not be the new life's. The
+    first life logs three NaN losses (and leaves a NaN heartbeat); requeued, the second logs a finite loss: its result
+    is OK, whether the StdOut was truncated or appended to (the earlier life's lines still in it)."""
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    beat = (f"PYTHONPATH={multinode.lib} {multinode.python} -c 'from trainguard.trainer import Trainer; "
+            "Trainer().heartbeat(53, loss=float(\"nan\"))'")
+    script = (f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {beat}; echo "step 51 loss=nan"; echo "step 52 loss=nan"; '
+              'echo "step 53 loss=nan"; else echo "step 41 loss=2.0"; fi; exec sleep 120')
+    job_id = multinode.submit(script, "-N", "1", "-w", "n1", "--requeue", f"--open-mode={open_mode}", workdir=workdir,
+                              name="tg-lives")
+    jobs = JobCatalog(JobsSettings(sources=["slurm"], slurm_node="n1", refresh="0s"), "agent-host")
+    watch = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        "n1", tmp_path, jobs=jobs, nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    key = f"slurm:{job_id}"
+
+    def result(status: Status) -> object:
+        jobs.settle(10)
+        found = next((r for r in watch.run() if r.subject == key), None)
+        return found if found is not None and found.status is status else None
+
+    try:
+        first = wait_until(lambda: result(Status.CRITICAL), 30, what="the first life's NaN streak")
+        assert "3 in a row" in first.summary  # type: ignore[attr-defined]
+        multinode.run("scontrol", "requeue", job_id)
+        # the agent lists its node's jobs all along (each check's run does): it sees the first life end
+        wait_until(lambda: jobs.view() and (multinode.job(job_id).get("Restarts"), multinode.job(job_id).get(
+            "JobState")) == ("1", "RUNNING"), 60, what="the job running again")
+        out = Path(multinode.job(job_id)["StdOut"])
+        wait_until(lambda: "step 41" in out.read_text(), 20, what="the second life's first line")
+        second = wait_until(lambda: result(Status.OK), 20, what="the second life's own result")
+        assert second.details["job_key"] == key and "findings" not in second.details  # type: ignore[attr-defined]
+        # what the earlier life left is still there, and is not this life's
+        assert ("step 53 loss=nan" in out.read_text()) == (open_mode == "append")
+        assert json.loads((workdir / ".trainguard" / "heartbeat.json").read_text())["metrics"]["loss"] == "nan"
+        assert result(Status.OK) is not None
+    finally:
+        jobs.close()
         multinode.run("scancel", job_id, check=False)

@@ -9,6 +9,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,14 @@ from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.core.state import scoped_key
+from trainguard.jobs import slurmsource
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
-from trainguard.jobs.slurm import SlurmClient
+from trainguard.jobs.slurm import SlurmClient, parse_job_record
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine
+from trainguard.registry import CHECKS, Registry
 
 
 def engine_for(slurm: SlurmCluster, tmp_path: Path, checks: dict[str, Any], actions: dict[str, Any] | None = None,
@@ -223,6 +226,42 @@ def test_time_limit_exit_before_end_time(slurm: SlurmCluster, tmp_path: Path, en
         assert incident.actions[0]["action"] == "signal" and incident.actions[0]["outcome"] == "ok"
 
 
+def test_time_limit_judges_only_running_jobs(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24's run: `job_timelimit` fired on an ended job ("reaches its time limit ... (in 0s)": a finished job's
+    EndTime is its end) and requeued it. A cancelled job whose steps ignore SIGTERM stays on the node for KillWait
+    (5 s here) while the controller already says it ended: the source reports it COMPLETING and the check leaves it
+    alone, before and after its steps are gone."""
+    monkeypatch.setattr(slurmsource, "REFRESH_MIN_S", 0.0)  # the check's refresh near the margin: every round
+    engine = engine_for(slurm, tmp_path, {"limit": {"type": "job_timelimit", "margin": "110s", "interval": "1s",
+                                                    "jitter": 0}})
+    engines.append(engine)
+    assert engine.catalog is not None
+    job_id = slurm.submit("trap '' TERM; while :; do sleep 0.2; done", "--time=3", name="tg-going")
+    slurm.wait_state(job_id, ("RUNNING",))
+    key = f"slurm:{job_id}"
+
+    def limit() -> list[Any]:
+        [report] = [r for r in engine.run_round(ingest=False) if r.check == "limit"]
+        return [r for r in report.results if r.subject == key]
+
+    first = wait_until(lambda: limit() or None, 15, what="the running job judged")
+    assert first[0].status is Status.OK and first[0].details["seconds_left"] > 110
+    sh("scancel", job_id)
+    states: list[str] = []
+    deadline = time.monotonic() + 12
+    while time.monotonic() < deadline:
+        results = limit()
+        job = engine.catalog.view().by_key(key)
+        states.append(job.state if job else "gone")
+        assert all(r.status is Status.OK for r in results), (results, states)
+        if job is not None and job.state == "COMPLETING":
+            assert job.processes  # its steps are still here, and the check did not judge it
+        time.sleep(0.2)
+    assert "COMPLETING" in states, " ".join(states)  # the controller's word was seen while the steps were still here
+    assert states[-1] in ("CANCELLED", "ENDED", "gone"), states
+
+
 def _switch_engine(slurm: SlurmCluster, tmp_path: Path) -> Engine:
     return engine_for(slurm, tmp_path, {"stop": {"type": "job_switch", "switch": "stop", "interval": "1s",
                                                  "actions": {"warning": ["hold-array"]}}})
@@ -383,3 +422,40 @@ def test_liveness_asks_accounting_for_jobs_the_controller_forgot(slurm: SlurmClu
     assert result.status is Status.CRITICAL
     assert f"last was job {job_id} ({name}) FAILED exit 3:0, down for" in result.summary, result.summary
     assert result.details["known_from"] == "accounting" and result.details["exit_code"] == "3:0"
+
+
+DATA = Path(__file__).parent / "data" / "slurm"
+
+
+def test_record_names_the_jobs_nodes_and_owner() -> None:
+    """BatchHost and NodeList as 22.05 prints them (tests/data/slurm/README.md): a two-node job of the multi-node
+    cluster, a one-node job, and a pending job (no nodes yet)."""
+    two = parse_job_record((DATA / "show-job-multinode.txt").read_text(), 1001)
+    one = parse_job_record((DATA / "show-job-running.txt").read_text(), 1001)
+    pending = parse_job_record((DATA / "show-job-pending.txt").read_text(), 1001)
+    assert two and one and pending
+    assert (two.node_list, two.batch_host) == ("n[1-2]", "n1")
+    assert (one.node_list, one.batch_host) == ("vm", "vm")
+    assert (pending.node_list, pending.batch_host) == (None, None)
+    requeued = parse_job_record((DATA / "show-job-requeued.txt").read_text(), 1001)
+    assert requeued and (two.restarts, requeued.restarts) == (0, 1)  # a requeued job keeps its id: this is its life
+
+
+def test_only_the_owner_speaks_for_a_multi_node_job() -> None:
+    job = Job(key="slurm:1", source="slurm", name="x", state="RUNNING", job_id="1", node_list="n[1-2]",
+              batch_host="n1")
+    assert job.spoken_for_by("n1") and not job.spoken_for_by("n2")
+    assert job.spoken_for_by("n1.cluster")  # a name SLURM does not use for this node: it speaks, as before
+    assert replace(job, batch_host=None, node_list="n[2-3],n1").spoken_for_by("n2")  # no BatchHost: first node
+    assert replace(job, node_list="n1").spoken_for_by("n1")
+    assert replace(job, node_list=None, batch_host=None).spoken_for_by("n2")  # not known: every node speaks
+    assert replace(job, node_list="n[bad").spoken_for_by("n2")
+
+
+def test_hardware_checks_speak_on_the_node_at_fault() -> None:
+    """A fault of the node's hardware (an XID, a GPU, a link) is that node's evidence: every node speaks for its own;
+    only checks about a job as a whole are job-scoped."""
+    scopes = {kind: Registry().check_class(kind) for kind in CHECKS}
+    assert {k for k, c in scopes.items() if c.scope == "job"} == {"hang", "training_log", "job_timelimit",
+                                                                   "job_switch"}
+    assert all(c.scope == "node" for c in scopes.values() if c.layer == "hardware")

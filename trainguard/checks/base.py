@@ -106,6 +106,11 @@ class Check(ABC):
     # What a fault it reports takes down, for grouping and inhibition across nodes (deploy/alertmanager): the node's
     # hardware (every job on it), one job, or the node's own resources.
     layer: ClassVar[Literal["hardware", "job", "node"]] = "node"
+    # Who speaks for what it finds. "node": every node's agent alerts and acts on its own evidence (a GPU, a rank's
+    # memory, this node's disks). "job": the finding is about a job as a whole (its log, its time limit, its stop
+    # switch, its progress), which every node of a multi-node job sees alike: only the job's owner node (its BatchHost)
+    # opens the incident and runs the bound actions; the others still run the check (metrics, stack dumps) silently.
+    scope: ClassVar[Literal["job", "node"]] = "node"
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         self.name = name

@@ -203,6 +203,10 @@ def summarize(job: Job, progress: Progress, stale_after: float, now: float, stac
 
 
 class HangCheck(JobCheck):
+    # job: a rank that stalls stops every rank at the next collective, so the owner node's own signals (the job's
+    # log, heartbeat, its ranks' I/O) show the hang within the same stale_after; the other nodes still dump their
+    # ranks' stacks (logged with their path, on that node), but one alert and one requeue speak for the job
+    scope = "job"
     Settings = HangSettings
     metrics = METRICS
     settings: HangSettings

@@ -73,6 +73,7 @@ class SwitchCheck(JobCheck):
     One created by anyone else is ignored: UNKNOWN, naming that user.
     """
 
+    scope = "job"
     Settings = SwitchCheckSettings
     settings: SwitchCheckSettings
 

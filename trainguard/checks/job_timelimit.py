@@ -24,6 +24,7 @@ class TimeLimitSettings(CheckSettings):
 class TimeLimitCheck(JobCheck):
     """The `--signal=USR1@600` SLURM gives, also for jobs whose authors forgot it: bind the `signal` action."""
 
+    scope = "job"
     Settings = TimeLimitSettings
     settings: TimeLimitSettings
     metrics = (TIME_LEFT,)
@@ -34,8 +35,8 @@ class TimeLimitCheck(JobCheck):
         now = self.context.clock()
         stale = view.stale.get("slurm")
         for job in view.on_node():
-            if job.source != "slurm":
-                continue
+            if job.source != "slurm" or job.state != "RUNNING":
+                continue  # a COMPLETING or ended job's EndTime is its end, not a limit it is heading for
             if not job.end_time:
                 if stale and job.extra.get("incomplete"):  # only the controller knows its EndTime, and it is silent
                     out.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: time limit unknown: {stale}",

@@ -3,6 +3,12 @@
 Only appended bytes are read (positions kept in the store); findings are remembered per job, so an
 OOM reported once stays the job's status until the job is gone, and its message already carries the
 diagnosis and the lever to pull.
+
+A requeued SLURM job keeps its id; its restart count (`Restarts=`) is its life. Findings are kept per life: when
+the count changes, what the earlier life left (findings, NaN streaks, collectives) is dropped, and its logs are read
+on from where the reader stood: the end of what the earlier life wrote when it was read to the end (appended logs,
+`--open-mode=append`), the start of a StdOut the new life truncated or recreated. A heartbeat older than the new
+life's start is the earlier life's and is not read.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from trainguard.logscan.nccl import diagnose_nccl_error
 from trainguard.logscan.oom import IMPOSSIBLE, GpuContext, classify, explain, parse_oom
 from trainguard.logscan.reader import LogTail, Position
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
+from trainguard.node.access import Identity, stat_as
 from trainguard.node.flight import Stall, analyze
 
 log = logging.getLogger("trainguard.checks.training_log")
@@ -45,6 +52,7 @@ log = logging.getLogger("trainguard.checks.training_log")
 POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"
 COLLECTIVES_KEY = "logscan.collectives"
+LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
 MAX_PER_SIGNATURE = 8  # per job and signature: a flood of one kind (25 ranks' timeouts) never crowds out another
 
@@ -125,6 +133,14 @@ def _knock_ons(findings: list[dict[str, Any]]) -> set[int]:
     return late
 
 
+def _written(path: str, identity: Identity) -> float:
+    """When the file was last written; +inf when that is unknown (it is read, as before)."""
+    try:
+        return stat_as(identity, path).st_mtime
+    except OSError:
+        return float("inf")
+
+
 def _gpu_dict(gpu: GpuContext | None) -> dict[str, Any] | None:
     if gpu is None:
         return None
@@ -134,6 +150,7 @@ def _gpu_dict(gpu: GpuContext | None) -> dict[str, Any] | None:
 
 
 class TrainingLogCheck(JobCheck):
+    scope = "job"
     Settings = TrainingLogSettings
     metrics = (FINDINGS,)
     settings: TrainingLogSettings
@@ -152,6 +169,7 @@ class TrainingLogCheck(JobCheck):
         self._steps: dict[str, int] = {}  # log path -> step of its last step line read
         self._nan_streaks: dict[str, dict[str, int]] = {}  # job -> "path|rank" (or "heartbeat") -> NaNs in a row
         self._beat_steps: dict[str, int] = {}  # job -> heartbeat step last looked at
+        self._lives: dict[str, int] = {k: v for k, v in self.load_state(LIVES_KEY).items() if isinstance(v, int)}
 
     def run(self) -> Sequence[Result]:
         view = self.view()
@@ -164,6 +182,8 @@ class TrainingLogCheck(JobCheck):
             live.add(job.key)
             logs = job_log_files(job, self.settings.logs)
             paths.update(logs)
+            if not self._life(job, bool(view.stale.get(job.source))):
+                continue
             try:
                 for path in logs:
                     self._read(job, path)
@@ -179,7 +199,8 @@ class TrainingLogCheck(JobCheck):
         if not view.errors:  # a source that failed this time says nothing about which jobs are gone
             for key in set(self._findings) - live:  # the job is gone: its story is told
                 del self._findings[key]
-            for table in (self._nan_streaks, self._beat_steps, self._counts, self._collectives, self._stalls):
+            for table in (self._nan_streaks, self._beat_steps, self._counts, self._collectives, self._stalls,
+                          self._lives):
                 for key in set(table) - live:
                     del table[key]
             for path in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
@@ -188,7 +209,25 @@ class TrainingLogCheck(JobCheck):
         self.save_state(POSITIONS_KEY, {p: pos.to_list() for p, pos in self._positions.items()})
         self.save_state(FINDINGS_KEY, self._findings)
         self.save_state(COLLECTIVES_KEY, self._collectives)
+        self.save_state(LIVES_KEY, self._lives)
         return results
+
+    def _life(self, job: Job, stale: bool) -> bool:
+        """Whether the job's logs are read now. A new life (the restart count changed: requeued) drops what the
+        earlier one left; a job back on this node whose record has not come yet (its life unknown) waits for it
+        (a second, usually), unless the controller is not answering: then it is read as the life last known."""
+        if job.restarts is None:
+            return job.key not in self._lives or stale
+        before = self._lives.get(job.key)
+        self._lives[job.key] = job.restarts
+        if before is not None and before != job.restarts:
+            dropped = len(self._findings.get(job.key, []))
+            for table in (self._findings, self._nan_streaks, self._counts, self._collectives, self._stalls,
+                          self._beat_steps, self._pending_assert):
+                table.pop(job.key, None)
+            log.info("job requeued: findings of its earlier life dropped",
+                     extra=kv(job=job.key, life=job.restarts, earlier=before, findings=dropped))
+        return True
 
     def clear(self, subject: str, at: float) -> None:
         """The job's findings so far are dealt with: only what its logs say from now on counts."""
@@ -235,6 +274,8 @@ class TrainingLogCheck(JobCheck):
     def _heartbeat_loss(self, job: Job) -> None:
         """A NaN/Inf loss in the trainer's heartbeat counts as a NaN line; each new step is one more in a row."""
         beat = heartbeat_path(job)
+        if beat and job.restarts and job.start_time and _written(beat, self.identity(job)) < job.start_time:
+            return  # left by an earlier life of the requeued job (its NaN is not this life's)
         step, metrics = read_heartbeat(beat, self.identity(job)) if beat else (None, {})
         loss = metrics.get("loss")
         if step is None or loss is None or self._beat_steps.get(job.key) == step:

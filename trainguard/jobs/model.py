@@ -7,6 +7,8 @@ from typing import Any
 
 import psutil
 
+from trainguard.jobs.hostlist import expand
+
 ACTIVE_STATES = frozenset({"RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"})
 
 
@@ -61,6 +63,9 @@ class Job:
     log_paths: tuple[str, ...] = ()
     switch_dir: str | None = None
     requeue: bool = True  # SLURM lets the job be requeued (not submitted with --no-requeue)
+    batch_host: str | None = None  # SLURM: the node running the batch script
+    node_list: str | None = None  # SLURM: the job's nodes, a hostlist expression
+    restarts: int | None = None  # SLURM: requeues so far; a requeued job keeps its id, and this is its life
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -70,6 +75,34 @@ class Job:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def owner(self) -> str | None:
+        """The node that speaks for the job as a whole (job-scoped checks, see checks.base.Check.scope): its BatchHost,
+        else the first node of its NodeList; None when the controller has not said (every node speaks then)."""
+        if self.batch_host:
+            return self.batch_host
+        if self.node_list:
+            try:
+                first = expand(self.node_list)
+            except ValueError:
+                return None
+            return first[0] if first else None
+        return None
+
+    def spoken_for_by(self, node: str) -> bool:
+        """Whether `node` speaks for the job as a whole (a job-scoped check's alert and actions): only its owner does,
+        where the job spans several nodes and `node` is among them by that name. Every node speaks where that is not
+        known (no NodeList yet, a process job, a node SLURM names otherwise): a duplicate, never a silence."""
+        if not self.node_list:
+            return True
+        try:
+            nodes = expand(self.node_list)
+        except ValueError:
+            return True
+        if len(nodes) <= 1 or node not in nodes:
+            return True
+        return node == (self.batch_host if self.batch_host in nodes else nodes[0])
 
     def label(self) -> str:
         if self.source == "slurm":

@@ -202,6 +202,9 @@ class JobRecord:
     workdir: str | None = None
     stdout: str | None = None
     stderr: str | None = None
+    batch_host: str | None = None  # the node running the batch script: a multi-node job's owner node
+    node_list: str | None = None  # the nodes allocated, as a hostlist expression (`n[1-3]`)
+    restarts: int | None = None  # how often it was requeued: SLURM keeps the job id, this number is its life
 
 
 RECORD_MAX = 64 << 10  # one job's record is 1-2 KiB; the rest of a longer one is a job user's text
@@ -211,7 +214,14 @@ _RECORD_HEAD = linear(r"\AJobId=(\d{1,10})(?: ArrayJobId=(\d{1,10}) ArrayTaskId=
                       r"(?: HetJobId=\d+ HetJobOffset=\d+)?(?: HetJobIdSet=\S+)? JobName=")
 _USER = linear(r" UserId=([^\s()]{0,64})\((\d{1,10})\) GroupId=")
 _FIELD = {key: linear(rf" {key}=(\S*)") for key in ("JobState", "Reason", "Requeue", "ExitCode", "StartTime",
-                                                     "EndTime")}
+                                                     "EndTime", "NodeList", "BatchHost", "Restarts")}
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-[],")
+
+
+def _hosts(value: str) -> str | None:
+    """A node name or hostlist expression as the controller prints it; None for "(null)" and "" (pending)."""
+    return value if 0 < len(value) <= 4096 and value[0].isalnum() and set(value) <= _HOST_CHARS else None
+
 _WORKDIR = linear(r"(?s) WorkDir=(.*?) (?:AdminComment|SystemComment|Comment|StdErr)=")
 _STDERR = linear(r"(?s) StdErr=(.*?) StdIn=")
 _STDOUT = linear(r"(?s) StdIn=\S* StdOut=(.*?) Power=")
@@ -248,7 +258,9 @@ def parse_job_record(text: str, uid: int | None = None) -> JobRecord | None:
         user=None if forged else owner.group(1) or None, uid=None if forged else int(owner.group(2)),
         reason=fields["Reason"] if fields["Reason"] not in ("", "None") else None, requeue=fields["Requeue"] != "0",
         exit_code=fields["ExitCode"] if _EXIT.match(fields["ExitCode"]) else None,
-        start_time=slurm_time(fields["StartTime"]), end_time=slurm_time(fields["EndTime"]), **paths)
+        start_time=slurm_time(fields["StartTime"]), end_time=slurm_time(fields["EndTime"]),
+        batch_host=_hosts(fields["BatchHost"]), node_list=_hosts(fields["NodeList"]),
+        restarts=int(fields["Restarts"]) if _small_id(fields["Restarts"]) else None, **paths)
 
 
 _SEP = "\x1f"  # ASCII unit separator: never part of a job name, unlike "|"

@@ -54,6 +54,11 @@ FINAL_TRIES = 5  # an ended job's final state: the controller may still say COMP
 REDISCOVER_S = 60.0  # where no cgroup or spool dir was found, look again this often (slurmd may start later)
 WATCH_S = 0.25  # the watcher's period: jobs that live longer than this are seen even between two listings
 STARTING_S = 60.0  # a job directory with no process in it is a job starting for this long; after, a leftover
+GOING_S = 5.0  # a job the controller says ended while its steps are still here is asked about again this often
+# What the controller says of a job whose steps run here and that is not going away. Anything else (COMPLETING, an
+# ended state, PENDING/REQUEUED after a requeue) while steps are still here: the job is COMPLETING, its steps being
+# killed or finishing, and no check judges it (a finished job's EndTime is its end: "time limit in 0s").
+LIVE_STATES = frozenset({"RUNNING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING"})
 
 
 @dataclass
@@ -74,6 +79,7 @@ class _Local:
     final_tries: int = 0
     array_pending: bool | None = None
     glimpsed: bool = False  # found by the watcher, between listings
+    placed: tuple[str | None, str | None] = (None, None)  # (BatchHost, NodeList) of this life, as last said
 
 
 @dataclass
@@ -244,6 +250,11 @@ class SlurmSource:
             live = set(evidence) | {j for j, r in records.items() if self._prolog_live(r, now, j)}
             for job_id in live:
                 self._update(job_id, evidence.get(job_id), records.get(job_id), table, now)
+                local = self._jobs[job_id]
+                if local.record is not None and local.record.state not in LIVE_STATES and local.fetched is not None:
+                    # the controller said it is going while steps remain: ask again soon, so that a job requeued
+                    # back onto this node between two listings is not taken as going for REFRESH_MIN_S
+                    self._schedule(job_id, "refresh", local.fetched + GOING_S)
             for job_id, record in records.items():  # ran and ended between two listings: the hooks saw it
                 if job_id not in self._jobs and record.ended is not None and now - record.ended < LINGER_S:
                     self._jobs[job_id] = _Local(job_id, record.started, uid=record.uid, prolog=record,
@@ -296,6 +307,8 @@ class SlurmSource:
                                                               None)
         if local.raw is not None and (local.record is None or local.record.uid != local.uid) and local.uid is not None:
             local.record = parse_job_record(local.raw, local.uid) or local.record
+            if local.record is not None and local.record.node_list:
+                local.placed = (local.record.batch_host, local.record.node_list)
 
     # building a Job ----------------------------------------------------------------------------------------------
     def _job(self, local: _Local) -> Job:
@@ -315,6 +328,8 @@ class SlurmSource:
         state, exit_code = "RUNNING", None
         if local.ended is not None:
             state, exit_code = _final(local)
+        elif rec is not None and rec.state not in LIVE_STATES:
+            state = "COMPLETING"  # steps still here, but the controller says the job ended or is ending
         start = (rec.start_time if rec else None) or (pro.started if pro else None) or min(
             (r.create_time for r in local.refs), default=None)
         extra: dict[str, object] = {"found_by": self._discovery.method if local.stepped else "prolog"}
@@ -336,14 +351,15 @@ class SlurmSource:
             workdir=workdir, stdout=stdout, stderr=stderr, on_this_node=True,
             processes=local.refs if local.ended is None else (), switch_dir=switch_dir,
             log_paths=tuple(dict.fromkeys(p for p in (stdout, stderr) if p)),
-            requeue=rec.requeue if rec else True, extra=extra)
+            requeue=rec.requeue if rec else True, batch_host=local.placed[0], node_list=local.placed[1],
+            restarts=rec.restarts if rec else None, extra=extra)
 
     # the controller, in the background ------------------------------------------------------------------------------
     def stale(self) -> str | None:
         """Why what the controller knows of these jobs may be out of date (it did not answer); None when it did."""
         return self._stale
 
-    def refresh(self, job_id: str, max_age: float = REFRESH_MIN_S) -> None:
+    def refresh(self, job_id: str, max_age: float = 0.0) -> None:
         """Fetch a job's record again (in the background) unless it is younger than `max_age`: once a minute at most."""
         with self._lock:
             local = self._jobs.get(job_id)
@@ -415,6 +431,8 @@ class SlurmSource:
             if text is not None:  # None: the controller forgot it (MinJobAge): what we had stays
                 local.raw = text
                 local.record = parse_job_record(text, local.uid) or local.record
+                if local.record is not None and local.record.node_list:  # a requeued (pending) job has none:
+                    local.placed = (local.record.batch_host, local.record.node_list)  # its owner is this life's
                 if local.uid is None and local.record is not None:  # a job the watcher alone saw (spool, v2):
                     local.uid = local.record.uid  # the controller's word (None where the name forged a UserId)
             if due.kind == "final" and local.ended is not None:

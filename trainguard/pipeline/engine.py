@@ -207,7 +207,7 @@ class Engine:
             state.idle += report.outcome == "idle"
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
-        results = self._placed(report)
+        results = self._spoken(check, self._placed(report))
         self._emit(self.tracker.observe(report.check, results, policy, report.complete, self.dispatcher.route))
 
     def _placed(self, report: RunReport) -> tuple[Result, ...]:
@@ -227,6 +227,26 @@ class Engine:
                 before = self.tracker.details_of(r.check, r.subject).get("jobs_here") or ()
                 details["jobs_here"] = sorted({*before, *here})
             out.append(replace(r, details=details))
+        return tuple(out)
+
+    def _spoken(self, check: Check, results: tuple[Result, ...]) -> tuple[Result, ...]:
+        """A job-scoped check's results about a multi-node job count on the job's owner node only: every node of the
+        job sees the same log, time limit and switch, and each alerting and requeueing it made duplicates (issue 24:
+        12 of 22 alerts; the extra requeues failed). The report itself (metrics, status) keeps them all."""
+        if check.scope != "job" or self.catalog is None:
+            return results
+        try:
+            view = self.catalog.view()
+        except Exception as exc:  # noqa: BLE001 - without the view every node speaks, as before
+            log.warning("job owners unknown; every result kept", extra=kv(check=check.name, error=exc))
+            return results
+        out = []
+        for r in results:
+            key = r.details.get("job_key")
+            job = view.by_key(key) if isinstance(key, str) else None
+            if job is not None and not job.spoken_for_by(self.catalog.node):
+                continue
+            out.append(r)
         return tuple(out)
 
     def _job_ids_here(self) -> list[str]:
