@@ -8,6 +8,7 @@ import json
 import random
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -260,3 +261,44 @@ def test_check_since_refuses_a_bad_value_naming_it(tmp_path: Path) -> None:
     done = one_shot(tmp_path / "none.toml", "--since", "yesterday")
     assert done.returncode != 0 and done.stdout == ""
     assert "--since" in done.stderr and "'yesterday'" in done.stderr and "'boot'" in done.stderr, done.stderr
+
+
+def test_history_of_a_recovery_action_stays_critical_on_a_gpu_that_reads_healthy(tmp_path: Path) -> None:
+    """XID 154 names a state the driver keeps until the GPU is reset or the node rebooted, which NVML's health fields
+    do not show: an old one is still a fault present, never history."""
+    check = started_check(tmp_path, FakeNvml(fake_board()))
+    first = check.ledger.first_start
+    assert first is not None
+    check.ledger.record(XidEvent(154, "0000:3b:00", "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot "
+                                 "Required)", recovery="Node Reboot Required", usec=first.usec - 10**6))
+    try:
+        healthy = by_subject(list(check.run()))["GPU-healthy"]
+        assert healthy.status is Status.CRITICAL, healthy.summary
+        assert "before trainguard started, and GPU 0000:3b:00 may read healthy" in healthy.summary
+        assert not healthy.details["xids"][0]["history"]
+    finally:
+        check.stop()
+
+
+class RefusingStore:
+    """A state store whose writes fail, as a corrupt SQLite file's do."""
+
+    def get(self, key: str) -> str | None:
+        return None
+
+    def put(self, key: str, value: str) -> None:
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+
+def test_a_state_store_that_refuses_the_first_start_still_leaves_the_kernel_log_followed(tmp_path: Path) -> None:
+    context = CheckContext("n", tmp_path, nvml=Nvml(FakeNvml(fake_board())), xid_history=XidLedger(RefusingStore()))
+    check = XidCheck("xid", XidSettings(kmsg_path=str(tmp_path / "none"), journalctl=str(tmp_path / "nojournal")),
+                     context)
+    check.start(lambda: None)  # raised the store's error, and never started the follower, before
+    try:
+        assert check.ledger.first_start is not None  # kept in memory for this life
+        # the follower ran: no /dev/kmsg here, so it tried the journal, and says why that failed
+        wait_until(lambda: check.follower.error is not None, 5, what="the follower to run and give up")
+        assert "nojournal" in check.follower.error or "journal" in check.follower.error.lower(), check.follower.error
+    finally:
+        check.stop()

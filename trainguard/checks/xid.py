@@ -14,6 +14,7 @@ unreadable) or logged since the agent started (docs/gpu-faults.md).
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -291,6 +292,10 @@ def history(entry: XidEntry, g: Grade, problem: str | None) -> Grade:
     if g.status is Status.OK:
         return g
     when = f"logged at boot+{format_duration(entry.usec / 1e6)}" if entry.usec >= 0 else "logged"
+    if problem is None and g.response == "recovery_action":
+        # XID 154 names a state the driver keeps until the GPU is reset or the node rebooted; NVML's health fields
+        # do not show it, so a GPU that reads healthy may still be one the driver refuses to trust
+        problem = "may read healthy, but the driver's recovery action lasts until it is done"
     if problem is not None:
         return replace(g, why=f"{g.why}; {when}, before trainguard started, and GPU {entry.bus_id} {problem} now")
     status = Status.WARNING if g.status is Status.CRITICAL else g.status
@@ -326,10 +331,15 @@ class XidCheck(Check):
         self._started = True
         # Before the follower replays the buffer: what it holds now was logged before this start. Kept through
         # restarts on this boot, so a record logged while the agent was down counts as since, and is acted on.
-        point, new = self.ledger.mark_first_start(lambda: LogPoint.now(self.settings.kmsg_path))
-        log.info("first start on this boot" if new else "started before on this boot",
-                 extra=kv(kmsg_seq=point.seq, boot_usec=point.usec))
-        self.follower.start()
+        try:
+            point, new = self.ledger.mark_first_start(lambda: LogPoint.now(self.settings.kmsg_path))
+            log.info("first start on this boot" if new else "started before on this boot",
+                     extra=kv(kmsg_seq=point.seq, boot_usec=point.usec))
+        except (sqlite3.Error, OSError) as exc:  # a state store that refuses the write (corrupt): XIDs still watched
+            log.error("first start not saved: a restart on this boot takes its own start as the first",
+                      extra=kv(error=exc))
+        finally:
+            self.follower.start()
 
     def stop(self) -> None:
         self.follower.stop()
