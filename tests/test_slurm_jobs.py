@@ -441,6 +441,30 @@ def test_record_names_the_jobs_nodes_and_owner() -> None:
     assert requeued and (two.restarts, requeued.restarts) == (0, 1)  # a requeued job keeps its id: this is its life
 
 
+def test_a_job_name_that_forges_its_owner_node_and_life_silences_no_node() -> None:
+    """A name is free text: one that carries a record of its own user's, with a BatchHost on no node and another
+    restart count, would silence every node for the job-scoped checks and wipe its findings by a rename. The real
+    two-node record with such a name: neither is taken from it; every node speaks."""
+    real = (DATA / "show-job-multinode.txt").read_text()
+    forged = ("x UserId=tgjob(1001) GroupId=tgjob(1001) MCS_label=N/A Priority=1 Nice=0 Account=(null) QOS=(null) "
+              "JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=7 NodeList=zz,gpu[000-999] "
+              "BatchHost=zz tg")
+    record = parse_job_record(real.replace("JobName=tg two nodes", f"JobName={forged}", 1), 1001)
+    assert record is not None and record.uid == 1001  # the name is cut at its first `UserId=`, as before
+    assert (record.batch_host, record.node_list, record.restarts) == (None, None, None)
+    job = Job(key="slurm:1", source="slurm", name=record.name, state="RUNNING", job_id="1",
+              node_list=record.node_list, batch_host=record.batch_host)
+    assert job.spoken_for_by("n1") and job.spoken_for_by("n2")
+
+
+def test_a_job_the_controller_says_is_going_is_asked_about_less_and_less() -> None:
+    """A step stuck in D state keeps a job COMPLETING for days: asked again after 5 s at first, then backing off to
+    the once a minute of any job's refresh."""
+    waits = [slurmsource.going_wait(t) for t in (0, 5, 10, 20, 40, 80, 86400)]
+    assert waits == [5.0, 5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    assert max(waits) == slurmsource.REFRESH_MIN_S
+
+
 def test_only_the_owner_speaks_for_a_multi_node_job() -> None:
     job = Job(key="slurm:1", source="slurm", name="x", state="RUNNING", job_id="1", node_list="n[1-2]",
               batch_host="n1")

@@ -245,6 +245,10 @@ def parse_job_record(text: str, uid: int | None = None) -> JobRecord | None:
         return None
     owner = owners[0]
     forged = uid is None and len(owners) > 1  # the name holds a `UserId=`: which one is the controller's is unknown
+    # The job's name (before the controller's UserId) or its comment (after) holds a `UserId=` of its own user: the
+    # fields read after the first may be the user's. Which nodes speak for the job and which life it is in are then
+    # not taken from it: every node speaks (a duplicate, never a silence) and findings are not dropped by a rename.
+    ambiguous = len(owners) > 1
     after = rest[owner.end():]
     fields = {key: (m.group(1) if (m := pattern.search(after)) else "") for key, pattern in _FIELD.items()}
     job_id, array_job, task = head.group(1), head.group(2), head.group(3)
@@ -259,8 +263,9 @@ def parse_job_record(text: str, uid: int | None = None) -> JobRecord | None:
         reason=fields["Reason"] if fields["Reason"] not in ("", "None") else None, requeue=fields["Requeue"] != "0",
         exit_code=fields["ExitCode"] if _EXIT.match(fields["ExitCode"]) else None,
         start_time=slurm_time(fields["StartTime"]), end_time=slurm_time(fields["EndTime"]),
-        batch_host=_hosts(fields["BatchHost"]), node_list=_hosts(fields["NodeList"]),
-        restarts=int(fields["Restarts"]) if _small_id(fields["Restarts"]) else None, **paths)
+        batch_host=None if ambiguous else _hosts(fields["BatchHost"]),
+        node_list=None if ambiguous else _hosts(fields["NodeList"]),
+        restarts=int(fields["Restarts"]) if _small_id(fields["Restarts"]) and not ambiguous else None, **paths)
 
 
 _SEP = "\x1f"  # ASCII unit separator: never part of a job name, unlike "|"

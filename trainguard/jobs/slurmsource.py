@@ -54,11 +54,18 @@ FINAL_TRIES = 5  # an ended job's final state: the controller may still say COMP
 REDISCOVER_S = 60.0  # where no cgroup or spool dir was found, look again this often (slurmd may start later)
 WATCH_S = 0.25  # the watcher's period: jobs that live longer than this are seen even between two listings
 STARTING_S = 60.0  # a job directory with no process in it is a job starting for this long; after, a leftover
-GOING_S = 5.0  # a job the controller says ended while its steps are still here is asked about again this often
+GOING_S = 5.0  # a job the controller says ended while its steps are still here is asked about again after this, then
+# after as long as it has been going, up to REFRESH_MIN_S
 # What the controller says of a job whose steps run here and that is not going away. Anything else (COMPLETING, an
 # ended state, PENDING/REQUEUED after a requeue) while steps are still here: the job is COMPLETING, its steps being
 # killed or finishing, and no check judges it (a finished job's EndTime is its end: "time limit in 0s").
 LIVE_STATES = frozenset({"RUNNING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING"})
+
+
+def going_wait(going_for: float) -> float:
+    """How long after a fetch that said a job is going (its steps still here) to ask again: GOING_S at first, then
+    as long as it has been going, up to REFRESH_MIN_S (5, 5, 10, 20, 40, 60, 60 s ...)."""
+    return min(REFRESH_MIN_S, max(GOING_S, going_for))
 
 
 @dataclass
@@ -80,6 +87,7 @@ class _Local:
     array_pending: bool | None = None
     glimpsed: bool = False  # found by the watcher, between listings
     placed: tuple[str | None, str | None] = (None, None)  # (BatchHost, NodeList) of this life, as last said
+    going_since: float | None = None  # when the controller first said it is going while its steps are still here
 
 
 @dataclass
@@ -253,8 +261,12 @@ class SlurmSource:
                 local = self._jobs[job_id]
                 if local.record is not None and local.record.state not in LIVE_STATES and local.fetched is not None:
                     # the controller said it is going while steps remain: ask again soon, so that a job requeued
-                    # back onto this node between two listings is not taken as going for REFRESH_MIN_S
-                    self._schedule(job_id, "refresh", local.fetched + GOING_S)
+                    # back onto this node between two listings is not taken as going for REFRESH_MIN_S; backing off
+                    # to that rate, since a step stuck in D state keeps a job COMPLETING for days
+                    local.going_since = local.fetched if local.going_since is None else local.going_since
+                    self._schedule(job_id, "refresh", local.fetched + going_wait(local.fetched - local.going_since))
+                elif local.record is not None:
+                    local.going_since = None
             for job_id, record in records.items():  # ran and ended between two listings: the hooks saw it
                 if job_id not in self._jobs and record.ended is not None and now - record.ended < LINGER_S:
                     self._jobs[job_id] = _Local(job_id, record.started, uid=record.uid, prolog=record,
