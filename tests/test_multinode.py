@@ -94,7 +94,8 @@ def test_only_the_owner_node_speaks_for_a_job_level_check(multinode: MultiNodeCl
         assert (info["NodeList"], info["BatchHost"]) == ("n[1-2]", "n1")
         for node in ("n1", "n2"):
             raw = {"agent": {"state_dir": str(tmp_path / node), "node_name": node, "listen": ""},
-                   "jobs": {"sources": ["slurm"], "slurm_node": node, "slurm_timeout": "10s", "refresh": 0},
+                   "jobs": {"sources": ["slurm"], "slurm_node": node, "slurm_timeout": "10s", "refresh": 0,
+                            "stop_dir": str(tmp_path / node / "stop")},
                    "checks": {"stop": {"type": "job_switch", "switch": "stop", "interval": "1s"}},
                    "notifiers": {"console": {}}, "actions": {}}
             engines[node] = Engine(parse_config(raw, f"{node}.toml"))
@@ -113,6 +114,12 @@ def test_only_the_owner_node_speaks_for_a_job_level_check(multinode: MultiNodeCl
         assert seen == [Status.WARNING] and firing == set()
         assert [j.spoken_for_by(n) for n in ("n1", "n2") for j in engines[n].catalog.view().jobs  # type: ignore[union-attr]
                 if j.job_id == job_id] == [True, False]
+
+        # The operator's stop file is in one node's own /etc: touched on n2 alone, n2 speaks for it (never a silence)
+        multinode.run("rm", str(workdir / ".trainguard" / "stop"), user=JOB_USER)
+        (tmp_path / "n2" / "stop").mkdir(parents=True)
+        (tmp_path / "n2" / "stop" / "tg-owner").touch()
+        wait_until(lambda: subject in round_on("n2")[1], 20, what="n2's incident for the operator's stop file")
     finally:
         for engine in engines.values():
             engine.stop()

@@ -112,6 +112,9 @@ class SwitchCheck(JobCheck):
                 seen.add(sw.path)
                 details = {"job_key": job.key, "job_id": job.job_id, "path": str(sw.path), "by": _user(sw.uid),
                            "switch": self.settings.switch}
+                if sw.path.parent == stop_dir:
+                    # the operator's stop dir is this node's own (/etc): the other nodes of the job do not see it
+                    details["scope"] = "node"
                 subject = f"{job.key}:{self.settings.switch}"
                 if sw.uid not in (0, job.uid) and not self.teammate(sw.uid):
                     allowed = f"{job.user}, root or a member of {self.settings.switch_group}" \

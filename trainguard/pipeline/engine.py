@@ -232,7 +232,9 @@ class Engine:
     def _spoken(self, check: Check, results: tuple[Result, ...]) -> tuple[Result, ...]:
         """A job-scoped check's results about a multi-node job count on the job's owner node only: every node of the
         job sees the same log, time limit and switch, and each alerting and requeueing it made duplicates (issue 24:
-        12 of 22 alerts; the extra requeues failed). The report itself (metrics, status) keeps them all."""
+        12 of 22 alerts; the extra requeues failed). A result about what only this node sees (details scope "node":
+        the operator's stop file in this node's /etc) counts here. The report itself (metrics, status) keeps them
+        all."""
         if check.scope != "job" or self.catalog is None:
             return results
         try:
@@ -244,7 +246,7 @@ class Engine:
         for r in results:
             key = r.details.get("job_key")
             job = view.by_key(key) if isinstance(key, str) else None
-            if job is not None and not job.spoken_for_by(self.catalog.node):
+            if job is not None and r.details.get("scope") != "node" and not job.spoken_for_by(self.catalog.node):
                 continue
             out.append(r)
         return tuple(out)
