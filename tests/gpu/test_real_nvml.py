@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
+from trainguard.checks.base import CheckContext
+from trainguard.checks.xid import XidCheck, XidSettings, gpu_problem
+from trainguard.core.model import Status
+from trainguard.core.state import ScopedState
+from trainguard.gpu.faults import XidLedger
+from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import Nvml, normalize_bus_id
+from trainguard.gpu.xid import XidEvent
+from trainguard.pipeline.store import Store
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -213,3 +221,37 @@ def test_the_hardware_checks_on_the_real_driver(tmp_path: Path) -> None:
     # NVLink and the fabric are idle on a node without them, never UNKNOWN
     for name in ("nvlink", "fabric"):
         assert by_check.get(name) or name in data["idle"]
+
+
+# XID history (issue 20): "reads healthy now" is what the real driver says about the real GPU --------------------------
+def test_xid_history_is_graded_by_what_the_real_driver_reads_now(tmp_path: Path) -> None:
+    """An XID 79 logged before the agent's first start, on each real GPU: at most WARNING when the GPU reads healthy
+    (no memory fault pending, not lost), as logged otherwise; the same XID logged since the start is CRITICAL."""
+    nvml = Nvml()
+    gpus = nvml.gpus()
+    assert gpus
+    store = Store(None)
+    context = CheckContext("n", tmp_path, nvml=nvml, state=ScopedState(store, "check/xid"), xid_history=XidLedger(store))
+    check = XidCheck("xid", XidSettings(kmsg_path=str(tmp_path / "none"), journalctl=str(tmp_path / "nojournal")), context)
+    check.start(lambda: None)
+    try:
+        wait_until(lambda: check.follower.error is not None, 5, what="the follower to give up on a missing log")
+        first = check.ledger.first_start
+        assert first is not None
+        for gpu in gpus:  # kernel times count from boot, and a lent GPU node may have booted minutes ago
+            check.ledger.record(XidEvent(79, gpu.bus_id, "GPU has fallen off the bus.", usec=first.usec // 2))
+        results = {r.subject: r for r in check.run()}
+        for gpu in gpus:
+            print(gpu.uuid, gpu.bus_id, gpu_faults(gpu), results[gpu.uuid].status, results[gpu.uuid].summary)
+            problem = gpu_problem(gpus, gpu.bus_id)
+            if problem is None:
+                assert results[gpu.uuid].status is Status.WARNING
+                assert f"GPU {gpu.bus_id} reads healthy now: no drain" in results[gpu.uuid].summary
+            else:  # a real fault on this node: graded as logged, saying what NVML reads
+                assert results[gpu.uuid].status is Status.CRITICAL and problem in results[gpu.uuid].summary
+            check.ledger.record(XidEvent(79, gpu.bus_id, "GPU has fallen off the bus.", usec=first.usec + 10**6))
+        for r in check.run():
+            if r.subject.startswith("GPU-"):
+                assert r.status is Status.CRITICAL and "before trainguard started" not in r.summary, r.summary
+    finally:
+        check.stop()
