@@ -394,3 +394,14 @@ def test_no_kernel_log_source_is_unknown(tmp_path: Path) -> None:
     assert result.status is Status.UNKNOWN
     assert result.summary.startswith("kernel log follower not running: kernel log unavailable")
     check.stop()
+
+
+def test_a_one_shot_read_of_a_kernel_log_that_is_a_plain_file_ends(tmp_path: Path) -> None:
+    """`kmsg_path` pointing at a regular file (a copy of the log, a mistake): the one-shot read stops at its end; it
+    spun on the empty reads for ever, a health check that never returns."""
+    path = tmp_path / "kmsg"
+    path.write_bytes(b"")
+    seen: list[KernelRecord] = []
+    assert KmsgFollower(seen.append, path=str(path)).read_once() == 0
+    path.write_bytes(b"4,17,5000000,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n")
+    assert KmsgFollower(seen.append, path=str(path)).read_once() == 1 and seen[0].seq == 17

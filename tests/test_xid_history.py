@@ -5,6 +5,7 @@ And `trainguard check --since` for health checks and prologs."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -18,7 +19,7 @@ from typing import Any
 from tests.conftest import REPO, AgentProcess, free_port, http_get, wait_until
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost, NVMLError_LibraryNotFound
 from trainguard.checks.base import CheckContext
-from trainguard.checks.xid import XidCheck, XidSettings
+from trainguard.checks.xid import MARKS_FILE, XidCheck, XidSettings
 from trainguard.core.model import Result, Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
@@ -203,8 +204,19 @@ def test_a_restart_with_old_kernel_log_xids_and_a_healthy_gpu_does_not_drain(kms
         agent.wait_for("kernel log replayed", 30)
         return agent
 
+    def health_check() -> dict[str, Any]:  # `trainguard check` as a SLURM HealthCheckProgram runs it, beside the agent
+        done = subprocess.run([sys.executable, "-m", "tests.helpers.fake_gpu_agent", "check", "--json", "--config",
+                               str(config)], capture_output=True, text=True, timeout=60, cwd=REPO,
+                              env={**os.environ, **env})
+        return {r["subject"]: r for r in json.loads(done.stdout)["results"] if r["check"] == "xid"}
+
+    assert health_check()[uuid0]["status"] == "CRITICAL"  # no agent yet on this boot: every XID counts as logged
     agent = start("agent0.log")
     assert "first start on this boot" in agent.output()
+    # the health check now places records by the agent's first start: the same history, no drain for it
+    checked = health_check()
+    assert checked[uuid0]["status"] == "WARNING" and HISTORY.format(bus=healthy) in checked[uuid0]["summary"]
+    assert checked[f"pci:{missing}"]["status"] == "CRITICAL"
     wait_until(lambda: acted_on(recorder, f"pci:{missing}"), 15, what="the missing GPU's old XID to be acted on")
     result = wait_until(lambda: (r := xid_result(config, uuid0)) and r["status"] == "WARNING" and r, 15,
                         what="the healthy GPU's old XID in the status")
@@ -303,3 +315,72 @@ def test_a_state_store_that_refuses_the_first_start_still_leaves_the_kernel_log_
         assert "nojournal" in check.follower.error or "journal" in check.follower.error.lower(), check.follower.error
     finally:
         check.stop()
+
+
+# trainguard check beside a running agent: the same history, the same clears ----------------------------------------
+def one_shot_check(state_dir: Path) -> XidCheck:
+    """`trainguard check`'s xid check: a ledger of its own (no store), the agent's state directory, never started."""
+    store = Store(None)
+    context = CheckContext("n", state_dir, nvml=Nvml(FakeNvml(fake_board())), state=ScopedState(store, "check/xid"),
+                           xid_history=XidLedger(store))
+    empty = state_dir / "empty-kmsg"  # a kernel log with nothing in it: the test records into the ledger itself
+    empty.touch()
+    return XidCheck("xid", XidSettings(kmsg_path=str(empty), journalctl=str(state_dir / "nojournal")), context)
+
+
+def test_a_one_shot_check_places_records_by_the_agents_first_start_and_clears(tmp_path: Path) -> None:
+    """Without the agent's marks a health check graded every XID of the boot as logged: CRITICAL, drained, for an
+    XID the agent reports as history; and it never saw an operator's clear."""
+    before = one_shot_check(tmp_path)
+    before.run()  # no agent has started with this state directory: nothing to place records by
+    assert before.ledger.first_start is None
+
+    agent = started_check(tmp_path, FakeNvml(fake_board()))
+    first = agent.ledger.first_start
+    assert first is not None
+    marks = json.loads((tmp_path / MARKS_FILE).read_text())
+    assert marks["first_start"] == [first.seq, first.usec] and marks["boot_id"] == agent.ledger.boot_id
+    old = first.usec // 2  # kernel times count from boot: "before the first start" is half-way there
+
+    check = one_shot_check(tmp_path)
+    check.run()
+    assert check.ledger.first_start == first
+    check.ledger.record(XidEvent(79, "0000:3b:00", "GPU has fallen off the bus.", usec=old))
+    check.ledger.record(XidEvent(79, "0000:86:00", "GPU has fallen off the bus.", usec=old))
+    results = by_subject(list(check.run()))
+    assert results["GPU-healthy"].status is Status.WARNING and HISTORY.format(bus="0000:3b:00") in \
+        results["GPU-healthy"].summary
+    assert results["GPU-lost"].status is Status.CRITICAL  # a GPU that does not read healthy: as logged
+
+    agent.ledger.record(XidEvent(79, "0000:86:00", "GPU has fallen off the bus.", usec=old))  # as the agent saw it
+    agent.clear("GPU-lost", time.time())  # an operator: the GPU was reset, its XIDs are over
+    agent.stop()
+    check = one_shot_check(tmp_path)
+    check.run()
+    assert check.ledger.record(XidEvent(79, "0000:86:00", "GPU has fallen off the bus.", usec=old)) is None
+    assert check.ledger.record(XidEvent(79, "0000:3b:00", "GPU has fallen off the bus.", usec=old)) is not None
+    results = by_subject(list(check.run()))
+    assert "GPU-lost" not in results and results["GPU-healthy"].status is Status.WARNING
+
+
+def test_marks_of_another_boot_or_unreadable_are_not_taken(tmp_path: Path, caplog: Any) -> None:
+    path = tmp_path / MARKS_FILE
+    ledger = XidLedger(None, proc=fake_proc(tmp_path / "proc", "boot-b"))
+    assert not ledger.adopt_marks({"boot_id": "boot-a", "first_start": [5, 100], "cleared": []})  # a reboot since
+    assert not ledger.adopt_marks(["not", "a", "dict"])
+    assert ledger.adopt_marks({"boot_id": "boot-b", "first_start": ["x", None], "cleared": [["xid", "0000:3b:00", 9, 9],
+                                                                                            "junk", [1, 2]]})
+    assert ledger.first_start is None  # what does not parse is left out, the rest is taken
+    assert ledger.record(XidEvent(79, "0000:3b:00", "old", seq=8, usec=8)) is None  # before the clear
+    for content in (b"{not json", b"x" * (2 << 20)):
+        path.write_bytes(content)
+        check = one_shot_check(tmp_path)
+        results = check.run()  # still runs: every record counts as logged
+        assert check.ledger.first_start is None and not [r for r in results if r.status is Status.CRITICAL]
+    assert "XID marks unreadable" in caplog.text
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere.json")  # not followed
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"boot_id": XidLedger(None).boot_id, "first_start": [1, 1]}))
+    check = one_shot_check(tmp_path)
+    check.run()
+    assert check.ledger.first_start is None

@@ -13,6 +13,7 @@ unreadable) or logged since the agent started (docs/gpu-faults.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings, PartialView
+from trainguard.core.files import read_small, replace_file
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status, worst
 from trainguard.core.settings import Duration, StatusName
@@ -306,6 +308,10 @@ def history(entry: XidEntry, g: Grade, problem: str | None) -> Grade:
                         f"trainguard clear it; if it faults again: {g.todo}")
 
 
+MARKS_FILE = "xid-marks.json"  # in the state directory: the ledger's first start and clears (XidCheck._publish_marks)
+MARKS_MAX = 1 << 20
+
+
 class XidCheck(Check):
     layer = "hardware"
 
@@ -339,6 +345,7 @@ class XidCheck(Check):
             log.error("first start not saved: a restart on this boot takes its own start as the first",
                       extra=kv(error=exc))
         finally:
+            self._publish_marks()
             self.follower.start()
 
     def stop(self) -> None:
@@ -387,6 +394,37 @@ class XidCheck(Check):
             gone = self.ledger.forget(kind, bus, point)
             log.info("XID history cleared", extra=kv(subject=subject, bus_id=bus, entries=gone, kmsg_seq=point.seq))
         self.ledger.save(force=True)
+        self._publish_marks()
+
+    def _publish_marks(self) -> None:
+        """The ledger's first start and clears, in a file of their own beside the state store, for `trainguard check`:
+        a SLURM health check or prolog run while the agent runs must place records as the agent does, or it drains a
+        node for an XID the agent calls history, or one an operator cleared. It does not open the agent's SQLite
+        store: a reader of another user could leave files there the agent cannot open."""
+        path = self.context.state_dir / MARKS_FILE
+        try:
+            replace_file(path, json.dumps(self.ledger.marks()).encode())
+        except OSError as exc:
+            log.warning("XID marks not published: trainguard check grades this boot's XIDs as logged, clears unseen",
+                        extra=kv(path=path, error=exc))
+
+    def _adopt_marks(self) -> None:
+        """One-shot: the running (or last) agent's first start and clears on this boot, if it published them."""
+        path = self.context.state_dir / MARKS_FILE
+        try:
+            raw = read_small(path, MARKS_MAX)
+            if len(raw) >= MARKS_MAX:
+                raise ValueError(f"larger than {MARKS_MAX} bytes")
+            data = json.loads(raw)
+        except FileNotFoundError:
+            return  # no agent started with this state directory yet: every record of the boot counts as logged
+        except (OSError, ValueError) as exc:
+            log.warning("XID marks unreadable: grading this boot's XIDs as logged", extra=kv(path=path, error=exc))
+            return
+        if self.ledger.adopt_marks(data):
+            first = self.ledger.first_start
+            log.info("kernel log records placed by the agent's first start and clears", extra=kv(
+                path=path, kmsg_seq=None if first is None else first.seq, boot_usec=None if first is None else first.usec))
 
     def _gpu(self, bus_id: str) -> tuple[int | None, str | None]:
         """(index, uuid) of a bus id: from the driver's own `GPU at PCI` lines, else NVML."""
@@ -402,8 +440,9 @@ class XidCheck(Check):
         return self._gpu_names[bus_id]
 
     def run(self) -> Sequence[Result]:
-        if not self._started and self.follower.records == 0:
-            self.follower.read_once()  # one-shot `trainguard check`: what this boot's buffer holds
+        if not self._started and self.follower.records == 0:  # one-shot `trainguard check`: this boot's buffer,
+            self._adopt_marks()  # with what the agent calls history and what an operator cleared
+            self.follower.read_once()
         elif self._started:  # at start the follower replays the buffer: judge the whole of it, not a part
             self.follower.caught_up.wait(min(REPLAY_WAIT_S, self.settings.timeout / 2))
         results = self._results()

@@ -77,19 +77,9 @@ class XidLedger:
             data = json.loads(self._store.get(LEDGER_KEY) or "{}")
         except ValueError:
             return
-        if data.get("boot_id") != self.boot_id:
+        if not isinstance(data, dict) or data.get("boot_id") != self.boot_id:
             return  # a reboot resets the GPUs: the old boot's XIDs no longer describe them, nor its first start
-        try:
-            seq, usec = data.get("first_start") or (None, None)
-            self._first_start = LogPoint(int(seq), int(usec)) if seq is not None else None
-        except (TypeError, ValueError):
-            self._first_start = None
-        for raw in data.get("cleared", []):
-            try:
-                kind, bus, seq, usec = raw
-                self._cleared[(str(kind), str(bus))] = LogPoint(int(seq), int(usec))
-            except (TypeError, ValueError):
-                continue
+        self._first_start, self._cleared = _marks(data)
         for raw in data.get("entries", []):
             try:
                 entry = XidEntry(**raw)
@@ -195,16 +185,55 @@ class XidLedger:
         with self._lock:
             return [XidEntry(**asdict(e)) for e in self._entries.values() if e.kind == kind]
 
+    def marks(self) -> dict[str, Any]:
+        """What places records in time for a reader of this boot's kernel log: the first start and the operator's
+        clears (`trainguard check` reads them as the agent published them, see XidCheck)."""
+        with self._lock:
+            return self._marks_now()
+
+    def _marks_now(self) -> dict[str, Any]:  # under the lock
+        first = self._first_start
+        return {"boot_id": self.boot_id, "first_start": None if first is None else [first.seq, first.usec],
+                "cleared": [[kind, bus, p.seq, p.usec] for (kind, bus), p in self._cleared.items()]}
+
+    def adopt_marks(self, data: object) -> bool:
+        """A one-shot reader takes the agent's marks (`marks()`) as its own, if they are of this boot and it has none:
+        records before the agent's first start are then history to it too, and records before a clear are over.
+        Nothing is saved. Returns whether it took them."""
+        if not isinstance(data, dict) or data.get("boot_id") != self.boot_id:
+            return False
+        with self._lock:
+            if self._first_start is not None or self._cleared:
+                return False
+            self._first_start, self._cleared = _marks(data)
+            return self._first_start is not None or bool(self._cleared)
+
     def save(self, force: bool = False) -> None:
         if self._store is None:
             return
         with self._lock:
             if not self._dirty or (not force and time.monotonic() - self._saved_at < self._save_every_s):
                 return
-            payload: dict[str, Any] = {"boot_id": self.boot_id, "entries": [asdict(e) for e in self._entries.values()],
-                                       "cleared": [[kind, bus, p.seq, p.usec] for (kind, bus), p in self._cleared.items()]}
-            if self._first_start is not None:
-                payload["first_start"] = [self._first_start.seq, self._first_start.usec]
+            payload = {**self._marks_now(), "entries": [asdict(e) for e in self._entries.values()]}
             self._dirty = False
             self._saved_at = time.monotonic()
         self._store.put(LEDGER_KEY, json.dumps(payload))
+
+
+def _marks(data: dict[str, Any]) -> tuple[LogPoint | None, dict[tuple[str, str], LogPoint]]:
+    """The first start and the clears of a saved ledger or published marks; what does not parse is left out."""
+    first: LogPoint | None = None
+    try:
+        seq, usec = data.get("first_start") or (None, None)
+        first = LogPoint(int(seq), int(usec)) if seq is not None else None
+    except (TypeError, ValueError):
+        first = None
+    cleared: dict[tuple[str, str], LogPoint] = {}
+    raw_cleared = data.get("cleared")
+    for raw in raw_cleared if isinstance(raw_cleared, list) else []:
+        try:
+            kind, bus, seq, usec = raw
+            cleared[(str(kind), str(bus))] = LogPoint(int(seq), int(usec))
+        except (TypeError, ValueError):
+            continue
+    return first, cleared

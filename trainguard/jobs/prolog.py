@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard.core.files import read_small, replace_file
+
 RECORDS_DIR = "/run/trainguard/jobs"
 RECORD_MAX = 64 << 10
 FIELD_MAX = 4096
@@ -59,15 +61,7 @@ def write_record(directory: str, env: Mapping[str, str], ended: bool, now: float
     record.setdefault("started", now)
     if ended:
         record["ended"] = now
-    tmp = folder / f".{job_id}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(record, out, ensure_ascii=True)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    replace_file(path, json.dumps(record, ensure_ascii=True).encode())
     prune(folder, now)
     return path
 
@@ -231,10 +225,4 @@ class RecordReader:
 
 
 def _read_small(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path}: not a regular file")
-        return os.read(fd, RECORD_MAX)
-    finally:
-        os.close(fd)
+    return read_small(path, RECORD_MAX)

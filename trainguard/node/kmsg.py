@@ -215,6 +215,8 @@ class KmsgFollower:
                     return self.records
                 except BrokenPipeError:
                     continue
+                if not raw:  # end of a file that is not the kernel's device (which never reads empty): done
+                    return self.records
                 record = parse_kmsg(raw)
                 if record is not None:
                     self.records += 1
