@@ -230,7 +230,8 @@ class Run:
         s = self.s
         raw = installed_config()
         raw["agent"] = {"node_name": node, "state_dir": str(self.base / f"state-{node}"), "listen": ""}
-        raw["jobs"] = {"sources": ["slurm"], "slurm_node": node, "refresh": "1s", "slurm_timeout": "10s"}
+        raw["jobs"] = {"sources": ["slurm"], "slurm_node": node, "refresh": "1s", "slurm_timeout": "10s",
+                       "slurm_refetch_min": s.dur(60)}
         fast = {"interval": "1s", "jitter": "0s"}
         c = raw["checks"]
         c["disk"].update(fast, paths=["/", str(self.ckpt)], forecast_min_span=s.dur(300, 3),
@@ -240,7 +241,8 @@ class Run:
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200),
                                actions={"critical": ["signal", "requeue"]})
-        c["job_timelimit"].update(fast, margin=s.dur(600, 3), actions={"warning": ["signal", "requeue"]})
+        c["job_timelimit"].update(fast, margin=s.dur(600, 3), recheck=s.dur(300, 2),
+                                  actions={"warning": ["signal", "requeue"]})
         c["job_switch"].update(fast)
         c["training_log"].update(fast, actions={"critical": ["requeue"]})
         raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)}}

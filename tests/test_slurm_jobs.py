@@ -226,15 +226,14 @@ def test_time_limit_exit_before_end_time(slurm: SlurmCluster, tmp_path: Path, en
         assert incident.actions[0]["action"] == "signal" and incident.actions[0]["outcome"] == "ok"
 
 
-def test_time_limit_judges_only_running_jobs(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_time_limit_judges_only_running_jobs(slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
     """Issue 24's run: `job_timelimit` fired on an ended job ("reaches its time limit ... (in 0s)": a finished job's
     EndTime is its end) and requeued it. A cancelled job whose steps ignore SIGTERM stays on the node for KillWait
     (5 s here) while the controller already says it ended: the source reports it COMPLETING and the check leaves it
     alone, before and after its steps are gone."""
-    monkeypatch.setattr(slurmsource, "REFRESH_MIN_S", 0.0)  # the check's refresh near the margin: every round
     engine = engine_for(slurm, tmp_path, {"limit": {"type": "job_timelimit", "margin": "110s", "interval": "1s",
-                                                    "jitter": 0}})
+                                                    "jitter": 0}},
+                        slurm_refetch_min="0.1s")  # the check's refresh near the margin: every round
     engines.append(engine)
     assert engine.catalog is not None
     job_id = slurm.submit("trap '' TERM; while :; do sleep 0.2; done", "--time=3", name="tg-going")
@@ -260,6 +259,35 @@ def test_time_limit_judges_only_running_jobs(slurm: SlurmCluster, tmp_path: Path
         time.sleep(0.2)
     assert "COMPLETING" in states, " ".join(states)  # the controller's word was seen while the steps were still here
     assert states[-1] in ("CANCELLED", "ENDED", "gone"), states
+
+
+def test_a_time_limit_cut_by_scontrol_update_is_seen_within_recheck(slurm: SlurmCluster, tmp_path: Path,
+                                                                    engines: list[Engine]) -> None:
+    """Issue 24's run: the job's TimeLimit was cut to ~20 (scaled) minutes while the EndTime the agent knew was far
+    away, so it never asked again and SLURM killed the job at the limit. Now a running job's EndTime is asked again
+    every `recheck`: the cut is seen and the job told to save before the margin."""
+    engine = engine_for(slurm, tmp_path, {"limit": {"type": "job_timelimit", "margin": "150s", "interval": "0.5s",
+                                                    "jitter": 0, "recheck": "2s"}},
+                        slurm_refetch_min="1s")
+    engines.append(engine)
+    assert engine.catalog is not None
+    job_id = slurm.submit("while :; do sleep 0.2; done", "--time=60", name="tg-limit-cut")
+    slurm.wait_state(job_id, ("RUNNING",))
+    key = f"slurm:{job_id}"
+
+    def limit() -> Any:
+        [report] = [r for r in engine.run_round(ingest=False) if r.check == "limit"]
+        return next((r for r in report.results if r.subject == key), None)
+
+    first = wait_until(limit, 15, what="the running job judged")
+    assert first.status is Status.OK and first.details["seconds_left"] > 50 * 60
+    try:
+        sh("scontrol", "update", f"jobid={job_id}", "TimeLimit=2")  # the limit now ~1 minute away: in the margin
+        cut = wait_until(lambda: (r := limit()) and r.status is Status.WARNING and r, 10,
+                         what="the cut TimeLimit seen and the job told to save")
+        assert cut.details["seconds_left"] <= 120 and "reaches its time limit" in cut.summary
+    finally:
+        sh("scancel", job_id)
 
 
 def _switch_engine(slurm: SlurmCluster, tmp_path: Path) -> Engine:
@@ -460,9 +488,10 @@ def test_a_job_name_that_forges_its_owner_node_and_life_silences_no_node() -> No
 def test_a_job_the_controller_says_is_going_is_asked_about_less_and_less() -> None:
     """A step stuck in D state keeps a job COMPLETING for days: asked again after 5 s at first, then backing off to
     the once a minute of any job's refresh."""
-    waits = [slurmsource.going_wait(t) for t in (0, 5, 10, 20, 40, 80, 86400)]
+    refetch_min = JobsSettings().slurm_refetch_min
+    waits = [slurmsource.going_wait(t, refetch_min) for t in (0, 5, 10, 20, 40, 80, 86400)]
     assert waits == [5.0, 5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
-    assert max(waits) == slurmsource.REFRESH_MIN_S
+    assert max(waits) == refetch_min == 60.0
 
 
 def test_only_the_owner_speaks_for_a_multi_node_job() -> None:

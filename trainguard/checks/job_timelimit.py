@@ -19,6 +19,9 @@ LOOKAHEAD_S = 120.0  # this long before a job enters its margin, its EndTime is 
 class TimeLimitSettings(CheckSettings):
     margin: Duration = Field(600.0, gt=0, description="Ask the job to save and exit this long before its EndTime.")
     interval: Duration = Field(10.0, gt=0, description="Time between runs.")
+    recheck: Duration = Field(300.0, ge=0, description="A running job's EndTime is asked of slurmctld again this "
+                              "often (one small RPC per job; near the margin, once a minute): a TimeLimit cut by "
+                              "`scontrol update` is seen within this. 0: only near the EndTime known.")
 
 
 class TimeLimitCheck(JobCheck):
@@ -43,8 +46,11 @@ class TimeLimitCheck(JobCheck):
                                            {"job_key": job.key, "job_id": job.job_id}))
                 continue
             left = job.end_time - now
-            if left <= self.settings.margin + LOOKAHEAD_S and self.context.jobs is not None:
-                self.context.jobs.refresh(job)  # once a minute at most: a TimeLimit extended since is seen in time
+            near = left <= self.settings.margin + LOOKAHEAD_S
+            if self.context.jobs is not None and (near or self.settings.recheck):
+                # Near the margin, as often as the source allows: a TimeLimit extended since is seen in time. Before,
+                # every `recheck`: the EndTime known may be days away while an update cut the limit to minutes.
+                self.context.jobs.refresh(job, 0.0 if near else self.settings.recheck)
             end = time.strftime("%H:%M:%S", time.localtime(job.end_time))
             details = {"job_key": job.key, "job_id": job.job_id, "end_time": job.end_time, "seconds_left": round(left)}
             sample = TIME_LEFT(left, {"job_id": job.job_id or ""})

@@ -107,12 +107,13 @@ class JobCatalog:
         probe = getattr(source, "changed", None)
         return bool(probe()) if probe is not None else False
 
-    def refresh(self, job: Job) -> None:
-        """Ask the job's source to fetch what only the controller knows again (rate-limited by the source)."""
+    def refresh(self, job: Job, max_age: float = 0.0) -> None:
+        """Ask the job's source to fetch what only the controller knows again, unless what it has is younger than
+        `max_age` (rate-limited by the source too)."""
         source = self._sources.get(job.source)
         ask = getattr(source, "refresh", None)
         if ask is not None and job.job_id:
-            ask(job.job_id)
+            ask(job.job_id, max_age)
 
     def settle(self, timeout: float) -> None:
         """List the jobs, then wait (`timeout` at most) for what their sources fetch in the background."""

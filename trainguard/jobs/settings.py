@@ -59,6 +59,10 @@ class JobsSettings(SettingsModel):
                                                  "trainguard, kept across restarts).")
     refresh: Duration = Field(5.0, ge=0, description="How long one listing of the node's jobs is reused when nothing "
                                                      "says it changed (a step's start or end, a prolog, a fetch).")
+    slurm_refetch_min: Duration = Field(60.0, gt=0, description="A job's controller record (EndTime, StdOut, ...) is "
+                                        "fetched again at most this often per job, whoever asks (`job_timelimit`, a "
+                                        "job the controller says ended while its steps stay): what one job on this "
+                                        "node can cost slurmctld at most.")
     processes: dict[str, ProcessJobSettings] = Field(default_factory=dict, description="Plain-process jobs by name.")
 
     @field_validator("sources")

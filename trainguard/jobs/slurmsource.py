@@ -48,24 +48,23 @@ log = logging.getLogger("trainguard.slurm")
 
 LINGER_S = 600.0  # an ended job stays in the view this long, with its final state
 PROLOG_GRACE_S = 120.0  # a prolog's record alone (no step seen yet) makes a job running for this long
-REFRESH_MIN_S = 60.0  # a job's controller record is fetched again at most this often
 RETRY_S = (5.0, 30.0, 60.0, 300.0)  # after a failed fetch (controller down), then every 5 minutes
 FINAL_TRIES = 5  # an ended job's final state: the controller may still say COMPLETING for a moment
 REDISCOVER_S = 60.0  # where no cgroup or spool dir was found, look again this often (slurmd may start later)
 WATCH_S = 0.25  # the watcher's period: jobs that live longer than this are seen even between two listings
 STARTING_S = 60.0  # a job directory with no process in it is a job starting for this long; after, a leftover
 GOING_S = 5.0  # a job the controller says ended while its steps are still here is asked about again after this, then
-# after as long as it has been going, up to REFRESH_MIN_S
+# after as long as it has been going, up to the settings' slurm_refetch_min
 # What the controller says of a job whose steps run here and that is not going away. Anything else (COMPLETING, an
 # ended state, PENDING/REQUEUED after a requeue) while steps are still here: the job is COMPLETING, its steps being
 # killed or finishing, and no check judges it (a finished job's EndTime is its end: "time limit in 0s").
 LIVE_STATES = frozenset({"RUNNING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING"})
 
 
-def going_wait(going_for: float) -> float:
+def going_wait(going_for: float, cap: float) -> float:
     """How long after a fetch that said a job is going (its steps still here) to ask again: GOING_S at first, then
-    as long as it has been going, up to REFRESH_MIN_S (5, 5, 10, 20, 40, 60, 60 s ...)."""
-    return min(REFRESH_MIN_S, max(GOING_S, going_for))
+    as long as it has been going, up to `cap` (the refetch minimum: 5, 5, 10, 20, 40, 60, 60 s ... for 60 s)."""
+    return min(cap, max(GOING_S, going_for))
 
 
 @dataclass
@@ -261,10 +260,11 @@ class SlurmSource:
                 local = self._jobs[job_id]
                 if local.record is not None and local.record.state not in LIVE_STATES and local.fetched is not None:
                     # the controller said it is going while steps remain: ask again soon, so that a job requeued
-                    # back onto this node between two listings is not taken as going for REFRESH_MIN_S; backing off
+                    # back onto this node between two listings is not taken as going for a whole minute; backing off
                     # to that rate, since a step stuck in D state keeps a job COMPLETING for days
                     local.going_since = local.fetched if local.going_since is None else local.going_since
-                    self._schedule(job_id, "refresh", local.fetched + going_wait(local.fetched - local.going_since))
+                    self._schedule(job_id, "refresh", local.fetched + going_wait(local.fetched - local.going_since,
+                                                                                 self.settings.slurm_refetch_min))
                 elif local.record is not None:
                     local.going_since = None
             for job_id, record in records.items():  # ran and ended between two listings: the hooks saw it
@@ -372,12 +372,13 @@ class SlurmSource:
         return self._stale
 
     def refresh(self, job_id: str, max_age: float = 0.0) -> None:
-        """Fetch a job's record again (in the background) unless it is younger than `max_age`: once a minute at most."""
+        """Fetch a job's record again (in the background) unless it is younger than `max_age`, or than the settings'
+        `slurm_refetch_min` (a minute)."""
         with self._lock:
             local = self._jobs.get(job_id)
             if local is None or local.ended is not None:
                 return
-            if local.fetched is None or self.clock() - local.fetched >= max(max_age, REFRESH_MIN_S):
+            if local.fetched is None or self.clock() - local.fetched >= max(max_age, self.settings.slurm_refetch_min):
                 self._schedule(job_id, "refresh", self.clock())
 
     def _schedule(self, job_id: str, kind: str, at: float) -> None:
