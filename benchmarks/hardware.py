@@ -91,12 +91,13 @@ def main() -> int:
         print("| check | " + " | ".join("this node's GPUs" if n == 0 else f"{n} GPUs" for n in counts)
               + " | per GPU |")
         print("|---|" + "---|" * (len(counts) + 1))
-        rows: dict[str, list[tuple[int, float]]] = {}
+        walls: dict[str, dict[int, float]] = {}  # check -> column -> median wall of one run (absent: idle there)
+        gpus_in: list[int] = []  # the GPUs NVML listed in each column
         idle_because: dict[str, str] = {}
-        for count in counts:
+        for column, count in enumerate(counts):
             fake = None if args.nvml == "real" else FakeNvml(hgx(count))
             nvml = Nvml(fake)
-            gpus = len(nvml.gpus())
+            gpus_in.append(len(nvml.gpus()))
             context = CheckContext("bench", Path(tmp), nvml=nvml)
             checks: list[Check] = [
                 GpuCheck("gpu", GpuSettings(), context), NvlinkCheck("nvlink", NvlinkSettings(), context),
@@ -109,16 +110,22 @@ def main() -> int:
                 except CheckIdle as idle:  # a node without NVLink or a fabric: the check is idle there, nothing to time
                     idle_because[check.name] = str(idle)
                     continue
-                rows.setdefault(check.name, []).append((gpus, timed(check.run, args.runs)[0]))
+                walls.setdefault(check.name, {})[column] = timed(check.run, args.runs)[0]
         new = ("nvlink", "pcie", "gpu_config", "fabric")
-        for name, cells in rows.items():
-            gpus, wall = cells[-1]
-            print(f"| {name}{' (new)' if name in new else ''} | " + " | ".join(f"{1000 * w:.2f} ms" for _, w in cells)
-                  + f" | {1000 * wall / max(gpus, 1):.3f} ms |")
-        added = [sum(w for n, c in rows.items() if n in new for g, w in [c[i]]) for i in range(len(counts))]
-        gpus_at = [c[0] for c in rows["gpu"]]
-        print("| **the new reads together** | " + " | ".join(f"**{1000 * a:.2f} ms**" for a in added)
-              + f" | **{1000 * added[-1] / max(gpus_at[-1], 1):.3f} ms** |")
+        last = len(counts) - 1
+        per_gpu = max(gpus_in[last], 1)
+
+        def cell(value: float | None, bold: bool = False) -> str:
+            text = "idle" if value is None else f"{1000 * value:.2f} ms"
+            return f"**{text}**" if bold else text
+
+        for name, by_column in walls.items():
+            per = f"{1000 * by_column[last] / per_gpu:.3f} ms" if last in by_column else "idle"
+            print(f"| {name}{' (new)' if name in new else ''} | "
+                  + " | ".join(cell(by_column.get(c)) for c in range(len(counts))) + f" | {per} |")
+        added = [sum(walls[n].get(c, 0.0) for n in new if n in walls) for c in range(len(counts))]
+        print("| **the new reads together** | " + " | ".join(cell(a, bold=True) for a in added)
+              + f" | **{1000 * added[last] / per_gpu:.3f} ms** |")
         for name, why in idle_because.items():
             print(f"\n{name}: idle ({why}), not timed")
     return 0

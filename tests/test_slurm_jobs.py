@@ -19,14 +19,17 @@ import requests
 from tests.conftest import AgentProcess, free_port, unique_bus, wait_until, xid79
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
 from trainguard.agent.configfile import parse_config
+from trainguard.checks.base import CheckContext
+from trainguard.checks.job_timelimit import TimeLimitCheck, TimeLimitSettings
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.core.state import scoped_key
 from trainguard.jobs import slurmsource
-from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
-from trainguard.jobs.slurm import SlurmClient, parse_job_record
+from trainguard.jobs.slurm import SlurmClient, SlurmError, parse_job_record
+from trainguard.jobs.slurmsource import SlurmSource
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine
 from trainguard.registry import CHECKS, Registry
@@ -512,3 +515,79 @@ def test_hardware_checks_speak_on_the_node_at_fault() -> None:
     assert {k for k, c in scopes.items() if c.scope == "job"} == {"hang", "training_log", "job_timelimit",
                                                                    "job_switch"}
     assert all(c.scope == "node" for c in scopes.values() if c.layer == "hardware")
+
+
+class CountingClient(SlurmClient):
+    """`scontrol show job` answered from memory, or refused while the controller is down; every ask counted."""
+
+    def __init__(self) -> None:
+        super().__init__(3, "/nonexistent")
+        self.asked: list[str] = []
+        self.down = True
+
+    def show_job(self, job_id: str) -> str | None:
+        self.asked.append(job_id)
+        if self.down:
+            raise SlurmError("slurmctld down (a test)")
+        return f"JobId={job_id} JobName=t UserId=u(1000) JobState=RUNNING EndTime=Unknown"
+
+
+def test_asking_again_never_overrides_a_retry_backoff_nor_the_refetch_minimum() -> None:
+    """The review of the recheck: while slurmctld was down, every run's ask replaced the retry's backoff with a fetch
+    now (a job whose first fetch never answered was asked every run): 48 RPCs a minute for 8 jobs, at the moment
+    the controller comes back."""
+    now = [1000.0]
+    client = CountingClient()
+    source = SlurmSource(JobsSettings(sources=["slurm"], slurm_node="n1", prolog_dir=""), "n1", client,
+                         clock=lambda: now[0])
+    try:
+        with source._lock:  # a job this node found, whose first fetch has not been made yet
+            source._jobs["7"] = slurmsource._Local("7", seen=now[0])
+        source.refresh("7", 300.0)
+        wait_until(lambda: len(client.asked) == 1, 5, what="the first fetch, refused")
+        for _ in range(20):  # the time-limit check runs every second, asking again each time
+            now[0] += 1
+            source.refresh("7", 300.0)
+            time.sleep(0.01)
+        assert client.asked == ["7"], "asked again over the retry's backoff"
+
+        client.down = False  # the retry (due 5 s after the refusal) is answered
+        wait_until(lambda: source._jobs["7"].fetched is not None, 10, what="the retry, answered")
+        assert client.asked == ["7"] * 2
+        for _ in range(5):  # answered a moment ago: younger than the recheck, nothing asked
+            now[0] += 1
+            source.refresh("7", 300.0)
+        time.sleep(0.2)
+        assert len(client.asked) == 2
+        now[0] += 300
+        source.refresh("7", 300.0)
+        wait_until(lambda: len(client.asked) == 3, 5, what="the recheck once its age is reached")
+    finally:
+        source.close()
+
+
+def test_only_the_node_that_speaks_for_a_job_asks_its_end_time_again(tmp_path: Path) -> None:
+    """A 1,000-node job rechecked by every node is 1,000 RPCs every recheck: only its owner (BatchHost) asks."""
+
+    class Catalog:
+        node = "n2"
+        asked: list[tuple[str, float]] = []
+
+        def __init__(self, job: Job) -> None:
+            self.job = job
+
+        def view(self) -> JobView:
+            return JobView((self.job,))
+
+        def refresh(self, job: Job, max_age: float = 0.0) -> None:
+            self.asked.append((job.key, max_age))
+
+    far = time.time() + 86400
+    for batch_host, asks in (("n1", []), ("n2", [("slurm:9", 300.0)])):
+        job = Job(key="slurm:9", source="slurm", name="big", state="RUNNING", job_id="9", on_this_node=True,
+                  end_time=far, node_list="n[1-1000]", batch_host=batch_host)
+        catalog = Catalog(job)
+        catalog.asked = []
+        check = TimeLimitCheck("limit", TimeLimitSettings(), CheckContext("n2", tmp_path, jobs=catalog))  # type: ignore[arg-type]
+        [result] = check.run()
+        assert result.status is Status.OK and catalog.asked == asks, (batch_host, catalog.asked)

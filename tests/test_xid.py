@@ -20,7 +20,7 @@ from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.xid import XidEvent, XidParser
 from trainguard.gpu.xid_catalog import describe
-from trainguard.node.kmsg import KernelRecord, KmsgFollower, LogPoint, parse_journal, parse_kmsg
+from trainguard.node.kmsg import KernelRecord, KmsgFollower, LogPoint, newest_seq, parse_journal, parse_kmsg
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 
@@ -396,12 +396,25 @@ def test_no_kernel_log_source_is_unknown(tmp_path: Path) -> None:
     check.stop()
 
 
-def test_a_one_shot_read_of_a_kernel_log_that_is_a_plain_file_ends(tmp_path: Path) -> None:
-    """`kmsg_path` pointing at a regular file (a copy of the log, a mistake): the one-shot read stops at its end; it
-    spun on the empty reads for ever, a health check that never returns."""
+def test_a_kernel_log_that_is_a_plain_file_is_read_as_lines_and_never_followed(tmp_path: Path) -> None:
+    """`kmsg_path` pointing at a regular file (a saved copy of the log, a mistake): the one-shot read spun on the
+    empty reads for ever (a health check that never returns), and took one record per 16 KiB read (the device gives
+    one a read). Read as lines now; following it is refused (it is always readable and never waits) for the journal."""
     path = tmp_path / "kmsg"
     path.write_bytes(b"")
     seen: list[KernelRecord] = []
     assert KmsgFollower(seen.append, path=str(path)).read_once() == 0
-    path.write_bytes(b"4,17,5000000,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n")
-    assert KmsgFollower(seen.append, path=str(path)).read_once() == 1 and seen[0].seq == 17
+    path.write_bytes(b"4,17,5000000,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n"
+                     b" SUBSYSTEM=pci\n"
+                     b"4,18,6000000,-;NVRM: Xid (PCI:0000:5e:00): 48, DBE (double bit error).\n")
+    assert KmsgFollower(seen.append, path=str(path)).read_once() == 2
+    assert [r.seq for r in seen] == [17, 18] and "0000:5e:00" in seen[1].message
+    assert newest_seq(str(path)) == 18
+
+    follower = KmsgFollower(seen.append, path=str(path), journalctl=str(tmp_path / "nojournal"))
+    follower.start()
+    try:
+        wait_until(lambda: follower.error is not None, 5, what="the follower to refuse the file and give up")
+        assert follower.records == 0 and follower.source != "kmsg"
+    finally:
+        follower.stop()

@@ -363,24 +363,71 @@ def test_a_one_shot_check_places_records_by_the_agents_first_start_and_clears(tm
     assert "GPU-lost" not in results and results["GPU-healthy"].status is Status.WARNING
 
 
-def test_marks_of_another_boot_or_unreadable_are_not_taken(tmp_path: Path, caplog: Any) -> None:
-    path = tmp_path / MARKS_FILE
+def said(caplog: Any) -> str:
+    """Why the marks were not taken, as the log line's error field says it."""
+    return " ".join(str(r.kv.get("error")) for r in caplog.records if r.getMessage().startswith("XID marks not taken"))
+
+
+def test_marks_of_another_boot_unknown_boot_or_anyone_s_are_not_taken(tmp_path: Path, caplog: Any) -> None:
+    """The marks silence a drain, so only the agent's own are taken: of this boot (a boot id that can't be read
+    tells no boot from another), in a file of root or the state directory's owner that no one else may write."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    path = state / MARKS_FILE
     ledger = XidLedger(None, proc=fake_proc(tmp_path / "proc", "boot-b"))
     assert not ledger.adopt_marks({"boot_id": "boot-a", "first_start": [5, 100], "cleared": []})  # a reboot since
     assert not ledger.adopt_marks(["not", "a", "dict"])
+    assert not XidLedger(None, proc=fake_proc(tmp_path / "noboot", "")).adopt_marks(
+        {"boot_id": "", "first_start": [5, 100], "cleared": []})
     assert ledger.adopt_marks({"boot_id": "boot-b", "first_start": ["x", None], "cleared": [["xid", "0000:3b:00", 9, 9],
                                                                                             "junk", [1, 2]]})
     assert ledger.first_start is None  # what does not parse is left out, the rest is taken
     assert ledger.record(XidEvent(79, "0000:3b:00", "old", seq=8, usec=8)) is None  # before the clear
-    for content in (b"{not json", b"x" * (2 << 20)):
+
+    good = json.dumps({"boot_id": XidLedger(None).boot_id, "first_start": [1, 1], "cleared": []}).encode()
+    cases = [(b"{not json", "Expecting"), (b"[" * 100_000, "recursion"), (b"x" * (2 << 20), "larger than"),
+             (good, "not trusted")]  # the last one group-writable: anyone in the group could have written it
+    for content, why in cases:
+        caplog.clear()
         path.write_bytes(content)
-        check = one_shot_check(tmp_path)
+        path.chmod(0o664 if content is good else 0o644)
+        check = one_shot_check(state)
         results = check.run()  # still runs: every record counts as logged
         assert check.ledger.first_start is None and not [r for r in results if r.status is Status.CRITICAL]
-    assert "XID marks unreadable" in caplog.text
-    path.unlink()
-    path.symlink_to(tmp_path / "elsewhere.json")  # not followed
-    (tmp_path / "elsewhere.json").write_text(json.dumps({"boot_id": XidLedger(None).boot_id, "first_start": [1, 1]}))
-    check = one_shot_check(tmp_path)
+        assert why in said(caplog), (why, said(caplog))
+    path.chmod(0o644)
+    os.chown(path, 12345, 12345)  # another user's file
+    check = one_shot_check(state)
+    check.run()
+    assert check.ledger.first_start is None and "owned by uid 12345" in said(caplog)
+    os.chown(path, os.getuid(), os.getgid())
+    state.chmod(0o777)  # a directory anyone may write: its files are anyone's
+    check = one_shot_check(state)
     check.run()
     assert check.ledger.first_start is None
+    state.chmod(0o700)
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere.json")  # not followed
+    (tmp_path / "elsewhere.json").write_bytes(good)
+    check = one_shot_check(state)
+    check.run()
+    assert check.ledger.first_start is None
+    path.unlink()
+    path.write_bytes(good)
+    check = one_shot_check(state)
+    check.run()
+    assert check.ledger.first_start == LogPoint(1, 1)  # the same file, the agent's: taken
+
+
+def test_a_first_start_the_store_refused_is_not_published(tmp_path: Path) -> None:
+    """Kept in memory only, it moves with every restart of a crash-looping agent: published, it would make history,
+    for the health check, of what an earlier life saw logged. The health check grades everything as logged instead."""
+    (tmp_path / MARKS_FILE).write_text("{}")  # an older life's
+    context = CheckContext("n", tmp_path, nvml=Nvml(FakeNvml(fake_board())), xid_history=XidLedger(RefusingStore()))
+    check = XidCheck("xid", XidSettings(kmsg_path=str(tmp_path / "none"), journalctl=str(tmp_path / "nojournal")),
+                     context)
+    check.start(lambda: None)
+    try:
+        assert check.ledger.first_start is not None and not (tmp_path / MARKS_FILE).exists()
+    finally:
+        check.stop()

@@ -47,10 +47,12 @@ class TimeLimitCheck(JobCheck):
                 continue
             left = job.end_time - now
             near = left <= self.settings.margin + LOOKAHEAD_S
-            if self.context.jobs is not None and (near or self.settings.recheck):
+            jobs = self.context.jobs
+            if jobs is not None and (near or self.settings.recheck) and job.spoken_for_by(jobs.node):
                 # Near the margin, as often as the source allows: a TimeLimit extended since is seen in time. Before,
-                # every `recheck`: the EndTime known may be days away while an update cut the limit to minutes.
-                self.context.jobs.refresh(job, 0.0 if near else self.settings.recheck)
+                # every `recheck`: the EndTime known may be days away while an update cut the limit to minutes. Only
+                # the node that speaks for the job asks: a 1,000-node job costs slurmctld one RPC, not 1,000.
+                jobs.refresh(job, 0.0 if near else self.settings.recheck)
             end = time.strftime("%H:%M:%S", time.localtime(job.end_time))
             details = {"job_key": job.key, "job_id": job.job_id, "end_time": job.end_time, "seconds_left": round(left)}
             sample = TIME_LEFT(left, {"job_id": job.job_id or ""})

@@ -13,8 +13,10 @@ unreadable) or logged since the agent started (docs/gpu-faults.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -331,6 +333,8 @@ class XidCheck(Check):
         self._wake: Callable[[], None] | None = None
         self._started = False
         self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._first_start_saved = False
 
     def start(self, wake: Callable[[], None]) -> None:
         self._wake = wake
@@ -341,6 +345,7 @@ class XidCheck(Check):
             point, new = self.ledger.mark_first_start(lambda: LogPoint.now(self.settings.kmsg_path))
             log.info("first start on this boot" if new else "started before on this boot",
                      extra=kv(kmsg_seq=point.seq, boot_usec=point.usec))
+            self._first_start_saved = True
         except (sqlite3.Error, OSError) as exc:  # a state store that refuses the write (corrupt): XIDs still watched
             log.error("first start not saved: a restart on this boot takes its own start as the first",
                       extra=kv(error=exc))
@@ -402,8 +407,15 @@ class XidCheck(Check):
         node for an XID the agent calls history, or one an operator cleared. It does not open the agent's SQLite
         store: a reader of another user could leave files there the agent cannot open."""
         path = self.context.state_dir / MARKS_FILE
+        if not self._first_start_saved:
+            # One kept in memory only moves with every restart: a later one would make history of what an earlier
+            # life of the agent saw logged, for the health check. Nothing published: it grades all as logged.
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return
         try:
-            replace_file(path, json.dumps(self.ledger.marks()).encode())
+            with self._publish_lock:  # a clear and the start at once: the newer marks are the ones left
+                replace_file(path, json.dumps(self.ledger.marks()).encode())
         except OSError as exc:
             log.warning("XID marks not published: trainguard check grades this boot's XIDs as logged, clears unseen",
                         extra=kv(path=path, error=exc))
@@ -412,14 +424,19 @@ class XidCheck(Check):
         """One-shot: the running (or last) agent's first start and clears on this boot, if it published them."""
         path = self.context.state_dir / MARKS_FILE
         try:
-            raw = read_small(path, MARKS_MAX)
+            # They silence a drain: the agent's word only (its user's or root's file, in a directory no one else
+            # may write), never a file anyone could have put there.
+            folder = os.stat(self.context.state_dir)
+            if folder.st_mode & 0o022:
+                raise OSError(f"{self.context.state_dir}: group or others may write it: its files are not trusted")
+            raw = read_small(path, MARKS_MAX, owners={0, folder.st_uid})
             if len(raw) >= MARKS_MAX:
-                raise ValueError(f"larger than {MARKS_MAX} bytes")
+                raise ValueError(f"larger than {MARKS_MAX} bytes: not what the agent writes")
             data = json.loads(raw)
         except FileNotFoundError:
             return  # no agent started with this state directory yet: every record of the boot counts as logged
-        except (OSError, ValueError) as exc:
-            log.warning("XID marks unreadable: grading this boot's XIDs as logged", extra=kv(path=path, error=exc))
+        except (OSError, ValueError, RecursionError) as exc:
+            log.warning("XID marks not taken: grading this boot's XIDs as logged", extra=kv(path=path, error=exc))
             return
         if self.ledger.adopt_marks(data):
             first = self.ledger.first_start

@@ -6,29 +6,37 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 
 def replace_file(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write `path` as a whole: a reader sees the old file or the new one, never a part (a temporary file beside it,
-    renamed over it). The temporary file is created new (O_EXCL) and never through a link."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write `path` as a whole: a reader sees the old file or the new one, never a part (a temporary file of a name
+    no one else has, beside it, renamed over it). Two writers at once each leave a whole file; the last rename wins,
+    so a caller whose content must not go backwards holds its own lock."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), mode)  # mkstemp makes it 0600; the service's umask must not decide who reads it
             out.write(data)
         os.replace(tmp, path)
-    finally:
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise
 
 
-def read_small(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a regular file; a link, a FIFO or a device is refused with OSError."""
+def read_small(path: Path, limit: int, owners: Collection[int] | None = None) -> bytes:
+    """At most `limit` bytes of a regular file; a link, a FIFO or a device is refused with OSError, and so is, with
+    `owners`, a file another user owns or one its group or others may write (what it says is then anyone's word)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{path}: not a regular file")
+        if owners is not None and (st.st_uid not in owners or st.st_mode & 0o022):
+            raise OSError(f"{path}: owned by uid {st.st_uid}, mode {stat.filemode(st.st_mode)}: not trusted")
         return os.read(fd, limit)
     finally:
         os.close(fd)

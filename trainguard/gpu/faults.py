@@ -77,7 +77,7 @@ class XidLedger:
             data = json.loads(self._store.get(LEDGER_KEY) or "{}")
         except ValueError:
             return
-        if not isinstance(data, dict) or data.get("boot_id") != self.boot_id:
+        if not self.boot_id or not isinstance(data, dict) or data.get("boot_id") != self.boot_id:
             return  # a reboot resets the GPUs: the old boot's XIDs no longer describe them, nor its first start
         self._first_start, self._cleared = _marks(data)
         for raw in data.get("entries", []):
@@ -200,8 +200,8 @@ class XidLedger:
         """A one-shot reader takes the agent's marks (`marks()`) as its own, if they are of this boot and it has none:
         records before the agent's first start are then history to it too, and records before a clear are over.
         Nothing is saved. Returns whether it took them."""
-        if not isinstance(data, dict) or data.get("boot_id") != self.boot_id:
-            return False
+        if not self.boot_id or not isinstance(data, dict) or data.get("boot_id") != self.boot_id:
+            return False  # no boot id to tell this boot from another: marks of an older boot would hide faults
         with self._lock:
             if self._first_start is not None or self._cleared:
                 return False

@@ -5,8 +5,9 @@ spool dir, whose mtime says when a step started or ended, and `scontrol listpids
 when it is installed (`prolog`). Nothing of this asks slurmctld. What only the controller knows (name, array ids,
 StdOut/StdErr, WorkDir, EndTime, requeue) is fetched once per job by id (`scontrol show job ID`, one
 REQUEST_JOB_INFO_SINGLE), in a background thread so that a slow or dead controller never holds up a check, and kept
-for the job's life; it is fetched again only when asked (`refresh`, at most once a minute per job: the time-limit
-check near EndTime) and once when the job ends, for its final state and exit code.
+for the job's life; it is fetched again only when asked (`refresh`: the time-limit check, on the job's owner node,
+every `recheck` and near EndTime; never more often than `slurm_refetch_min` after the last try, and never over a
+retry's backoff while the controller is down) and once when the job ends, for its final state and exit code.
 
 A job is known as soon as its first process runs (or its prolog ran). Between two listings a watcher thread looks at
 the node's job directories every WATCH_S (a stat, or a directory listing: no process read, no RPC), so that a job
@@ -19,6 +20,7 @@ answer, the jobs stay known from the node and `stale()` says so.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -87,6 +89,8 @@ class _Local:
     glimpsed: bool = False  # found by the watcher, between listings
     placed: tuple[str | None, str | None] = (None, None)  # (BatchHost, NodeList) of this life, as last said
     going_since: float | None = None  # when the controller first said it is going while its steps are still here
+    attempted: float | None = None  # the last fetch's start, answered or not
+    fetching: bool = False  # a fetch of it is under way
 
 
 @dataclass
@@ -376,9 +380,10 @@ class SlurmSource:
         `slurm_refetch_min` (a minute)."""
         with self._lock:
             local = self._jobs.get(job_id)
-            if local is None or local.ended is not None:
-                return
-            if local.fetched is None or self.clock() - local.fetched >= max(max_age, self.settings.slurm_refetch_min):
+            if local is None or local.ended is not None or job_id in self._due or local.fetching:
+                return  # one is due or under way (a retry after a failure keeps its backoff: the controller is down)
+            last = max(t for t in (local.fetched, local.attempted, -math.inf) if t is not None)
+            if self.clock() - last >= max(max_age, self.settings.slurm_refetch_min):
                 self._schedule(job_id, "refresh", self.clock())
 
     def _schedule(self, job_id: str, kind: str, at: float) -> None:
@@ -408,9 +413,15 @@ class SlurmSource:
                         self._wake.wait(None if soonest is None else min(60.0, soonest.at - now))
                 local = self._jobs.get(due.job_id)
                 uid = local.uid if local else None
+                if local is not None:
+                    local.attempted, local.fetching = self.clock(), True
             if local is None:
                 continue
-            self._fetch(due, uid)
+            try:
+                self._fetch(due, uid)
+            finally:
+                with self._lock:
+                    local.fetching = False
 
     def _fetch(self, due: _Due, uid: int | None) -> None:
         text, error, pending = None, None, None

@@ -10,15 +10,17 @@ container) `journalctl -k -f -o json` is followed instead, with its cursor persi
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,21 +95,38 @@ def _small_int(value: object, default: int) -> int:
 def newest_seq(path: str = "/dev/kmsg") -> int:
     """The sequence number of the newest record in the kernel log now (-1 when it is empty). Raises OSError when the
     device can't be read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     last = -1  # reads the whole buffer: SEEK_END would skip the newest record too, and it is what we need
+    for record in _records(path):
+        last = record.seq
+    return last
+
+
+def _records(path: str) -> Iterator[KernelRecord]:
+    """Every record the kernel log holds now, oldest first, without waiting for more. The device gives one record a
+    read and EAGAIN at the end; a plain file (a saved copy of the log) is read as lines, one record each."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            with os.fdopen(os.dup(fd), "rb") as lines:
+                for line in lines:
+                    record = parse_kmsg(line.rstrip(b"\n"))
+                    if record is not None:
+                        yield record
+            return
         while True:
             try:
-                record = parse_kmsg(os.read(fd, 16384))
+                raw = os.read(fd, 16384)
             except BlockingIOError:
-                break
+                return
             except BrokenPipeError:
-                continue
+                continue  # overrun: the next read returns the oldest record still there
+            if not raw:  # a FIFO without a writer: nothing more to come now
+                return
+            record = parse_kmsg(raw)
             if record is not None:
-                last = record.seq
+                yield record
     finally:
         os.close(fd)
-    return last
 
 
 def cursor_at_end(path: str = "/dev/kmsg", proc: ProcFS | None = None) -> str:
@@ -186,6 +205,9 @@ class KmsgFollower:
     def _run(self) -> None:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            if stat.S_ISREG(os.fstat(fd).st_mode):  # always readable, never waits: nothing to follow
+                os.close(fd)
+                raise OSError(errno.EINVAL, "a plain file, not the kernel log device")
         except OSError as exc:
             log.warning("cannot read the kernel log device; following the journal instead",
                         extra=kv(path=self.path, error=exc.strerror or exc))
@@ -205,25 +227,12 @@ class KmsgFollower:
 
     def read_once(self) -> int:
         """Read what the buffer holds now, without following or persisting (one-shot `trainguard check`)."""
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         self.source = "kmsg"
-        try:
-            while True:
-                try:
-                    raw = os.read(fd, 16384)
-                except BlockingIOError:
-                    return self.records
-                except BrokenPipeError:
-                    continue
-                if not raw:  # end of a file that is not the kernel's device (which never reads empty): done
-                    return self.records
-                record = parse_kmsg(raw)
-                if record is not None:
-                    self.records += 1
-                    self.last_seq = record.seq
-                    self._deliver(record)
-        finally:
-            os.close(fd)
+        for record in _records(self.path):
+            self.records += 1
+            self.last_seq = record.seq
+            self._deliver(record)
+        return self.records
 
     # /dev/kmsg -------------------------------------------------------------------------------
     def _resume_after(self) -> int:
@@ -256,6 +265,9 @@ class KmsgFollower:
                     break
                 except BrokenPipeError:
                     continue  # overrun: the next read returns the oldest record still there; the gap counts it
+                if not raw:  # a FIFO whose writer went (the device never reads empty): wait for one, not spin
+                    self._stop.wait(0.5)
+                    break
                 record = parse_kmsg(raw)
                 if record is None or record.seq <= skip_through:
                     continue
