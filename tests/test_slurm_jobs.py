@@ -264,29 +264,36 @@ def test_time_limit_judges_only_running_jobs(slurm: SlurmCluster, tmp_path: Path
     assert states[-1] in ("CANCELLED", "ENDED", "gone"), states
 
 
+@pytest.mark.parametrize("limit", ["60", "UNLIMITED"])
 def test_a_time_limit_cut_by_scontrol_update_is_seen_within_recheck(slurm: SlurmCluster, tmp_path: Path,
-                                                                    engines: list[Engine]) -> None:
-    """Issue 24's run: the job's TimeLimit was cut to ~20 (scaled) minutes while the EndTime the agent knew was far
-    away, so it never asked again and SLURM killed the job at the limit. Now a running job's EndTime is asked again
-    every `recheck`: the cut is seen and the job told to save before the margin."""
+                                                                    engines: list[Engine], limit: str) -> None:
+    """Issue 24's runs: the job's TimeLimit was cut to ~20 (scaled) minutes while the EndTime the agent knew was far
+    away, or none (no limit), so it never asked again and SLURM killed the job at the limit. Now a running job's
+    EndTime is asked again every `recheck`: the cut is seen and the job told to save before the margin."""
     engine = engine_for(slurm, tmp_path, {"limit": {"type": "job_timelimit", "margin": "150s", "interval": "0.5s",
                                                     "jitter": 0, "recheck": "2s"}},
                         slurm_refetch_min="1s")
     engines.append(engine)
     assert engine.catalog is not None
-    job_id = slurm.submit("while :; do sleep 0.2; done", "--time=60", name="tg-limit-cut")
+    job_id = slurm.submit("while :; do sleep 0.2; done", f"--time={limit}", name="tg-limit-cut")
     slurm.wait_state(job_id, ("RUNNING",))
     key = f"slurm:{job_id}"
 
-    def limit() -> Any:
+    def limit_result() -> Any:
         [report] = [r for r in engine.run_round(ingest=False) if r.check == "limit"]
         return next((r for r in report.results if r.subject == key), None)
 
-    first = wait_until(limit, 15, what="the running job judged")
-    assert first.status is Status.OK and first.details["seconds_left"] > 50 * 60
     try:
+        if limit == "UNLIMITED":  # no EndTime, no result: wait until the job's record came back
+            wait_until(lambda: (j := job_here(slurm, job_id)) and j.extra.get("incomplete") is None, 15,
+                       what="the job's record fetched")
+            time.sleep(1)
+            assert limit_result() is None
+        else:
+            first = wait_until(limit_result, 15, what="the running job judged")
+            assert first.status is Status.OK and first.details["seconds_left"] > 50 * 60
         sh("scontrol", "update", f"jobid={job_id}", "TimeLimit=2")  # the limit now ~1 minute away: in the margin
-        cut = wait_until(lambda: (r := limit()) and r.status is Status.WARNING and r, 10,
+        cut = wait_until(lambda: (r := limit_result()) and r.status is Status.WARNING and r, 10,
                          what="the cut TimeLimit seen and the job told to save")
         assert cut.details["seconds_left"] <= 120 and "reaches its time limit" in cut.summary
     finally:

@@ -40,19 +40,20 @@ class TimeLimitCheck(JobCheck):
         for job in view.on_node():
             if job.source != "slurm" or job.state != "RUNNING":
                 continue  # a COMPLETING or ended job's EndTime is its end, not a limit it is heading for
-            if not job.end_time:
+            left = job.end_time - now if job.end_time else None
+            near = left is not None and left <= self.settings.margin + LOOKAHEAD_S
+            jobs = self.context.jobs
+            if jobs is not None and (near or self.settings.recheck) and job.spoken_for_by(jobs.node):
+                # Near the margin, as often as the source allows: a TimeLimit extended since is seen in time. Before,
+                # every `recheck`: the EndTime known may be days away, or none (no limit), while an update cut the
+                # limit to minutes. Only the node that speaks for the job asks: a 1,000-node job costs slurmctld one
+                # RPC, not 1,000.
+                jobs.refresh(job, 0.0 if near else self.settings.recheck)
+            if job.end_time is None or left is None:
                 if stale and job.extra.get("incomplete"):  # only the controller knows its EndTime, and it is silent
                     out.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: time limit unknown: {stale}",
                                            {"job_key": job.key, "job_id": job.job_id}))
                 continue
-            left = job.end_time - now
-            near = left <= self.settings.margin + LOOKAHEAD_S
-            jobs = self.context.jobs
-            if jobs is not None and (near or self.settings.recheck) and job.spoken_for_by(jobs.node):
-                # Near the margin, as often as the source allows: a TimeLimit extended since is seen in time. Before,
-                # every `recheck`: the EndTime known may be days away while an update cut the limit to minutes. Only
-                # the node that speaks for the job asks: a 1,000-node job costs slurmctld one RPC, not 1,000.
-                jobs.refresh(job, 0.0 if near else self.settings.recheck)
             end = time.strftime("%H:%M:%S", time.localtime(job.end_time))
             details = {"job_key": job.key, "job_id": job.job_id, "end_time": job.end_time, "seconds_left": round(left)}
             sample = TIME_LEFT(left, {"job_id": job.job_id or ""})
