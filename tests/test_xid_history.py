@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO, AgentProcess, free_port, http_get, wait_until
+from tests.conftest import REPO, AgentProcess, free_port, http_get, require_root, wait_until
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost, NVMLError_LibraryNotFound
 from trainguard.checks.base import CheckContext
 from trainguard.checks.xid import MARKS_FILE, XidCheck, XidSettings
@@ -371,6 +371,7 @@ def said(caplog: Any) -> str:
 def test_marks_of_another_boot_unknown_boot_or_anyone_s_are_not_taken(tmp_path: Path, caplog: Any) -> None:
     """The marks silence a drain, so only the agent's own are taken: of this boot (a boot id that can't be read
     tells no boot from another), in a file of root or the state directory's owner that no one else may write."""
+    require_root()  # to give the file to another user
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     path = state / MARKS_FILE
