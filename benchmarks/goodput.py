@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -165,6 +166,7 @@ class Record:
     steps: list[tuple[float, int, bool]] = field(default_factory=list)  # (t, step, finite loss)
     checkpoints: list[tuple[float, int, bool]] = field(default_factory=list)
     attempts: list[tuple[float, int]] = field(default_factory=list)  # (t, first step)
+    attempt_ids: list[str] = field(default_factory=list)  # job.requeues.step of each attempt, in order
     alerts: list[dict[str, Any]] = field(default_factory=list)  # fired events: t, node, check, subject, status
     actions: list[dict[str, Any]] = field(default_factory=list)  # agent audit lines and human actions: t, who, what
     drains: list[dict[str, Any]] = field(default_factory=list)  # t, node, reason, right
@@ -217,7 +219,10 @@ class Run:
                 agent.wait_for("msg=ready", timeout=60)
         stack.callback(self.cleanup_cgroups)
         lib = self.cluster.lib
-        command = (f"exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 {self.cluster.python} {lib}/goodput_trainer.py "
+        # The ranks run under the trainer helper's relaunch loop (in both runs: without trainguard nobody asks it for
+        # a restart, and it only runs srun once).
+        command = (f"exec {self.cluster.python} {lib}/trainguard/trainer.py relaunch --max-restarts 20 -- "
+                   f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {self.cluster.python} {lib}/goodput_trainer.py "
                    f"--run-dir {self.run_dir} --ckpt-dir {self.ckpt} --step-time {self.step_time} "
                    f"--ckpt-every {self.ckpt_every} --collective-timeout {self.s(600)}")
         self.t0 = time.time()
@@ -237,15 +242,17 @@ class Run:
         c["disk"].update(fast, paths=["/", str(self.ckpt)], forecast_min_span=s.dur(300, 3),
                          forecast_horizon=s.dur(6 * 3600))
         c["xid"].update(kmsg_path=str(fifo))
-        c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["signal", "requeue"]})
+        # Faults that leave every node usable restart the ranks in place (the allocation kept); a lost GPU and the
+        # time limit need a requeue.
+        c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["restart"]})
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
-                               crit_horizon=s.dur(1200), warn_horizon=s.dur(7200),
-                               actions={"critical": ["signal", "requeue"]})
+                               crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
         c["job_timelimit"].update(fast, margin=s.dur(600, 3), recheck=s.dur(300, 2),
                                   actions={"warning": ["signal", "requeue"]})
         c["job_switch"].update(fast)
-        c["training_log"].update(fast, actions={"critical": ["requeue"]})
-        raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)}}
+        c["training_log"].update(fast, actions={"critical": ["restart"]})
+        raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)},
+                          "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)}}
         path = self.base / f"trainguard-{node}.toml"
         path.write_text(tomli_w.dumps(raw))
         return path
@@ -314,7 +321,8 @@ class Run:
 
     def running_attempt(self, info: dict[str, str], f: Fault) -> bool:
         attempt, nodes = self.attempt_nodes()
-        if info.get("JobState") != "RUNNING" or attempt != f"{self.job}.{info.get('Restarts', '0')}" or not nodes:
+        if info.get("JobState") != "RUNNING" or not attempt.startswith(f"{self.job}.{info.get('Restarts', '0')}.") \
+                or not nodes:
             return False
         return (self.run_dir / "pids" / f"{attempt}.{nodes[f.target % len(nodes)]}").exists()
 
@@ -445,8 +453,9 @@ class Run:
         self.rec.checkpoints = []
         for m in re.finditer(r"^checkpoint saved step=(\d+) loss=(\S+) t=(\S+)$", text, re.M):
             self.rec.checkpoints.append((float(m.group(3)) - self.t0, int(m.group(1)), m.group(2) not in ("nan", "inf")))
-        self.rec.attempts = [(float(m.group(2)) - self.t0, int(m.group(1)))
-                             for m in re.finditer(r"^start attempt=\S+ step=(\d+) t=(\S+)$", text, re.M)]
+        starts = list(re.finditer(r"^start attempt=(\S+) step=(\d+) t=(\S+)$", text, re.M))
+        self.rec.attempts = [(float(m.group(3)) - self.t0, int(m.group(2))) for m in starts]
+        self.rec.attempt_ids = [m.group(1) for m in starts]
         self.rec.stops = self.stops()
         if self.trainguard:
             self.rec.alerts = self.fired()
@@ -530,8 +539,15 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
     return {"trainguard": rec.trainguard, "duration_s": round(rec.duration, 1), "paused_s": round(rec.paused, 1),
             "pace_s": round(pace, 3), "possible_steps": round(possible), "counted_steps": counted,
             "goodput": round(counted / possible, 3) if possible else 0.0, "restarts": max(0, len(rec.attempts) - 1),
+            "in_place": in_place(rec.attempt_ids),
             "drains": rec.drains, "alerts": len(rec.alerts), "duplicate_alerts": dup, "faults": faults,
             "attempt_ends": attempt_ends(rec)}
+
+
+def in_place(attempts: list[str]) -> int:
+    """Restarts inside the allocation: an attempt of the same job life (job.requeues) as the one before it."""
+    return sum(1 for a, b in itertools.pairwise(attempts)
+               if a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0])
 
 
 def attempt_ends(rec: Record) -> list[dict[str, Any]]:
@@ -560,8 +576,12 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
     for label, key in (("goodput (counted / possible steps)", "goodput"), ("steps counted (in a finite checkpoint)",
                        "counted_steps"), ("steps possible at the fault-free pace", "possible_steps"),
                        ("fault-free pace (s/step)", "pace_s"), ("wall time (s), of it paused by the user", None),
-                       ("restarts", "restarts"), ("alerts fired (duplicates)", None), ("drains (right)", None)):
-        if key:
+                       ("restarts (of them in place)", None), ("alerts fired (duplicates)", None),
+                       ("drains (right)", None)):
+        if label.startswith("restarts"):
+            lines.append(f"| {label} | {w['restarts']} ({w.get('in_place', 0)}) | {wo['restarts']} "
+                         f"({wo.get('in_place', 0)}) |")
+        elif key:
             lines.append(f"| {label} | {w[key]} | {wo[key]} |")
         elif label.startswith("wall"):
             lines.append(f"| {label} | {w['duration_s']}, {w['paused_s']} | {wo['duration_s']}, {wo['paused_s']} |")

@@ -7,10 +7,11 @@ missing for `--collective-timeout` makes the others fail the way a Gloo/NCCL tim
 carries its vote (stop, save), so all ranks decide together, as a collective would. Rank 0 checkpoints every
 `--ckpt-every` steps and on request; a restarted job resumes from the last checkpoint whose loss is finite.
 
-Faults are files the harness writes into `<run-dir>/faults/`, each naming the attempt (job id and restart count)
-it hits, so a requeued job runs clean: `gpu-lost-NODE` (the rank there hangs in a CUDA call, as processes on a GPU
-that fell off the bus do), `hang` (`ATTEMPT RANK`: that rank stops before the barrier), `leak` (`ATTEMPT NODE MB`:
-the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this attempt).
+Faults are files the harness writes into `<run-dir>/faults/`, each naming the attempt (job id, restart count, srun
+step) it hits, so a requeued or restarted job runs clean: `gpu-lost-NODE` (the rank there hangs in a CUDA call, as
+processes on a GPU that fell off the bus do), `hang` (`ATTEMPT RANK`: that rank stops before the barrier), `leak`
+(`ATTEMPT NODE MB`: the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this
+attempt).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def main() -> int:
     a = p.parse_args()
     rank, world = int(env("SLURM_PROCID", "0")), int(env("SLURM_NTASKS", "1"))
     node = env("SLURMD_NODENAME", "?")
-    attempt = f"{env('SLURM_JOB_ID', '0')}.{env('SLURM_RESTART_COUNT', '0')}"
+    # job.requeues.step: a requeue (SLURM_RESTART_COUNT) or a restart in place (a new srun step) is a new attempt
+    attempt = f"{env('SLURM_JOB_ID', '0')}.{env('SLURM_RESTART_COUNT', '0')}.{env('SLURM_STEP_ID', '0')}"
     trainer = Trainer(switch_dir=Path.cwd() / ".trainguard").install()  # rank 0 alone writes the heartbeat
     barrier = a.run_dir / "barrier" / attempt
     barrier.mkdir(parents=True, exist_ok=True)

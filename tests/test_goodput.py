@@ -84,6 +84,9 @@ def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_be
     assert xid["resume_s"] is not None and xid["resume_s"] < 20, xid
     nan = next(f for f in with_tg["faults"] if f["kind"] == "nan")
     assert nan["by"] == "trainguard" and nan["detect_s"] <= nan["deadline_s"], nan
+    # the NaN streak restarts the ranks in place (training_log -> restart): the allocation kept, no requeue
+    assert with_tg["in_place"] >= 1 and without["in_place"] == 0, (with_tg["in_place"], without["in_place"])
+    assert nan["resume_s"] is not None and nan["resume_s"] < 10, nan
     assert 0 < with_tg["goodput"] <= 1.05 and 0 <= without["goodput"] <= 1.05
     assert records[0].steps and records[1].steps
     for r in results:  # every attempt that ended before the run did says why (issue 24: early exits, cause unknown)
@@ -113,7 +116,7 @@ def test_the_trainer_records_why_each_attempt_stopped(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGUSR1)  # what the `signal` action sends
     assert proc.wait(20) == 0
     [stop] = _stops(tmp_path)
-    assert stop["attempt"] == "7.2" and stop["rank"] == 0 and stop["node"] == "n1"
+    assert stop["attempt"] == "7.2.0" and stop["rank"] == 0 and stop["node"] == "n1"
     assert stop["why"] == "stop voted: rank 0: SIGUSR1" and isinstance(stop["step"], int)
 
     (tmp_path / ".trainguard").mkdir(exist_ok=True)

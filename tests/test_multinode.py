@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
 from trainguard.pipeline.engine import Engine
 
@@ -168,4 +170,78 @@ def test_a_requeued_job_starts_a_new_life_in_its_logs(multinode: MultiNodeCluste
         assert result(Status.OK) is not None
     finally:
         jobs.close()
+        multinode.run("scancel", job_id, check=False)
+
+
+RANK_SCRIPT = """#!/bin/bash
+# One rank of a job restarted in place: it logs its start, and saves and exits on SIGUSR1, except rank 1 of step 1,
+# which is hung (a rank stuck in a collective never gets to its signal handler).
+echo "start step=$SLURM_STEP_ID rank=$SLURM_PROCID node=$SLURMD_NODENAME" >> ranks.log
+if [ "$SLURM_STEP_ID" = 1 ] && [ "$SLURM_PROCID" = 1 ]; then
+    trap '' USR1
+else
+    trap 'echo "saved step=$SLURM_STEP_ID rank=$SLURM_PROCID" >> ranks.log; exit 0' USR1
+fi
+while :; do sleep 0.2; done
+"""
+
+
+@pytest.mark.slow
+def test_restart_in_place_keeps_the_allocation_and_the_relaunch_loop_starts_the_ranks_again(
+        multinode: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: a fault that leaves the nodes usable restarts the ranks inside the job's allocation, without a
+    requeue through slurmctld. The `restart` action asks the job's relaunch loop (the trainer helper) for a restart,
+    signals the srun steps (never the batch script), and cancels a step whose ranks did not exit in `wait_exit`."""
+    from trainguard.actions.base import ActionContext
+    from trainguard.actions.restart import RestartAction, RestartSettings
+    from trainguard.core.events import Event, EventKind
+    from trainguard.jobs.slurm import SlurmClient
+
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    (workdir / "rank.sh").write_text(RANK_SCRIPT)
+    shutil.chown(workdir / "rank.sh", JOB_USER, JOB_USER)
+    command = (f"exec {multinode.python} {multinode.lib}/trainguard/trainer.py relaunch -- "
+               "srun --ntasks-per-node=1 bash rank.sh")
+    job_id = multinode.submit(command, "-N", "2", "--requeue", workdir=workdir, name="tg-restart")
+    log = workdir / "ranks.log"
+
+    def lines(word: str) -> list[str]:
+        return [line for line in (log.read_text().splitlines() if log.exists() else ()) if line.startswith(word)]
+
+    catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node="n1", refresh="0s"), "agent-host")
+
+    def restart(wait_exit: float) -> str:
+        def known() -> Job | None:  # the job's record comes from slurmctld a moment after its pids
+            return next((j for j in catalog.view(fresh=True).jobs if j.job_id == job_id and j.switch_dir), None)
+
+        job = wait_until(known, 20, what="the job's record")
+        assert job.switch_dir == f"{workdir}/.trainguard" and job.uid is not None
+        event = Event(EventKind.FIRED, "i1", "training_log", job.key, Status.CRITICAL, "NaN loss in 3 steps", "n1",
+                      time.time(), time.time(), details={"job_key": job.key})
+        action = RestartAction("restart", RestartSettings(wait_exit=wait_exit, timeout=30))
+        return action.run(ActionContext(event, (job,), "n1", SlurmClient(10.0), time.time, slurmd="n1"))
+
+    try:
+        wait_until(lambda: len(lines("start step=0")) == 2, 30, what="both ranks of step 0")
+        detail = restart(10)
+        # both ranks saved and exited on the signal: nothing to cancel, and the loop launched step 1
+        assert f"SIGUSR1 to step {job_id}.0: ended in" in detail, detail
+        assert sorted(lines("saved")) == ["saved step=0 rank=0", "saved step=0 rank=1"]
+        wait_until(lambda: len(lines("start step=1")) == 2, 30, what="both ranks of step 1")
+        request = workdir / ".trainguard" / "restart"
+        assert request.owner() == JOB_USER and json.loads(request.read_text())["reason"] == "NaN loss in 3 steps"
+
+        started = time.monotonic()
+        detail = restart(3)
+        # rank 1 of step 1 is hung: after wait_exit the step is cancelled on every node, and step 2 starts
+        assert f"cancelled {job_id}.1 still running after" in detail, detail
+        assert time.monotonic() - started < 15
+        wait_until(lambda: len(lines("start step=2")) == 2, 30, what="both ranks of step 2")
+        info = multinode.job(job_id)
+        assert info["JobState"] == "RUNNING" and info["Restarts"] == "0"  # the same allocation, never requeued
+        out = (workdir / f"tg-restart-{job_id}.out").read_text()
+        assert out.count("trainguard relaunch: restart ") == 2 and "(NaN loss in 3 steps)" in out, out
+    finally:
+        catalog.close()
         multinode.run("scancel", job_id, check=False)

@@ -37,6 +37,7 @@ ACTIONS: Mapping[str, str] = {
     "drain": "trainguard.actions.slurmctl:DrainAction",
     "resume": "trainguard.actions.slurmctl:ResumeAction",
     "requeue": "trainguard.actions.slurmctl:RequeueAction",
+    "restart": "trainguard.actions.restart:RestartAction",
     "array": "trainguard.actions.slurmctl:ArrayPendingAction",
     "exec": "trainguard.actions.exec:ExecAction",
 }
@@ -49,6 +50,7 @@ BUILTIN_ACTIONS: Mapping[str, Mapping[str, str]] = {
     "drain": {"type": "drain"},
     "resume": {"type": "resume"},
     "requeue": {"type": "requeue"},
+    "restart": {"type": "restart"},
     "hold-array": {"type": "array", "mode": "hold"},
 }
 

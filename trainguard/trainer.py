@@ -24,10 +24,21 @@ teammates who may stop the run. The heartbeat file
 
 A distributed job calls `trainer.flight_recorder()` before `torch.distributed.init_process_group`: PyTorch then
 records every collective, and the agent can name the rank that never entered the one the others wait in.
+
+Restart in place: the batch script runs its ranks under the relaunch loop, and the agent's `restart` action (a NaN
+streak, a hung rank, a leak) has them save, exit and start again inside the job's allocation, without a requeue:
+
+    python3 -m trainguard.trainer relaunch [--max-restarts 10] -- srun python train.py
+
+The loop runs the command again when it ends after a new `restart` request appeared in the switch dir (the agent
+writes it before it signals the ranks), at most --max-restarts times; otherwise it exits with the command's status.
+A launcher that restarts failed workers itself (torchrun --max-restarts) gets the same from a rank that exits
+non-zero when `trainer.restart_requested()`.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import grp
@@ -38,6 +49,8 @@ import pwd
 import re
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -45,7 +58,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Trainer", "flight_recorder", "heartbeat", "install", "saved", "should_save", "should_stop"]
+__all__ = ["Trainer", "flight_recorder", "heartbeat", "install", "relaunch", "restart_requested", "saved",
+           "should_save", "should_stop"]
 
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per process: hours of a typical job's recent history
 
@@ -64,6 +78,7 @@ class Trainer:
         self._save = threading.Event()
         self._stop = threading.Event()
         self.last_signal: str | None = None
+        self._restart_seen = self.restart_request()  # a request older than this process is not for it
 
     def install(self, save_and_stop: Iterable[str] = ("USR1",), save: Iterable[str] = ("USR2",),
                 stop: Iterable[str] = ("TERM",)) -> Trainer:
@@ -83,20 +98,32 @@ class Trainer:
             signal.signal(sig, handler((self._stop,)))
         return self
 
-    def _switch(self, name: str) -> bool:
+    def _switch(self, name: str) -> os.stat_result | None:
         """A switch counts only as a regular file of this user, root or a member of the switch group: nobody else
         can stop the run (the agent applies the same rule)."""
         try:
             st = os.lstat(self.switch_dir / name)
         except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode) and (st.st_uid in (os.getuid(), 0) or _member(st.st_uid, self.switch_group))
+            return None
+        ok = stat.S_ISREG(st.st_mode) and (st.st_uid in (os.getuid(), 0) or _member(st.st_uid, self.switch_group))
+        return st if ok else None
+
+    def restart_request(self) -> tuple[int, int, int] | None:
+        """Which `restart` request the switch dir holds now (None: none). Each request is a new file (the agent
+        writes it under a temporary name and renames it), so a new one differs from an old one here."""
+        st = self._switch("restart")
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) if st else None
+
+    def restart_requested(self) -> bool:
+        """A restart in place was asked (the agent's `restart` action) since this process started."""
+        now = self.restart_request()
+        return now is not None and now != self._restart_seen
 
     def should_save(self) -> bool:
-        return self._save.is_set() or self._switch("save") or self.should_stop()
+        return self._save.is_set() or self._switch("save") is not None or self.should_stop()
 
     def should_stop(self) -> bool:
-        return self._stop.is_set() or self._switch("stop")
+        return self._stop.is_set() or self._switch("stop") is not None
 
     def saved(self) -> None:
         """A checkpoint was written: clear the save request (signal flag and `save` switch file)."""
@@ -257,3 +284,82 @@ def heartbeat(step: int, **metrics: float) -> None:
 
 def flight_recorder(entries: int = FLIGHT_RECORDER_ENTRIES, dumps: bool = True, rank: int | None = None) -> str | None:
     return _trainer().flight_recorder(entries, dumps, rank)
+
+
+def restart_requested() -> bool:
+    return _trainer().restart_requested()
+
+
+def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.PathLike[str] | None = None) -> int:
+    """Run `command` (the job's `srun ...`) and run it again each time it ends after a new `restart` request
+    appeared in the switch dir, at most `max_restarts` times; return its exit status (128+N for signal N), as a
+    shell would. The command sees TRAINGUARD_RESTARTS, how many times it was started again.
+
+    SIGTERM, SIGINT and SIGHUP (the time limit, scancel, a stop) end the loop after the command: they reach the
+    command from whoever sent them (slurmd signals every process of the batch step). SIGUSR1 and SIGUSR2 are the
+    ranks' (save and exit, save): the loop must outlive them when they reach the whole batch step."""
+    watcher = Trainer(switch_dir)
+    ending = threading.Event()
+
+    def end(_signum: int, _frame: Any) -> None:
+        ending.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, end)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # a handler, not SIG_IGN: an ignored signal stays ignored in exec
+        signal.signal(sig, lambda _signum, _frame: None)
+    seen = watcher.restart_request()
+    restarts = 0
+    while True:
+        try:
+            code = subprocess.run(command, env={**os.environ, "TRAINGUARD_RESTARTS": str(restarts)},
+                                  check=False).returncode  # no timeout: the command is the job, it runs for days
+        except OSError as exc:
+            print(f"trainguard relaunch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr,
+                  flush=True)
+            return 127
+        status = 128 - code if code < 0 else code
+        request = watcher.restart_request()
+        if ending.is_set() or request is None or request == seen:
+            return status
+        if restarts >= max_restarts:
+            print(f"trainguard relaunch: restart asked after {restarts} restarts (--max-restarts {max_restarts}): "
+                  f"not starting {command[0]} again", file=sys.stderr, flush=True)
+            return status
+        seen, restarts = request, restarts + 1
+        print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked "
+              f"({_reason(watcher.switch_dir / 'restart')}); {command[0]} exited {status}: starting it again",
+              file=sys.stderr, flush=True)
+
+
+def _reason(path: Path) -> str:
+    """What the request says about itself, for the job's log: its reason, or that it has none."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(4096))
+        return " ".join(str(data.get("reason", "no reason given")).split())[:200]
+    except (OSError, ValueError, AttributeError):
+        return "no reason given"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m trainguard.trainer", description="The trainer helper's "
+                                     "commands for a job script.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    loop = sub.add_parser("relaunch", help="run the job's ranks, and again after each restart the agent asks for",
+                          description=relaunch.__doc__)
+    loop.add_argument("--max-restarts", type=int, default=10, help="restarts in place at most (default 10)")
+    loop.add_argument("--switch-dir", help="where the agent writes its request (default: $TRAINGUARD_SWITCH_DIR, "
+                                           "else ./.trainguard)")
+    loop.add_argument("argv", nargs=argparse.REMAINDER, help="-- the command, e.g. srun python train.py")
+    args = parser.parse_args(argv)
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        parser.error("relaunch: no command given (relaunch -- srun python train.py)")
+    if args.max_restarts < 0:
+        parser.error("relaunch: --max-restarts must be 0 or more")
+    return relaunch(command, args.max_restarts, args.switch_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,11 +39,15 @@ class ActionContext:
     slurm: SlurmClient
     clock: Callable[[], float]
     others_critical: tuple[str, ...] = ()  # other CRITICAL incidents firing on this node ("check/subject")
+    slurmd: str = ""  # this node's slurmd by name where a host runs several (`jobs.slurm_node`); empty: the one
 
 
 class Action(ABC):
     Settings: ClassVar[type[ActionSettings]] = ActionSettings
     needs_jobs: ClassVar[bool] = True
+    # Done, it leaves the job starting afresh (restarted in place): the check forgets what it learned about the
+    # incident's subject, so that the new start's own logs and samples decide whether the incident is over.
+    fresh_start: ClassVar[bool] = False
 
     def __init__(self, name: str, settings: ActionSettings) -> None:
         self.name = name

@@ -18,7 +18,7 @@ from trainguard.jobs.model import Job, ProcessRef
 log = logging.getLogger("trainguard.actions.signal")
 
 
-def _signal_name(value: str) -> str:
+def signal_name(value: str) -> str:
     name = value.strip().upper().removeprefix("SIG")
     try:
         signal.Signals[f"SIG{name}"]
@@ -36,7 +36,7 @@ class SignalSettings(ActionSettings):
     @field_validator("signal", "then")
     @classmethod
     def _valid_signal(cls, value: str | None) -> str | None:
-        return _signal_name(value) if value else value
+        return signal_name(value) if value else value
 
 
 class ProcessGoneError(ActionError):

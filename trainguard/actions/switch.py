@@ -123,7 +123,7 @@ def create_switch(directory: str, name: str, identity: Identity, gid: int, paylo
         os.close(dfd)
 
 
-def _owner(job: Job) -> tuple[Identity, int]:
+def job_owner(job: Job) -> tuple[Identity, int]:
     if job.uid is None:
         raise ActionError(f"{job.label()}: unknown owner")
     try:
@@ -147,7 +147,7 @@ class SwitchAction(Action):
         for job in ctx.jobs:
             if not job.switch_dir:
                 raise ActionError(f"{job.label()} has no switch dir")
-            identity, gid = _owner(job)
+            identity, gid = job_owner(job)
             made.append(create_switch(job.switch_dir, self.settings.switch, identity, gid, {
                 "requested_by": "trainguard", "at": ctx.clock(), "incident": ctx.event.incident_id,
                 "reason": ctx.event.summary}))

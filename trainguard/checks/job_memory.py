@@ -157,6 +157,11 @@ class JobMemoryCheck(JobCheck):
             del self._windows[key]
         return results
 
+    def clear(self, subject: str, at: float) -> None:
+        """The job's processes started afresh (restarted in place) or the operator says the cause is fixed: the
+        growth of the processes gone is not the new ones', so the series starts again."""
+        self._windows.pop(subject, None)
+
     def _result(self, job: Job, m: JobMemory, v: Verdict) -> Result:
         labels = {"job_id": job.job_id or job.name, "name": job.name}
         samples = [USED(m.used, labels), LIMIT(m.limit, labels), HEADROOM(m.headroom, labels)]

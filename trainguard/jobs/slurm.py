@@ -32,13 +32,20 @@ class SlurmClient:
     def local_pids(self, node: str = "") -> dict[str, list[int]]:
         """job id -> pids of every job step on this node (`scontrol listpids`, which reads the slurmd spool dir and
         asks each step's slurmstepd; `node` names this node's slurmd where a host runs several)."""
+        return parse_listpids(self._listpids(node))
+
+    def local_steps(self, job_id: str, node: str = "") -> dict[str, list[int]]:
+        """The job's steps launched by srun on this node (step id -> pids), from the same local `scontrol listpids`:
+        the batch script and the extern step are not among them."""
+        return parse_listpids_steps(self._listpids(node)).get(job_id, {})
+
+    def _listpids(self, node: str) -> str:
         try:
-            out = self.run("scontrol", "listpids", *(["*", node] if node else []))
+            return self.run("scontrol", "listpids", *(["*", node] if node else []))
         except SlurmError as exc:
             if "No job steps exist" in str(exc) or "no steps" in str(exc).lower():
-                return {}
+                return ""
             raise
-        return parse_listpids(out)
 
     # one job, by id: one REQUEST_JOB_INFO_SINGLE -------------------------------------------------------------------
     def show_job(self, job_id: str) -> str | None:
@@ -77,7 +84,25 @@ class SlurmClient:
 
     # commands --------------------------------------------------------------------
     def signal(self, job_id: str, signal_name: str, mode: str = "full") -> None:
-        self.run("scancel", f"--signal={signal_name}", f"--{mode}", job_id)
+        """`mode`: "full" (every step and the batch script), "batch" (the batch script), "steps" (the srun steps
+        only: scancel's default, which leaves the batch script running)."""
+        self.run("scancel", f"--signal={signal_name}", *([] if mode == "steps" else [f"--{mode}"]), job_id)
+
+    def steps(self, job_id: str) -> list[str]:
+        """The ids of the job's srun steps still known to the controller, on any node (`squeue --steps`, one
+        REQUEST_JOB_STEP_INFO for this job)."""
+        out = self.run("squeue", "--steps", f"--jobs={job_id}", "--noheader", "--format=%i")
+        return parse_steps(out, job_id)
+
+    def cancel_step(self, job_id: str, step: str) -> bool:
+        """Cancel one srun step on every node (the batch script goes on). False when the step had already ended."""
+        try:
+            self.run("scancel", f"{job_id}.{step}")
+        except SlurmError as exc:
+            if "Invalid job id" in str(exc) or "already complet" in str(exc):
+                return False
+            raise
+        return True
 
     def requeue(self, job_id: str) -> None:
         self.run("scontrol", "requeue", job_id)
@@ -157,6 +182,26 @@ def parse_listpids(out: str) -> dict[str, list[int]]:
         if len(fields) >= 2 and _small_id(fields[0]) and _small_id(fields[1]):
             jobs.setdefault(fields[1], []).append(int(fields[0]))
     return jobs
+
+
+def parse_listpids_steps(out: str) -> dict[str, dict[str, list[int]]]:
+    """The same as job id -> srun step id -> pids: only numbered steps (not `batch`, `extern`, `interactive`)."""
+    jobs: dict[str, dict[str, list[int]]] = {}
+    for line in out.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 3 and _small_id(fields[0]) and _small_id(fields[1]) and _small_id(fields[2]):
+            jobs.setdefault(fields[1], {}).setdefault(fields[2], []).append(int(fields[0]))
+    return jobs
+
+
+def parse_steps(out: str, job_id: str) -> list[str]:
+    """`squeue --steps --jobs=ID --noheader --format=%i` (`1.0`, `1.batch`): the job's numbered step ids."""
+    steps = []
+    for line in out.splitlines():
+        job, _, step = line.strip().partition(".")
+        if job == job_id and _small_id(step):
+            steps.append(step)
+    return steps
 
 
 # squeue --Format: every field but the last ends with "|" and is printed whole; the name is last and whole (`:0`).

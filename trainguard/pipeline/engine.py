@@ -119,7 +119,7 @@ class Engine:
         self.notifiers = dict(notifiers)
         self.tracker = IncidentTracker(self.store, self.node, clock)
         self.dispatcher = Dispatcher(self.store, self.notifiers, clock, annotator=self._actions_taken)
-        self.responder = Responder(config, registry, self.catalog, self.tracker, clock)
+        self.responder = Responder(config, registry, self.catalog, self.tracker, clock, forget=self._forget)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
         self._started = clock()
@@ -306,6 +306,13 @@ class Engine:
         self._emit(events)
         self.trigger(check)
         return events
+
+    def _forget(self, check: str, subject: str) -> None:
+        """An action restarted the job in place: the check forgets the subject's history (as an operator's clear
+        does), and the incident stays until the check's next results say it is over."""
+        if check in self.checks:
+            with self._run_locks[check]:
+                self.checks[check].clear(subject, self.clock())
 
     def tick(self) -> None:
         """Liveness of the scheduler itself, plus the slow-changing parts of the snapshot."""

@@ -30,13 +30,16 @@ log = logging.getLogger("trainguard.actions")
 
 class Responder:
     def __init__(self, config: Config, registry: Registry, catalog: JobCatalog | None, tracker: IncidentTracker,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 forget: Callable[[str, str], None] | None = None) -> None:
         self.actions: dict[str, Action] = {
             name: registry.action_class(config.kind_of_action(name))(name, settings)
             for name, settings in config.actions.items()}
         self.catalog = catalog
         self.slurm = catalog.slurm if catalog else SlurmClient(config.jobs.slurm_timeout, config.jobs.slurm_bin_dir)
         self.node = catalog.node if catalog else (config.jobs.slurm_node or config.agent.node_name)
+        self.slurmd = config.jobs.slurm_node
+        self.forget = forget  # (check, subject): the check forgets the subject's history (the engine's, under its lock)
         self.tracker = tracker
         self.clock = clock
         self.threads: list[threading.Thread] = []
@@ -91,17 +94,26 @@ class Responder:
             jobs = ()
         others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                        if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
-        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others)
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd)
         for name in names:
-            record = self.run_one(self.actions[name], ctx)
+            action = self.actions[name]
+            record = self.run_one(action, ctx)
             self.tracker.record_action(event.check, event.subject, record, event.incident_id)
+            if action.fresh_start and record["outcome"] == "ok" and self.forget is not None:
+                # The job started afresh: what the check learned about it (a NaN streak in the log it still writes,
+                # samples of the processes gone) is the earlier start's, and must not hold the incident open.
+                try:
+                    self.forget(event.check, event.subject)
+                except Exception as exc:  # noqa: BLE001 - the restart is done; an incident left open says the rest
+                    log.error("forgetting the subject's history failed", extra=kv(
+                        check=event.check, subject=event.subject, error=exc))
 
     def run_named(self, name: str, event: Event, jobs: tuple[Job, ...] = (),
                   others_critical: tuple[str, ...] = ()) -> dict[str, Any]:
         """Run one configured action for `event` now (the `check --drain` path, tests); its outcome record."""
         if name not in self.actions:
             return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
-        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical)
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd)
         return self.run_one(self.actions[name], ctx)
 
     def run_one(self, action: Action, ctx: ActionContext) -> dict[str, Any]:

@@ -1,0 +1,186 @@
+"""Restart in place (issue 24): the trainer helper's relaunch loop, the `restart` action's parsers, and the check
+forgetting what it learned about a job that started afresh. The action against real SLURM steps is in
+tests/test_multinode.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until
+from trainguard.actions.base import ActionContext, ActionError
+from trainguard.actions.restart import RestartAction, RestartSettings
+from trainguard.agent.configfile import parse_config
+from trainguard.core.events import Event, EventKind
+from trainguard.core.model import Status
+from trainguard.jobs.model import Job
+from trainguard.jobs.slurm import SlurmClient, parse_listpids_steps, parse_steps
+from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.store import Store
+from trainguard.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data" / "slurm"
+
+# One launch of the job's command: it logs which launch it is, and does what the step file says for that launch:
+# "request" writes a restart request as the agent does (a new file renamed into place) and exits 0, "kill" writes
+# one and dies of SIGKILL, "exit N" exits N.
+LAUNCH = r"""
+import json, os, signal, sys, pathlib
+sw = pathlib.Path(sys.argv[1]); n = int(os.environ["TRAINGUARD_RESTARTS"])
+with open(sw.parent / "launches", "a") as f: f.write(f"{n}\n")
+plan = (sw.parent / "plan").read_text().split(",")
+what = plan[n] if n < len(plan) else "exit 0"
+if what in ("request", "kill"):
+    tmp = sw / ".restart.tmp"; tmp.write_text(json.dumps({"reason": f"NaN loss\nin launch {n}"})); tmp.rename(sw / "restart")
+    if what == "kill": os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(0)
+if what == "sleep": signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); (sw.parent / "sleeping").touch(); signal.pause()
+sys.exit(int(what.split()[1]))
+"""
+
+
+def _loop(tmp_path: Path, plan: str, *args: str) -> subprocess.Popen[str]:
+    (tmp_path / "sw").mkdir(exist_ok=True)
+    (tmp_path / "plan").write_text(plan)
+    return subprocess.Popen([sys.executable, "-m", "trainguard.trainer", "relaunch", *args, "--switch-dir",
+                             str(tmp_path / "sw"), "--", sys.executable, "-c", LAUNCH, str(tmp_path / "sw")],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+
+
+def _launches(tmp_path: Path) -> list[str]:
+    return (tmp_path / "launches").read_text().split()
+
+
+def test_the_loop_starts_the_command_again_for_each_new_restart_request(tmp_path: Path) -> None:
+    proc = _loop(tmp_path, "request,kill,exit 3")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3  # the last launch's status, as a shell would return it
+    assert _launches(tmp_path) == ["0", "1", "2"]
+    lines = [line for line in err.splitlines() if line.startswith("trainguard relaunch:")]
+    # the request's reason in one line, and the status of the launch that ended (128+9: killed)
+    assert lines == ["trainguard relaunch: restart 1 of at most 10 asked (NaN loss in launch 0); python exited 0: "
+                     "starting it again".replace("python", sys.executable),
+                     "trainguard relaunch: restart 2 of at most 10 asked (NaN loss in launch 1); python exited 137: "
+                     "starting it again".replace("python", sys.executable)], err
+
+
+def test_a_request_older_than_the_loop_or_none_at_all_ends_it_with_the_commands_status(tmp_path: Path) -> None:
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "restart").write_text("{}")  # left by an earlier life of the job
+    proc = _loop(tmp_path, "exit 5")
+    proc.communicate(timeout=60)
+    assert proc.returncode == 5 and _launches(tmp_path) == ["0"]
+
+
+def test_max_restarts_bounds_a_job_that_asks_for_ever(tmp_path: Path) -> None:
+    proc = _loop(tmp_path, "request,request,request,request", "--max-restarts", "2")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and _launches(tmp_path) == ["0", "1", "2"]
+    assert "restart asked after 2 restarts (--max-restarts 2): not starting" in err
+
+
+def test_sigterm_ends_the_loop_after_the_command_even_with_a_request(tmp_path: Path) -> None:
+    """The time limit, scancel: SIGTERM reaches the loop and its command (slurmd signals the whole batch step); the
+    command may have asked for a restart on its way out, and is not started again. SIGUSR1, the ranks' save and
+    exit, does not end the loop."""
+    proc = _loop(tmp_path, "sleep")
+    wait_until((tmp_path / "sleeping").exists, 30, what="the command running")
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.3)
+    assert proc.poll() is None
+    (tmp_path / "sw" / "restart").write_text("{}")
+    proc.send_signal(signal.SIGTERM)
+    for child in _children(proc.pid):
+        os.kill(child, signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 143 and _launches(tmp_path) == ["0"]
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children()]
+
+
+def test_relaunch_needs_a_command() -> None:
+    proc = subprocess.run([sys.executable, "-m", "trainguard.trainer", "relaunch", "--"], cwd=REPO,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "relaunch: no command given" in proc.stderr
+
+
+def test_restart_requested_is_a_request_newer_than_the_process(tmp_path: Path) -> None:
+    (tmp_path / "restart").write_text("{}")
+    t = Trainer(switch_dir=tmp_path)
+    assert not t.restart_requested()  # there before this process: an earlier life's
+    tmp = tmp_path / ".restart.tmp"
+    tmp.write_text("{}")
+    tmp.rename(tmp_path / "restart")
+    assert t.restart_requested()
+    (tmp_path / "restart").unlink()
+    os.symlink("/etc/hostname", tmp_path / "restart")  # never a link
+    assert not t.restart_requested()
+
+
+def test_listpids_steps_and_squeue_steps_as_captured() -> None:
+    """tests/data/slurm/listpids-steps.txt and squeue-steps.txt: captured 2026-11-27 (README there)."""
+    steps = parse_listpids_steps((DATA / "listpids-steps.txt").read_text())
+    assert steps == {"1": {"0": [8483, 8485]}}  # the batch step is not an srun step
+    assert parse_steps((DATA / "squeue-steps.txt").read_text(), "1") == ["0"]
+    assert parse_steps("12.0\n1.3\n1.extern\n1.x9\n", "1") == ["3"]
+
+
+def _event(check: str = "training_log", subject: str = "slurm:5") -> Event:
+    return Event(EventKind.FIRED, "i1", check, subject, Status.CRITICAL, "NaN loss", "n1", time.time(), time.time(),
+                 details={"job_key": subject})
+
+
+def test_restart_refuses_what_it_cannot_restart_in_place() -> None:
+    action = RestartAction("restart", RestartSettings())
+    proc_job = Job(key="process:train", source="process", name="train", state="RUNNING")
+    ctx = ActionContext(_event(), (proc_job,), "n1", SlurmClient(), time.time)
+    with pytest.raises(ActionError, match=r"restart in place is for SLURM jobs.*Restart=on-failure"):
+        action.run(ctx)
+    no_dir = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=os.getuid())
+    with pytest.raises(ActionError, match="has no switch dir: nowhere to ask its relaunch loop"):
+        action.run(ActionContext(_event(), (no_dir,), "n1", SlurmClient(), time.time))
+    with pytest.raises(ActionError, match="no job to restart"):
+        action.run(ActionContext(_event(), (), "n1", SlurmClient(), time.time))
+    with pytest.raises(ValueError, match=r"wait_exit \(400s\) must be shorter than timeout"):
+        RestartSettings(wait_exit=400)
+
+
+def test_a_done_restart_makes_the_check_forget_the_jobs_history(tmp_path: Path) -> None:
+    """After a restart in place the job's log goes on in the same file, in the same SLURM life: the NaN streak the
+    check found there is the earlier start's, and must not hold the incident open (nor stop a later one firing)."""
+    raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+           "checks": {"training_log": {}}, "actions": {}}
+    engine = Engine(parse_config(raw, "t.toml"), store=Store(None))
+    check = engine.checks["training_log"]
+    forgotten: list[tuple[str, float]] = []
+    check.clear = lambda subject, at: forgotten.append((subject, at))  # type: ignore[method-assign]
+
+    class Done(RestartAction):
+        def run(self, ctx: ActionContext) -> str:
+            return "restarted"
+
+    class Failed(RestartAction):
+        def run(self, ctx: ActionContext) -> str:
+            raise ActionError("no srun step")
+
+    try:
+        responder = engine.responder
+        for name, cls in (("failed", Failed), ("done", Done)):
+            responder.actions[name] = cls(name, RestartSettings())
+        responder._run_all(_event(), ["failed"])
+        assert forgotten == []  # nothing restarted: the history stands
+        responder._run_all(_event(), ["done"])
+        assert [s for s, _ in forgotten] == ["slurm:5"]
+    finally:
+        engine.stop()
