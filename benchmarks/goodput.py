@@ -51,6 +51,7 @@ from tests.conftest import AgentProcess
 from tests.e2e.stack import log_time, parse_log_line
 from tests.multinode_cluster import MultiNodeCluster
 from tests.slurm_cluster import JOB_USER
+from trainguard.agent.configfile import parse_config
 from trainguard.jobs.hostlist import expand
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,6 +192,7 @@ class Run:
         self.paused_since: float | None = None
         self.restore_limit = False
         self.cgroups: list[Path] = []
+        self.bound: dict[str, set[str]] = {}  # check -> the statuses whose alerts run actions
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -255,6 +257,9 @@ class Run:
                           "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)}}
         path = self.base / f"trainguard-{node}.toml"
         path.write_text(tomli_w.dumps(raw))
+        # which alerts (check, status) have actions bound: a paged human waits for their outcome
+        self.bound = {name: {st for st in ("WARNING", "CRITICAL") if getattr(c.actions, st.lower())}
+                      for name, c in parse_config(raw, str(path)).checks.items()}
         return path
 
     def start_agent(self, node: str, fifo: Path) -> AgentProcess:
@@ -284,7 +289,8 @@ class Run:
     def run(self) -> Record:
         pending = sorted(self.faults, key=lambda f: f.at)
         next_look = self.look_every
-        pages: list[tuple[float, str]] = []  # (when the paged human acts, the check that alerted)
+        # (when the paged human acts, the check that alerted, when it alerted, its status)
+        pages: list[tuple[float, str, float, str]] = []
         seen_alerts = 0
         restarts = "0"
         while self.now() < self.duration:
@@ -299,16 +305,22 @@ class Run:
                     self.cluster.run("scontrol", "update", f"jobid={self.job}", "TimeLimit=UNLIMITED", check=False)
                     self.restore_limit = False
             self.watch_drains(t)
+            acted: list[tuple[float, str]] = []
             if self.trainguard:
                 alerts = self.fired()
-                pages += [(a["t"] + self.page_response, a["check"]) for a in alerts[seen_alerts:]]
+                pages += [(a["t"] + self.page_response, a["check"], a["t"], a["status"]) for a in alerts[seen_alerts:]]
                 seen_alerts = len(alerts)
+                acted = self.agent_actions()
             if self.paused_since is not None and t - self.paused_since >= self.s(600):
                 self.user_resumes(t)
-            due = {check for at, check in pages if at <= t}
+            # A paged human reads the alert with what trainguard did about it: while the actions bound to it are still
+            # running they wait for their outcome, then judge the job's progress since (not the stale log before).
+            ready = [p for p in pages if p[0] <= t and not self.awaiting(p, acted, t)]
+            due = {p[1] for p in ready}
             if t >= next_look or due:
-                self.human(t, "look" if t >= next_look else "page", due)
-                pages = [(at, check) for at, check in pages if at > t]
+                since = max((at for at, check in acted if check in due), default=0.0)
+                self.human(t, "look" if t >= next_look else "page", due, since)
+                pages = [p for p in pages if p not in ready]
                 if t >= next_look:
                     next_look += self.look_every
             time.sleep(0.25)
@@ -379,9 +391,27 @@ class Run:
         self.paused_since = None
         self.rec.actions.append({"t": t, "who": "user", "what": "stop switch removed, job requeued"})
 
-    def human(self, t: float, why: str, alerted: set[str]) -> None:
+    def awaiting(self, page: tuple[float, str, float, str], acted: list[tuple[float, str]], t: float) -> bool:
+        """Whether the actions bound to this alert (its check, its status) are still running: no outcome of that
+        check's since the alert, and the action's timeout not over."""
+        _, check, alerted, status = page
+        if status not in self.bound.get(check, ()):
+            return False
+        return not any(c == check and at >= alerted for at, c in acted) and t < alerted + self.s(330, 4) + 1.0
+
+    def agent_actions(self) -> list[tuple[float, str]]:
+        """(time on the run's clock, check) of every action outcome the agents logged."""
+        out = []
+        for agent in self.agents.values():
+            for f in map(parse_log_line, agent.output().splitlines()):
+                if f.get("msg") == "action":
+                    out.append((log_time(f["ts"]) - self.t0, f.get("check", "")))
+        return out
+
+    def human(self, t: float, why: str, alerted: set[str], since: float = 0.0) -> None:
         """What an operator does who looks at the job (and, paged, at what the alert names): the same rules in both
-        runs, only when they look differs."""
+        runs, only when they look differs. `since`: when trainguard last acted on what the page names (run clock):
+        progress is judged from then."""
         if self.paused_since is not None:
             return  # the user stopped it on purpose
         did = []
@@ -390,7 +420,7 @@ class Run:
         last = self.steps()[-1] if self.steps() else None
         attempt_file = self.run_dir / "attempt"
         started = attempt_file.stat().st_mtime if attempt_file.exists() else self.t0
-        stale = time.time() - max(last[0] if last else 0.0, started) > self.s(600)
+        stale = time.time() - max(last[0] if last else 0.0, started, self.t0 + since) > self.s(600)
         nan = last is not None and not last[2]
         broken = state not in ("RUNNING", "PENDING", "REQUEUED", "CONFIGURING", "COMPLETING") or \
             (state == "RUNNING" and (stale or nan))

@@ -245,3 +245,43 @@ def test_restart_in_place_keeps_the_allocation_and_the_relaunch_loop_starts_the_
     finally:
         catalog.close()
         multinode.run("scancel", job_id, check=False)
+
+
+@pytest.mark.slow
+def test_restart_of_a_job_without_the_relaunch_loop_requeues_it(multinode: MultiNodeCluster,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the loop the ranks would exit at the signal and the job would end: `restart` falls back to what
+    `signal, requeue` do (or fails, `fallback = "none"`), so a site may bind it for every job."""
+    from trainguard.actions.base import ActionContext, ActionError
+    from trainguard.actions.restart import RestartAction, RestartSettings
+    from trainguard.core.events import Event, EventKind
+    from trainguard.jobs.slurm import SlurmClient
+
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    job_id = multinode.submit("exec srun sleep 120", "-N", "1", "-w", "n1", "--requeue", workdir=workdir,
+                              name="tg-noloop")
+    catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node="n1", refresh="0s"), "agent-host")
+    try:
+        job = wait_until(lambda: next((j for j in catalog.view(fresh=True).jobs
+                                       if j.job_id == job_id and j.switch_dir), None), 30, what="the job's record")
+        event = Event(EventKind.FIRED, "i1", "hang", job.key, Status.CRITICAL, "no progress", "n1", time.time(),
+                      time.time(), details={"job_key": job.key})
+
+        def ctx() -> ActionContext:
+            return ActionContext(event, (job,), "n1", SlurmClient(10.0), time.time, slurmd="n1")
+
+        strict = RestartAction("restart", RestartSettings(wait_exit=5, timeout=20, fallback="none"))
+        with pytest.raises(ActionError, match="its ranks here do not run under the relaunch loop: not restarted in "
+                                              r"place \(fallback none\)"):
+            strict.run(ctx())
+        assert multinode.job(job_id)["JobState"] == "RUNNING"  # refused before any signal
+        assert not (workdir / ".trainguard" / "restart").exists()
+
+        detail = RestartAction("restart", RestartSettings(wait_exit=5, timeout=20)).run(ctx())
+        assert "its ranks here do not run under the relaunch loop: requeue instead: SIGUSR1 to every step, " \
+               f"requeued {job_id}" in detail, detail
+        wait_until(lambda: multinode.job(job_id).get("Restarts") == "1", 30, what="the job requeued")
+    finally:
+        catalog.close()
+        multinode.run("scancel", job_id, check=False)

@@ -147,9 +147,6 @@ def test_restart_refuses_what_it_cannot_restart_in_place() -> None:
     ctx = ActionContext(_event(), (proc_job,), "n1", SlurmClient(), time.time)
     with pytest.raises(ActionError, match=r"restart in place is for SLURM jobs.*Restart=on-failure"):
         action.run(ctx)
-    no_dir = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=os.getuid())
-    with pytest.raises(ActionError, match="has no switch dir: nowhere to ask its relaunch loop"):
-        action.run(ActionContext(_event(), (no_dir,), "n1", SlurmClient(), time.time))
     with pytest.raises(ActionError, match="no job to restart"):
         action.run(ActionContext(_event(), (), "n1", SlurmClient(), time.time))
     with pytest.raises(ValueError, match=r"wait_exit \(400s\) must be shorter than timeout"):

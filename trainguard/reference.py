@@ -23,7 +23,7 @@ from trainguard.core.model import Metric
 from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.pipeline.config import AgentSettings
-from trainguard.registry import DEFAULT_REGISTRY, Registry
+from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 
 HEADER = """# Configuration reference
 
@@ -135,7 +135,7 @@ def markdown(registry: Registry = DEFAULT_REGISTRY) -> str:
                       _type_doc(cls), seen)
     out.append("## Actions\n")
     out.append("Each `[actions.NAME]` table defines a named action that checks bind with `actions = { critical = "
-               "[\"NAME\"] }`. Built in: `signal`, `save`, `stop`, `drain`, `resume`, `requeue`, `hold-array`. "
+               f"[\"NAME\"] }}`. Built in: {', '.join(f'`{name}`' for name in BUILTIN_ACTIONS)}. "
                "Every action has these keys:\n")
     out += _table("actions.NAME", ActionSettings, seen=seen)
     for kind in sorted(registry.actions):

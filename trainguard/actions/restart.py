@@ -14,20 +14,30 @@ srun steps (never the batch script: the loop must live), waits up to `wait_exit`
 (free) and then elsewhere (one REQUEST_JOB_STEP_INFO a second for this job), and cancels the steps still running
 then (a rank hung in a collective or a CUDA call never exits by itself). The request is written before the signal:
 a rank that exits before the loop could see a request would end the job instead.
+
+A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
+would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
+`signal, requeue` would, so that a site may bind `restart` for every job whatever its batch script.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
 from trainguard.actions.signal import signal_name
+from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
 from trainguard.actions.switch import create_switch, job_owner
 from trainguard.core.settings import Duration
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
+from trainguard.node.procfs import ProcFS
+
+LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop for the command it runs
 
 POLL = 0.2  # the ranks on this node: /proc only
 POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
@@ -39,6 +49,11 @@ class RestartSettings(ActionSettings):
                                             "default: USR1).")
     wait_exit: Duration = Field(300.0, ge=0, description="How long the ranks get to save and exit before their "
                                                          "steps are cancelled.")
+    fallback: Literal["requeue", "none"] = Field(
+        "requeue", description="A job whose ranks on this node do not run under the trainer helper's relaunch loop "
+                               "(or that has no srun step here) would end, not restart: `requeue` signals it (every "
+                               "step and the batch script) and requeues it once its processes here have exited, as "
+                               "`signal, requeue` do; `none` fails and says so.")
 
     @field_validator("signal")
     @classmethod
@@ -77,16 +92,18 @@ class RestartAction(Action):
     def _one(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id
         job_id, s = job.job_id, self.settings
-        if not job.switch_dir:
-            raise ActionError(f"{job.label()} has no switch dir: nowhere to ask its relaunch loop for a restart")
         try:
             here = ctx.slurm.local_steps(job_id, ctx.slurmd)
             steps = set(here) or set(ctx.slurm.steps(job_id))
         except SlurmError as exc:
             raise ActionError(f"restart {job_id}: {exc}") from None
         if not steps:
-            raise ActionError(f"{job.label()} has no srun step running: nothing to restart in place (its ranks must be "
-                              "srun steps under the trainer helper's relaunch loop)")
+            return self._fallback(job, ctx, "no srun step running")
+        if not any(ProcFS().environ_var(pid, LOOP_VAR) is not None for pids in here.values() for pid in pids):
+            return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop"
+                                  if here else "no rank of it on this node to tell whether a relaunch loop runs it")
+        if not job.switch_dir:
+            return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in")
         identity, gid = job_owner(job)
         request = create_switch(job.switch_dir, "restart", identity, gid, {
             "requested_by": "trainguard", "at": ctx.clock(), "incident": ctx.event.incident_id,
@@ -113,6 +130,21 @@ class RestartAction(Action):
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
         return f"restart of {job_id} requested ({request}); SIG{s.signal} to step {ended}: {how}"
+
+    def _fallback(self, job: Job, ctx: ActionContext, why: str) -> str:
+        """Without the loop the signal would end the job: requeue it instead (or fail, `fallback = "none"`)."""
+        s = self.settings
+        if s.fallback == "none":
+            raise ActionError(f"{job.label()}: {why}: not restarted in place (fallback none); run its ranks as "
+                              "`python3 -m trainguard.trainer relaunch -- srun ...` in its batch script")
+        assert job.job_id
+        try:
+            ctx.slurm.signal(job.job_id, s.signal, "full")
+        except SlurmError as exc:
+            raise ActionError(f"{job.label()}: {why}; requeue instead: {exc}") from None
+        requeue = RequeueAction(self.name, RequeueSettings(timeout=s.timeout, wait_exit=s.wait_exit))
+        done = requeue.run(dataclasses.replace(ctx, jobs=(job,)))
+        return f"{job.label()}: {why}: requeue instead: SIG{s.signal} to every step, {done}"
 
     @staticmethod
     def _running(ctx: ActionContext, job_id: str, steps: set[str]) -> set[str]:

@@ -11,7 +11,8 @@ from trainguard.core.units import format_duration
 
 # What a successful action did, in the words of a headline.
 _DONE = {"signal": "job signalled", "save": "save requested", "stop": "stop requested", "drain": "node drained",
-         "requeue": "job requeued", "hold-array": "array held", "resume": "node resumed"}
+         "requeue": "job requeued", "restart": "job restarted in place", "hold-array": "array held",
+         "resume": "node resumed"}
 
 
 def actions_done(event: Event) -> list[str]:
