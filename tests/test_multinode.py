@@ -24,6 +24,7 @@ from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings
 from trainguard.pipeline.engine import Engine
@@ -285,3 +286,51 @@ def test_restart_of_a_job_without_the_relaunch_loop_requeues_it(multinode: Multi
     finally:
         catalog.close()
         multinode.run("scancel", job_id, check=False)
+
+
+@pytest.mark.slow
+def test_the_node_a_requeued_job_left_does_not_read_its_next_lifes_log(multinode: MultiNodeCluster, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24's short goodput run: the job's batch host n1 was drained for an XID and the job requeued onto other
+    nodes; n1's agent still listed the job (ended here), took the controller's record of the next life as its own,
+    read that life's NaN losses in the shared log, spoke for the job (n1 not in the new NodeList: "every node speaks")
+    and requeued it. The life that ran here ended REQUEUED: its owner and nodes stay that life's, and its log is not
+    read any more."""
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    script = ('if [ "${SLURM_RESTART_COUNT:-0}" = 1 ]; then echo "step 51 loss=nan"; echo "step 52 loss=nan"; '
+              'echo "step 53 loss=nan"; fi; exec srun --ntasks-per-node=1 sleep 120')
+    job_id = multinode.submit(script, "-N", "2", "--requeue", workdir=workdir, name="tg-left")
+    wait_until(lambda: multinode.job(job_id).get("JobState") == "RUNNING", 30, what="the job running")
+    first = multinode.job(job_id)
+    owner, nodes = first["BatchHost"], first["NodeList"]  # not pinned with -w: a requeued job keeps that list
+    jobs = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=owner, refresh="0s"), "agent-host")
+    watch = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        owner, tmp_path, jobs=jobs, nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    key = f"slurm:{job_id}"
+
+    def mine() -> Job | None:
+        jobs.settle(10)
+        return next((j for j in jobs.view().jobs if j.key == key), None)
+
+    try:
+        wait_until(lambda: (j := mine()) is not None and j.node_list == nodes and j.batch_host == owner, 30,
+                   what="the owner node running the job")
+        assert next(r for r in watch.run() if r.subject == key).status is Status.OK
+        multinode.run("scontrol", "update", f"nodename={owner}", "state=drain", "reason=test: GPU lost")
+        multinode.run("scontrol", "requeue", job_id)
+        wait_until(lambda: (multinode.job(job_id).get("Restarts"), multinode.job(job_id).get("JobState")) ==
+                   ("1", "RUNNING"), 60, what="the next life running")
+        assert owner not in expand(multinode.job(job_id)["NodeList"])
+        out = Path(multinode.job(job_id)["StdOut"])
+        wait_until(lambda: "step 53" in out.read_text(), 20, what="the next life's NaN losses")
+        job = wait_until(lambda: (j := mine()) is not None and j.state == "REQUEUED" and j, 20,
+                         what="the owner node seeing its life of the job end, requeued")
+        assert (job.restarts, job.node_list, job.batch_host, job.processes) == (0, nodes, owner, ())  # type: ignore[union-attr]
+        for _ in range(3):  # the node has nothing to say about the next life, which runs elsewhere
+            assert [r for r in watch.run() if r.subject == key] == []
+            time.sleep(0.5)
+    finally:
+        jobs.close()
+        multinode.run("scancel", job_id, check=False)
+        multinode.run("scontrol", "update", f"nodename={owner}", "state=resume", check=False)

@@ -182,6 +182,8 @@ class TrainingLogCheck(JobCheck):
             live.add(job.key)
             logs = job_log_files(job, self.settings.logs)
             paths.update(logs)
+            if job.state == "REQUEUED":  # its life here ended; what its log says now is its next life's, elsewhere
+                continue
             if not self._life(job, bool(view.stale.get(job.source))):
                 continue
             try:

@@ -19,6 +19,7 @@ answer, the jobs stay known from the node and `stale()` says so.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -454,7 +455,14 @@ class SlurmSource:
             local.fetched = now
             if text is not None:  # None: the controller forgot it (MinJobAge): what we had stays
                 local.raw = text
-                local.record = parse_job_record(text, local.uid) or local.record
+                record = parse_job_record(text, local.uid) or local.record
+                if local.ended is not None and _later_life(record, local.record):
+                    # Requeued: what the controller describes now is the job's next life (pending, or running on
+                    # other nodes). The life that ran here ended REQUEUED; its owner, nodes and log story are that
+                    # life's, or this node would speak for (and act on) a job it no longer runs.
+                    assert local.record is not None
+                    record = dataclasses.replace(local.record, state="REQUEUED")
+                local.record = record
                 if local.record is not None and local.record.node_list:  # a requeued (pending) job has none:
                     local.placed = (local.record.batch_host, local.record.node_list)  # its owner is this life's
                 if local.uid is None and local.record is not None:  # a job the watcher alone saw (spool, v2):
@@ -482,6 +490,11 @@ class SlurmSource:
         with self._lock:
             self._closed = True
             self._wake.notify_all()
+
+
+def _later_life(new: JobRecord | None, old: JobRecord | None) -> bool:
+    return (new is not None and old is not None and new.restarts is not None and old.restarts is not None
+            and new.restarts > old.restarts)
 
 
 def _final(local: _Local) -> tuple[str, str | None]:
