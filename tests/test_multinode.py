@@ -230,7 +230,7 @@ def test_restart_in_place_keeps_the_allocation_and_the_relaunch_loop_starts_the_
         assert f"SIGUSR1 to step {job_id}.0: ended in" in detail, detail
         assert sorted(lines("saved")) == ["saved step=0 rank=0", "saved step=0 rank=1"]
         wait_until(lambda: len(lines("start step=1")) == 2, 30, what="both ranks of step 1")
-        request = workdir / ".trainguard" / "restart"
+        request = workdir / ".trainguard" / f"restart.{job_id}"
         assert request.owner() == JOB_USER and json.loads(request.read_text())["reason"] == "NaN loss in 3 steps"
 
         started = time.monotonic()
@@ -277,7 +277,7 @@ def test_restart_of_a_job_without_the_relaunch_loop_requeues_it(multinode: Multi
                                               r"place \(fallback none\)"):
             strict.run(ctx())
         assert multinode.job(job_id)["JobState"] == "RUNNING"  # refused before any signal
-        assert not (workdir / ".trainguard" / "restart").exists()
+        assert not (workdir / ".trainguard" / f"restart.{job_id}").exists()
 
         detail = RestartAction("restart", RestartSettings(wait_exit=5, timeout=20)).run(ctx())
         assert "its ranks here do not run under the relaunch loop: requeue instead: SIGUSR1 to every step, " \

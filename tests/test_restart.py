@@ -4,11 +4,14 @@ tests/test_multinode.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.jobs.model import Job
-from trainguard.jobs.slurm import SlurmClient, parse_listpids_steps, parse_steps
+from trainguard.jobs.slurm import SlurmClient, SlurmError, parse_listpids_steps, parse_steps
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 from trainguard.trainer import Trainer
@@ -38,9 +41,11 @@ with open(sw.parent / "launches", "a") as f: f.write(f"{n}\n")
 plan = (sw.parent / "plan").read_text().split(",")
 what = plan[n] if n < len(plan) else "exit 0"
 if what in ("request", "kill"):
-    tmp = sw / ".restart.tmp"; tmp.write_text(json.dumps({"reason": f"NaN loss\nin launch {n}"})); tmp.rename(sw / "restart")
+    tmp = sw / ".restart.tmp"; tmp.write_text(json.dumps({"reason": f"NaN loss\nin launch {n}"}))
+    tmp.rename(sw / ("restart." + os.environ["SLURM_JOB_ID"]))
     if what == "kill": os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(0)
+if what == "other": (sw / "restart.78").write_text("{}"); sys.exit(0)
 if what == "sleep": signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); (sw.parent / "sleeping").touch(); signal.pause()
 sys.exit(int(what.split()[1]))
 """
@@ -51,7 +56,7 @@ def _loop(tmp_path: Path, plan: str, *args: str) -> subprocess.Popen[str]:
     (tmp_path / "plan").write_text(plan)
     return subprocess.Popen([sys.executable, "-m", "trainguard.trainer", "relaunch", *args, "--switch-dir",
                              str(tmp_path / "sw"), "--", sys.executable, "-c", LAUNCH, str(tmp_path / "sw")],
-                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stderr=subprocess.PIPE, text=True, env={**os.environ, "SLURM_JOB_ID": "77"})
 
 
 def _launches(tmp_path: Path) -> list[str]:
@@ -73,10 +78,17 @@ def test_the_loop_starts_the_command_again_for_each_new_restart_request(tmp_path
 
 def test_a_request_older_than_the_loop_or_none_at_all_ends_it_with_the_commands_status(tmp_path: Path) -> None:
     (tmp_path / "sw").mkdir()
-    (tmp_path / "sw" / "restart").write_text("{}")  # left by an earlier life of the job
+    (tmp_path / "sw" / "restart.77").write_text("{}")  # left by an earlier life of the job
     proc = _loop(tmp_path, "exit 5")
     proc.communicate(timeout=60)
     assert proc.returncode == 5 and _launches(tmp_path) == ["0"]
+
+
+def test_a_request_for_another_job_of_the_same_directory_is_not_this_ones(tmp_path: Path) -> None:
+    """Every job submitted from one directory (an array's tasks) shares its switch dir: the request names its job."""
+    proc = _loop(tmp_path, "other,exit 0")
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0 and _launches(tmp_path) == ["0"]
 
 
 def test_max_restarts_bounds_a_job_that_asks_for_ever(tmp_path: Path) -> None:
@@ -95,7 +107,7 @@ def test_sigterm_ends_the_loop_after_the_command_even_with_a_request(tmp_path: P
     proc.send_signal(signal.SIGUSR1)
     time.sleep(0.3)
     assert proc.poll() is None
-    (tmp_path / "sw" / "restart").write_text("{}")
+    (tmp_path / "sw" / "restart.77").write_text("{}")
     proc.send_signal(signal.SIGTERM)
     for child in _children(proc.pid):
         os.kill(child, signal.SIGTERM)
@@ -115,25 +127,32 @@ def test_relaunch_needs_a_command() -> None:
     assert proc.returncode == 2 and "relaunch: no command given" in proc.stderr
 
 
-def test_restart_requested_is_a_request_newer_than_the_process(tmp_path: Path) -> None:
-    (tmp_path / "restart").write_text("{}")
+def test_restart_requested_is_a_request_for_this_job_newer_than_the_process(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    (tmp_path / "restart.77").write_text("{}")
     t = Trainer(switch_dir=tmp_path)
     assert not t.restart_requested()  # there before this process: an earlier life's
+    (tmp_path / "restart.78").write_text("{}")
+    assert not t.restart_requested()  # another job's
     tmp = tmp_path / ".restart.tmp"
     tmp.write_text("{}")
-    tmp.rename(tmp_path / "restart")
+    tmp.rename(tmp_path / "restart.77")
     assert t.restart_requested()
-    (tmp_path / "restart").unlink()
-    os.symlink("/etc/hostname", tmp_path / "restart")  # never a link
+    (tmp_path / "restart.77").unlink()
+    os.symlink("/etc/hostname", tmp_path / "restart.77")  # never a link
     assert not t.restart_requested()
 
 
 def test_listpids_steps_and_squeue_steps_as_captured() -> None:
-    """tests/data/slurm/listpids-steps.txt and squeue-steps.txt: captured 2026-11-27 (README there)."""
+    """tests/data/slurm/listpids-steps.txt, squeue-steps.txt, squeue-steps-array.txt: captured 2026-11-27 (README
+    there)."""
     steps = parse_listpids_steps((DATA / "listpids-steps.txt").read_text())
     assert steps == {"1": {"0": [8483, 8485]}}  # the batch step is not an srun step
     assert parse_steps((DATA / "squeue-steps.txt").read_text(), "1") == ["0"]
-    assert parse_steps("12.0\n1.3\n1.extern\n1.x9\n", "1") == ["3"]
+    assert parse_steps("1.3\n1.extern\n1.x9\n1.batch\n", "1") == ["3"]
+    # an array task's steps are named ARRAY_TASK.STEP (raw job id 2 is task 3 of array 1)
+    assert parse_steps((DATA / "squeue-steps-array.txt").read_text(), "2") == ["0", "1"]
 
 
 def _event(check: str = "training_log", subject: str = "slurm:5") -> Event:
@@ -181,3 +200,106 @@ def test_a_done_restart_makes_the_check_forget_the_jobs_history(tmp_path: Path) 
         assert [s for s, _ in forgotten] == ["slurm:5"]
     finally:
         engine.stop()
+
+
+class StubSlurm:
+    """What the action asks of SLURM, scripted: the local steps (real processes, whose environment is read), the
+    controller's step list, and a record of every signal, cancel and requeue."""
+
+    def __init__(self, here: dict[str, list[int]], steps: list[str], fail_signal: bool = False) -> None:
+        self.here, self.listed, self.fail_signal = here, steps, fail_signal
+        self.calls: list[tuple[str, ...]] = []
+
+    def local_steps(self, job_id: str, node: str = "") -> dict[str, list[int]]:
+        return self.here
+
+    def steps(self, job_id: str) -> list[str]:
+        return self.listed
+
+    def signal(self, job_id: str, signal_name: str, mode: str = "full") -> None:
+        if self.fail_signal:
+            raise SlurmError("scancel: error: Unable to contact slurm controller (connect failure)")
+        self.calls.append(("signal", job_id, signal_name, mode))
+
+    def cancel_step(self, job_id: str, step: str) -> bool:
+        self.calls.append(("cancel", f"{job_id}.{step}"))
+        return True
+
+    def requeue(self, job_id: str) -> None:
+        self.calls.append(("requeue", job_id))
+
+
+@pytest.fixture
+def ranks() -> Iterator[Callable[..., int]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(**env: str) -> int:
+        procs.append(subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], **env}))
+        return procs[-1].pid
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _job(tmp_path: Path, requeue: bool = True) -> Job:
+    return Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=os.getuid(),
+               switch_dir=str(tmp_path / "sw"), requeue=requeue)
+
+
+def _run(slurm: StubSlurm, job: Job, **settings: object) -> str:
+    action = RestartAction("restart", RestartSettings(**{"wait_exit": 0.5, "timeout": 5, **settings}))
+    return action.run(ActionContext(_event(), (job,), "n1", slurm, time.time))  # type: ignore[arg-type]
+
+
+def test_only_the_loops_steps_are_signalled_and_those_left_cancelled(tmp_path: Path,
+                                                                      ranks: Callable[..., int]) -> None:
+    """A sidecar step (srun --overlap: a monitor, a debug shell) is neither signalled nor cancelled; the rank that
+    did not exit in wait_exit is cancelled on every node; the request names the job (one switch dir serves every job
+    submitted from one directory)."""
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")], "3": [ranks()]}, ["0", "3"])
+    detail = _run(slurm, _job(tmp_path))
+    assert slurm.calls == [("signal", "5.0", "USR1", "steps"), ("cancel", "5.0")]
+    assert "SIGUSR1 to step 5.0: cancelled 5.0 still running after" in detail, detail
+    request = tmp_path / "sw" / "restart.5"
+    assert json.loads(request.read_text())["job_id"] == "5" and not (tmp_path / "sw" / "restart").exists()
+
+
+def test_a_loop_out_of_restarts_and_a_job_without_the_loop_are_requeued(tmp_path: Path,
+                                                                        ranks: Callable[..., int]) -> None:
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="3", TRAINGUARD_MAX_RESTARTS="3")]}, ["0"])
+    detail = _run(slurm, _job(tmp_path))
+    assert "its relaunch loop has used its 3 restarts: requeue instead" in detail, detail
+    assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
+    assert not (tmp_path / "sw").exists()  # nothing asked of a loop that would not restart
+
+    slurm = StubSlurm({"0": [ranks()]}, ["0"])
+    with pytest.raises(ActionError, match="do not run under the relaunch loop, and it was submitted --no-requeue: "
+                                          "left alone"):
+        _run(slurm, _job(tmp_path, requeue=False))
+    assert slurm.calls == []  # a signal would end a job nobody may requeue
+
+
+def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """Left in place, the request would restart the job the next time its srun ends, even at the end of training."""
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"], fail_signal=True)
+    with pytest.raises(ActionError, match=r"\(connect failure\) \(the request is withdrawn\)"):
+        _run(slurm, _job(tmp_path))
+    assert list((tmp_path / "sw").iterdir()) == []
+
+
+def test_a_second_incident_about_the_same_job_waits_for_the_restart_under_way(tmp_path: Path,
+                                                                                ranks: Callable[..., int]) -> None:
+    """training_log and job_memory may both see the fault: one restart, not a second of the fresh start."""
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+    action = RestartAction("restart", RestartSettings(wait_exit=1.0, timeout=5))
+    ctx = ActionContext(_event(), (_job(tmp_path),), "n1", slurm, time.time)  # type: ignore[arg-type]
+    out: list[str] = []
+    first = threading.Thread(target=lambda: out.append(action.run(ctx)))
+    first.start()
+    wait_until(lambda: slurm.calls, 10, what="the first restart signalling")
+    second = action.run(ctx)
+    first.join(10)
+    assert second == "job 5 (t): restarted in place by the restart already under way"
+    assert [c[0] for c in slurm.calls] == ["signal", "cancel"] and "restart of 5 requested" in out[0]

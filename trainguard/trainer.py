@@ -30,10 +30,9 @@ streak, a hung rank, a leak) has them save, exit and start again inside the job'
 
     python3 -m trainguard.trainer relaunch [--max-restarts 10] -- srun python train.py
 
-The loop runs the command again when it ends after a new `restart` request appeared in the switch dir (the agent
-writes it before it signals the ranks), at most --max-restarts times; otherwise it exits with the command's status.
-A launcher that restarts failed workers itself (torchrun --max-restarts) gets the same from a rank that exits
-non-zero when `trainer.restart_requested()`.
+The loop runs the command again when it ends after a new request for this job (`restart.<job id>` in the switch
+dir, which the agent writes before it signals the ranks) appeared, at most --max-restarts times; otherwise it exits
+with the command's status.
 """
 
 from __future__ import annotations
@@ -108,14 +107,20 @@ class Trainer:
         ok = stat.S_ISREG(st.st_mode) and (st.st_uid in (os.getuid(), 0) or _member(st.st_uid, self.switch_group))
         return st if ok else None
 
+    @property
+    def restart_name(self) -> str:
+        """This job's request file: jobs submitted from one directory (an array's tasks) share its switch dir."""
+        return f"restart.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
+
     def restart_request(self) -> tuple[int, int, int] | None:
-        """Which `restart` request the switch dir holds now (None: none). Each request is a new file (the agent
-        writes it under a temporary name and renames it), so a new one differs from an old one here."""
-        st = self._switch("restart")
+        """Which restart request for this job the switch dir holds now (None: none). Each request is a new file (the
+        agent writes it under a temporary name and renames it), so a new one differs from an old one here."""
+        st = self._switch(self.restart_name)
         return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) if st else None
 
     def restart_requested(self) -> bool:
-        """A restart in place was asked (the agent's `restart` action) since this process started."""
+        """A restart in place of this job was asked (the agent's `restart` action) since this process started: the
+        stop it asks for is a restart (a rank may skip its end-of-run work)."""
         now = self.restart_request()
         return now is not None and now != self._restart_seen
 
@@ -290,14 +295,19 @@ def restart_requested() -> bool:
     return _trainer().restart_requested()
 
 
-def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.PathLike[str] | None = None) -> int:
-    """Run `command` (the job's `srun ...`) and run it again each time it ends after a new `restart` request
-    appeared in the switch dir, at most `max_restarts` times; return its exit status (128+N for signal N), as a
-    shell would. The command sees TRAINGUARD_RESTARTS, how many times it was started again.
+def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.PathLike[str] | None = None,
+             settle: float = 3.0) -> int:
+    """Run `command` (the job's `srun ...`) and run it again each time it ends after a new restart request for this
+    job (`restart.<SLURM_JOB_ID>`) appeared in the switch dir, at most `max_restarts` times; return its exit status
+    (128+N for signal N), as a shell would. The command sees TRAINGUARD_RESTARTS (how many times it was started
+    again) and TRAINGUARD_MAX_RESTARTS.
 
     SIGTERM, SIGINT and SIGHUP (the time limit, scancel, a stop) end the loop after the command: they reach the
     command from whoever sent them (slurmd signals every process of the batch step). SIGUSR1 and SIGUSR2 are the
-    ranks' (save and exit, save): the loop must outlive them when they reach the whole batch step."""
+    ranks' (save and exit, save): the loop must outlive them when they reach the whole batch step.
+
+    A request written by another node's agent on a network file system may show up here a moment late (NFS caches
+    attributes and lookups): after a command that exited 0 the loop looks again for up to `settle` seconds."""
     watcher = Trainer(switch_dir)
     ending = threading.Event()
 
@@ -310,9 +320,10 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
         signal.signal(sig, lambda _signum, _frame: None)
     seen = watcher.restart_request()
     restarts = 0
+    env = {**os.environ, "TRAINGUARD_MAX_RESTARTS": str(max_restarts)}  # the agent requeues a loop out of restarts
     while True:
         try:
-            code = subprocess.run(command, env={**os.environ, "TRAINGUARD_RESTARTS": str(restarts)},
+            code = subprocess.run(command, env={**env, "TRAINGUARD_RESTARTS": str(restarts)},
                                   check=False).returncode  # no timeout: the command is the job, it runs for days
         except OSError as exc:
             print(f"trainguard relaunch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr,
@@ -320,6 +331,12 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
             return 127
         status = 128 - code if code < 0 else code
         request = watcher.restart_request()
+        deadline = time.monotonic() + settle
+        while status == 0 and request in (None, seen) and not ending.is_set() and time.monotonic() < deadline:
+            time.sleep(0.5)
+            with contextlib.suppress(OSError):
+                os.listdir(watcher.switch_dir)  # a fresh listing: NFS revalidates the directory
+            request = watcher.restart_request()
         if ending.is_set() or request is None or request == seen:
             return status
         if restarts >= max_restarts:
@@ -328,8 +345,10 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
             return status
         seen, restarts = request, restarts + 1
         print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked "
-              f"({_reason(watcher.switch_dir / 'restart')}); {command[0]} exited {status}: starting it again",
-              file=sys.stderr, flush=True)
+              f"({_reason(watcher.switch_dir / watcher.restart_name)}); {command[0]} exited {status}: starting it "
+              "again", file=sys.stderr, flush=True)
+        if ending.is_set():  # stopped while deciding: a job being stopped is never started again
+            return status
 
 
 def _reason(path: Path) -> str:

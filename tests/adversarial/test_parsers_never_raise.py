@@ -24,7 +24,9 @@ from trainguard.jobs.slurm import (
     parse_history,
     parse_job_record,
     parse_listpids,
+    parse_listpids_steps,
     parse_named,
+    parse_steps,
     wait_status,
 )
 from trainguard.jobs.slurmnode import conf_value, spool_jobs
@@ -122,6 +124,8 @@ def test_slurm_job_records_listpids_and_squeue_lines(text: str, uid: int | None)
     record = parse_job_record(text, uid)
     assert record is None or (record.job_id.isdigit() and (uid is None or record.uid == uid))
     assert all(isinstance(pids, list) for pids in parse_listpids(text).values())
+    assert all(step.isdigit() for steps in parse_listpids_steps(text).values() for step in steps)
+    assert all(step.isdigit() for step in parse_steps(text, "1"))
     for line in text.splitlines():
         job = parse_named(line)
         assert job is None or job.key == f"slurm:{job.job_id}"

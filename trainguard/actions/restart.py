@@ -23,6 +23,8 @@ would end at the signal, not restart: by default (`fallback = "requeue"`) it is 
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 import time
 from typing import Literal
 
@@ -31,13 +33,21 @@ from pydantic import Field, field_validator, model_validator
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
-from trainguard.actions.switch import create_switch, job_owner
+from trainguard.actions.switch import create_switch, job_owner, remove_switch
 from trainguard.core.settings import Duration
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
 from trainguard.node.procfs import ProcFS
 
 LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop for the command it runs
+LOOP_MAX_VAR = "TRAINGUARD_MAX_RESTARTS"
+RELAUNCH_GRACE = 30.0  # a job restarted this recently may be between two sruns: its next step is waited for
+RELAUNCH_WAIT = 10.0  # at most this long
+
+
+def request_name(job_id: str) -> str:
+    """One request file per job: jobs submitted from one directory (an array's tasks) share its switch dir."""
+    return f"restart.{job_id}"
 
 POLL = 0.2  # the ranks on this node: /proc only
 POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
@@ -79,6 +89,14 @@ class RestartAction(Action):
                 f"request in its switch dir, SIG{self.settings.signal} to its steps, the steps still running after "
                 f"{self.settings.wait_exit:g}s cancelled")
 
+    def __init__(self, name: str, settings: ActionSettings) -> None:
+        super().__init__(name, settings)
+        # Per job: the restart under way (a second incident about the same fault waits for it instead of restarting
+        # the fresh start again) and when the last one ended (the loop takes a moment to start the next srun).
+        self._lock = threading.Lock()
+        self._busy: dict[str, threading.Event] = {}
+        self._done: dict[str, float] = {}
+
     def run(self, ctx: ActionContext) -> str:
         others = [j.label() for j in ctx.jobs if not (j.source == "slurm" and j.job_id)]
         if others:
@@ -87,62 +105,116 @@ class RestartAction(Action):
         jobs = slurm_jobs(ctx)
         if not jobs:
             raise ActionError("no job to restart")
-        return "; ".join(self._one(job, ctx) for job in jobs)
+        done, errors = [], []
+        for job in jobs:  # one job's failure never keeps another from its restart
+            try:
+                done.append(self._once(job, ctx))
+            except ActionError as exc:
+                errors.append(f"{job.label()}: {exc}")
+        if errors and not done:
+            raise ActionError("; ".join(errors))
+        return "; ".join(done + errors)
+
+    def _once(self, job: Job, ctx: ActionContext) -> str:
+        assert job.job_id
+        with self._lock:
+            busy = self._busy.get(job.job_id)
+            if busy is None:
+                self._busy[job.job_id] = threading.Event()
+        if busy is not None:  # the same fault seen by a second check: the restart under way answers both
+            busy.wait(self.settings.timeout)
+            return f"{job.label()}: restarted in place by the restart already under way"
+        try:
+            return self._one(job, ctx)
+        finally:
+            with self._lock:
+                self._busy.pop(job.job_id).set()
+                self._done[job.job_id] = time.monotonic()
+                for key in [k for k, at in self._done.items() if time.monotonic() - at > RELAUNCH_GRACE]:
+                    del self._done[key]
 
     def _one(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id
         job_id, s = job.job_id, self.settings
+        deadline = time.monotonic() + s.wait_exit  # the slurm calls before the signal count too: timeout holds
         try:
             here = ctx.slurm.local_steps(job_id, ctx.slurmd)
-            steps = set(here) or set(ctx.slurm.steps(job_id))
+            if not here and time.monotonic() - self._done.get(job_id, -math.inf) < RELAUNCH_GRACE:
+                # restarted a moment ago: the loop is starting the next srun, whose steps are not listed yet
+                until = min(deadline, time.monotonic() + RELAUNCH_WAIT)
+                while not here and time.monotonic() < until:
+                    time.sleep(POLL_CONTROLLER)
+                    here = ctx.slurm.local_steps(job_id, ctx.slurmd)
         except SlurmError as exc:
             raise ActionError(f"restart {job_id}: {exc}") from None
-        if not steps:
-            return self._fallback(job, ctx, "no srun step running")
-        if not any(ProcFS().environ_var(pid, LOOP_VAR) is not None for pids in here.values() for pid in pids):
-            return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop"
-                                  if here else "no rank of it on this node to tell whether a relaunch loop runs it")
+        procfs = ProcFS()
+        looped = {step: pids for step, pids in here.items() if any(
+            procfs.environ_var(pid, LOOP_VAR) is not None for pid in pids)}
+        if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
+            return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
+                                  "no srun step of it on this node", deadline)
         if not job.switch_dir:
-            return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in")
+            return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
+        spent = self._spent(procfs, looped)
+        if spent:
+            return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
+        refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
-        request = create_switch(job.switch_dir, "restart", identity, gid, {
-            "requested_by": "trainguard", "at": ctx.clock(), "incident": ctx.event.incident_id,
+        name = request_name(job_id)
+        request = create_switch(job.switch_dir, name, identity, gid, {
+            "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(), "incident": ctx.event.incident_id,
             "check": ctx.event.check, "reason": ctx.event.summary})
-        try:
-            ctx.slurm.signal(job_id, s.signal, "steps")
-        except SlurmError as exc:
-            raise ActionError(f"restart {job_id}: {exc}") from None
         started = time.monotonic()
-        deadline = started + s.wait_exit
-        refs = [r for pids in here.values() for r in map(ProcessRef.of, pids) if r is not None]
+        steps = sorted(looped, key=int)
+        try:
+            for step in steps:
+                ctx.slurm.signal(f"{job_id}.{step}", s.signal, "steps")
+        except SlurmError as exc:
+            # Left in place, the request would restart the job the next time its srun ends, even at the end of training
+            remove_switch(job.switch_dir, name, identity)
+            raise ActionError(f"restart {job_id}: {exc} (the request is withdrawn)") from None
         while any(r.matches() for r in refs) and time.monotonic() < deadline:
             time.sleep(POLL)
         try:
-            left = self._running(ctx, job_id, steps)
+            left = self._running(ctx, job_id, set(steps))
             while left and time.monotonic() < deadline:
                 time.sleep(POLL_CONTROLLER)
-                left = self._running(ctx, job_id, steps)
-            cancelled = [step for step in sorted(left) if ctx.slurm.cancel_step(job_id, step)]
+                left = self._running(ctx, job_id, set(steps))
+            cancelled = [step for step in sorted(left, key=int) if ctx.slurm.cancel_step(job_id, step)]
         except SlurmError as exc:
             raise ActionError(f"restart {job_id}: {request} written, SIG{s.signal} sent, then: {exc}") from None
         took = time.monotonic() - started
-        ended = ", ".join(f"{job_id}.{step}" for step in sorted(steps))
+        ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
         return f"restart of {job_id} requested ({request}); SIG{s.signal} to step {ended}: {how}"
 
-    def _fallback(self, job: Job, ctx: ActionContext, why: str) -> str:
+    @staticmethod
+    def _spent(procfs: ProcFS, looped: dict[str, list[int]]) -> int | None:
+        """The loop's --max-restarts when its ranks here say they are the last start it allows, else None: restarted
+        again, the job would end."""
+        for pids in looped.values():
+            for pid in pids:
+                done, most = procfs.environ_var(pid, LOOP_VAR), procfs.environ_var(pid, LOOP_MAX_VAR)
+                if done and most and done.isdigit() and most.isdigit() and int(done) >= int(most):
+                    return int(most)
+        return None
+
+    def _fallback(self, job: Job, ctx: ActionContext, why: str, deadline: float) -> str:
         """Without the loop the signal would end the job: requeue it instead (or fail, `fallback = "none"`)."""
         s = self.settings
         if s.fallback == "none":
             raise ActionError(f"{job.label()}: {why}: not restarted in place (fallback none); run its ranks as "
                               "`python3 -m trainguard.trainer relaunch -- srun ...` in its batch script")
+        if not job.requeue:  # the signal would end a job nobody may requeue
+            raise ActionError(f"{job.label()}: {why}, and it was submitted --no-requeue: left alone")
         assert job.job_id
         try:
             ctx.slurm.signal(job.job_id, s.signal, "full")
         except SlurmError as exc:
             raise ActionError(f"{job.label()}: {why}; requeue instead: {exc}") from None
-        requeue = RequeueAction(self.name, RequeueSettings(timeout=s.timeout, wait_exit=s.wait_exit))
+        wait = max(0.0, deadline - time.monotonic())
+        requeue = RequeueAction(self.name, RequeueSettings(timeout=max(s.timeout, wait + 1), wait_exit=wait))
         done = requeue.run(dataclasses.replace(ctx, jobs=(job,)))
         return f"{job.label()}: {why}: requeue instead: SIG{s.signal} to every step, {done}"
 

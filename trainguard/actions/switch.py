@@ -123,6 +123,25 @@ def create_switch(directory: str, name: str, identity: Identity, gid: int, paylo
         os.close(dfd)
 
 
+def remove_switch(directory: str, name: str, identity: Identity) -> bool:
+    """Withdraw a switch file the agent made (an action that failed after writing it): unlinked through the switch
+    dir opened as in create_switch, only while it is a regular file (unlink never follows a link). False when it is
+    gone or cannot be removed."""
+    try:
+        dfd = _open_switch_dir(directory, identity, create=False)
+    except ActionError:
+        return False
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(name, dir_fd=dfd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
+
+
 def job_owner(job: Job) -> tuple[Identity, int]:
     if job.uid is None:
         raise ActionError(f"{job.label()}: unknown owner")

@@ -195,11 +195,13 @@ def parse_listpids_steps(out: str) -> dict[str, dict[str, list[int]]]:
 
 
 def parse_steps(out: str, job_id: str) -> list[str]:
-    """`squeue --steps --jobs=ID --noheader --format=%i` (`1.0`, `1.batch`): the job's numbered step ids."""
+    """`squeue --steps --jobs=ID --noheader --format=%i` (`1.0`, `1.batch`; an array task's as `ARRAY_TASK.STEP`,
+    `7_2.0`): the job's numbered step ids. The output holds this job's steps alone (asked by id)."""
     steps = []
     for line in out.splitlines():
-        job, _, step = line.strip().partition(".")
-        if job == job_id and _small_id(step):
+        job, _, step = line.strip().rpartition(".")
+        array, _, task = job.partition("_")
+        if _small_id(step) and (job == job_id or (_small_id(array) and _small_id(task))):
             steps.append(step)
     return steps
 

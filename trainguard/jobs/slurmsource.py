@@ -89,6 +89,7 @@ class _Local:
     array_pending: bool | None = None
     glimpsed: bool = False  # found by the watcher, between listings
     placed: tuple[str | None, str | None] = (None, None)  # (BatchHost, NodeList) of this life, as last said
+    life: JobRecord | None = None  # the controller's record of the life running here, while it ran
     going_since: float | None = None  # when the controller first said it is going while its steps are still here
     attempted: float | None = None  # the last fetch's start, answered or not
     fetching: bool = False  # a fetch of it is under way
@@ -326,6 +327,8 @@ class SlurmSource:
             local.record = parse_job_record(local.raw, local.uid) or local.record
             if local.record is not None and local.record.node_list:
                 local.placed = (local.record.batch_host, local.record.node_list)
+            if local.record is not None and local.record.state in LIVE_STATES and local.ended is None:
+                local.life = local.record
 
     # building a Job ----------------------------------------------------------------------------------------------
     def _job(self, local: _Local) -> Job:
@@ -456,12 +459,16 @@ class SlurmSource:
             if text is not None:  # None: the controller forgot it (MinJobAge): what we had stays
                 local.raw = text
                 record = parse_job_record(text, local.uid) or local.record
-                if local.ended is not None and _later_life(record, local.record):
+                if record is not None and record.state in LIVE_STATES and local.ended is None:
+                    local.life = record  # the life running here, as last said
+                elif record is not None and _later_life(record, local.life) and (local.ended is not None
+                                                                                 or record.state not in LIVE_STATES):
                     # Requeued: what the controller describes now is the job's next life (pending, or running on
-                    # other nodes). The life that ran here ended REQUEUED; its owner, nodes and log story are that
-                    # life's, or this node would speak for (and act on) a job it no longer runs.
-                    assert local.record is not None
-                    record = dataclasses.replace(local.record, state="REQUEUED")
+                    # other nodes) while this one is being killed here or is gone. The life that ran here ended
+                    # REQUEUED; its owner, nodes and log story are that life's, or this node would speak for (and act
+                    # on) a job it no longer runs. (One requeued back onto this node is a new life when it shows up.)
+                    assert local.life is not None
+                    record = dataclasses.replace(local.life, state="REQUEUED")
                 local.record = record
                 if local.record is not None and local.record.node_list:  # a requeued (pending) job has none:
                     local.placed = (local.record.batch_host, local.record.node_list)  # its owner is this life's
@@ -492,9 +499,10 @@ class SlurmSource:
             self._wake.notify_all()
 
 
-def _later_life(new: JobRecord | None, old: JobRecord | None) -> bool:
-    return (new is not None and old is not None and new.restarts is not None and old.restarts is not None
-            and new.restarts > old.restarts)
+def _later_life(new: JobRecord | None, life: JobRecord | None) -> bool:
+    """Whether `new` describes a later life of the job than `life` (its restart count is higher)."""
+    return (new is not None and life is not None and new.restarts is not None and life.restarts is not None
+            and new.restarts > life.restarts)
 
 
 def _final(local: _Local) -> tuple[str, str | None]:
