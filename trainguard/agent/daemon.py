@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 import signal
 import threading
@@ -78,7 +76,6 @@ def run_daemon(config: Config) -> int:
                 systemd.notify(_status_line(len(engine.configured), pending))
                 if not pending:
                     log.info("first round done", extra=kv(checks=len(engine.configured)))
-                    _release_startup_memory()
     t0 = time.monotonic()
     systemd.notify("STOPPING=1")
     pinger.stop()
@@ -89,20 +86,6 @@ def run_daemon(config: Config) -> int:
     engine.stop()
     log.info("stopped", extra=kv(shutdown_s=round(time.monotonic() - t0, 3)))
     return 0
-
-
-def _release_startup_memory() -> None:
-    """Hand back to the kernel the heap pages that start-up (imports, config validation, the first round) used and
-    freed. glibc keeps freed memory for reuse and returns only the top of its main heap by itself; `malloc_trim`
-    releases the free pages inside it too. Once: the steady state allocates little. Not glibc (musl): nothing."""
-    gc.collect()
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
 
 
 def _status_line(checks: int, pending: list[str]) -> str:
