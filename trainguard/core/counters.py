@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -32,10 +32,15 @@ def saturated(value: int, bits: int | None) -> bool:
     return bits is not None and value >= (1 << bits) - 1
 
 
-@dataclass
+# Slots, and no deque until a counter first grows: an NVLink node keeps one series per GPU, link and counter
+# (8 x 18 x 3 on an HGX board), nearly all of which never grow, and an empty deque alone costs 600 bytes.
+_NONE: tuple[tuple[float, int], ...] = ()
+
+
+@dataclass(slots=True)
 class _Series:
     last: int
-    increases: deque[tuple[float, int]] = field(default_factory=deque)
+    increases: deque[tuple[float, int]] | tuple[tuple[float, int], ...] = _NONE
 
 
 class CounterWindow:
@@ -56,6 +61,8 @@ class CounterWindow:
         delta = counter_delta(series.last, value, bits)
         series.last = value
         if delta > 0:
+            if not isinstance(series.increases, deque):
+                series.increases = deque()
             series.increases.append((now, delta))
             if len(series.increases) > self.max_events:  # fold the oldest two: the sum within the window stays right
                 _, d0 = series.increases.popleft()
@@ -84,8 +91,10 @@ class CounterWindow:
             del self._series[key]
 
     def _trim(self, series: _Series, now: float) -> None:
-        while series.increases and now - series.increases[0][0] > self.window:
-            series.increases.popleft()
+        increases = series.increases
+        if isinstance(increases, deque):
+            while increases and now - increases[0][0] > self.window:
+                increases.popleft()
 
     # persistence: a restarted agent still sees an increase that happened while it was down -------------------------
     def to_json(self, encode: Any = str) -> dict[str, Any]:
@@ -98,4 +107,4 @@ class CounterWindow:
                 key = decode(raw_key)
             except (TypeError, ValueError, IndexError):
                 continue
-            self._series[key] = _Series(last, deque(events[-self.max_events:]))
+            self._series[key] = _Series(last, deque(events[-self.max_events:]) if events else _NONE)
