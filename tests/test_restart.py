@@ -274,6 +274,9 @@ def test_a_loop_out_of_restarts_and_a_job_without_the_loop_are_requeued(tmp_path
     assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
     assert not (tmp_path / "sw").exists()  # nothing asked of a loop that would not restart
 
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0", TRAINGUARD_MAX_RESTARTS="0")]}, ["0"])
+    assert "its relaunch loop has used its 0 restarts: requeue instead" in _run(slurm, _job(tmp_path))
+
     slurm = StubSlurm({"0": [ranks()]}, ["0"])
     with pytest.raises(ActionError, match="do not run under the relaunch loop, and it was submitted --no-requeue: "
                                           "left alone"):

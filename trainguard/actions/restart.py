@@ -85,9 +85,10 @@ class RestartAction(Action):
     fresh_start = True
 
     def plan(self, ctx: ActionContext) -> str:
-        return (f"restart in place {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a `restart` "
-                f"request in its switch dir, SIG{self.settings.signal} to its steps, the steps still running after "
-                f"{self.settings.wait_exit:g}s cancelled")
+        return (f"restart in place {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a restart "
+                f"request in its switch dir, SIG{self.settings.signal} to its steps under the relaunch loop, those "
+                f"still running after {self.settings.wait_exit:g}s cancelled; without the loop: "
+                f"{'signal and requeue' if self.settings.fallback == 'requeue' else 'nothing'}")
 
     def __init__(self, name: str, settings: ActionSettings) -> None:
         super().__init__(name, settings)
@@ -156,7 +157,7 @@ class RestartAction(Action):
         if not job.switch_dir:
             return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
         spent = self._spent(procfs, looped)
-        if spent:
+        if spent is not None:
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
