@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -64,3 +64,16 @@ class Action(ABC):
 
 def slurm_jobs(ctx: ActionContext) -> list[Job]:
     return [j for j in ctx.jobs if j.source == "slurm" and j.job_id]
+
+
+def each_job(jobs: Iterable[Job], act: Callable[[Job], str]) -> str:
+    """`act` on every job: one job's failure never keeps another from its turn. Fails only when every job failed."""
+    done, errors = [], []
+    for job in jobs:
+        try:
+            done.append(act(job))
+        except ActionError as exc:
+            errors.append(f"{job.label()}: {exc}")
+    if errors and not done:
+        raise ActionError("; ".join(errors))
+    return "; ".join(done + errors)

@@ -28,11 +28,11 @@ import threading
 import time
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, slurm_jobs
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job, slurm_jobs
 from trainguard.actions.signal import signal_name
-from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
+from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch, job_owner, remove_switch
 from trainguard.core.settings import Duration
 from trainguard.jobs.model import Job, ProcessRef
@@ -53,8 +53,7 @@ POLL = 0.2  # the ranks on this node: /proc only
 POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
 
 
-class RestartSettings(ActionSettings):
-    timeout: Duration = Field(330.0, gt=0, description="An action still running after this is reported as failed.")
+class RestartSettings(WaitExitSettings):
     signal: str = Field("USR1", description="The signal that asks the ranks to save and exit (the trainer helper's "
                                             "default: USR1).")
     wait_exit: Duration = Field(300.0, ge=0, description="How long the ranks get to save and exit before their "
@@ -69,12 +68,6 @@ class RestartSettings(ActionSettings):
     @classmethod
     def _valid_signal(cls, value: str) -> str:
         return signal_name(value)
-
-    @model_validator(mode="after")
-    def _wait_fits(self) -> RestartSettings:
-        if self.wait_exit >= self.timeout:
-            raise ValueError(f"wait_exit ({self.wait_exit:g}s) must be shorter than timeout ({self.timeout:g}s)")
-        return self
 
 
 class RestartAction(Action):
@@ -106,15 +99,7 @@ class RestartAction(Action):
         jobs = slurm_jobs(ctx)
         if not jobs:
             raise ActionError("no job to restart")
-        done, errors = [], []
-        for job in jobs:  # one job's failure never keeps another from its restart
-            try:
-                done.append(self._once(job, ctx))
-            except ActionError as exc:
-                errors.append(f"{job.label()}: {exc}")
-        if errors and not done:
-            raise ActionError("; ".join(errors))
-        return "; ".join(done + errors)
+        return each_job(jobs, lambda job: self._once(job, ctx))
 
     def _once(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job
 from trainguard.core.logs import kv
 from trainguard.core.settings import Duration
 from trainguard.jobs.model import Job, ProcessRef
@@ -72,15 +72,7 @@ class SignalAction(Action):
     def run(self, ctx: ActionContext) -> str:
         if not ctx.jobs:
             raise ActionError("no job to signal")
-        done, errors = [], []
-        for job in ctx.jobs:
-            try:
-                done.append(self._one(job, ctx))
-            except ActionError as exc:
-                errors.append(f"{job.label()}: {exc}")
-        if errors and not done:
-            raise ActionError("; ".join(errors))
-        return "; ".join(done + errors)
+        return each_job(ctx.jobs, lambda job: self._one(job, ctx))
 
     def _one(self, job: Job, ctx: ActionContext) -> str:
         s = self.settings

@@ -128,16 +128,22 @@ class ResumeAction(Action):
         return f"resumed {ctx.node} (was: {reason})"
 
 
-class RequeueSettings(ActionSettings):
+class WaitExitSettings(ActionSettings):
+    """An action that gives the job's ranks `wait_exit` to save and exit, within its own `timeout`."""
+
     timeout: Duration = Field(330.0, gt=0, description="An action still running after this is reported as failed.")
-    wait_exit: Duration = Field(300.0, ge=0, description="Wait up to this long for the job's processes on this node "
-                                                         "to exit (saving after a signal) before requeueing it.")
+    wait_exit: Duration = Field(300.0, ge=0)
 
     @model_validator(mode="after")
-    def _wait_fits(self) -> RequeueSettings:
+    def _wait_fits(self) -> WaitExitSettings:
         if self.wait_exit >= self.timeout:
             raise ValueError(f"wait_exit ({self.wait_exit:g}s) must be shorter than timeout ({self.timeout:g}s)")
         return self
+
+
+class RequeueSettings(WaitExitSettings):
+    wait_exit: Duration = Field(300.0, ge=0, description="Wait up to this long for the job's processes on this node "
+                                                         "to exit (saving after a signal) before requeueing it.")
 
 
 class RequeueAction(Action):
