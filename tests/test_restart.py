@@ -24,6 +24,7 @@ from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient, SlurmError, parse_listpids_steps, parse_steps
+from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 from trainguard.trainer import Trainer
@@ -235,6 +236,9 @@ def ranks() -> Iterator[Callable[..., int]]:
 
     def start(**env: str) -> int:
         procs.append(subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], **env}))
+        # Popen returns once exec has begun; /proc/PID/environ reads empty until the kernel has laid out the new
+        # program's stack, a moment later (this raced in the suite)
+        wait_until(lambda: ProcFS().environ_var(procs[-1].pid, "PATH") is not None, 10, what="the rank's environment")
         return procs[-1].pid
 
     yield start
