@@ -43,14 +43,14 @@ LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop fo
 LOOP_MAX_VAR = "TRAINGUARD_MAX_RESTARTS"
 RELAUNCH_GRACE = 30.0  # a job restarted this recently may be between two sruns: its next step is waited for
 RELAUNCH_WAIT = 10.0  # at most this long
+POLL = 0.2  # the ranks on this node: /proc only
+POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
 
 
 def request_name(job_id: str) -> str:
-    """One request file per job: jobs submitted from one directory (an array's tasks) share its switch dir."""
+    """One request file per job: jobs submitted from one directory (an array's tasks) share its switch dir. The
+    name the relaunch loop looks for (`Trainer.restart_name` in trainguard/trainer.py, which stands alone)."""
     return f"restart.{job_id}"
-
-POLL = 0.2  # the ranks on this node: /proc only
-POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
 
 
 class RestartSettings(WaitExitSettings):
@@ -77,12 +77,6 @@ class RestartAction(Action):
     settings: RestartSettings
     fresh_start = True
 
-    def plan(self, ctx: ActionContext) -> str:
-        return (f"restart in place {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a restart "
-                f"request in its switch dir, SIG{self.settings.signal} to its steps under the relaunch loop, those "
-                f"still running after {self.settings.wait_exit:g}s cancelled; without the loop: "
-                f"{'signal and requeue' if self.settings.fallback == 'requeue' else 'nothing'}")
-
     def __init__(self, name: str, settings: ActionSettings) -> None:
         super().__init__(name, settings)
         # Per job: the restart under way (a second incident about the same fault waits for it instead of restarting
@@ -90,6 +84,12 @@ class RestartAction(Action):
         self._lock = threading.Lock()
         self._busy: dict[str, threading.Event] = {}
         self._done: dict[str, float] = {}
+
+    def plan(self, ctx: ActionContext) -> str:
+        return (f"restart in place {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a restart "
+                f"request in its switch dir, SIG{self.settings.signal} to its steps under the relaunch loop, those "
+                f"still running after {self.settings.wait_exit:g}s cancelled; without the loop: "
+                f"{'signal and requeue' if self.settings.fallback == 'requeue' else 'nothing'}")
 
     def run(self, ctx: ActionContext) -> str:
         others = [j.label() for j in ctx.jobs if not (j.source == "slurm" and j.job_id)]
@@ -134,14 +134,14 @@ class RestartAction(Action):
         except SlurmError as exc:
             raise ActionError(f"restart {job_id}: {exc}") from None
         procfs = ProcFS()
-        looped = {step: pids for step, pids in here.items() if any(
-            procfs.environ_var(pid, LOOP_VAR) is not None for pid in pids)}
+        starts = {pid: procfs.environ_var(pid, LOOP_VAR) for pids in here.values() for pid in pids}
+        looped = {step: pids for step, pids in here.items() if any(starts[pid] is not None for pid in pids)}
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
         if not job.switch_dir:
             return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
-        spent = self._spent(procfs, looped)
+        spent = self._spent(procfs, looped, starts)
         if spent is not None:
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
@@ -176,13 +176,16 @@ class RestartAction(Action):
         return f"restart of {job_id} requested ({request}); SIG{s.signal} to step {ended}: {how}"
 
     @staticmethod
-    def _spent(procfs: ProcFS, looped: dict[str, list[int]]) -> int | None:
+    def _spent(procfs: ProcFS, looped: dict[str, list[int]], starts: dict[int, str | None]) -> int | None:
         """The loop's --max-restarts when its ranks here say they are the last start it allows, else None: restarted
-        again, the job would end."""
+        again, the job would end. `starts`: each pid's TRAINGUARD_RESTARTS, as already read."""
         for pids in looped.values():
             for pid in pids:
-                done, most = procfs.environ_var(pid, LOOP_VAR), procfs.environ_var(pid, LOOP_MAX_VAR)
-                if done and most and done.isdigit() and most.isdigit() and int(done) >= int(most):
+                done = starts[pid]
+                if not (done and done.isdigit()):
+                    continue
+                most = procfs.environ_var(pid, LOOP_MAX_VAR)
+                if most and most.isdigit() and int(done) >= int(most):
                     return int(most)
         return None
 

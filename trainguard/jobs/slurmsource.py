@@ -324,11 +324,7 @@ class SlurmSource:
                 local.uid = uid if uid is not None else next((u for r in local.refs if (u := r.uid()) is not None),
                                                               None)
         if local.raw is not None and (local.record is None or local.record.uid != local.uid) and local.uid is not None:
-            local.record = parse_job_record(local.raw, local.uid) or local.record
-            if local.record is not None and local.record.node_list:
-                local.placed = (local.record.batch_host, local.record.node_list)
-            if local.record is not None and local.record.state in LIVE_STATES and local.ended is None:
-                local.life = local.record
+            _adopt(local, parse_job_record(local.raw, local.uid) or local.record)
 
     # building a Job ----------------------------------------------------------------------------------------------
     def _job(self, local: _Local) -> Job:
@@ -458,20 +454,7 @@ class SlurmSource:
             local.fetched = now
             if text is not None:  # None: the controller forgot it (MinJobAge): what we had stays
                 local.raw = text
-                record = parse_job_record(text, local.uid) or local.record
-                if record is not None and record.state in LIVE_STATES and local.ended is None:
-                    local.life = record  # the life running here, as last said
-                elif record is not None and _later_life(record, local.life) and (local.ended is not None
-                                                                                 or record.state not in LIVE_STATES):
-                    # Requeued: what the controller describes now is the job's next life (pending, or running on
-                    # other nodes) while this one is being killed here or is gone. The life that ran here ended
-                    # REQUEUED; its owner, nodes and log story are that life's, or this node would speak for (and act
-                    # on) a job it no longer runs. (One requeued back onto this node is a new life when it shows up.)
-                    assert local.life is not None
-                    record = dataclasses.replace(local.life, state="REQUEUED")
-                local.record = record
-                if local.record is not None and local.record.node_list:  # a requeued (pending) job has none:
-                    local.placed = (local.record.batch_host, local.record.node_list)  # its owner is this life's
+                _adopt(local, parse_job_record(text, local.uid) or local.record)
                 if local.uid is None and local.record is not None:  # a job the watcher alone saw (spool, v2):
                     local.uid = local.record.uid  # the controller's word (None where the name forged a UserId)
             if due.kind == "final" and local.ended is not None:
@@ -497,6 +480,23 @@ class SlurmSource:
         with self._lock:
             self._closed = True
             self._wake.notify_all()
+
+
+def _adopt(local: _Local, record: JobRecord | None) -> None:
+    """Take the controller's record of the job (under the lock), with the owner and nodes of the life running here."""
+    if record is not None and record.state in LIVE_STATES and local.ended is None:
+        local.life = record  # the life running here, as last said
+    elif record is not None and _later_life(record, local.life) and (local.ended is not None
+                                                                     or record.state not in LIVE_STATES):
+        # Requeued: what the controller describes now is the job's next life (pending, or running on other nodes)
+        # while this one is being killed here or is gone. The life that ran here ended REQUEUED; its owner, nodes and
+        # log story are that life's, or this node would speak for (and act on) a job it no longer runs. (One
+        # requeued back onto this node is a new life when it shows up.)
+        assert local.life is not None
+        record = dataclasses.replace(local.life, state="REQUEUED")
+    local.record = record
+    if record is not None and record.node_list:  # a requeued (pending) job has none: its owner is this life's
+        local.placed = (record.batch_host, record.node_list)
 
 
 def _later_life(new: JobRecord | None, life: JobRecord | None) -> bool:
