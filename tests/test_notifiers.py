@@ -270,9 +270,7 @@ retry_max = "1s"
 def test_events_kept_out_by_routing_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     """The Slack example of notifications.md copied literally: a CRITICAL disk incident reaches no post, but now a
     metric and a log line say which rule kept it out."""
-    from prometheus_client import generate_latest
-
-    from trainguard.agent.metrics import build_registry
+    from trainguard.agent.metrics import exposition
     from trainguard.pipeline.engine import Snapshot
 
     team = slack("http://unused", match={"job": "4242"}, exclude_checks=["disk"])
@@ -289,7 +287,7 @@ def test_events_kept_out_by_routing_are_counted_and_logged(caplog: pytest.LogCap
     fields = line.kv  # type: ignore[attr-defined]
     assert (fields["channel"], fields["rule"], fields["check"]) == ("slack", "exclude_checks", "disk")
     snap = Snapshot("n", 0.0, {}, {}, {}, {}, not_routed={n: s.not_routed for n, s in dispatcher.stats.items()})
-    text = generate_latest(build_registry(lambda: snap)).decode()
+    text = exposition(lambda: snap)().decode()
     assert sorted(line for line in text.splitlines() if line.startswith("trainguard_notifications_not_routed_total")) \
         == ['trainguard_notifications_not_routed_total{channel="all",rule="min_severity"} 1.0',
             'trainguard_notifications_not_routed_total{channel="slack",rule="exclude_checks"} 1.0',

@@ -374,7 +374,7 @@ def test_wedged_engine_is_restarted_by_the_watchdog(service: Service) -> None:
     pid = service.main_pid()
     restarts = int(service.show("NRestarts")["NRestarts"])
     c.run(["systemd-run", "--unit=tg-wedge", "--collect", NODE_PYTHON, "/mnt/helpers/stop_thread.py", str(pid),
-           "APScheduler", f"{VENV}/bin/py-spy"])
+           "schedule", f"{VENV}/bin/py-spy"])
     try:
         wait_until(lambda: "stopped thread" in c.run(["journalctl", "--no-pager", "-o", "cat", "-u", "tg-wedge"]).stdout,
                    15, 0.2, what="the scheduler thread stopped")

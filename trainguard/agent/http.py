@@ -25,9 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
-from trainguard.agent.metrics import build_registry
+from trainguard.agent.metrics import CONTENT_TYPE, exposition
 from trainguard.agent.status import status_document
 from trainguard.core.logs import kv
 from trainguard.core.text import one_line
@@ -129,7 +127,7 @@ def operate(engine: Engine, path: str, body: dict[str, Any], uid: int) -> str:
 
 
 def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
-    registry = build_registry(engine.snapshot)
+    metrics = exposition(engine.snapshot)
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "trainguard"
@@ -138,7 +136,7 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                self._reply(200, metrics(), CONTENT_TYPE)
             elif path == "/healthz":
                 healthy = engine.healthy()
                 self._reply(200 if healthy else 503, healthz_text(healthy, engine.pending()).encode())

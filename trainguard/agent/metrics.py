@@ -1,4 +1,4 @@
-"""/metrics: a client_python collector over the engine's in-memory snapshot (no I/O at scrape time).
+"""/metrics: the engine's in-memory snapshot in Prometheus's text format (no I/O at scrape time).
 
 The agent's own metrics are declared here; each check declares its own beside its code (`Check.metrics`).
 `trainguard metrics-reference` lists them all (docs/metrics.md).
@@ -6,11 +6,9 @@ The agent's own metrics are declared here; each check declares its own beside it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.core import Metric as Family
-from prometheus_client.registry import Collector, CollectorRegistry
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from trainguard import __version__
 from trainguard.core.events import jobs_of
@@ -60,77 +58,122 @@ AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK
                  OLDEST_QUEUED, SENT, FAILED, DROPPED, NOT_ROUTED, START_TIME, RSS, CPU, *AgentCheck.metrics)
 
 
+# The text format every Prometheus reads (0.0.4); what is rendered below is exactly that format: declared
+# `trainguard_` names, so none of the newer format's quoted UTF-8 names.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One declared metric and its samples' label values, in the metric's declared label order."""
+
+    metric: Metric
+    samples: tuple[tuple[tuple[str, ...], float], ...] = ()
+
+
 def family(metric: Metric, samples: Sequence[Sample] = ()) -> Family:
-    """The client_python family of a declared metric, holding `samples` (the first of any duplicate label set)."""
-    out: Family
-    if metric.counter:
-        out = CounterMetricFamily(metric.name.removesuffix("_total"), metric.help, labels=list(metric.labels))
-    else:
-        out = GaugeMetricFamily(metric.name, metric.help, labels=list(metric.labels))
-    seen = set()
+    """The family of a declared metric, holding `samples` (the first of any duplicate label set)."""
+    out: dict[tuple[str, ...], float] = {}
     for s in samples:
         key = tuple(s.labels[k] for k in metric.labels)
-        if key in seen:  # two checks of one type on the same subject: keep the first
+        out.setdefault(key, s.value)  # two checks of one type on the same subject: keep the first
+    return Family(metric, tuple(out.items()))
+
+
+def _value(v: float) -> str:
+    v = float(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v)
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _label(v: str) -> str:
+    # Label values come from jobs and file systems (subjects, job names): escaped, so no value can end the line. A
+    # path whose bytes are not UTF-8 (os.fsdecode's surrogates) is shown as its escapes, never an error.
+    if not v.isascii():
+        v = v.encode("utf-8", "backslashreplace").decode()
+    return _escape(v).replace('"', '\\"')
+
+
+def render(families: Iterable[Family]) -> bytes:
+    """The families in Prometheus's text exposition format, HELP and TYPE before each (also when it has no sample)."""
+    lines: list[str] = []
+    for fam in families:
+        m = fam.metric
+        lines.append(f"# HELP {m.name} {_escape(m.help)}")
+        lines.append(f"# TYPE {m.name} {'counter' if m.counter else 'gauge'}")
+        order = sorted(range(len(m.labels)), key=m.labels.__getitem__)  # labels by name: one text for one state
+        for key, value in fam.samples:
+            if key:
+                labels = ",".join(f'{m.labels[i]}="{_label(key[i])}"' for i in order)
+                lines.append(f"{m.name}{{{labels}}} {_value(value)}")
+            else:
+                lines.append(f"{m.name} {_value(value)}")
+    lines.append("")
+    return "\n".join(lines).encode()
+
+
+def exposition(snapshot: Callable[[], Snapshot]) -> Callable[[], bytes]:
+    """What GET /metrics answers: the snapshot taken at the moment of the scrape, rendered."""
+    return lambda: render(collect(snapshot()))
+
+
+def collect(snap: Snapshot) -> Iterator[Family]:
+    """Every family of the agent's /metrics: its own, then those the checks declared, from one snapshot."""
+    yield family(BUILD_INFO, [BUILD_INFO(1, {"version": __version__, "node": snap.node})])
+    agent: dict[Metric, list[Sample]] = {m: [] for m in (CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN,
+                                                          CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS, CHECK_TIMEOUTS)}
+    by_metric: dict[Metric, list[Sample]] = {}
+    for name, st in sorted(snap.checks.items()):
+        check = {"check": name}
+        agent[CHECK_TIMEOUTS].append(CHECK_TIMEOUTS(st.timeouts, check))
+        ok = st.runs - st.timeouts - st.errors - st.skipped - st.idle
+        for outcome, count in (("ok", ok), ("idle", st.idle), ("error", st.errors), ("timeout", st.timeouts),
+                               ("skipped", st.skipped)):
+            agent[CHECK_RUNS].append(CHECK_RUNS(count, {**check, "outcome": outcome}))
+        if st.last is None:
             continue
-        seen.add(key)
-        out.add_metric(list(key), s.value)
-    return out
+        agent[CHECK_DURATION].append(CHECK_DURATION(st.last.duration, check))
+        agent[CHECK_LAST_RUN].append(CHECK_LAST_RUN(st.last.started, check))
+        agent[CHECK_SUCCESS].append(CHECK_SUCCESS(1 if st.last.complete else 0, check))
+        agent[CHECK_IDLE].append(CHECK_IDLE(1 if st.last.outcome == "idle" else 0, check))
+        for result in st.last.results:
+            agent[CHECK_STATUS].append(CHECK_STATUS(int(result.status), {**check, "subject": result.subject,
+                                                                         "type": st.kind}))
+            for sample in result.samples:
+                by_metric.setdefault(sample.metric, []).append(sample)
+    yield from (family(m, samples) for m, samples in agent.items())
+    yield family(INCIDENTS_FIRING, [INCIDENTS_FIRING(snap.firing.get(sev, 0), {"severity": sev.label})
+                                    for sev in (Status.UNKNOWN, Status.WARNING, Status.CRITICAL)])
+    yield from incident_families(snap)
 
+    delivery: dict[Metric, list[Sample]] = {m: [] for m in (QUEUED, OLDEST_QUEUED, SENT, FAILED, DROPPED)}
+    now = snap.agent.get("now", 0.0)
+    for channel, (n_sent, n_failed, n_dropped) in sorted(snap.delivery.items()):
+        count, first = snap.outbox.get(channel, (0, None))
+        ch = {"channel": channel}
+        delivery[QUEUED].append(QUEUED(count, ch))
+        delivery[OLDEST_QUEUED].append(OLDEST_QUEUED(max(0.0, now - first) if first is not None and now else 0.0, ch))
+        delivery[SENT].append(SENT(n_sent, ch))
+        delivery[FAILED].append(FAILED(n_failed, ch))
+        delivery[DROPPED].append(DROPPED(n_dropped, ch))
+    yield from (family(m, samples) for m, samples in delivery.items())
+    yield family(NOT_ROUTED, [NOT_ROUTED(n, {"channel": channel, "rule": rule})
+                              for channel, rules in sorted(snap.not_routed.items())
+                              for rule, n in sorted(rules.items())])
 
-class SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
-        self._snapshot = snapshot
-
-    def collect(self) -> Iterator[Family]:
-        snap = self._snapshot()
-        yield family(BUILD_INFO, [BUILD_INFO(1, {"version": __version__, "node": snap.node})])
-        agent: dict[Metric, list[Sample]] = {m: [] for m in (CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN,
-                                                              CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS, CHECK_TIMEOUTS)}
-        by_metric: dict[Metric, list[Sample]] = {}
-        for name, st in sorted(snap.checks.items()):
-            check = {"check": name}
-            agent[CHECK_TIMEOUTS].append(CHECK_TIMEOUTS(st.timeouts, check))
-            ok = st.runs - st.timeouts - st.errors - st.skipped - st.idle
-            for outcome, count in (("ok", ok), ("idle", st.idle), ("error", st.errors), ("timeout", st.timeouts),
-                                   ("skipped", st.skipped)):
-                agent[CHECK_RUNS].append(CHECK_RUNS(count, {**check, "outcome": outcome}))
-            if st.last is None:
-                continue
-            agent[CHECK_DURATION].append(CHECK_DURATION(st.last.duration, check))
-            agent[CHECK_LAST_RUN].append(CHECK_LAST_RUN(st.last.started, check))
-            agent[CHECK_SUCCESS].append(CHECK_SUCCESS(1 if st.last.complete else 0, check))
-            agent[CHECK_IDLE].append(CHECK_IDLE(1 if st.last.outcome == "idle" else 0, check))
-            for result in st.last.results:
-                agent[CHECK_STATUS].append(CHECK_STATUS(int(result.status), {**check, "subject": result.subject,
-                                                                             "type": st.kind}))
-                for sample in result.samples:
-                    by_metric.setdefault(sample.metric, []).append(sample)
-        yield from (family(m, samples) for m, samples in agent.items())
-        yield family(INCIDENTS_FIRING, [INCIDENTS_FIRING(snap.firing.get(sev, 0), {"severity": sev.label})
-                                        for sev in (Status.UNKNOWN, Status.WARNING, Status.CRITICAL)])
-        yield from incident_families(snap)
-
-        delivery: dict[Metric, list[Sample]] = {m: [] for m in (QUEUED, OLDEST_QUEUED, SENT, FAILED, DROPPED)}
-        now = snap.agent.get("now", 0.0)
-        for channel, (n_sent, n_failed, n_dropped) in sorted(snap.delivery.items()):
-            count, first = snap.outbox.get(channel, (0, None))
-            ch = {"channel": channel}
-            delivery[QUEUED].append(QUEUED(count, ch))
-            delivery[OLDEST_QUEUED].append(OLDEST_QUEUED(max(0.0, now - first) if first is not None and now else 0.0, ch))
-            delivery[SENT].append(SENT(n_sent, ch))
-            delivery[FAILED].append(FAILED(n_failed, ch))
-            delivery[DROPPED].append(DROPPED(n_dropped, ch))
-        yield from (family(m, samples) for m, samples in delivery.items())
-        yield family(NOT_ROUTED, [NOT_ROUTED(n, {"channel": channel, "rule": rule})
-                                  for channel, rules in sorted(snap.not_routed.items())
-                                  for rule, n in sorted(rules.items())])
-
-        yield family(START_TIME, [START_TIME(snap.started)])
-        if "rss" in snap.agent:
-            yield family(RSS, [RSS(snap.agent["rss"])])
-            yield family(CPU, [CPU(snap.agent["cpu"])])
-        for metric, samples in sorted(by_metric.items(), key=lambda item: item[0].name):
-            yield family(metric, samples)
+    yield family(START_TIME, [START_TIME(snap.started)])
+    if "rss" in snap.agent:
+        yield family(RSS, [RSS(snap.agent["rss"])])
+        yield family(CPU, [CPU(snap.agent["cpu"])])
+    for metric, samples in sorted(by_metric.items(), key=lambda item: item[0].name):
+        yield family(metric, samples)
 
 
 def incident_families(snap: Snapshot) -> Iterator[Family]:
@@ -151,8 +194,3 @@ def incident_families(snap: Snapshot) -> Iterator[Family]:
             silenced.append(INCIDENT_SILENCED(1, where))
     yield from (family(INCIDENT_FIRING, firing), family(INCIDENT_ACKED, acked), family(INCIDENT_SILENCED, silenced))
 
-
-def build_registry(snapshot: Callable[[], Snapshot]) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(snapshot))
-    return registry

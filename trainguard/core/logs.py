@@ -62,5 +62,4 @@ def setup_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("apscheduler", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.WARNING)  # a line per connection otherwise

@@ -1,0 +1,75 @@
+"""/metrics as Prometheus reads it: what the agent renders is parsed back by prometheus_client's parser (a second,
+independent reading of the format), whatever a job put in a label value."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainguard.agent.metrics import BUILD_INFO, CHECK_RUNS, CONTENT_TYPE, collect, exposition, family, render
+from trainguard.core.model import Metric
+from trainguard.pipeline.engine import Snapshot
+
+PATH = Metric("trainguard_test_free_bytes", 'Free bytes\\of a "path",\nper path.', ("path", "kind"))
+COUNT = Metric("trainguard_test_events_total", "Events.", ("path",), counter=True)
+PLAIN = Metric("trainguard_test_up", "Up.")
+
+
+def parsed(text: bytes) -> dict[str, tuple[str, str, list[tuple[dict[str, str], float]]]]:
+    return {f.name: (f.type, f.documentation, [(dict(s.labels), s.value) for s in f.samples])
+            for f in text_string_to_metric_families(text.decode())}
+
+
+def test_families_render_as_the_text_format_prometheus_parses() -> None:
+    text = render([family(PATH, [PATH(1.5, {"path": "/scratch", "kind": "fs"}), PATH(2, {"path": "/", "kind": "fs"})]),
+                   family(COUNT, [COUNT(3, {"path": "/"})]), family(PLAIN, [PLAIN(1)]), family(BUILD_INFO)])
+    lines = text.decode().splitlines()
+    assert lines[:4] == ['# HELP trainguard_test_free_bytes Free bytes\\\\of a "path",\\nper path.',
+                         "# TYPE trainguard_test_free_bytes gauge",
+                         'trainguard_test_free_bytes{kind="fs",path="/scratch"} 1.5',  # labels by name
+                         'trainguard_test_free_bytes{kind="fs",path="/"} 2.0']
+    assert "trainguard_test_up 1.0" in lines
+    assert "# TYPE trainguard_build_info gauge" in lines
+    got = parsed(text)
+    assert got["trainguard_test_free_bytes"] == ("gauge", 'Free bytes\\of a "path",\nper path.',
+                                                 [({"path": "/scratch", "kind": "fs"}, 1.5),
+                                                  ({"path": "/", "kind": "fs"}, 2.0)])
+    assert got["trainguard_test_events"] == ("counter", "Events.", [({"path": "/"}, 3.0)])
+    assert got["trainguard_build_info"][2] == []  # declared, no sample yet: HELP and TYPE only
+
+
+def test_the_first_of_two_samples_with_one_label_set_is_kept() -> None:
+    fam = family(PLAIN, [PLAIN(1), PLAIN(0)])
+    assert fam.samples == (((), 1),)
+
+
+def test_special_values_and_bytes_that_are_not_utf8() -> None:
+    odd = "/data/\udcff\udcfejob"  # os.fsdecode of a directory name a job chose, not UTF-8
+    text = render([family(PATH, [PATH(math.inf, {"path": odd, "kind": "a"}), PATH(-math.inf, {"path": "b", "kind": "b"}),
+                                 PATH(math.nan, {"path": "c", "kind": "c"})])])
+    values = [v for _, v in parsed(text)["trainguard_test_free_bytes"][2]]
+    assert values[0] == math.inf and values[1] == -math.inf and math.isnan(values[2])
+    assert b'path="/data/\\\\udcff\\\\udcfejob"' in text  # shown as its escapes, their backslashes escaped
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(), min_size=1, max_size=5, unique=True),
+       st.floats(allow_nan=False, allow_infinity=True))
+def test_any_label_value_a_job_chooses_reads_back_unchanged(values: list[str], value: float) -> None:
+    samples = [PATH(value, {"path": v, "kind": "k"}) for v in values]
+    got = parsed(render([family(PATH, samples)]))["trainguard_test_free_bytes"][2]
+    assert [labels["path"] for labels, _ in got] == [v.encode("utf-8", "backslashreplace").decode() for v in values]
+    assert all(v == value for _, v in got)
+
+
+def test_an_empty_snapshot_renders_every_agent_family_and_the_content_type_names_the_format() -> None:
+    snap = Snapshot("node1", 0.0, {}, {}, {}, {})
+    text = exposition(lambda: snap)()
+    names = {f.name for f in text_string_to_metric_families(text.decode())}
+    assert {"trainguard_build_info", "trainguard_check_runs", "trainguard_incident_firing"} <= names
+    assert len(names) == len(list(collect(snap)))
+    assert CHECK_RUNS.name.removesuffix("_total") in names
+    assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"

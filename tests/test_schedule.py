@@ -1,0 +1,129 @@
+"""The scheduler on real threads and the real clock, with intervals of a tenth of a second (bounds leave room for a
+loaded machine)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from tests.conftest import wait_until
+from trainguard.pipeline.schedule import TICK_S, Schedule, next_grid
+
+
+def test_the_grid_point_after_a_late_run_is_one_run_not_the_missed_ones() -> None:
+    assert next_grid(100.0, 100.0, 5.0) == 105.0  # on time
+    assert next_grid(100.0, 103.0, 5.0) == 105.0  # a little late: the grid holds
+    assert next_grid(100.0, 117.0, 5.0) == 120.0  # three points missed in a stall: the next one, once
+    assert next_grid(100.0, 99.0, 5.0) == 105.0  # jitter ran it before its grid point (cannot, but harmless)
+
+
+def test_each_check_runs_at_start_then_every_interval() -> None:
+    runs: Counter[str] = Counter()
+    first: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    def run(name: str) -> None:
+        first.setdefault(name, time.monotonic() - t0)
+        runs[name] += 1
+
+    schedule = Schedule({"fast": (0.1, 0.0), "slow": (0.5, 0.0), "jittery": (0.1, 0.05)}, run, lambda: None)
+    schedule.start()
+    try:
+        time.sleep(1.0)
+    finally:
+        schedule.stop()
+    assert first["fast"] < 0.3 and first["slow"] < 0.3  # no wait of an interval before the first run
+    assert 5 <= runs["fast"] <= 12
+    assert 2 <= runs["slow"] <= 3
+    assert 4 <= runs["jittery"] <= runs["fast"]  # jitter delays runs, never adds any
+
+
+def test_a_run_still_going_skips_the_runs_due_meanwhile() -> None:
+    release = threading.Event()
+    active, most, starts = [0], [0], []
+    lock = threading.Lock()
+
+    def run(name: str) -> None:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            starts.append(time.monotonic())
+        if len(starts) == 1:
+            release.wait(5)  # the first run hangs for 0.6 s: six of its successors come due meanwhile
+        with lock:
+            active[0] -= 1
+
+    schedule = Schedule({"stuck": (0.1, 0.0)}, run, lambda: None)
+    schedule.start()
+    try:
+        time.sleep(0.6)
+        assert len(starts) == 1
+        release.set()
+        wait_until(lambda: len(starts) >= 3, 5, 0.02, what="runs after the hung one ended")
+    finally:
+        schedule.stop()
+    assert most[0] == 1
+    assert starts[2] - starts[1] >= 0.05  # no burst of the missed runs once it ended
+
+
+def test_the_tick_comes_every_second_outlives_its_failures_and_stops_with_the_schedule() -> None:
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(time.monotonic())
+        raise RuntimeError("outbox unreadable")
+
+    schedule = Schedule({}, lambda name: None, tick)
+    schedule.start()
+    wait_until(lambda: len(ticks) >= 3, 5, 0.05, what="three ticks")
+    schedule.stop()
+    time.sleep(TICK_S + 0.3)
+    stopped_at = len(ticks)
+    time.sleep(TICK_S + 0.3)
+    assert len(ticks) == stopped_at
+    assert 0.5 <= ticks[2] - ticks[1] <= 1.8
+
+
+def test_a_flood_of_triggers_is_at_most_one_waiting_run_per_check() -> None:
+    gate = threading.Event()
+    runs: list[str] = []
+
+    def run(name: str) -> None:
+        gate.wait(5)
+        runs.append(name)
+
+    schedule = Schedule({"kmsg": (3600.0, 0.0)}, run, lambda: None)
+    schedule.start()
+    try:
+        for _ in range(1000):
+            schedule.trigger("kmsg")
+        time.sleep(0.1)
+        assert threading.active_count() < 20  # the triggers wait as one flag, not as threads
+        gate.set()
+        wait_until(lambda: len(runs) >= 2, 5, 0.02, what="the runs to finish")
+        time.sleep(0.2)
+        assert runs == ["kmsg", "kmsg"]  # the run going when the flood began, then one for all of the flood
+    finally:
+        schedule.stop()
+
+
+def test_a_stopped_schedule_starts_nothing() -> None:
+    runs: list[str] = []
+    schedule = Schedule({"a": (0.05, 0.0)}, runs.append, lambda: None)
+    schedule.start()
+    wait_until(lambda: runs, 5, 0.02, what="the first run")
+    schedule.stop()
+    time.sleep(0.1)
+    count = len(runs)
+    schedule.trigger("a")
+    time.sleep(0.2)
+    assert len(runs) == count
+
+
+@pytest.mark.parametrize("interval, jitter", [(0.0, 0.0), (-1.0, 0.0), (1.0, -0.5), (float("nan"), 0.0)])
+def test_an_interval_that_is_not_positive_is_refused_by_name(interval: float, jitter: float) -> None:
+    with pytest.raises(ValueError, match="check disk: interval must be > 0"):
+        Schedule({"disk": (interval, jitter)}, lambda name: None, lambda: None)
