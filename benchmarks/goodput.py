@@ -52,7 +52,6 @@ from tests.e2e.stack import log_time, parse_log_line
 from tests.multinode_cluster import MultiNodeCluster
 from tests.slurm_cluster import JOB_USER
 from trainguard.agent.configfile import parse_config
-from trainguard.jobs.hostlist import expand
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
@@ -60,7 +59,7 @@ KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan
 CHECK_OF = {"xid79": "xid", "hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
             "time_limit": "job_timelimit", "nan": "training_log"}
 JOB_NAME = "goodput"
-NODES, RANKS = 4, 3  # one node spare: a drained node leaves enough for the job
+NODES, RANKS = 4, 3  # the job asks for 3-4 nodes: a spare inside its allocation while one is free
 MiB = 2**20
 
 
@@ -224,11 +223,15 @@ class Run:
         # The ranks run under the trainer helper's relaunch loop (in both runs: without trainguard nobody asks it for
         # a restart, and it only runs srun once).
         command = (f"exec {self.cluster.python} {lib}/trainguard/trainer.py relaunch --max-restarts 20 -- "
-                   f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {self.cluster.python} {lib}/goodput_trainer.py "
+                   f"srun -N {RANKS} --kill-on-bad-exit=1 --ntasks-per-node=1 {self.cluster.python} "
+                   f"{lib}/goodput_trainer.py "
                    f"--run-dir {self.run_dir} --ckpt-dir {self.ckpt} --step-time {self.step_time} "
                    f"--ckpt-every {self.ckpt_every} --collective-timeout {self.s(600)}")
         self.t0 = time.time()
-        self.job = self.cluster.submit(command, "-N", str(RANKS), "--requeue", workdir=self.workdir, name=JOB_NAME)
+        # -N 3-4: the scheduler gives the job the fourth node while it is free, as a spare its ranks do not use (a
+        # node lost is then left in place: `restart` with leave_node); after a drain and a requeue it starts on 3.
+        self.job = self.cluster.submit(command, "-N", f"{RANKS}-{NODES}", "--requeue", workdir=self.workdir,
+                                       name=JOB_NAME)
         self.out = self.run_dir / "progress.log"  # rank 0's steps and checkpoints across attempts
 
     def agent_config(self, node: str, fifo: Path) -> Path:
@@ -243,9 +246,10 @@ class Run:
         c = raw["checks"]
         c["disk"].update(fast, paths=["/", str(self.ckpt)], forecast_min_span=s.dur(300, 3),
                          forecast_horizon=s.dur(6 * 3600))
-        c["xid"].update(kmsg_path=str(fifo))
-        # Faults that leave every node usable restart the ranks in place (the allocation kept); a lost GPU and the
-        # time limit need a requeue.
+        # A lost GPU: the node drained and the job restarted without it, on its allocation's spare (a requeue when
+        # it has none). Faults that leave every node usable restart the ranks in place; the time limit needs a
+        # requeue.
+        c["xid"].update(kmsg_path=str(fifo), actions={"critical": ["drain", "restart_elsewhere"]})
         c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["restart"]})
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
@@ -254,7 +258,9 @@ class Run:
         c["job_switch"].update(fast)
         c["training_log"].update(fast, actions={"critical": ["restart"]})
         raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)},
-                          "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)}}
+                          "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)},
+                          "restart_elsewhere": {"type": "restart", "leave_node": True, "wait_exit": s.dur(300, 2),
+                                                "timeout": s.dur(330, 4)}}
         path = self.base / f"trainguard-{node}.toml"
         path.write_text(tomli_w.dumps(raw))
         # which alerts (check, status) have actions bound: a paged human waits for their outcome
@@ -339,8 +345,12 @@ class Run:
         return (self.run_dir / "pids" / f"{attempt}.{nodes[f.target % len(nodes)]}").exists()
 
     def attempt_nodes(self) -> tuple[str, list[str]]:
+        """The current attempt and the nodes its ranks run on (the allocation's spare, if any, runs none), once every
+        rank has started."""
         attempt = (self.run_dir / "attempt").read_text().strip() if (self.run_dir / "attempt").exists() else ""
-        return attempt, expand(self.cluster.job(self.job).get("NodeList", "")) or []
+        nodes = sorted(p.name[len(attempt) + 1:] for p in (self.run_dir / "pids").glob(f"{attempt}.*")) if attempt \
+            else []
+        return attempt, nodes if len(nodes) == RANKS else []
 
     def inject(self, f: Fault) -> None:
         attempt, nodes = self.attempt_nodes()

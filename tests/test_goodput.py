@@ -66,11 +66,14 @@ def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_be
             os.environ["PATH"] = os.environ.get("PATH", "") + ":" + sbin
     require(shutil.which("slurmd") is not None, "needs slurmd")
     kinds = ("xid79", "nan", "stop_switch")
-    results, records = benchmark(seed=7, minutes=0.8, scale=Scale(60), kinds=kinds)
-    print("\n" + table(results, 7, Scale(60)))
+    # seed 6: the NaN, then the XID, then the stop switch: both faults trainguard restarts in place come while the
+    # job still holds the spare its first allocation got (after a requeue it may start on 3 nodes, without one)
+    seed = 6
+    results, records = benchmark(seed=seed, minutes=0.8, scale=Scale(60), kinds=kinds)
+    print("\n" + table(results, seed, Scale(60)))
     with_tg, without = results
     assert with_tg["trainguard"] and not without["trainguard"]
-    planned = [f.kind for f in schedule(7, 48, kinds)]
+    planned = [f.kind for f in schedule(seed, 48, kinds)]
     for r in results:
         injected = [f["kind"] for f in r["faults"]]  # a fault due while the job is down waits for it to run again
         assert injected == planned[:len(injected)], r["faults"]
@@ -79,13 +82,14 @@ def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_be
     xid = next(f for f in with_tg["faults"] if f["kind"] == "xid79")
     assert xid["by"] == "trainguard" and xid["detect_s"] is not None and xid["detect_s"] <= xid["deadline_s"], xid
     assert [d["node"] for d in with_tg["drains"]] == [xid["node"]]
-    # signal, drain, requeue: the job runs again on the other nodes by itself (the requeue's wait_exit, SLURM's
-    # cred_expire and a scheduler pass: 5 + 5 + 1 s here)
-    assert xid["resume_s"] is not None and xid["resume_s"] < 20, xid
+    # drain, restart without the node: the ranks go on on the allocation's spare (the lost GPU's step cancelled
+    # after the restart's wait_exit, 5 s here), with no requeue
+    assert xid["resume_s"] is not None and xid["resume_s"] < 15, xid
     nan = next(f for f in with_tg["faults"] if f["kind"] == "nan")
     assert nan["by"] == "trainguard" and nan["detect_s"] <= nan["deadline_s"], nan
-    # the NaN streak restarts the ranks in place (training_log -> restart): the allocation kept, no requeue
-    assert with_tg["in_place"] >= 1 and without["in_place"] == 0, (with_tg["in_place"], without["in_place"])
+    # the NaN streak restarts the ranks in place (training_log -> restart) and so does the lost node (on the spare):
+    # the allocation kept, no requeue
+    assert with_tg["in_place"] >= 2 and without["in_place"] == 0, (with_tg["in_place"], without["in_place"])
     assert nan["resume_s"] is not None and nan["resume_s"] < 10, nan
     assert 0 < with_tg["goodput"] <= 1.05 and 0 <= without["goodput"] <= 1.05
     assert records[0].steps and records[1].steps

@@ -187,6 +187,19 @@ while :; do sleep 0.2; done
 """
 
 
+def _looped_job(multinode: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch, name: str, nodes: str,
+                srun_options: str) -> tuple[str, Path, Path]:
+    """A job of RANK_SCRIPT ranks under the relaunch loop, on `nodes` (sbatch -N): its id, workdir and ranks' log."""
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    (workdir / "rank.sh").write_text(RANK_SCRIPT)
+    shutil.chown(workdir / "rank.sh", JOB_USER, JOB_USER)
+    command = (f"exec {multinode.python} {multinode.lib}/trainguard/trainer.py relaunch -- "
+               f"srun {srun_options}--ntasks-per-node=1 bash rank.sh")
+    job_id = multinode.submit(command, "-N", nodes, "--requeue", workdir=workdir, name=name)
+    return job_id, workdir, workdir / "ranks.log"
+
+
 @pytest.mark.slow
 def test_restart_in_place_keeps_the_allocation_and_the_relaunch_loop_starts_the_ranks_again(
         multinode: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,14 +211,7 @@ def test_restart_in_place_keeps_the_allocation_and_the_relaunch_loop_starts_the_
     from trainguard.core.events import Event, EventKind
     from trainguard.jobs.slurm import SlurmClient
 
-    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
-    workdir = multinode.workdir()
-    (workdir / "rank.sh").write_text(RANK_SCRIPT)
-    shutil.chown(workdir / "rank.sh", JOB_USER, JOB_USER)
-    command = (f"exec {multinode.python} {multinode.lib}/trainguard/trainer.py relaunch -- "
-               "srun --ntasks-per-node=1 bash rank.sh")
-    job_id = multinode.submit(command, "-N", "2", "--requeue", workdir=workdir, name="tg-restart")
-    log = workdir / "ranks.log"
+    job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-restart", "2", "")
 
     def lines(word: str) -> list[str]:
         return [line for line in (log.read_text().splitlines() if log.exists() else ()) if line.startswith(word)]
@@ -246,6 +252,52 @@ def test_restart_in_place_keeps_the_allocation_and_the_relaunch_loop_starts_the_
     finally:
         catalog.close()
         multinode.run("scancel", job_id, check=False)
+
+
+@pytest.mark.slow
+def test_restart_leaving_a_lost_node_goes_on_on_the_allocations_spare(multinode: MultiNodeCluster,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU lost on one node of a job that holds a spare (`sbatch -N 2-3`, `srun -N 2`): the node is drained and
+    `restart` with `leave_node` asks the relaunch loop to start srun again without it, so the ranks go on on the
+    spare, inside the same allocation, with no requeue."""
+    from trainguard.actions.base import ActionContext
+    from trainguard.actions.restart import RestartAction, RestartSettings
+    from trainguard.core.events import Event, EventKind
+    from trainguard.jobs.slurm import SlurmClient
+
+    job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-leave", "2-3", "-N 2 ")
+
+    def nodes(step: int) -> list[str]:
+        return sorted(line.rsplit("node=", 1)[1] for line in (log.read_text().splitlines() if log.exists() else ())
+                      if line.startswith(f"start step={step} "))
+
+    lost = ""
+    try:
+        wait_until(lambda: len(nodes(0)) == 2, 30, what="both ranks of step 0")
+        assert len(expand(multinode.job(job_id)["NodeList"])) == 3  # the allocation holds a spare
+        lost = nodes(0)[0]
+        multinode.run("scontrol", "update", f"nodename={lost}", "state=drain", "reason=test: GPU lost")
+        catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=lost, refresh="0s"), "agent-host")
+        try:
+            job = wait_until(lambda: next((j for j in catalog.view(fresh=True).jobs
+                                           if j.job_id == job_id and j.switch_dir), None), 20, what="the job's record")
+        finally:
+            catalog.close()
+        event = Event(EventKind.FIRED, "i1", "xid", "pci:0000:17:00", Status.CRITICAL, "XID 79: GPU fell off the bus",
+                      lost, time.time(), time.time(), details={"job_key": job.key})
+        action = RestartAction("restart_elsewhere", RestartSettings(wait_exit=10, timeout=30, leave_node=True))
+        detail = action.run(ActionContext(event, (job,), lost, SlurmClient(10.0), time.time, slurmd=lost))
+        assert detail.startswith(f"restart of {job_id} without {lost} requested"), detail
+        wait_until(lambda: len(nodes(1)) == 2, 30, what="both ranks of step 1")
+        assert lost not in nodes(1) and len(set(nodes(0)) | set(nodes(1))) == 3  # the spare took the lost node's rank
+        info = multinode.job(job_id)
+        assert info["JobState"] == "RUNNING" and info["Restarts"] == "0"  # the same allocation, never requeued
+        out = (workdir / f"tg-leave-{job_id}.out").read_text()
+        assert f"starting it again without {lost}" in out, out
+    finally:
+        multinode.run("scancel", job_id, check=False)
+        if lost:
+            multinode.resume(lost)
 
 
 @pytest.mark.slow

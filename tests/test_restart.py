@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,54 @@ def test_sigterm_ends_the_loop_after_the_command_even_with_a_request(tmp_path: P
         os.kill(child, signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode == 143 and _launches(tmp_path) == ["0"]
+
+
+# A stand-in `srun`: it logs its options and TRAINGUARD_LEFT, then asks to leave the node its plan names (or exits).
+SRUN = r"""#!PYTHON
+import json, os, sys, pathlib
+sw = pathlib.Path(os.environ["SW"]); n = int(os.environ["TRAINGUARD_RESTARTS"])
+with open(sw.parent / "launches", "a") as f:
+    f.write(json.dumps([sys.argv[1:], os.environ.get("TRAINGUARD_LEFT")]) + "\n")
+plan = (sw.parent / "plan").read_text().split(";")
+if n < len(plan) and plan[n].startswith("leave "):
+    tmp = sw / ".restart.tmp"; tmp.write_text(json.dumps({"reason": "XID 79", "leave": plan[n][6:]}))
+    tmp.rename(sw / "restart.77")
+"""
+
+
+def _srun_loop(tmp_path: Path, plan: str, *srun_args: str) -> list[tuple[list[str], str | None]]:
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "plan").write_text(plan)
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(SRUN.replace("PYTHON", sys.executable, 1))
+    srun.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "trainguard.trainer", "relaunch", "--switch-dir",
+                           str(tmp_path / "sw"), "--", str(srun), *srun_args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "SLURM_JOB_ID": "77", "SW": str(tmp_path / "sw")})
+    assert proc.returncode == 0, proc.stderr
+    return [tuple(json.loads(line)) for line in (tmp_path / "launches").read_text().splitlines()]  # type: ignore[misc]
+
+
+def test_a_request_to_leave_a_node_starts_srun_again_without_every_node_left(tmp_path: Path) -> None:
+    launches = _srun_loop(tmp_path, "leave n3;leave n1;leave n3;exit", "-N", "3", "python", "train.py")
+    assert launches == [(["-N", "3", "python", "train.py"], ""),
+                        (["--exclude=n3", "-N", "3", "python", "train.py"], "n3"),
+                        (["--exclude=n3,n1", "-N", "3", "python", "train.py"], "n3,n1"),
+                        (["--exclude=n3,n1", "-N", "3", "python", "train.py"], "n3,n1")]  # n3 once
+
+
+@pytest.mark.parametrize("leave", ["n[1-3]", "--uid=0", "n1,n2", "", "n1 n2"])
+def test_a_node_to_leave_that_is_not_one_host_name_is_ignored(tmp_path: Path, leave: str) -> None:
+    launches = _srun_loop(tmp_path, f"leave {leave};exit", "python", "train.py")
+    assert launches[1] == (["python", "train.py"], "")  # restarted, on the same nodes
+
+
+def test_a_command_with_an_exclusion_of_its_own_cannot_leave_a_node(tmp_path: Path) -> None:
+    """Two --exclude would not merge: the loop says it cannot leave a node (no TRAINGUARD_LEFT), and the agent then
+    requeues instead."""
+    launches = _srun_loop(tmp_path, "leave n3;exit", "-x", "n9", "python", "train.py")
+    assert launches == [(["-x", "n9", "python", "train.py"], None), (["-x", "n9", "python", "train.py"], None)]
 
 
 def _children(pid: int) -> list[int]:
@@ -222,6 +272,10 @@ class StubSlurm:
             raise SlurmError("scancel: error: Unable to contact slurm controller (connect failure)")
         self.calls.append(("signal", job_id, signal_name, mode))
 
+    def signal_step(self, job_id: str, step: str, signal_name: str) -> bool:
+        self.signal(f"{job_id}.{step}", signal_name, "step")
+        return True
+
     def cancel_step(self, job_id: str, step: str) -> bool:
         self.calls.append(("cancel", f"{job_id}.{step}"))
         return True
@@ -264,7 +318,7 @@ def test_only_the_loops_steps_are_signalled_and_those_left_cancelled(tmp_path: P
     submitted from one directory)."""
     slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")], "3": [ranks()]}, ["0", "3"])
     detail = _run(slurm, _job(tmp_path))
-    assert slurm.calls == [("signal", "5.0", "USR1", "steps"), ("cancel", "5.0")]
+    assert slurm.calls == [("signal", "5.0", "USR1", "step"), ("cancel", "5.0")]
     assert "SIGUSR1 to step 5.0: cancelled 5.0 still running after" in detail, detail
     request = tmp_path / "sw" / "restart.5"
     assert json.loads(request.read_text())["job_id"] == "5" and not (tmp_path / "sw" / "restart").exists()
@@ -286,6 +340,35 @@ def test_a_loop_out_of_restarts_and_a_job_without_the_loop_are_requeued(tmp_path
                                           "left alone"):
         _run(slurm, _job(tmp_path, requeue=False))
     assert slurm.calls == []  # a signal would end a job nobody may requeue
+
+
+def test_leave_node_restarts_without_this_node_when_the_allocation_holds_a_spare(tmp_path: Path,
+                                                                                ranks: Callable[..., int]) -> None:
+    """An XID on n1: the request names n1 for the loop to exclude; the step spans 3 of the allocation's 4 nodes."""
+    job = replace(_job(tmp_path), node_list="n[1-4]")
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0", TRAINGUARD_LEFT="", SLURM_STEP_NUM_NODES="3")]}, ["0"])
+    detail = _run(slurm, job, leave_node=True)
+    assert detail.startswith("restart of 5 without n1 requested"), detail
+    assert json.loads((tmp_path / "sw" / "restart.5").read_text())["leave"] == "n1"
+    assert slurm.calls == [("signal", "5.0", "USR1", "step"), ("cancel", "5.0")]
+
+
+@pytest.mark.parametrize(("env", "why"), [
+    ({"TRAINGUARD_LEFT": "n4", "SLURM_STEP_NUM_NODES": "3"}, r"no spare node in its allocation \(4 node\(s\), 2 left or "
+                                                             r"leaving, its step spans 3\)"),
+    ({"TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "4"}, "no spare node in its allocation"),
+    ({"SLURM_STEP_NUM_NODES": "3"}, "its relaunch loop cannot leave a node"),
+    ({"TRAINGUARD_LEFT": ""}, "its ranks here do not say how many nodes their step spans"),
+    ({"TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "\u00b2"}, "its ranks here do not say how many"),  # the user's text
+])
+def test_leave_node_without_a_spare_is_requeued_instead(tmp_path: Path, ranks: Callable[..., int],
+                                                        env: dict[str, str], why: str) -> None:
+    job = replace(_job(tmp_path), node_list="n[1-4]")
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="1", **env)]}, ["0"])
+    detail = _run(slurm, job, leave_node=True)
+    assert re.search(f"not restarted without n1: {why}.*: requeue instead", detail), detail
+    assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
+    assert not (tmp_path / "sw").exists()
 
 
 def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[..., int]) -> None:
@@ -310,3 +393,21 @@ def test_a_second_incident_about_the_same_job_waits_for_the_restart_under_way(tm
     first.join(10)
     assert second == "job 5 (t): restarted in place by the restart already under way"
     assert [c[0] for c in slurm.calls] == ["signal", "cancel"] and "restart of 5 requested" in out[0]
+
+
+@pytest.mark.parametrize(("listed", "signalled"), [("5.0\n5.batch\n", True), ("5.batch\n", False)])
+def test_a_step_signal_that_slurm_calls_an_invalid_job_id_counts_when_the_step_is_still_there(
+        tmp_path: Path, listed: str, signalled: bool) -> None:
+    """SLURM 22.05 with a spare node in the allocation: scancel exits 225 "Invalid job id specified" though the step's
+    tasks got the signal (tests/data/slurm/README.md). The step still listed counts as signalled; one gone is said to
+    be gone (it may have ended at the signal itself), and any other error is one."""
+    (tmp_path / "scancel").write_text("#!/bin/sh\necho 'scancel: error: Kill job error on job step id 5: Invalid job id "
+                                      "specified' >&2\nexit 225\n")
+    (tmp_path / "squeue").write_text(f"#!/bin/sh\nprintf '{listed}'\n")
+    for tool in ("scancel", "squeue"):
+        (tmp_path / tool).chmod(0o755)
+    slurm = SlurmClient(10.0, bin_dir=str(tmp_path))
+    assert slurm.signal_step("5", "0", "USR1") is signalled
+    (tmp_path / "scancel").write_text("#!/bin/sh\necho 'scancel: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    with pytest.raises(SlurmError, match="Unable to contact"):
+        slurm.signal_step("5", "0", "USR1")

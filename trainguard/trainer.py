@@ -306,6 +306,11 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     command from whoever sent them (slurmd signals every process of the batch step). SIGUSR1 and SIGUSR2 are the
     ranks' (save and exit, save): the loop must outlive them when they reach the whole batch step.
 
+    A request may name a node to leave (`"leave"`: the agent's `restart` with `leave_node`, after a fault of that
+    node): when the command is `srun` itself, the loop starts it again with `--exclude=` every node left so far, so
+    the job goes on without the node, on the spare its allocation holds. The command sees TRAINGUARD_LEFT (those
+    nodes, comma-separated) exactly when the loop can do this.
+
     A request written by another node's agent on a network file system may show up here a moment late (NFS caches
     attributes and lookups): after a command that exited 0 the loop looks again for up to `settle` seconds."""
     watcher = Trainer(switch_dir)
@@ -321,10 +326,15 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     seen = watcher.restart_request()
     restarts = 0
     env = {**os.environ, "TRAINGUARD_MAX_RESTARTS": str(max_restarts)}  # the agent requeues a loop out of restarts
+    left: list[str] = []  # nodes a request asked the job to leave, in order
+    can_leave = _can_exclude(command)
     while True:
+        argv = [command[0], f"--exclude={','.join(left)}", *command[1:]] if left else command
+        run_env = {**env, "TRAINGUARD_RESTARTS": str(restarts)}
+        if can_leave:
+            run_env["TRAINGUARD_LEFT"] = ",".join(left)
         try:
-            code = subprocess.run(command, env={**env, "TRAINGUARD_RESTARTS": str(restarts)},
-                                  check=False).returncode  # no timeout: the command is the job, it runs for days
+            code = subprocess.run(argv, env=run_env, check=False).returncode  # no timeout: the job, it runs for days
         except OSError as exc:
             print(f"trainguard relaunch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr,
                   flush=True)
@@ -344,21 +354,37 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
                   f"not starting {command[0]} again", file=sys.stderr, flush=True)
             return status
         seen, restarts = request, restarts + 1
-        print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked "
-              f"({_reason(watcher.switch_dir / watcher.restart_name)}); {command[0]} exited {status}: starting it "
-              "again", file=sys.stderr, flush=True)
+        reason, leave = _request(watcher.switch_dir / watcher.restart_name)
+        if leave and can_leave and leave not in left:
+            left.append(leave)
+        print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked ({reason}); {command[0]} "
+              f"exited {status}: starting it again" + (f" without {', '.join(left)}" if left else ""),
+              file=sys.stderr, flush=True)
         if ending.is_set():  # stopped while deciding: a job being stopped is never started again
             return status
 
 
-def _reason(path: Path) -> str:
-    """What the request says about itself, for the job's log: its reason, or that it has none."""
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # one host name: no hostlist syntax, no option
+
+
+def _request(path: Path) -> tuple[str, str]:
+    """What the request says about itself: its reason for the job's log (or that it has none), and the node it asks
+    the job to leave ("" for none, or for anything that is not one host name)."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read(4096))
-        return " ".join(str(data.get("reason", "no reason given")).split())[:200]
+        reason = " ".join(str(data.get("reason", "no reason given")).split())[:200]
+        leave = data.get("leave")
     except (OSError, ValueError, AttributeError):
-        return "no reason given"
+        return "no reason given", ""
+    return reason, leave if isinstance(leave, str) and _NODE_NAME.fullmatch(leave) else ""
+
+
+def _can_exclude(command: list[str]) -> bool:
+    """The loop leaves a node by adding `--exclude=` to srun's options: only when it runs srun itself, and the
+    command names no exclusion of its own (two would not merge)."""
+    return os.path.basename(command[0]) == "srun" and not any(
+        a in ("-x", "--exclude") or a.startswith(("--exclude=", "-x")) for a in command[1:])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,10 @@ srun steps (never the batch script: the loop must live), waits up to `wait_exit`
 then (a rank hung in a collective or a CUDA call never exits by itself). The request is written before the signal:
 a rank that exits before the loop could see a request would end the job instead.
 
+With `leave_node`, for a fault of this node (a GPU lost: bind it after `drain`), the request also names this node:
+the loop starts srun again with `--exclude` of it, on the spare node the allocation holds (`sbatch -N 3-4`, `srun
+-N 3`), again without a requeue. A job with no spare left gets the fallback.
+
 A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
 would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
 `signal, requeue` would, so that a site may bind `restart` for every job whatever its batch script.
@@ -35,16 +39,24 @@ from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch, job_owner, remove_switch
 from trainguard.core.settings import Duration
+from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
 from trainguard.node.procfs import ProcFS
 
 LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop for the command it runs
 LOOP_MAX_VAR = "TRAINGUARD_MAX_RESTARTS"
+LEFT_VAR = "TRAINGUARD_LEFT"  # set (maybe empty) when the loop can start srun without a node: those it left
+STEP_NODES_VAR = "SLURM_STEP_NUM_NODES"  # srun's, in each rank's environment
 RELAUNCH_GRACE = 30.0  # a job restarted this recently may be between two sruns: its next step is waited for
 RELAUNCH_WAIT = 10.0  # at most this long
 POLL = 0.2  # the ranks on this node: /proc only
 POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
+
+
+def _count(value: str | None) -> int | None:
+    """A count from a rank's environment (the job user's text): ASCII digits only, so int() cannot raise ("²")."""
+    return int(value) if value and value.isascii() and value.isdigit() else None
 
 
 def request_name(job_id: str) -> str:
@@ -58,6 +70,12 @@ class RestartSettings(WaitExitSettings):
                                             "default: USR1).")
     wait_exit: Duration = Field(300.0, ge=0, description="How long the ranks get to save and exit before their "
                                                          "steps are cancelled.")
+    leave_node: bool = Field(
+        False, description="Restart the job without this node (bind it to a fault of the node, e.g. `xid` after "
+                           "`drain`): the request names the node and the relaunch loop starts srun again with "
+                           "`--exclude` of it, on the spare node the job's allocation holds (`sbatch -N 3-4` with "
+                           "`srun -N 3`). A job without a spare, or whose loop cannot leave a node (its command is not "
+                           "srun itself), gets the fallback.")
     fallback: Literal["requeue", "none"] = Field(
         "requeue", description="A job whose ranks on this node do not run under the trainer helper's relaunch loop "
                                "(or that has no srun step here) would end, not restart: `requeue` signals it (every "
@@ -86,8 +104,9 @@ class RestartAction(Action):
         self._done: dict[str, float] = {}
 
     def plan(self, ctx: ActionContext) -> str:
-        return (f"restart in place {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a restart "
-                f"request in its switch dir, SIG{self.settings.signal} to its steps under the relaunch loop, those "
+        without = f" without {ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
+        return (f"restart in place{without} {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a "
+                f"restart request in its switch dir, SIG{self.settings.signal} to its steps under the relaunch loop, those "
                 f"still running after {self.settings.wait_exit:g}s cancelled; without the loop: "
                 f"{'signal and requeue' if self.settings.fallback == 'requeue' else 'nothing'}")
 
@@ -134,27 +153,34 @@ class RestartAction(Action):
         except SlurmError as exc:
             raise ActionError(f"restart {job_id}: {exc}") from None
         procfs = ProcFS()
-        starts = {pid: procfs.environ_var(pid, LOOP_VAR) for pids in here.values() for pid in pids}
-        looped = {step: pids for step, pids in here.items() if any(starts[pid] is not None for pid in pids)}
+        envs = {pid: procfs.environ_vars(pid, (LOOP_VAR, LOOP_MAX_VAR, LEFT_VAR, STEP_NODES_VAR))
+                for pids in here.values() for pid in pids}
+        looped = {step: pids for step, pids in here.items() if any(LOOP_VAR in envs[pid] for pid in pids)}
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
         if not job.switch_dir:
             return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
-        spent = self._spent(procfs, looped, starts)
+        ranks = [envs[pid] for pids in looped.values() for pid in pids if LOOP_VAR in envs[pid]]
+        spent = self._spent(ranks)
         if spent is not None:
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
+        leave: dict[str, str] = {}
+        if s.leave_node:
+            no_spare = self._no_spare(job, ctx.node, ranks)
+            if no_spare:
+                return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
+            leave = {"leave": ctx.node}
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
         request = create_switch(job.switch_dir, name, identity, gid, {
             "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(), "incident": ctx.event.incident_id,
-            "check": ctx.event.check, "reason": ctx.event.summary})
+            "check": ctx.event.check, "reason": ctx.event.summary, **leave})
         started = time.monotonic()
         steps = sorted(looped, key=int)
         try:
-            for step in steps:
-                ctx.slurm.signal(f"{job_id}.{step}", s.signal, "steps")
+            gone = [step for step in steps if not ctx.slurm.signal_step(job_id, step, s.signal)]
         except SlurmError as exc:
             # Left in place, the request would restart the job the next time its srun ends, even at the end of training
             remove_switch(job.switch_dir, name, identity)
@@ -173,21 +199,38 @@ class RestartAction(Action):
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
-        return f"restart of {job_id} requested ({request}); SIG{s.signal} to step {ended}: {how}"
+        if gone:  # ended by itself just before, or at once on the signal: the loop sees the request either way
+            how += f" ({', '.join(f'{job_id}.{g}' for g in gone)} no longer listed when signalled)"
+        where = f" without {ctx.node}" if leave else ""
+        return f"restart of {job_id}{where} requested ({request}); SIG{s.signal} to step {ended}: {how}"
 
     @staticmethod
-    def _spent(procfs: ProcFS, looped: dict[str, list[int]], starts: dict[int, str | None]) -> int | None:
+    def _spent(ranks: list[dict[str, str]]) -> int | None:
         """The loop's --max-restarts when its ranks here say they are the last start it allows, else None: restarted
-        again, the job would end. `starts`: each pid's TRAINGUARD_RESTARTS, as already read."""
-        for pids in looped.values():
-            for pid in pids:
-                done = starts[pid]
-                if not (done and done.isdigit()):
-                    continue
-                most = procfs.environ_var(pid, LOOP_MAX_VAR)
-                if most and most.isdigit() and int(done) >= int(most):
-                    return int(most)
+        again, the job would end. `ranks`: the loop's variables in each rank's environment."""
+        for env in ranks:
+            done, most = _count(env.get(LOOP_VAR)), _count(env.get(LOOP_MAX_VAR))
+            if done is not None and most is not None and done >= most:
+                return most
         return None
+
+    @staticmethod
+    def _no_spare(job: Job, node: str, ranks: list[dict[str, str]]) -> str:
+        """Why the job cannot go on without `node` inside its allocation ("" when it can): its loop must be able to
+        leave a node, and the allocation (the controller's NodeList) less the nodes left must hold the step's size.
+        The ranks' variables are the job user's to set: a lie only misleads that user's own restart."""
+        if not any(LEFT_VAR in env for env in ranks):
+            return "its relaunch loop cannot leave a node (an older trainer helper, or a command that is not srun)"
+        sizes = [n for n in (_count(env.get(STEP_NODES_VAR)) for env in ranks) if n is not None]
+        if not sizes:
+            return f"its ranks here do not say how many nodes their step spans ({STEP_NODES_VAR})"
+        gone = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | {node}
+        allocation = expand(job.node_list) if job.node_list else []
+        usable = [n for n in allocation if n not in gone]
+        if len(usable) < max(sizes):
+            return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
+                    f"step spans {max(sizes)})")
+        return ""
 
     def _fallback(self, job: Job, ctx: ActionContext, why: str, deadline: float) -> str:
         """Without the loop the signal would end the job: requeue it instead (or fail, `fallback = "none"`)."""

@@ -81,15 +81,21 @@ class ProcFS:
 
     def environ_var(self, pid: int, name: str) -> str | None:
         """One variable of a process's environment (needs the right to ptrace-read it: same user or CAP_SYS_PTRACE)."""
+        return self.environ_vars(pid, (name,)).get(name)
+
+    def environ_vars(self, pid: int, names: tuple[str, ...]) -> dict[str, str]:
+        """Those of `names` the process's environment sets (one read of it; empty when it can't be read)."""
         try:
             environ = self.path(pid, "environ").read_bytes()
         except OSError:
-            return None
-        prefix = name.encode() + b"="
+            return {}
+        wanted = {name.encode() for name in names}
+        found: dict[str, str] = {}
         for entry in environ.split(b"\0"):
-            if entry.startswith(prefix):
-                return entry[len(prefix):].decode(errors="replace")
-        return None
+            key, eq, value = entry.partition(b"=")
+            if eq and key in wanted and key.decode() not in found:  # the first wins, as getenv's
+                found[key.decode()] = value.decode(errors="replace")
+        return found
 
     def fd_mtime(self, pid: int, fd: int) -> float | None:
         """mtime of the file behind an open descriptor: a log renamed by rotation or deleted is still this file."""
