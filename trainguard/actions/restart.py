@@ -39,6 +39,7 @@ from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch, job_owner, remove_switch
 from trainguard.core.settings import Duration
+from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
@@ -55,8 +56,9 @@ POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
 
 
 def _count(value: str | None) -> int | None:
-    """A count from a rank's environment (the job user's text): ASCII digits only, so int() cannot raise ("²")."""
-    return int(value) if value and value.isascii() and value.isdigit() else None
+    """A count from a rank's environment (the job user's text): up to 9 ASCII digits, so int() cannot raise ("²", or
+    past Python's 4300-digit limit)."""
+    return int(value) if value and len(value) <= 9 and value.isascii() and value.isdigit() else None
 
 
 def request_name(job_id: str) -> str:
@@ -167,16 +169,18 @@ class RestartAction(Action):
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
         leave: dict[str, str] = {}
         if s.leave_node:
-            no_spare = self._no_spare(job, ctx.node, ranks)
+            here_node = ctx.slurmd or ctx.node  # the SLURM name, where a host runs several slurmd
+            no_spare = self._no_spare(job, here_node, ranks)
             if no_spare:
-                return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
-            leave = {"leave": ctx.node}
+                return self._fallback(job, ctx, f"not restarted without {here_node}: {no_spare}", deadline)
+            leave = {"leave": ctx.slurmd or ctx.node}
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
+        # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
         request = create_switch(job.switch_dir, name, identity, gid, {
-            "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(), "incident": ctx.event.incident_id,
-            "check": ctx.event.check, "reason": ctx.event.summary, **leave})
+            **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
+            "incident": ctx.event.incident_id, "check": ctx.event.check, "reason": one_line(ctx.event.summary, 200)})
         started = time.monotonic()
         steps = sorted(looped, key=int)
         try:
@@ -199,9 +203,14 @@ class RestartAction(Action):
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
-        if gone:  # ended by itself just before, or at once on the signal: the loop sees the request either way
+        if gone:  # ended by itself just before, or at once on the signal
             how += f" ({', '.join(f'{job_id}.{g}' for g in gone)} no longer listed when signalled)"
-        where = f" without {ctx.node}" if leave else ""
+        if len(gone) == len(steps) and not self._relaunched(ctx, job_id, set(steps)):
+            # Every step had ended before the signal: a loop whose srun failed has returned, and nothing restarts
+            remove_switch(job.switch_dir, name, identity)
+            raise ActionError(f"restart {job_id}: its steps {ended} had ended before the signal and no new step "
+                              f"started within {RELAUNCH_WAIT:g}s: its relaunch loop is over (the request is withdrawn)")
+        where = f" without {leave['leave']}" if leave else ""
         return f"restart of {job_id}{where} requested ({request}); SIG{s.signal} to step {ended}: {how}"
 
     @staticmethod
@@ -226,6 +235,8 @@ class RestartAction(Action):
             return f"its ranks here do not say how many nodes their step spans ({STEP_NODES_VAR})"
         gone = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | {node}
         allocation = expand(job.node_list) if job.node_list else []
+        if node not in allocation:  # --exclude of a name srun does not know would fail the step, or leave nothing
+            return f"this node ({node}) is not in its allocation ({job.node_list or 'unknown'})"
         usable = [n for n in allocation if n not in gone]
         if len(usable) < max(sizes):
             return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
@@ -249,6 +260,20 @@ class RestartAction(Action):
         requeue = RequeueAction(self.name, RequeueSettings(timeout=max(s.timeout, wait + 1), wait_exit=wait))
         done = requeue.run(dataclasses.replace(ctx, jobs=(job,)))
         return f"{job.label()}: {why}: requeue instead: SIG{s.signal} to every step, {done}"
+
+    @staticmethod
+    def _relaunched(ctx: ActionContext, job_id: str, old: set[str]) -> bool:
+        """Whether the loop started a new srun step (one the controller lists besides `old`) within RELAUNCH_WAIT."""
+        until = time.monotonic() + RELAUNCH_WAIT
+        while True:
+            try:
+                if set(ctx.slurm.steps(job_id)) - old:
+                    return True
+            except SlurmError:
+                pass  # the controller busy for a moment: look again until the wait is over
+            if time.monotonic() >= until:
+                return False
+            time.sleep(POLL_CONTROLLER)
 
     @staticmethod
     def _running(ctx: ActionContext, job_id: str, steps: set[str]) -> set[str]:
