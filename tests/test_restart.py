@@ -258,9 +258,17 @@ class StubSlurm:
     controller's step list, and a record of every signal, cancel and requeue."""
 
     def __init__(self, here: dict[str, list[int]], steps: list[str], fail_signal: bool = False,
-                 gone: bool = False) -> None:
+                 gone: bool = False, batch: list[int] | None = None,
+                 sruns: dict[str, tuple[str, int]] | None = None) -> None:
         self.here, self.listed, self.fail_signal, self.gone = here, steps, fail_signal, gone
+        self.batch, self.sruns = batch or [], sruns or {}  # this node's processes of the job; who launched each step
         self.calls: list[tuple[str, ...]] = []
+
+    def local_pids(self, node: str = "") -> dict[str, list[int]]:
+        return {"5": self.batch + [pid for pids in self.here.values() for pid in pids]}
+
+    def step_sruns(self, job_id: str) -> dict[str, tuple[str, int]]:
+        return self.sruns
 
     def local_steps(self, job_id: str, node: str = "") -> dict[str, list[int]]:
         return self.here
@@ -474,3 +482,35 @@ def test_the_loop_leaves_a_node_only_when_srun_names_no_nodes_of_its_own(args: l
 
     assert _can_exclude(["/usr/bin/srun", *args]) is can
     assert _can_exclude(["torchrun", *args]) is False  # not srun itself: no option to add
+
+
+def test_on_the_batch_host_with_no_rank_the_loops_srun_names_its_steps(tmp_path: Path,
+                                                                       ranks: Callable[..., int]) -> None:
+    """After a restart that left the batch host (its GPU lost), the job-level checks still speak from there: the loop
+    runs there, its ranks elsewhere. The srun carrying the loop's variables, and the controller's record of which
+    srun launched which step, say what to restart; a sidecar step launched by another srun is left alone."""
+    import socket
+
+    srun = ranks(TRAINGUARD_RESTARTS="1", TRAINGUARD_MAX_RESTARTS="10", TRAINGUARD_LEFT="n1")
+    other = ranks()  # the batch script's own `srun --overlap` monitor: not the loop's
+    me = socket.gethostname()
+    slurm = StubSlurm({}, ["4", "5"], batch=[srun, other], sruns={"4": (me, srun), "5": (me, other),
+                                                                  "3": ("elsewhere", srun)})
+    detail = _run(slurm, _job(tmp_path))
+    assert slurm.calls == [("signal", "5.4", "USR1", "step"), ("cancel", "5.4")], slurm.calls
+    assert detail.startswith("restart of 5 requested"), detail
+
+    slurm = StubSlurm({}, ["4"], batch=[other], sruns={"4": (me, other)})  # no loop here: requeued as before
+    assert "no srun step of it on this node: requeue instead" in _run(slurm, _job(tmp_path))
+
+
+def test_which_srun_launched_each_step_as_captured() -> None:
+    """tests/data/slurm/show-step.txt: a job whose batch script runs `srun --overlap` (step 1) and `srun -N 2` (step
+    0); the sruns' pids in the batch step's listpids were 26714 and 26715."""
+    from trainguard.jobs.slurm import parse_step_sruns
+
+    assert parse_step_sruns((DATA / "show-step.txt").read_text(), "1") == {"0": ("vm", 26715), "1": ("vm", 26714)}
+    # the step's name is the user's and comes first: a forged field in it does not win
+    assert parse_step_sruns("StepId=1.2 Name=x SrunHost:Pid=evil:1 Dist=Cyclic SrunHost:Pid=vm:77\n", "1") == \
+        {"2": ("vm", 77)}
+    assert parse_step_sruns("StepId=2.0 SrunHost:Pid=vm:5\nStepId=1.batch SrunHost:Pid=(null):0\n", "1") == {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 import threading
 import time
 from typing import Literal
@@ -49,6 +50,7 @@ LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop fo
 LOOP_MAX_VAR = "TRAINGUARD_MAX_RESTARTS"
 LEFT_VAR = "TRAINGUARD_LEFT"  # set (maybe empty) when the loop can start srun without a node: those it left
 STEP_NODES_VAR = "SLURM_STEP_NUM_NODES"  # srun's, in each rank's environment
+LOOP_VARS = (LOOP_VAR, LOOP_MAX_VAR, LEFT_VAR, STEP_NODES_VAR)
 RELAUNCH_GRACE = 30.0  # a job restarted this recently may be between two sruns: its next step is waited for
 RELAUNCH_WAIT = 10.0  # at most this long
 POLL = 0.2  # the ranks on this node: /proc only
@@ -155,15 +157,19 @@ class RestartAction(Action):
         except SlurmError as exc:
             raise ActionError(f"restart {job_id}: {exc}") from None
         procfs = ProcFS()
-        envs = {pid: procfs.environ_vars(pid, (LOOP_VAR, LOOP_MAX_VAR, LEFT_VAR, STEP_NODES_VAR))
-                for pids in here.values() for pid in pids}
+        envs = {pid: procfs.environ_vars(pid, LOOP_VARS) for pids in here.values() for pid in pids}
         looped = {step: pids for step, pids in here.items() if any(LOOP_VAR in envs[pid] for pid in pids)}
+        ranks = [envs[pid] for pids in looped.values() for pid in pids if LOOP_VAR in envs[pid]]
+        if not looped:  # no rank here: the loop itself may run here (the batch host a lost node's restart left)
+            try:
+                looped, ranks = self._launched_here(job_id, ctx, procfs)
+            except SlurmError as exc:
+                raise ActionError(f"restart {job_id}: {exc}") from None
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
         if not job.switch_dir:
             return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
-        ranks = [envs[pid] for pids in looped.values() for pid in pids if LOOP_VAR in envs[pid]]
         spent = self._spent(ranks)
         if spent is not None:
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
@@ -212,6 +218,21 @@ class RestartAction(Action):
                               f"started within {RELAUNCH_WAIT:g}s: its relaunch loop is over (the request is withdrawn)")
         where = f" without {leave['leave']}" if leave else ""
         return f"restart of {job_id}{where} requested ({request}); SIG{s.signal} to step {ended}: {how}"
+
+    @staticmethod
+    def _launched_here(job_id: str, ctx: ActionContext,
+                       procfs: ProcFS) -> tuple[dict[str, list[int]], list[dict[str, str]]]:
+        """The loop's steps when its srun runs on this node but none of its ranks do: the job's processes here
+        (its batch step) that carry the loop's variables are the loop's srun, and the controller says which steps
+        each srun launched (`SrunHost:Pid`, this host). Step -> [] (no rank here to watch), and the srun's variables."""
+        loop = {pid: env for pid in ctx.slurm.local_pids(ctx.slurmd).get(job_id, [])
+                if LOOP_VAR in (env := procfs.environ_vars(pid, LOOP_VARS))}
+        if not loop:
+            return {}, []
+        me = socket.gethostname().split(".")[0]
+        steps = {step: [] for step, (host, pid) in ctx.slurm.step_sruns(job_id).items()
+                 if pid in loop and host.split(".")[0] == me}
+        return steps, list(loop.values()) if steps else []
 
     @staticmethod
     def _spent(ranks: list[dict[str, str]]) -> int | None:
