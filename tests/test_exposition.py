@@ -73,3 +73,12 @@ def test_an_empty_snapshot_renders_every_agent_family_and_the_content_type_names
     assert len(names) == len(list(collect(snap)))
     assert CHECK_RUNS.name.removesuffix("_total") in names
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+
+
+def test_two_values_that_render_alike_are_one_series() -> None:
+    """A directory name with an undecodable byte and one a user typed as its escape would be two identical series:
+    Prometheus would keep one at random. The first is kept, as for equal values."""
+    text = render([family(PATH, [PATH(2, {"path": "/data/\udcff", "kind": "a"}),
+                                 PATH(1, {"path": "/data/\\udcff", "kind": "a"})])]).decode()
+    assert [line for line in text.splitlines() if not line.startswith("#")] == \
+        ['trainguard_test_free_bytes{kind="a",path="/data/\\\\udcff"} 2.0']

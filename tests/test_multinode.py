@@ -274,8 +274,10 @@ def test_restart_leaving_a_lost_node_goes_on_on_the_allocations_spare(multinode:
     lost = ""
     try:
         wait_until(lambda: len(nodes(0)) == 2, 30, what="both ranks of step 0")
-        assert len(expand(multinode.job(job_id)["NodeList"])) == 3  # the allocation holds a spare
-        lost = nodes(0)[0]
+        info = multinode.job(job_id)
+        assert len(expand(info["NodeList"])) == 3  # the allocation holds a spare
+        lost = info["BatchHost"]  # the GPU lost where the loop runs: later restarts are asked from there too
+        assert lost in nodes(0), (lost, nodes(0))
         multinode.run("scontrol", "update", f"nodename={lost}", "state=drain", "reason=test: GPU lost")
         catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=lost, refresh="0s"), "agent-host")
         try:
@@ -294,6 +296,17 @@ def test_restart_leaving_a_lost_node_goes_on_on_the_allocations_spare(multinode:
         assert info["JobState"] == "RUNNING" and info["Restarts"] == "0"  # the same allocation, never requeued
         out = (workdir / f"tg-leave-{job_id}.out").read_text()
         assert f"starting it again without {lost}" in out, out
+
+        # A hang next: `hang` speaks from the batch host, where the loop's srun runs and no rank does any more. The
+        # controller's record of which srun launched step 1 names the step; its hung rank is cancelled after
+        # wait_exit, and step 2 starts on the same two nodes, still without the lost one.
+        hang = Event(EventKind.FIRED, "i2", "hang", job.key, Status.CRITICAL, "no progress for 30m", lost, time.time(),
+                     time.time(), details={"job_key": job.key})
+        detail = RestartAction("restart", RestartSettings(wait_exit=3, timeout=30)).run(
+            ActionContext(hang, (job,), lost, SlurmClient(10.0), time.time, slurmd=lost))
+        assert f"cancelled {job_id}.1 still running after" in detail, detail
+        wait_until(lambda: len(nodes(2)) == 2, 30, what="both ranks of step 2")
+        assert nodes(2) == nodes(1) and multinode.job(job_id)["Restarts"] == "0"
     finally:
         multinode.run("scancel", job_id, check=False)
         if lost:

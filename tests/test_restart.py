@@ -257,9 +257,18 @@ class StubSlurm:
     """What the action asks of SLURM, scripted: the local steps (real processes, whose environment is read), the
     controller's step list, and a record of every signal, cancel and requeue."""
 
-    def __init__(self, here: dict[str, list[int]], steps: list[str], fail_signal: bool = False) -> None:
-        self.here, self.listed, self.fail_signal = here, steps, fail_signal
+    def __init__(self, here: dict[str, list[int]], steps: list[str], fail_signal: bool = False,
+                 gone: bool = False, batch: list[int] | None = None,
+                 sruns: dict[str, tuple[str, int]] | None = None) -> None:
+        self.here, self.listed, self.fail_signal, self.gone = here, steps, fail_signal, gone
+        self.batch, self.sruns = batch or [], sruns or {}  # this node's processes of the job; who launched each step
         self.calls: list[tuple[str, ...]] = []
+
+    def local_pids(self, node: str = "") -> dict[str, list[int]]:
+        return {"5": self.batch + [pid for pids in self.here.values() for pid in pids]}
+
+    def step_sruns(self, job_id: str) -> dict[str, tuple[str, int]]:
+        return self.sruns
 
     def local_steps(self, job_id: str, node: str = "") -> dict[str, list[int]]:
         return self.here
@@ -274,7 +283,7 @@ class StubSlurm:
 
     def signal_step(self, job_id: str, step: str, signal_name: str) -> bool:
         self.signal(f"{job_id}.{step}", signal_name, "step")
-        return True
+        return not self.gone  # gone: SLURM said "Invalid job id" and no longer lists the step
 
     def cancel_step(self, job_id: str, step: str) -> bool:
         self.calls.append(("cancel", f"{job_id}.{step}"))
@@ -411,3 +420,97 @@ def test_a_step_signal_that_slurm_calls_an_invalid_job_id_counts_when_the_step_i
     (tmp_path / "scancel").write_text("#!/bin/sh\necho 'scancel: error: Unable to contact slurm controller' >&2\nexit 1\n")
     with pytest.raises(SlurmError, match="Unable to contact"):
         slurm.signal_step("5", "0", "USR1")
+
+
+def test_a_restart_whose_steps_had_all_ended_needs_the_loop_to_start_a_new_one(tmp_path: Path,
+                                                                               ranks: Callable[..., int],
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step gone when signalled: either the ranks exited at once on the signal (the loop then starts the next
+    srun) or they had ended before it (a loop whose srun failed has returned): only a new step says it restarted."""
+    from trainguard.actions import restart
+
+    monkeypatch.setattr(restart, "RELAUNCH_WAIT", 0.5)
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["1"], gone=True)  # step 1: the loop's next srun
+    assert "(5.0 no longer listed when signalled)" in _run(slurm, _job(tmp_path))
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, [], gone=True)
+    with pytest.raises(ActionError, match=r"had ended before the signal and no new step started within 0.5s: its "
+                                          r"relaunch loop is over \(the request is withdrawn\)"):
+        _run(slurm, _job(tmp_path))
+    assert list((tmp_path / "sw").iterdir()) == []
+
+
+def test_a_node_outside_the_allocation_or_a_huge_count_is_no_spare(tmp_path: Path, ranks: Callable[..., int]) -> None:
+    job = replace(_job(tmp_path), node_list="n[2-5]")  # the agent's SLURM name is n1: not among them
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0", TRAINGUARD_LEFT="", SLURM_STEP_NUM_NODES="3")]}, ["0"])
+    assert "not restarted without n1: this node (n1) is not in its allocation (n[2-5])" in _run(slurm, job,
+                                                                                                  leave_node=True)
+    job = replace(_job(tmp_path), node_list="n[1-4]")
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0", TRAINGUARD_LEFT="", SLURM_STEP_NUM_NODES="9" * 5000)]},
+                      ["0"])  # past int()'s 4300-digit limit: no count, never an exception
+    assert "do not say how many nodes their step spans" in _run(slurm, job, leave_node=True)
+
+
+def test_the_request_names_the_node_first_and_keeps_its_reason_short(tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """The loop reads the file's first 64 KiB: a summary naming a long job name (each non-ASCII character six bytes
+    in JSON) must not push the node to leave out of it."""
+    job = replace(_job(tmp_path), node_list="n[1-4]")
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0", TRAINGUARD_LEFT="", SLURM_STEP_NUM_NODES="3")]}, ["0"])
+    action = RestartAction("restart", RestartSettings(wait_exit=0.5, timeout=5, leave_node=True))
+    event = replace(_event("xid"), summary="XID 79 \u00e9" * 20000)
+    action.run(ActionContext(event, (job,), "n1", slurm, time.time))  # type: ignore[arg-type]
+    raw = (tmp_path / "sw" / "restart.5").read_text()
+    assert raw.startswith('{"leave": "n1"') and len(json.loads(raw)["reason"]) <= 200
+
+
+def test_an_inherited_left_variable_is_not_passed_on_where_the_loop_cannot_leave(tmp_path: Path) -> None:
+    """A job submitted from a rank of a looped job inherits TRAINGUARD_LEFT: the agent would take it for a loop that
+    can leave a node."""
+    proc = subprocess.run([sys.executable, "-m", "trainguard.trainer", "relaunch", "--switch-dir", str(tmp_path), "--",
+                           "sh", "-c", 'echo "${TRAINGUARD_LEFT-unset}"'], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "SLURM_JOB_ID": "77", "TRAINGUARD_LEFT": "n9"})
+    assert proc.stdout.strip() == "unset", proc.stdout
+
+
+@pytest.mark.parametrize(("args", "can"), [
+    (["-N", "3", "--ntasks-per-node=1", "--nodes=3", "--exclusive", "python", "t.py"], True),
+    (["-x", "n5", "python", "t.py"], False), (["-lx", "n5", "python", "t.py"], False), (["-lxn5", "t.py"], False),
+    (["--exclude=n5", "t.py"], False), (["--exclu=n5", "t.py"], False), (["--exclude", "n5", "t.py"], False),
+    (["-w", "n[1-4]", "t.py"], False), (["--nodelist=n1", "t.py"], False), (["--nodefile=f", "t.py"], False),
+    (["-F", "f", "t.py"], False), (["--node=3", "t.py"], False)])
+def test_the_loop_leaves_a_node_only_when_srun_names_no_nodes_of_its_own(args: list[str], can: bool) -> None:
+    from trainguard.trainer import _can_exclude
+
+    assert _can_exclude(["/usr/bin/srun", *args]) is can
+    assert _can_exclude(["torchrun", *args]) is False  # not srun itself: no option to add
+
+
+def test_on_the_batch_host_with_no_rank_the_loops_srun_names_its_steps(tmp_path: Path,
+                                                                       ranks: Callable[..., int]) -> None:
+    """After a restart that left the batch host (its GPU lost), the job-level checks still speak from there: the loop
+    runs there, its ranks elsewhere. The srun carrying the loop's variables, and the controller's record of which
+    srun launched which step, say what to restart; a sidecar step launched by another srun is left alone."""
+    import socket
+
+    srun = ranks(TRAINGUARD_RESTARTS="1", TRAINGUARD_MAX_RESTARTS="10", TRAINGUARD_LEFT="n1")
+    other = ranks()  # the batch script's own `srun --overlap` monitor: not the loop's
+    me = socket.gethostname()
+    slurm = StubSlurm({}, ["4", "5"], batch=[srun, other], sruns={"4": (me, srun), "5": (me, other),
+                                                                  "3": ("elsewhere", srun)})
+    detail = _run(slurm, _job(tmp_path))
+    assert slurm.calls == [("signal", "5.4", "USR1", "step"), ("cancel", "5.4")], slurm.calls
+    assert detail.startswith("restart of 5 requested"), detail
+
+    slurm = StubSlurm({}, ["4"], batch=[other], sruns={"4": (me, other)})  # no loop here: requeued as before
+    assert "no srun step of it on this node: requeue instead" in _run(slurm, _job(tmp_path))
+
+
+def test_which_srun_launched_each_step_as_captured() -> None:
+    """tests/data/slurm/show-step.txt: a job whose batch script runs `srun --overlap` (step 1) and `srun -N 2` (step
+    0); the sruns' pids in the batch step's listpids were 26714 and 26715."""
+    from trainguard.jobs.slurm import parse_step_sruns
+
+    assert parse_step_sruns((DATA / "show-step.txt").read_text(), "1") == {"0": ("vm", 26715), "1": ("vm", 26714)}
+    # the step's name is the user's and comes first: a forged field in it does not win
+    assert parse_step_sruns("StepId=1.2 Name=x SrunHost:Pid=evil:1 Dist=Cyclic SrunHost:Pid=vm:77\n", "1") == \
+        {"2": ("vm", 77)}
+    assert parse_step_sruns("StepId=2.0 SrunHost:Pid=vm:5\nStepId=1.batch SrunHost:Pid=(null):0\n", "1") == {}

@@ -123,7 +123,45 @@ def test_a_stopped_schedule_starts_nothing() -> None:
     assert len(runs) == count
 
 
-@pytest.mark.parametrize("interval, jitter", [(0.0, 0.0), (-1.0, 0.0), (1.0, -0.5), (float("nan"), 0.0)])
-def test_an_interval_that_is_not_positive_is_refused_by_name(interval: float, jitter: float) -> None:
-    with pytest.raises(ValueError, match="check disk: interval must be > 0"):
+@pytest.mark.parametrize("interval, jitter", [(0.0, 0.0), (-1.0, 0.0), (1.0, -0.5), (float("nan"), 0.0), (1e-13, 0.0),
+                                              (1.0, float("nan")), (float("inf"), 0.0)])
+def test_an_interval_that_would_spin_or_never_come_is_refused_by_name(interval: float, jitter: float) -> None:
+    """1e-13 s would make the grid's next point `now` for ever: the schedule thread would spin and run nothing."""
+    with pytest.raises(ValueError, match=r"check disk: interval must be at least 0.01s and jitter 0 or more"):
         Schedule({"disk": (interval, jitter)}, lambda name: None, lambda: None)
+
+
+def test_the_config_refuses_an_interval_shorter_than_the_schedule_takes() -> None:
+    from trainguard.agent.configfile import ConfigError, parse_config
+
+    for check in ("disk", "hang"):  # the common settings, and a check type with its own interval default
+        with pytest.raises(ConfigError, match=rf"checks.{check}.interval: at least 0.01s"):
+            parse_config({"checks": {check: {"interval": "0.005s"}}}, "trainguard.toml")
+
+
+def test_a_run_that_raises_is_logged_and_leaves_no_pending_run_behind(caplog: pytest.LogCaptureFixture) -> None:
+    gate = threading.Event()
+    runs: list[int] = []
+
+    def run(name: str) -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            gate.wait(5)
+            raise RuntimeError("store closed")
+
+    schedule = Schedule({"kmsg": (3600.0, 0.0)}, run, lambda: None)
+    with caplog.at_level("ERROR", logger="trainguard.schedule"):
+        schedule.start()
+        try:
+            wait_until(lambda: runs, 5, 0.02, what="the first run")
+            schedule.trigger("kmsg")  # pending behind the run that will raise
+            gate.set()
+            wait_until(lambda: len(runs) == 2, 5, 0.02, what="the pending run")
+            time.sleep(0.2)
+            schedule.trigger("kmsg")
+            wait_until(lambda: len(runs) == 3, 5, 0.02, what="the next trigger's run")
+            time.sleep(0.2)
+            assert len(runs) == 3  # one run per trigger: nothing left pending by the run that raised
+        finally:
+            schedule.stop()
+    assert any("check run failed" in r.getMessage() and "store closed" in (r.exc_text or "") for r in caplog.records)

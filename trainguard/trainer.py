@@ -331,6 +331,7 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     while True:
         argv = [command[0], f"--exclude={','.join(left)}", *command[1:]] if left else command
         run_env = {**env, "TRAINGUARD_RESTARTS": str(restarts)}
+        run_env.pop("TRAINGUARD_LEFT", None)  # inherited (a job submitted from a rank): the agent must not trust it
         if can_leave:
             run_env["TRAINGUARD_LEFT"] = ",".join(left)
         try:
@@ -372,7 +373,7 @@ def _request(path: Path) -> tuple[str, str]:
     the job to leave ("" for none, or for anything that is not one host name)."""
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read(4096))
+            data = json.loads(f.read(64 << 10))
         reason = " ".join(str(data.get("reason", "no reason given")).split())[:200]
         leave = data.get("leave")
     except (OSError, ValueError, AttributeError):
@@ -381,10 +382,23 @@ def _request(path: Path) -> tuple[str, str]:
 
 
 def _can_exclude(command: list[str]) -> bool:
-    """The loop leaves a node by adding `--exclude=` to srun's options: only when it runs srun itself, and the
-    command names no exclusion of its own (two would not merge)."""
-    return os.path.basename(command[0]) == "srun" and not any(
-        a in ("-x", "--exclude") or a.startswith(("--exclude=", "-x")) for a in command[1:])
+    """The loop leaves a node by adding `--exclude=` to srun's options: only when it runs srun itself and the command
+    names no nodes of its own: an exclusion (two would not merge, the last one wins) or a node list or file (the step
+    could not start without a node it must use). Judged on every argument, the program's too, in every spelling srun
+    accepts (`-x n5`, `-lx n5`, `--exclu=n5`): a doubt means no leaving, and the agent requeues instead."""
+    if os.path.basename(command[0]) != "srun":
+        return False
+    for arg in command[1:]:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0]
+            if len(name) >= 3 and any(full.startswith(name) for full in _NODE_OPTIONS):
+                return False
+        elif arg.startswith("-") and any(letter in arg[1:] for letter in "xwF"):
+            return False
+    return True
+
+
+_NODE_OPTIONS = ("exclude", "nodelist", "nodefile")  # srun's long options that name nodes (getopt takes prefixes)
 
 
 def main(argv: list[str] | None = None) -> int:

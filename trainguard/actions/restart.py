@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 import threading
 import time
 from typing import Literal
@@ -39,6 +40,7 @@ from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch, job_owner, remove_switch
 from trainguard.core.settings import Duration
+from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
@@ -48,6 +50,7 @@ LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop fo
 LOOP_MAX_VAR = "TRAINGUARD_MAX_RESTARTS"
 LEFT_VAR = "TRAINGUARD_LEFT"  # set (maybe empty) when the loop can start srun without a node: those it left
 STEP_NODES_VAR = "SLURM_STEP_NUM_NODES"  # srun's, in each rank's environment
+LOOP_VARS = (LOOP_VAR, LOOP_MAX_VAR, LEFT_VAR, STEP_NODES_VAR)
 RELAUNCH_GRACE = 30.0  # a job restarted this recently may be between two sruns: its next step is waited for
 RELAUNCH_WAIT = 10.0  # at most this long
 POLL = 0.2  # the ranks on this node: /proc only
@@ -55,8 +58,9 @@ POLL_CONTROLLER = 1.0  # the ranks elsewhere: one RPC per look
 
 
 def _count(value: str | None) -> int | None:
-    """A count from a rank's environment (the job user's text): ASCII digits only, so int() cannot raise ("²")."""
-    return int(value) if value and value.isascii() and value.isdigit() else None
+    """A count from a rank's environment (the job user's text): up to 9 ASCII digits, so int() cannot raise ("²", or
+    past Python's 4300-digit limit)."""
+    return int(value) if value and len(value) <= 9 and value.isascii() and value.isdigit() else None
 
 
 def request_name(job_id: str) -> str:
@@ -153,30 +157,36 @@ class RestartAction(Action):
         except SlurmError as exc:
             raise ActionError(f"restart {job_id}: {exc}") from None
         procfs = ProcFS()
-        envs = {pid: procfs.environ_vars(pid, (LOOP_VAR, LOOP_MAX_VAR, LEFT_VAR, STEP_NODES_VAR))
-                for pids in here.values() for pid in pids}
+        envs = {pid: procfs.environ_vars(pid, LOOP_VARS) for pids in here.values() for pid in pids}
         looped = {step: pids for step, pids in here.items() if any(LOOP_VAR in envs[pid] for pid in pids)}
+        ranks = [envs[pid] for pids in looped.values() for pid in pids if LOOP_VAR in envs[pid]]
+        if not looped:  # no rank here: the loop itself may run here (the batch host a lost node's restart left)
+            try:
+                looped, ranks = self._launched_here(job_id, ctx, procfs)
+            except SlurmError as exc:
+                raise ActionError(f"restart {job_id}: {exc}") from None
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
         if not job.switch_dir:
             return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
-        ranks = [envs[pid] for pids in looped.values() for pid in pids if LOOP_VAR in envs[pid]]
         spent = self._spent(ranks)
         if spent is not None:
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
         leave: dict[str, str] = {}
         if s.leave_node:
-            no_spare = self._no_spare(job, ctx.node, ranks)
+            here_node = ctx.slurmd or ctx.node  # the SLURM name, where a host runs several slurmd
+            no_spare = self._no_spare(job, here_node, ranks)
             if no_spare:
-                return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
-            leave = {"leave": ctx.node}
+                return self._fallback(job, ctx, f"not restarted without {here_node}: {no_spare}", deadline)
+            leave = {"leave": ctx.slurmd or ctx.node}
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
+        # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
         request = create_switch(job.switch_dir, name, identity, gid, {
-            "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(), "incident": ctx.event.incident_id,
-            "check": ctx.event.check, "reason": ctx.event.summary, **leave})
+            **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
+            "incident": ctx.event.incident_id, "check": ctx.event.check, "reason": one_line(ctx.event.summary, 200)})
         started = time.monotonic()
         steps = sorted(looped, key=int)
         try:
@@ -199,10 +209,30 @@ class RestartAction(Action):
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
-        if gone:  # ended by itself just before, or at once on the signal: the loop sees the request either way
+        if gone:  # ended by itself just before, or at once on the signal
             how += f" ({', '.join(f'{job_id}.{g}' for g in gone)} no longer listed when signalled)"
-        where = f" without {ctx.node}" if leave else ""
+        if len(gone) == len(steps) and not self._relaunched(ctx, job_id, set(steps)):
+            # Every step had ended before the signal: a loop whose srun failed has returned, and nothing restarts
+            remove_switch(job.switch_dir, name, identity)
+            raise ActionError(f"restart {job_id}: its steps {ended} had ended before the signal and no new step "
+                              f"started within {RELAUNCH_WAIT:g}s: its relaunch loop is over (the request is withdrawn)")
+        where = f" without {leave['leave']}" if leave else ""
         return f"restart of {job_id}{where} requested ({request}); SIG{s.signal} to step {ended}: {how}"
+
+    @staticmethod
+    def _launched_here(job_id: str, ctx: ActionContext,
+                       procfs: ProcFS) -> tuple[dict[str, list[int]], list[dict[str, str]]]:
+        """The loop's steps when its srun runs on this node but none of its ranks do: the job's processes here
+        (its batch step) that carry the loop's variables are the loop's srun, and the controller says which steps
+        each srun launched (`SrunHost:Pid`, this host). Step -> [] (no rank here to watch), and the srun's variables."""
+        loop = {pid: env for pid in ctx.slurm.local_pids(ctx.slurmd).get(job_id, [])
+                if LOOP_VAR in (env := procfs.environ_vars(pid, LOOP_VARS))}
+        if not loop:
+            return {}, []
+        me = socket.gethostname().split(".")[0]
+        steps = {step: [] for step, (host, pid) in ctx.slurm.step_sruns(job_id).items()
+                 if pid in loop and host.split(".")[0] == me}
+        return steps, list(loop.values()) if steps else []
 
     @staticmethod
     def _spent(ranks: list[dict[str, str]]) -> int | None:
@@ -226,6 +256,8 @@ class RestartAction(Action):
             return f"its ranks here do not say how many nodes their step spans ({STEP_NODES_VAR})"
         gone = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | {node}
         allocation = expand(job.node_list) if job.node_list else []
+        if node not in allocation:  # --exclude of a name srun does not know would fail the step, or leave nothing
+            return f"this node ({node}) is not in its allocation ({job.node_list or 'unknown'})"
         usable = [n for n in allocation if n not in gone]
         if len(usable) < max(sizes):
             return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
@@ -249,6 +281,20 @@ class RestartAction(Action):
         requeue = RequeueAction(self.name, RequeueSettings(timeout=max(s.timeout, wait + 1), wait_exit=wait))
         done = requeue.run(dataclasses.replace(ctx, jobs=(job,)))
         return f"{job.label()}: {why}: requeue instead: SIG{s.signal} to every step, {done}"
+
+    @staticmethod
+    def _relaunched(ctx: ActionContext, job_id: str, old: set[str]) -> bool:
+        """Whether the loop started a new srun step (one the controller lists besides `old`) within RELAUNCH_WAIT."""
+        until = time.monotonic() + RELAUNCH_WAIT
+        while True:
+            try:
+                if set(ctx.slurm.steps(job_id)) - old:
+                    return True
+            except SlurmError:
+                pass  # the controller busy for a moment: look again until the wait is over
+            if time.monotonic() >= until:
+                return False
+            time.sleep(POLL_CONTROLLER)
 
     @staticmethod
     def _running(ctx: ActionContext, job_id: str, steps: set[str]) -> set[str]:

@@ -109,12 +109,13 @@ def render(families: Iterable[Family]) -> bytes:
         lines.append(f"# HELP {m.name} {_escape(m.help)}")
         lines.append(f"# TYPE {m.name} {'counter' if m.counter else 'gauge'}")
         order = sorted(range(len(m.labels)), key=m.labels.__getitem__)  # labels by name: one text for one state
+        shown: set[str] = set()
         for key, value in fam.samples:
-            if key:
-                labels = ",".join(f'{m.labels[i]}="{_label(key[i])}"' for i in order)
-                lines.append(f"{m.name}{{{labels}}} {_value(value)}")
-            else:
-                lines.append(f"{m.name} {_value(value)}")
+            labels = "{" + ",".join(f'{m.labels[i]}="{_label(key[i])}"' for i in order) + "}" if key else ""
+            if labels in shown:  # two values that escape alike (a path's undecodable byte, its escape typed out)
+                continue
+            shown.add(labels)
+            lines.append(f"{m.name}{labels} {_value(value)}")
     lines.append("")
     return "\n".join(lines).encode()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
 from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.settings import Duration, SettingsModel
@@ -60,6 +60,9 @@ class PartialView(list[Result]):
         self.reason = reason
 
 
+MIN_INTERVAL = 0.01  # seconds: the shortest interval a check may have (the schedule refuses less too)
+
+
 class CheckSettings(SettingsModel):
     """Settings every check has: its schedule, its time budget and its incident policy."""
 
@@ -74,6 +77,14 @@ class CheckSettings(SettingsModel):
     alert_on_unknown: bool = Field(True, description="Whether UNKNOWN (check broken, mount hung) opens incidents.")
     actions: ActionBinding = Field(default_factory=ActionBinding,
                                    description="Named actions run when an incident fires or escalates.")
+
+    @field_validator("interval", check_fields=False)
+    @classmethod
+    def _not_a_spin(cls, value: float) -> float:
+        # every check type's interval, also where a type declares its own default
+        if value < MIN_INTERVAL:
+            raise ValueError(f"at least {MIN_INTERVAL:g}s: a shorter interval would keep a core busy")
+        return value
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,11 @@ class SlurmClient:
             return step in self.steps(job_id)
         return True
 
+    def step_sruns(self, job_id: str) -> dict[str, tuple[str, int]]:
+        """Which srun launched each of the job's steps: step -> (host, pid), from the controller (one
+        REQUEST_JOB_STEP_INFO for this job)."""
+        return parse_step_sruns(self.run("scontrol", "show", "step", job_id, "--oneliner"), job_id)
+
     def steps(self, job_id: str) -> list[str]:
         """The ids of the job's srun steps still known to the controller, on any node (`squeue --steps`, one
         REQUEST_JOB_STEP_INFO for this job)."""
@@ -208,16 +213,33 @@ def parse_listpids_steps(out: str) -> dict[str, dict[str, list[int]]]:
     return jobs
 
 
+def _numbered_step(step_id: str, job_id: str) -> str | None:
+    """The step number of `JOB.STEP` (an array task's `ARRAY_TASK.STEP`) of the job asked for by id; None for
+    `batch`, `extern` and anything else."""
+    job, _, step = step_id.strip().rpartition(".")
+    array, _, task = job.partition("_")
+    return step if _small_id(step) and (job == job_id or (_small_id(array) and _small_id(task))) else None
+
+
 def parse_steps(out: str, job_id: str) -> list[str]:
     """`squeue --steps --jobs=ID --noheader --format=%i` (`1.0`, `1.batch`; an array task's as `ARRAY_TASK.STEP`,
     `7_2.0`): the job's numbered step ids. The output holds this job's steps alone (asked by id)."""
-    steps = []
+    return [step for step in (_numbered_step(line, job_id) for line in out.splitlines()) if step is not None]
+
+
+def parse_step_sruns(out: str, job_id: str) -> dict[str, tuple[str, int]]:
+    """`scontrol show step ID --oneliner`: numbered step -> (host, pid) of the srun that launched it
+    (`SrunHost:Pid=vm:26715`). The step's name, the job user's text, comes before that field on its line: the last
+    occurrence is SLURM's."""
+    sruns: dict[str, tuple[str, int]] = {}
     for line in out.splitlines():
-        job, _, step = line.strip().rpartition(".")
-        array, _, task = job.partition("_")
-        if _small_id(step) and (job == job_id or (_small_id(array) and _small_id(task))):
-            steps.append(step)
-    return steps
+        if not line.startswith("StepId="):
+            continue
+        step = _numbered_step(line[len("StepId="):].split(" ", 1)[0], job_id)
+        host, _, pid = line.rpartition("SrunHost:Pid=")[2].split(" ", 1)[0].rpartition(":")
+        if step is not None and host and _small_id(pid):
+            sruns[step] = (host, int(pid))
+    return sruns
 
 
 # squeue --Format: every field but the last ends with "|" and is printed whole; the name is last and whole (`:0`).

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from trainguard.checks.base import MIN_INTERVAL
 from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.schedule")
@@ -35,8 +36,9 @@ class Schedule:
                  tick: Callable[[], None]) -> None:
         """`intervals`: check name -> (interval, jitter) in seconds; `run(name)` runs one check and never raises."""
         for name, (interval, jitter) in intervals.items():
-            if not interval > 0 or jitter < 0:
-                raise ValueError(f"check {name}: interval must be > 0 and jitter >= 0 (got {interval}, {jitter})")
+            if not (MIN_INTERVAL <= interval < math.inf and 0 <= jitter < math.inf):
+                raise ValueError(f"check {name}: interval must be at least {MIN_INTERVAL}s and jitter 0 or more, both "
+                                 f"finite (got {interval}, {jitter})")
         self._intervals = dict(intervals)
         self._run = run
         self._tick = tick
@@ -74,9 +76,9 @@ class Schedule:
         stops the ticks, which is what /healthz and the systemd watchdog see."""
         while True:
             self._tick_due.wait()
+            self._tick_due.clear()  # before the check: a stop() in between is seen, never cleared away
             if self._stopped.is_set():
                 return
-            self._tick_due.clear()
             try:
                 self._tick()
             except Exception:  # the tick is the liveness signal: its thread must outlive a failure
@@ -102,17 +104,15 @@ class Schedule:
 
     def _runs(self, name: str) -> None:
         again = True
-        try:
-            while again:
+        while again:
+            try:
                 self._run(name)
-                with self._lock:
-                    again = name in self._again and not self._stopped.is_set()
-                    self._again.discard(name)
-                    if not again:
-                        self._busy.discard(name)
-        finally:
-            if again:  # a run that raised after all: the check is not left busy for good
-                with self._lock:
+            except Exception:  # `run` never raises by contract; if it does, the check's next runs still come
+                log.exception("check run failed", extra=kv(check=name))
+            with self._lock:
+                again = name in self._again and not self._stopped.is_set()
+                self._again.discard(name)
+                if not again:
                     self._busy.discard(name)
 
     def trigger(self, name: str) -> None:
