@@ -185,7 +185,7 @@ def node_rows(args: argparse.Namespace, trees: dict[str, Path], tmp: Path) -> li
                 config = agent_config(tmp / f"{label}-{size}-{jobs_here}", cluster.node)
                 with agents(tree, [config], env) as procs:
                     run = measure(procs, args.seconds, args.warmup)
-                rows.append(f"| {size:,} | {jobs_here} | {label} | {run.cpu_share * 100:.2f}% | {run.rss_mb:.0f} MB "
+                rows.append(f"| {size:,} | {jobs_here} | {label} | {run.cpu_share * 100:.2f}% | {run.rss_mb:.0f} MiB "
                             f"| {run.job_info_per_min:.1f} |")
                 print(rows[-1], flush=True)
     finally:
