@@ -514,3 +514,12 @@ def test_which_srun_launched_each_step_as_captured() -> None:
     assert parse_step_sruns("StepId=1.2 Name=x SrunHost:Pid=evil:1 Dist=Cyclic SrunHost:Pid=vm:77\n", "1") == \
         {"2": ("vm", 77)}
     assert parse_step_sruns("StepId=2.0 SrunHost:Pid=vm:5\nStepId=1.batch SrunHost:Pid=(null):0\n", "1") == {}
+
+
+def test_leave_node_on_a_node_the_job_runs_nothing_on_leaves_the_job_alone(tmp_path: Path) -> None:
+    """The spare itself lost its GPU: no step of the job runs there, so no restart and no requeue (the drain bound
+    before it keeps new jobs off the node)."""
+    job = replace(_job(tmp_path), node_list="n[1-4]")
+    slurm = StubSlurm({}, ["0"])
+    assert _run(slurm, job, leave_node=True) == "job 5 (t): none of its steps runs on n1: nothing to restart"
+    assert slurm.calls == [] and not (tmp_path / "sw").exists()

@@ -165,6 +165,10 @@ class RestartAction(Action):
                 looped, ranks = self._launched_here(job_id, ctx, procfs)
             except SlurmError as exc:
                 raise ActionError(f"restart {job_id}: {exc}") from None
+        if not looped and not here and s.leave_node:
+            # A node the job holds but runs nothing on (the spare itself lost its GPU): the job goes on untouched; a
+            # requeue would cost it its progress for nothing. The drain keeps other jobs off the node.
+            return f"{job.label()}: none of its steps runs on {ctx.slurmd or ctx.node}: nothing to restart"
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
