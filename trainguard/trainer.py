@@ -365,7 +365,12 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
             return status
 
 
-_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # one host name: no hostlist syntax, no option
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def _host_name(text: str) -> bool:
+    """One host name (no hostlist syntax, no option): 1-64 of letters, digits, `.`, `_`, `-`, a letter or digit first."""
+    return 0 < len(text) <= 64 and text[0] not in "._-" and set(text) <= _HOST_CHARS
 
 
 def _request(path: Path) -> tuple[str, str]:
@@ -378,7 +383,7 @@ def _request(path: Path) -> tuple[str, str]:
         leave = data.get("leave")
     except (OSError, ValueError, AttributeError):
         return "no reason given", ""
-    return reason, leave if isinstance(leave, str) and _NODE_NAME.fullmatch(leave) else ""
+    return reason, leave if isinstance(leave, str) and _host_name(leave) else ""
 
 
 def _can_exclude(command: list[str]) -> bool:

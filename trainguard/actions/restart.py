@@ -108,7 +108,7 @@ class RestartAction(Action):
         self._done: dict[str, float] = {}
 
     def plan(self, ctx: ActionContext) -> str:
-        without = f" without {ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
+        without = f" without {ctx.slurmd or ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
         return (f"restart in place{without} {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a "
                 f"restart request in its switch dir, SIG{self.settings.signal} to its steps under the relaunch loop, those "
                 f"still running after {self.settings.wait_exit:g}s cancelled; without the loop: "
@@ -183,7 +183,7 @@ class RestartAction(Action):
             no_spare = self._no_spare(job, here_node, ranks)
             if no_spare:
                 return self._fallback(job, ctx, f"not restarted without {here_node}: {no_spare}", deadline)
-            leave = {"leave": ctx.slurmd or ctx.node}
+            leave = {"leave": here_node}
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
