@@ -326,12 +326,12 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     seen = watcher.restart_request()
     restarts = 0
     env = {**os.environ, "TRAINGUARD_MAX_RESTARTS": str(max_restarts)}  # the agent requeues a loop out of restarts
+    env.pop("TRAINGUARD_LEFT", None)  # inherited (a job submitted from a rank): the agent must not trust it
     left: list[str] = []  # nodes a request asked the job to leave, in order
     can_leave = _can_exclude(command)
     while True:
         argv = [command[0], f"--exclude={','.join(left)}", *command[1:]] if left else command
         run_env = {**env, "TRAINGUARD_RESTARTS": str(restarts)}
-        run_env.pop("TRAINGUARD_LEFT", None)  # inherited (a job submitted from a rank): the agent must not trust it
         if can_leave:
             run_env["TRAINGUARD_LEFT"] = ",".join(left)
         try:
@@ -386,6 +386,9 @@ def _request(path: Path) -> tuple[str, str]:
     return reason, leave if isinstance(leave, str) and _host_name(leave) else ""
 
 
+_NODE_OPTIONS = ("exclude", "nodelist", "nodefile")  # srun's long options that name nodes (getopt takes prefixes)
+
+
 def _can_exclude(command: list[str]) -> bool:
     """The loop leaves a node by adding `--exclude=` to srun's options: only when it runs srun itself and the command
     names no nodes of its own: an exclusion (two would not merge, the last one wins) or a node list or file (the step
@@ -401,9 +404,6 @@ def _can_exclude(command: list[str]) -> bool:
         elif arg.startswith("-") and any(letter in arg[1:] for letter in "xwF"):
             return False
     return True
-
-
-_NODE_OPTIONS = ("exclude", "nodelist", "nodefile")  # srun's long options that name nodes (getopt takes prefixes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,7 @@ class RestartAction(Action):
         self._done: dict[str, float] = {}
 
     def plan(self, ctx: ActionContext) -> str:
-        without = f" without {ctx.slurmd or ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
+        without = f" without {ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
         return (f"restart in place{without} {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a "
                 f"restart request in its switch dir, SIG{self.settings.signal} to its steps under the relaunch loop, those "
                 f"still running after {self.settings.wait_exit:g}s cancelled; without the loop: "
@@ -168,7 +168,7 @@ class RestartAction(Action):
         if not looped and not here and s.leave_node:
             # A node the job holds but runs nothing on (the spare itself lost its GPU): the job goes on untouched; a
             # requeue would cost it its progress for nothing. The drain keeps other jobs off the node.
-            return f"{job.label()}: none of its steps runs on {ctx.slurmd or ctx.node}: nothing to restart"
+            return f"{job.label()}: none of its steps runs on {ctx.node}: nothing to restart"
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
@@ -179,11 +179,10 @@ class RestartAction(Action):
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
         leave: dict[str, str] = {}
         if s.leave_node:
-            here_node = ctx.slurmd or ctx.node  # the SLURM name, where a host runs several slurmd
-            no_spare = self._no_spare(job, here_node, ranks)
+            no_spare = self._no_spare(job, ctx.node, ranks)  # ctx.node: this node's SLURM name (jobs.slurm_node)
             if no_spare:
-                return self._fallback(job, ctx, f"not restarted without {here_node}: {no_spare}", deadline)
-            leave = {"leave": here_node}
+                return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
+            leave = {"leave": ctx.node}
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
