@@ -2,7 +2,13 @@
 
 A listing uses the node's shared process snapshot (parents, start times) and reads the command line of a process
 only when it is new: the first listing reads them all, later ones only those of processes started since (and, for a
-few seconds after its start, a process's again: a fork's child takes its own command line only when it execs)."""
+few seconds after its start, a process's again: a fork's child takes its own command line only when it execs).
+
+While the node's pids and the pidfiles' contents stay the same, no process is young enough to exec, and no check
+read a newer snapshot, the last listing is the answer (for `REUSE_MAX_S` at most): the stop switch asks for the jobs
+every 2 s, and reading every process's stat file for it was most of an idle agent's CPU. A pid that exited and was
+taken by a new process between two listings (a node that forks through its whole pid range in seconds) is seen at
+the next full listing; a stale ProcessRef signals nothing (its start time no longer matches)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import os
 import pwd
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -23,6 +30,17 @@ from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessSnapshots, ProcessTable
 
 EXEC_WINDOW_S = 5.0  # a process this young may still exec: its command line is read again
+REUSE_MAX_S = 30.0  # a listing is reused this long at most while nothing above says it changed
+
+
+@dataclass(frozen=True)
+class _Listing:
+    jobs: tuple[Job, ...]
+    pids: frozenset[int]  # of the table it was made from
+    ids: tuple[tuple[int | None, ...], tuple[int | None, ...]]  # each job's user's uid, what each pidfile held
+    taken: float  # the table's time (monotonic)
+    until: float  # wall clock: reusable until then ...
+    young_until: float  # ... and only from then on (no process may still exec)
 
 
 def _read_pid(pidfile: Path, identity: Identity) -> int | None:
@@ -43,23 +61,28 @@ class ProcessSource:
         self.identities = Identities()
         self.processes = processes or ProcessSnapshots()
         self._cmdlines: dict[tuple[int, float], str] = {}  # (pid, start time) -> command line, for live processes
+        self._patterns = {name: linear(spec.cmdline) for name, spec in self.declared.items() if spec.cmdline is not None}
+        self._matches: dict[str, tuple[str, ...]] = {}  # command line -> the jobs whose regex finds it, for live ones
+        self._last: _Listing | None = None
 
-    def _find(self, spec: ProcessJobSettings, uid: int | None, table: ProcessTable,
-              cmdlines: dict[int, str]) -> list[int]:
+    def _pidfile_pid(self, spec: ProcessJobSettings, uid: int | None) -> int | None:
+        return _read_pid(spec.pidfile, self.identities.of(uid)) if spec.pidfile is not None and uid is not None \
+            else None
+
+    def _find(self, spec: ProcessJobSettings, uid: int | None, table: ProcessTable, matching: list[int],
+              pidfile_pid: int | None) -> list[int]:
         me = os.getpid()
         if uid is None:  # the configured user does not exist (yet): nothing of theirs runs
             return []
         if spec.pidfile is not None:
-            pid = _read_pid(spec.pidfile, self.identities.of(uid))
+            pid = pidfile_pid
             if pid is None or pid in (0, 1, me) or not psutil.pid_exists(pid):
                 return []
             pids = [pid]
         else:
-            assert spec.cmdline is not None
-            pattern = linear(spec.cmdline)
-            pids = [pid for pid, cmd in cmdlines.items() if pid not in (1, me) and pattern.search(cmd)]
+            pids = [pid for pid in matching if pid not in (1, me)]
         # Only the configured user's processes: a pid another user wrote into a pidfile is not theirs to signal.
-        pids = [pid for pid in pids if _uid(pid) == uid]
+        pids = [pid for pid in pids if self.processes.proc.real_uid(pid) == uid]
         chosen = set(pids)
         # A launcher and its workers may all match: the job's main processes are the topmost ones.
         return [pid for pid in pids if (info := table.procs.get(pid)) is None or info.ppid not in chosen]
@@ -81,20 +104,47 @@ class ProcessSource:
         self._cmdlines = cache  # only live processes: bounded by the node's process count
         return out
 
+    def _matching(self, cmdlines: dict[int, str]) -> dict[str, list[int]]:
+        """Job name -> the pids whose command line its regex finds. A command line is searched when first seen: the
+        node's processes hardly change between listings, and the searches were most of a listing's cost."""
+        memo: dict[str, tuple[str, ...]] = {}
+        found: dict[str, list[int]] = {name: [] for name in self._patterns}
+        for pid, cmd in cmdlines.items():
+            names = memo.get(cmd)
+            if names is None:
+                names = self._matches.get(cmd)
+                if names is None:
+                    names = tuple(name for name, pattern in self._patterns.items() if pattern.search(cmd))
+                memo[cmd] = names
+            for name in names:
+                found[name].append(pid)
+        self._matches = memo  # only live command lines: bounded as the cache of command lines is
+        return found
+
     def jobs(self) -> Sequence[Job]:
+        uids = {name: _uid_of(spec.user) for name, spec in self.declared.items()}
+        pidfiles = tuple(self._pidfile_pid(spec, uids[name]) for name, spec in self.declared.items())
+        last, now = self._last, time.time()
+        ids = (tuple(uids.values()), pidfiles)
+        if last is not None and last.young_until <= now < last.until and last.ids == ids:
+            shared = self.processes.peek()
+            if (shared is None or shared.taken <= last.taken) and frozenset(self.processes.proc.pids()) == last.pids:
+                return last.jobs
         jobs = []
         table = self.processes.get()
-        cmdlines = self._command_lines(table, self.processes.proc) if any(
-            spec.pidfile is None for spec in self.declared.values()) else {}
-        for name, spec in self.declared.items():
-            uid = _uid_of(spec.user)
-            roots = self._find(spec, uid, table, cmdlines)
+        matching = self._matching(self._command_lines(table, self.processes.proc)) if self._patterns else {}
+        for (name, spec), pidfile_pid in zip(self.declared.items(), pidfiles, strict=True):
+            uid = uids[name]
+            roots = self._find(spec, uid, table, matching.get(name, []), pidfile_pid)
             refs = tuple(r for r in (_ref(pid, table) for pid in roots) if r)
             user = spec.user
             start = min((r.create_time for r in refs), default=None)
             jobs.append(Job(key=f"process:{name}", source="process", name=name, state="RUNNING" if refs else "ABSENT",
                             job_id=spec.job_id or None, user=user, uid=uid, start_time=start, on_this_node=True, processes=refs,
                             log_paths=tuple(spec.logs), switch_dir=spec.switch_dir))
+        youngest = max((info.create_time for info in table.procs.values()), default=0.0)
+        self._last = _Listing(tuple(jobs), frozenset(table.procs), ids, table.taken, now + REUSE_MAX_S,
+                              youngest + EXEC_WINDOW_S)
         return jobs
 
 
@@ -107,11 +157,4 @@ def _uid_of(user: str) -> int | None:
     try:
         return pwd.getpwnam(user).pw_uid
     except KeyError:
-        return None
-
-
-def _uid(pid: int) -> int | None:
-    try:
-        return psutil.Process(pid).uids().real
-    except psutil.Error:
         return None

@@ -181,6 +181,8 @@ class KmsgFollower:
         # follower ends: until then, what was delivered is only part of the log.
         self.caught_up = threading.Event()
         self._stop = threading.Event()
+        self._wake_lock = threading.Lock()
+        self._wake: tuple[int, int] | None = None  # a pipe stop() writes to: the follower sleeps until a record or that
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[str] | None = None
         self._journal_cursor: str | None = None
@@ -193,6 +195,9 @@ class KmsgFollower:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        with self._wake_lock:
+            if self._wake is not None:
+                os.write(self._wake[1], b"x")
         if self._proc is not None and self._proc.poll() is None:
             try:
                 os.killpg(self._proc.pid, signal.SIGTERM)  # its own session: children holding the pipe go too
@@ -251,8 +256,21 @@ class KmsgFollower:
         self.last_seq = skip_through
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        with self._wake_lock:
+            self._wake = os.pipe()
+            poller.register(self._wake[0], select.POLLIN)
+        try:
+            self._poll_kmsg(fd, poller, skip_through)
+        finally:
+            with self._wake_lock:
+                for end in self._wake:
+                    os.close(end)
+                self._wake = None
+
+    def _poll_kmsg(self, fd: int, poller: select.poll, skip_through: int) -> None:
         while not self._stop.is_set():
-            if not poller.poll(500):  # wakes at once on a new record; the timeout only serves stop()
+            # Asleep until a record or stop(); a timeout only while lost records wait to be logged.
+            if not poller.poll(500 if self._lost_unlogged else None):
                 self._log_lost()
                 continue
             while not self._stop.is_set():

@@ -19,8 +19,11 @@ class ProcFS:
         return self.root.joinpath(*(str(p) for p in parts))
 
     def read_text(self, *parts: str | int) -> str | None:
+        # One unbuffered read and a decode: the /proc walks read thousands of these a minute, and pathlib's text
+        # layer cost more than the kernel's part.
         try:
-            return self.path(*parts).read_text(encoding="utf-8", errors="replace")
+            with open(os.path.join(self.root, *(str(p) for p in parts)), "rb", buffering=0) as f:
+                return f.read().decode("utf-8", errors="replace")
         except OSError:
             return None
 
@@ -73,6 +76,14 @@ class ProcFS:
         if gid is not None and gid.isdigit() and int(gid) in (os.getegid(), *os.getgroups()):
             return None
         return f"{self.root} is mounted hidepid={hidepid} and this process lacks CAP_SYS_PTRACE"
+
+    def real_uid(self, pid: int) -> int | None:
+        """A process's real uid (the first figure of the `Uid:` line of its status); None when it is gone."""
+        for line in (self.read_text(pid, "status") or "").splitlines():
+            if line.startswith("Uid:"):
+                fields = line.split()
+                return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+        return None
 
     def wchan(self, pid: int) -> str | None:
         """The kernel function a process sleeps in; None when running or hidden from us ("0")."""

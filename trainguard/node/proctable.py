@@ -107,6 +107,11 @@ class ProcessSnapshots:
         self._lock = threading.Lock()
         self._table: ProcessTable | None = None
 
+    def peek(self) -> ProcessTable | None:
+        """The table as it is, however old, without reading /proc."""
+        with self._lock:
+            return self._table
+
     def get(self, max_age: float | None = None) -> ProcessTable:
         limit = self.max_age if max_age is None else max_age
         with self._lock:

@@ -34,6 +34,11 @@ from trainguard.registry import DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.engine")
 
+# The tick comes each second (liveness); the queue lengths and the agent's own usage it also reads are shown on a
+# 15 s scrape: read every few ticks, not each.
+USAGE_EVERY_S = 5.0
+
+
 class OperatorError(Exception):
     """An operator command that can't be done as asked; the message says why."""
 
@@ -126,6 +131,7 @@ class Engine:
         self._last_tick = time.monotonic()
         self._outbox: dict[str, tuple[int, float | None]] = {}
         self._agent: dict[str, float] = {}
+        self._usage_at: float | None = None  # when the tick last read them
         self._schedule: Schedule | None = None
         self._run_locks = {name: threading.Lock() for name in self.checks}
 
@@ -316,16 +322,18 @@ class Engine:
 
     def tick(self) -> None:
         """Liveness of the scheduler itself, plus the slow-changing parts of the snapshot."""
-        self._last_tick = time.monotonic()
-        try:
-            outbox = self.store.outbox_stats()
-        except Exception as exc:  # noqa: BLE001 - the tick is the liveness signal: it must not die
-            log.warning("reading outbox stats failed", extra=kv(error=exc))
-            outbox = self._outbox
-        agent = own_usage()
-        with self._lock:
-            self._outbox = outbox
-            self._agent = agent
+        self._last_tick = now = time.monotonic()
+        if self._usage_at is None or now - self._usage_at >= USAGE_EVERY_S:
+            self._usage_at = now
+            try:
+                outbox = self.store.outbox_stats()
+            except Exception as exc:  # noqa: BLE001 - the tick is the liveness signal: it must not die
+                log.warning("reading outbox stats failed", extra=kv(error=exc))
+                outbox = self._outbox
+            agent = own_usage()
+            with self._lock:
+                self._outbox = outbox
+                self._agent = agent
         try:
             self._emit(self.tracker.expire_silences(self.dispatcher.route))
         except Exception as exc:  # noqa: BLE001 - the tick is the liveness signal: it must not die
