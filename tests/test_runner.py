@@ -76,6 +76,31 @@ def test_timeout_then_skip_until_the_blocked_run_returns() -> None:
     assert check.calls == 2
 
 
+class Where(Check):
+    """Notes the thread each run happens on."""
+
+    def __init__(self) -> None:
+        super().__init__("where", CheckSettings(), CTX)
+        self.threads: list[threading.Thread] = []
+
+    def run(self) -> Sequence[Result]:
+        self.threads.append(threading.current_thread())
+        return [self.result("x", Status.OK, "fine")]
+
+
+def test_runs_share_the_checks_thread_until_close() -> None:
+    """A thread per run cost more CPU than a check every 2 s does; the check's thread is kept between its runs."""
+    check = Where()
+    runner = CheckRunner(check)
+    for _ in range(5):
+        assert runner.run_once().outcome == "ok"
+    assert len(set(check.threads)) == 1 and check.threads[0].name == "check-where"
+    assert check.threads[0] is not threading.current_thread()
+    runner.close()
+    check.threads[0].join(5)
+    assert not check.threads[0].is_alive()
+
+
 def test_stop_event_cuts_the_wait_short() -> None:
     check = Blocking(timeout=30)
     stop = threading.Event()

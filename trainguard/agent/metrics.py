@@ -96,6 +96,8 @@ def _escape(text: str) -> str:
 def _label(v: str) -> str:
     # Label values come from jobs and file systems (subjects, job names): escaped, so no value can end the line. A
     # path whose bytes are not UTF-8 (os.fsdecode's surrogates) is shown as its escapes, never an error.
+    if v.isascii() and "\\" not in v and "\n" not in v and '"' not in v:
+        return v  # most values (check names, subjects): nothing to escape, and a scrape renders thousands
     if not v.isascii():
         v = v.encode("utf-8", "backslashreplace").decode()
     return _escape(v).replace('"', '\\"')

@@ -383,6 +383,8 @@ class Engine:
         self.stop_event.set()
         if self._schedule is not None:
             self._schedule.stop()
+        for runner in self.runners.values():
+            runner.close()
         for check in self.checks.values():
             try:
                 check.stop()

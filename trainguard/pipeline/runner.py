@@ -1,7 +1,7 @@
 """Runs one check with a time budget and turns every failure into data.
 
-A run happens in a daemon thread: a check blocked forever inside the kernel (statvfs on a dead
-NFS mount) costs one parked thread, never the scheduler, the HTTP endpoint or shutdown. While
+A run happens on the check's own daemon thread (a Worker, kept between runs): a check blocked forever inside the
+kernel (statvfs on a dead NFS mount) costs that parked thread, never the scheduler, the HTTP endpoint or shutdown. While
 that thread is still blocked, further runs of the check are skipped and reported as such. A check whose hardware is
 absent raises CheckIdle: the run is `idle` (no result, so no incident), logged once when the check turns idle.
 """
@@ -18,6 +18,7 @@ from trainguard.checks.base import Check, CheckIdle, PartialView
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
 from trainguard.core.units import format_duration
+from trainguard.core.worker import Worker
 
 log = logging.getLogger("trainguard.runner")
 
@@ -55,6 +56,11 @@ class CheckRunner:
         self._lock = threading.Lock()
         self._stuck: tuple[_Attempt, float] | None = None
         self._idle: str | None = None  # the reason while idle: logged on the change, not every run
+        self._worker = Worker(f"check-{check.name}")  # runs the check; a blocked run holds it (skipped meanwhile)
+
+    def close(self) -> None:
+        """The check's thread ends once its run is done (the agent is stopping)."""
+        self._worker.close()
 
     def _failure(self, started: float, duration: float, outcome: str, summary: str) -> RunReport:
         result = Result(self.check.name, self.check.name, Status.UNKNOWN, summary, {"outcome": outcome})
@@ -74,9 +80,8 @@ class CheckRunner:
                                                                blocked_s=round(started - since, 1)))
                 self._stuck = None
             attempt = _Attempt()
-        worker = threading.Thread(target=self._execute, args=(attempt,), name=f"check-{self.check.name}", daemon=True)
         t0 = time.monotonic()
-        worker.start()
+        self._worker.submit(lambda: self._execute(attempt))
         deadline = t0 + timeout
         # Wait in slices so shutdown never waits out a long check timeout.
         while not attempt.done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):

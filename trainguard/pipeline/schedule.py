@@ -3,8 +3,9 @@ run delayed by up to `jitter`), one run of a check at a time (a run still going 
 runs missed during a stall are one run, not a burst), a one-second tick that proves the scheduler itself still makes
 progress, and triggered runs for event-driven checks.
 
-One thread keeps the schedule (`schedule`); each run gets a daemon thread of its own, so a check stuck in the kernel
-(a dead NFS mount) holds one thread and never the others or the agent's exit. The clock is monotonic: a wall clock
+One thread keeps the schedule (`schedule`); each check's runs go to a daemon thread of its own (`run-NAME`, kept
+between runs), so a check stuck in the kernel (a dead NFS mount) holds its threads and never the others or the
+agent's exit. The clock is monotonic: a wall clock
 stepped by NTP neither fires every check at once nor stops them."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping
 
 from trainguard.checks.base import MIN_INTERVAL
 from trainguard.core.logs import kv
+from trainguard.core.worker import Worker
 
 log = logging.getLogger("trainguard.schedule")
 
@@ -45,6 +47,7 @@ class Schedule:
         self._lock = threading.Lock()
         self._busy: set[str] = set()  # checks with a run going (scheduled or triggered)
         self._again: set[str] = set()  # ... and triggered again meanwhile
+        self._workers: dict[str, Worker] = {}  # a thread per check, kept between its runs
         self._stopped = threading.Event()
         self._tick_due = threading.Event()
 
@@ -96,7 +99,9 @@ class Schedule:
                 return
             self._busy.add(name)
         try:
-            threading.Thread(target=self._runs, args=(name,), name=f"check-{name}", daemon=True).start()
+            with self._lock:
+                worker = self._workers.get(name) or self._workers.setdefault(name, Worker(f"run-{name}"))
+            worker.submit(lambda: self._runs(name))
         except RuntimeError as exc:  # no thread to be had (a pids limit): this run is lost, the next one is tried
             with self._lock:
                 self._busy.discard(name)
@@ -123,3 +128,6 @@ class Schedule:
     def stop(self) -> None:
         self._stopped.set()
         self._tick_due.set()
+        with self._lock:
+            for worker in self._workers.values():
+                worker.close()

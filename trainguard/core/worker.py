@@ -1,0 +1,68 @@
+"""Worker: a daemon thread that runs the calls handed to it one at a time, kept between calls and ended when idle.
+
+Each check run used to start two threads (the schedule's and the runner's), about 0.2 ms of CPU per run: a check
+every 2 s paid more for its threads than for its work. A worker is started on the first call, waits for the next
+one, and ends after `keep` seconds without a call or at `close()`. A
+call that blocks forever (a dead NFS mount) holds its worker, as it held its thread: the caller sees the call not
+done and does not hand that worker another (the runner skips runs while one is blocked).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from trainguard.core.logs import kv
+
+log = logging.getLogger("trainguard.worker")
+
+# Longer than the intervals of the frequent checks (job_switch 2 s, job_timelimit 10 s, training_log 15 s), which
+# are most runs; a check every minute starts a thread per run, as all did before, and a stopped engine's threads
+# (tests make hundreds) are gone within seconds even where nobody calls close().
+KEEP_S = 20.0
+
+
+class Worker:
+    def __init__(self, name: str, keep: float = KEEP_S) -> None:
+        self.name = name
+        self.keep = keep
+        self._cond = threading.Condition()
+        self._calls: deque[Callable[[], None]] = deque()
+        self._running = False  # a thread is there to take the calls
+        self._closed = False
+
+    def submit(self, call: Callable[[], None]) -> None:
+        """Run `call` on the worker thread (started if none is there). Raises RuntimeError when no thread can be
+        started (a pids limit), as Thread.start does; the call is then not queued."""
+        with self._cond:
+            if self._running:
+                self._calls.append(call)
+                self._cond.notify()
+                return
+            thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            thread.start()  # raises before anything changed
+            self._running = True
+            self._calls.append(call)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """End the thread once the calls handed over are done (a blocked one keeps it, as before)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._calls:
+                    # wait() returns False on the timeout; a call handed over meanwhile is still taken
+                    if self._closed or (not self._cond.wait(self.keep) and not self._calls):
+                        self._running = False
+                        return
+                call = self._calls.popleft()
+            try:
+                call()
+            except Exception:  # callers catch their own failures; the worker must outlive one that does not
+                log.exception("worker call failed", extra=kv(worker=self.name))
