@@ -97,15 +97,16 @@ def main() -> int:
         if args.ckpt_every and step % args.ckpt_every == 0:
             save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
             saved_step = step
-        if trainer.should_stop():
-            if saved_step < step:  # a checkpoint of this very step was just written: not twice
-                save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
+        # Save asked, then stop asked, read in that order: a SIGUSR1 landing between the two reads is still one
+        # checkpoint (read the other way, it saved this step for "save" and the next one for "stop").
+        save, stop = trainer.should_save(), trainer.should_stop()
+        if (save or stop) and saved_step < step:  # a checkpoint of this very step was just written: not twice
+            save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
+            saved_step = step
+        if stop:
             print(f"stop requested ({trainer.last_signal or 'switch'}): exiting cleanly at step {step}", flush=True)
             return 0
-        if trainer.should_save():
-            if saved_step < step:
-                save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
-                saved_step = step
+        if save:
             trainer.saved()
     if saved_step < args.steps - 1:
         save_checkpoint(args.ckpt_dir, args.steps - 1, loss, args.save_time)

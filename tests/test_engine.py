@@ -297,3 +297,29 @@ def test_a_run_triggered_during_the_first_round_is_ingested_after_it(tmp_path: P
     assert last is not None and [r.summary for r in last.results] == ["run 2"]
     assert {i.subject for i in engine.tracker.incidents()} == {"seen-by-run-2"}
     engine.stop()
+
+
+def test_the_endpoint_sleeps_between_requests_and_stops_once(tmp_path: Path) -> None:
+    """The server thread waits on its socket and a pipe, not on a poll timeout: idle it uses no CPU; stop() ends it at
+    once, and a second stop() touches no descriptor (the pipe's numbers may belong to another file by then)."""
+    engine = make_engine(tmp_path, {"memory": {}})
+    endpoint = HttpEndpoint(engine, "127.0.0.1", 0)
+    endpoint.start()
+    url = f"http://127.0.0.1:{endpoint.address[1]}"
+    try:
+        assert requests.get(url + "/healthz", timeout=5).status_code in (200, 503)
+        status = Path(f"/proc/self/task/{endpoint._thread.native_id}/status")
+
+        def switches() -> int:
+            return int(next(line.split()[1] for line in status.read_text().splitlines()
+                            if line.startswith("voluntary_ctxt_switches:")))
+
+        before = switches()
+        time.sleep(1.5)
+        assert switches() == before  # never woke in 1.5 s idle (with a 0.2 s poll it woke 7 times)
+    finally:
+        started = time.monotonic()
+        endpoint.stop()
+        assert time.monotonic() - started < 1.0 and not endpoint._thread.is_alive()
+        endpoint.stop()
+        engine.stop()

@@ -88,7 +88,7 @@ def user() -> str:
 
 
 def pids(src: ProcessSource) -> dict[str, list[int]]:
-    return {j.name: [p.pid for p in j.processes] for j in src.jobs()}
+    return {j.name: sorted(p.pid for p in j.processes) for j in src.jobs()}
 
 
 def test_a_quiet_node_is_listed_once_then_the_listing_is_reused(node: Node) -> None:

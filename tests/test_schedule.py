@@ -96,12 +96,13 @@ def test_a_flood_of_triggers_is_at_most_one_waiting_run_per_check() -> None:
         runs.append(name)
 
     schedule = Schedule({"kmsg": (3600.0, 0.0)}, run, lambda: None)
+    before = threading.active_count()  # earlier tests' idle check threads may still be ending
     schedule.start()
     try:
         for _ in range(1000):
             schedule.trigger("kmsg")
         time.sleep(0.1)
-        assert threading.active_count() < 20  # the triggers wait as one flag, not as threads
+        assert threading.active_count() <= before + 3  # schedule, tick, the check's run: the flood is one flag
         gate.set()
         wait_until(lambda: len(runs) >= 2, 5, 0.02, what="the runs to finish")
         time.sleep(0.2)

@@ -51,6 +51,23 @@ def test_a_call_that_raises_leaves_the_worker_running() -> None:
     worker.close()
 
 
+def test_a_call_that_exits_leaves_the_worker_running() -> None:
+    """sys.exit() in a check's code ends a plain thread silently; the check's later runs must still be taken."""
+    worker = Worker("w", keep=5.0)
+    done = threading.Event()
+
+    def leave() -> None:
+        raise SystemExit(3)
+
+    worker.submit(leave)
+    worker.submit(done.set)
+    assert done.wait(5)
+    later = threading.Event()
+    worker.submit(later.set)
+    assert later.wait(5)
+    worker.close()
+
+
 def test_close_ends_the_thread_after_the_calls_handed_over() -> None:
     worker = Worker("closing", keep=60.0)
     threads: list[threading.Thread] = []

@@ -60,21 +60,30 @@ class _Sleeper(socketserver.BaseServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._wake = os.pipe()
+        self._wake: tuple[int, int] | None = os.pipe()
 
     def serve_until_stopped(self) -> None:
+        wake = self._wake
+        if wake is None:  # stopped before it started
+            return
         with selectors.DefaultSelector() as selector:
             selector.register(self.fileno(), selectors.EVENT_READ)
-            selector.register(self._wake[0], selectors.EVENT_READ)
-            while not any(key.fd == self._wake[0] for key, _ in selector.select()):
+            selector.register(wake[0], selectors.EVENT_READ)
+            while not any(key.fd == wake[0] for key, _ in selector.select()):
                 self.handle_request()
 
     def stop(self, thread: threading.Thread) -> None:
-        os.write(self._wake[1], b"x")
+        """Once; a second call does nothing. The pipe is closed only when the serve thread is gone (a closed fd's
+        number may be reused by the time a late select or write would touch it)."""
+        wake, self._wake = self._wake, None
+        if wake is None:
+            return
+        os.write(wake[1], b"x")
         if thread.ident is not None:
             thread.join(5.0)
-        for fd in self._wake:
-            os.close(fd)
+        if not thread.is_alive():
+            for fd in wake:
+                os.close(fd)
         self.server_close()
 
 

@@ -64,5 +64,6 @@ class Worker:
                 call = self._calls.popleft()
             try:
                 call()
-            except Exception:  # callers catch their own failures; the worker must outlive one that does not
+            except BaseException:  # callers catch their own; a SystemExit from a check's code would otherwise end
+                # this thread with `_running` set, and no later call of the check would ever run
                 log.exception("worker call failed", extra=kv(worker=self.name))

@@ -38,9 +38,8 @@ class _Listing:
     jobs: tuple[Job, ...]
     pids: frozenset[int]  # of the table it was made from
     ids: tuple[tuple[int | None, ...], tuple[int | None, ...]]  # each job's user's uid, what each pidfile held
-    taken: float  # the table's time (monotonic)
-    until: float  # wall clock: reusable until then ...
-    young_until: float  # ... and only from then on (no process may still exec)
+    taken: float  # the table's time (the snapshots' monotonic clock)
+    young_until: float  # wall clock (start times are): reusable only from then on, no process may still exec
 
 
 def _read_pid(pidfile: Path, identity: Identity) -> int | None:
@@ -126,7 +125,8 @@ class ProcessSource:
         pidfiles = tuple(self._pidfile_pid(spec, uids[name]) for name, spec in self.declared.items())
         last, now = self._last, time.time()
         ids = (tuple(uids.values()), pidfiles)
-        if last is not None and last.young_until <= now < last.until and last.ids == ids:
+        if (last is not None and last.young_until <= now and self.processes.clock() - last.taken < REUSE_MAX_S
+                and last.ids == ids):
             shared = self.processes.peek()
             if (shared is None or shared.taken <= last.taken) and frozenset(self.processes.proc.pids()) == last.pids:
                 return last.jobs
@@ -143,8 +143,7 @@ class ProcessSource:
                             job_id=spec.job_id or None, user=user, uid=uid, start_time=start, on_this_node=True, processes=refs,
                             log_paths=tuple(spec.logs), switch_dir=spec.switch_dir))
         youngest = max((info.create_time for info in table.procs.values()), default=0.0)
-        self._last = _Listing(tuple(jobs), frozenset(table.procs), ids, table.taken, now + REUSE_MAX_S,
-                              youngest + EXEC_WINDOW_S)
+        self._last = _Listing(tuple(jobs), frozenset(table.procs), ids, table.taken, youngest + EXEC_WINDOW_S)
         return jobs
 
 
