@@ -283,3 +283,47 @@ def test_default_config_runs_without_a_file(tmp_path: Path) -> None:
     assert proc.returncode in (0, 1, 2), proc.stderr
     subjects = {(r["check"], r["subject"]) for r in json.loads(proc.stdout)["results"]}
     assert {("disk", "/"), ("disk", str(tmp_path)), ("memory", "host")} <= subjects
+
+
+ARENA_PROBE = """
+import ctypes, sys, threading
+from trainguard.agent.daemon import fewer_malloc_arenas
+if sys.argv[1] == "fewer":
+    assert fewer_malloc_arenas()
+gate = threading.Barrier(8)
+kept = []
+def allocate():
+    gate.wait()  # all at once: each thread then takes an arena of its own unless capped
+    kept.append([bytearray(4096) for _ in range(200)])
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+out = libc.fopen(sys.argv[2].encode(), b"w")
+libc.malloc_info(0, ctypes.c_void_p(out))
+libc.fclose(ctypes.c_void_p(out))
+"""
+
+
+@pytest.mark.parametrize(("mode", "env", "most"), [("fewer", {}, 2), ("default", {}, None),
+                                                   ("default", {"MALLOC_ARENA_MAX": "3"}, 3)])
+def test_the_daemon_caps_glibcs_malloc_arenas(tmp_path: Path, mode: str, env: dict[str, str], most: int | None) -> None:
+    """Counted by glibc itself (malloc_info's XML, one <heap> per arena) after 8 threads allocated at once."""
+    info = tmp_path / "malloc.xml"
+    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
+    subprocess.run([sys.executable, "-c", ARENA_PROBE, mode, str(info)], check=True, timeout=60, cwd=REPO, env=environ)
+    arenas = info.read_text().count("<heap nr=")
+    if most is None:
+        assert arenas > 2  # uncapped, the threads spread over more arenas: the cap is what changes it
+    else:
+        assert 1 <= arenas <= most
+
+
+def test_malloc_arena_max_in_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainguard.agent.daemon import fewer_malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert fewer_malloc_arenas() is False
