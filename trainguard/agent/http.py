@@ -53,7 +53,7 @@ def _quiet_errors(server: socketserver.BaseServer, request: Any, client: Any) ->
 
 class _Sleeper(socketserver.BaseServer):
     """Serves until `stop()`, asleep in between. socketserver's `serve_forever` wakes every `poll_interval` to look
-    for a shutdown request (the two servers at 0.2 s were a tenth of the idle agent's CPU); this loop sleeps on the
+    for a shutdown request (the two servers at 0.2 s were a sixth of the idle agent's CPU); this loop sleeps on the
     listening socket and on a pipe that `stop()` writes to."""
 
     timeout = 0  # handle_request() comes after the socket was readable: never wait there for a client that left

@@ -2,9 +2,9 @@
 
 Each check run used to start two threads (the schedule's and the runner's), about 0.2 ms of CPU per run: a check
 every 2 s paid more for its threads than for its work. A worker is started on the first call, waits for the next
-one, and ends after `keep` seconds without a call or at `close()`. A
-call that blocks forever (a dead NFS mount) holds its worker, as it held its thread: the caller sees the call not
-done and does not hand that worker another (the runner skips runs while one is blocked).
+one, and ends after `keep` seconds without a call or at `close()`. A call that blocks forever (a dead NFS mount)
+holds its worker, as it held its thread: the caller sees the call not done and does not hand that worker another
+(the runner skips runs while one is blocked).
 """
 
 from __future__ import annotations

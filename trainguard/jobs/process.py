@@ -6,7 +6,7 @@ few seconds after its start, a process's again: a fork's child takes its own com
 
 While the node's pids and the pidfiles' contents stay the same, no process is young enough to exec, and no check
 read a newer snapshot, the last listing is the answer (for `REUSE_MAX_S` at most): the stop switch asks for the jobs
-every 2 s, and reading every process's stat file for it was most of an idle agent's CPU. A pid that exited and was
+every 2 s, and reading every process's stat file for it was a fifth of an idle agent's CPU. A pid that exited and was
 taken by a new process between two listings (a node that forks through its whole pid range in seconds) is seen at
 the next full listing; a stale ProcessRef signals nothing (its start time no longer matches)."""
 
