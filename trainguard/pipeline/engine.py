@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -131,7 +132,7 @@ class Engine:
         self._last_tick = time.monotonic()
         self._outbox: dict[str, tuple[int, float | None]] = {}
         self._agent: dict[str, float] = {}
-        self._usage_at: float | None = None  # when the tick last read them
+        self._usage_at = -math.inf  # when the tick last read them (never yet)
         self._schedule: Schedule | None = None
         self._run_locks = {name: threading.Lock() for name in self.checks}
 
@@ -323,7 +324,7 @@ class Engine:
     def tick(self) -> None:
         """Liveness of the scheduler itself, plus the slow-changing parts of the snapshot."""
         self._last_tick = now = time.monotonic()
-        if self._usage_at is None or now - self._usage_at >= USAGE_EVERY_S:
+        if now - self._usage_at >= USAGE_EVERY_S:
             self._usage_at = now
             try:
                 outbox = self.store.outbox_stats()

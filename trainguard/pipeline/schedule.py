@@ -98,7 +98,9 @@ class Schedule:
                     log.debug("check run skipped: its previous run is still going", extra=kv(check=name))
                 return
             self._busy.add(name)
-            worker = self._workers.get(name) or self._workers.setdefault(name, Worker(f"run-{name}"))
+            worker = self._workers.get(name)
+            if worker is None:
+                worker = self._workers[name] = Worker(f"run-{name}")
         try:
             worker.submit(lambda: self._runs(name))
         except RuntimeError as exc:  # no thread to be had (a pids limit): this run is lost, the next one is tried
