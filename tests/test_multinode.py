@@ -314,6 +314,63 @@ def test_restart_leaving_a_lost_node_goes_on_on_the_allocations_spare(multinode:
 
 
 @pytest.mark.slow
+def test_a_lost_spare_is_recorded_and_the_next_restart_keeps_off_it(multinode: MultiNodeCluster,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job with two spares (`sbatch -N 3`, `srun -N 1`): the spare srun would pick next loses its GPU first. No step
+    of the job runs there, so nothing restarts, but the node is recorded as left; when the rank's own node is lost
+    next, the loop starts srun without both, and the rank lands on the last good node. Without the record srun
+    would pick the lost spare: SLURM starts a step on a drained node of the allocation. (A spare's agent knows the
+    job while something of it runs there, its extern step under `PrologFlags=Contain`; this cluster has none, so
+    the spare's action gets the job's record as the rank's node has it.)"""
+    from trainguard.actions.base import ActionContext
+    from trainguard.actions.restart import RestartAction, RestartSettings
+    from trainguard.core.events import Event, EventKind
+    from trainguard.jobs.slurm import SlurmClient
+
+    job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-spare", "3", "-N 1 ")
+
+    def nodes(step: int) -> list[str]:
+        return sorted(line.rsplit("node=", 1)[1] for line in (log.read_text().splitlines() if log.exists() else ())
+                      if line.startswith(f"start step={step} "))
+
+    def lose(node: str, job: Job) -> str:
+        multinode.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=test: GPU lost")
+        event = Event(EventKind.FIRED, f"i-{node}", "xid", "pci:0000:17:00", Status.CRITICAL,
+                      "XID 79: GPU fell off the bus", node, time.time(), time.time(), details={"job_key": job.key})
+        action = RestartAction("restart_elsewhere", RestartSettings(wait_exit=10, timeout=30, leave_node=True))
+        return action.run(ActionContext(event, (job,), node, SlurmClient(10.0), time.time, slurmd=node))
+
+    lost: list[str] = []
+    try:
+        wait_until(lambda: len(nodes(0)) == 1, 30, what="the rank of step 0")
+        allocation = sorted(expand(multinode.job(job_id)["NodeList"]))
+        assert len(allocation) == 3
+        rank, spares = nodes(0)[0], [n for n in allocation if n != nodes(0)[0]]
+        catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=rank, refresh="0s"), "agent-host")
+        try:
+            job = wait_until(lambda: next((j for j in catalog.view(fresh=True).jobs
+                                           if j.job_id == job_id and j.switch_dir), None), 20, what="the job's record")
+        finally:
+            catalog.close()
+        lost.append(spares[0])  # the one srun picks first without the rank's node (it takes them in name order)
+        detail = lose(spares[0], job)
+        assert detail.endswith(f"none of its steps runs on {spares[0]}: nothing to restart; {spares[0]} recorded as "
+                               f"left ({workdir}/.trainguard/left.{job_id}.{spares[0]})"), detail
+        lost.append(rank)
+        detail = lose(rank, job)
+        assert detail.startswith(f"restart of {job_id} without {rank} requested"), detail
+        wait_until(lambda: len(nodes(1)) == 1, 30, what="the rank of step 1")
+        assert nodes(1) == [spares[1]], (nodes(1), spares)
+        assert multinode.job(job_id)["Restarts"] == "0"  # the same allocation, never requeued
+        out = (workdir / f"tg-spare-{job_id}.out").read_text()
+        assert f"starting it again without {rank}, {spares[0]}" in out, out
+    finally:
+        multinode.run("scancel", job_id, check=False)
+        for node in lost:
+            multinode.resume(node)
+
+
+@pytest.mark.slow
 def test_restart_of_a_job_without_the_relaunch_loop_requeues_it(multinode: MultiNodeCluster,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the loop the ranks would exit at the signal and the job would end: `restart` falls back to what

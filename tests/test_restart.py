@@ -118,21 +118,26 @@ def test_sigterm_ends_the_loop_after_the_command_even_with_a_request(tmp_path: P
     assert proc.returncode == 143 and _launches(tmp_path) == ["0"]
 
 
-# A stand-in `srun`: it logs its options and TRAINGUARD_LEFT, then asks to leave the node its plan names (or exits).
+# A stand-in `srun`: it logs its options and TRAINGUARD_LEFT, then does what its plan says for this launch (steps
+# joined by "+"): "left N" records node N as left as another node's agent does, "leave N" asks to leave node N as
+# this node's agent does (both), anything else exits.
 SRUN = r"""#!PYTHON
 import json, os, sys, pathlib
 sw = pathlib.Path(os.environ["SW"]); n = int(os.environ["TRAINGUARD_RESTARTS"])
 with open(sw.parent / "launches", "a") as f:
     f.write(json.dumps([sys.argv[1:], os.environ.get("TRAINGUARD_LEFT")]) + "\n")
 plan = (sw.parent / "plan").read_text().split(";")
-if n < len(plan) and plan[n].startswith("leave "):
-    tmp = sw / ".restart.tmp"; tmp.write_text(json.dumps({"reason": "XID 79", "leave": plan[n][6:]}))
-    tmp.rename(sw / "restart.77")
+for what in plan[n].split("+") if n < len(plan) else ():
+    if what.startswith("left "):
+        (sw / f"left.77.{what[5:]}").write_text("{}")
+    if what.startswith("leave "):
+        tmp = sw / ".restart.tmp"; tmp.write_text(json.dumps({"reason": "XID 79", "leave": what[6:]}))
+        tmp.rename(sw / "restart.77")
 """
 
 
 def _srun_loop(tmp_path: Path, plan: str, *srun_args: str) -> list[tuple[list[str], str | None]]:
-    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw").mkdir(exist_ok=True)
     (tmp_path / "plan").write_text(plan)
     srun = tmp_path / "bin" / "srun"
     srun.parent.mkdir()
@@ -151,6 +156,24 @@ def test_a_request_to_leave_a_node_starts_srun_again_without_every_node_left(tmp
                         (["--exclude=n3", "-N", "3", "python", "train.py"], "n3"),
                         (["--exclude=n3,n1", "-N", "3", "python", "train.py"], "n3,n1"),
                         (["--exclude=n3,n1", "-N", "3", "python", "train.py"], "n3,n1")]  # n3 once
+
+
+def test_nodes_recorded_as_left_are_left_too_and_an_earlier_lifes_records_are_removed(tmp_path: Path) -> None:
+    """Two nodes lost at once: each agent records its node in a file of its own, and the one request names only the
+    later one; a lost spare is recorded with no request at all. The loop leaves every node recorded for this job,
+    as switch files count (regular files of the user or root); records from before the loop started belong to an
+    earlier life of the job, in another allocation, and are removed."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "left.77.n9").write_text("{}")  # an earlier life's
+    (sw / "left.78.n5").write_text("{}")  # another job's of the same directory
+    (sw / "left.77.--uid=0").write_text("{}")  # not a host name
+    os.symlink(tmp_path / "plan", sw / "left.77.n7")  # not a regular file
+    launches = _srun_loop(tmp_path, "left n2+leave n3;left n4+leave n1;exit", "-N", "2", "python", "train.py")
+    assert launches == [(["-N", "2", "python", "train.py"], ""),
+                        (["--exclude=n3,n2", "-N", "2", "python", "train.py"], "n3,n2"),
+                        (["--exclude=n3,n2,n1,n4", "-N", "2", "python", "train.py"], "n3,n2,n1,n4")]
+    assert not (sw / "left.77.n9").exists() and (sw / "left.78.n5").exists()
 
 
 @pytest.mark.parametrize("leave", ["n[1-3]", "--uid=0", "n1,n2", "", "n1 n2"])
@@ -377,7 +400,31 @@ def test_leave_node_without_a_spare_is_requeued_instead(tmp_path: Path, ranks: C
     detail = _run(slurm, job, leave_node=True)
     assert re.search(f"not restarted without n1: {why}.*: requeue instead", detail), detail
     assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
-    assert not (tmp_path / "sw").exists()
+    # no restart request; the node is recorded as left only where the loop could have left it (a true record: the
+    # next life of the job, after the requeue, removes it)
+    assert sorted(p.name for p in (tmp_path / "sw").glob("*")) == (["left.5.n1"] if "no spare" in why else [])
+
+
+def test_two_nodes_lost_at_once_count_each_others_record(tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """n2's agent recorded n2 as left a moment ago; its restart has not reached the ranks yet (TRAINGUARD_LEFT is
+    still empty). n1's agent counts n2 too: with one spare in the allocation the job cannot go on without both, and
+    is requeued; with two it restarts without n1, and the loop reads both records. A symlink is no record."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "left.5.n2").write_text("{}")
+    os.symlink(tmp_path, sw / "left.5.n3")
+    env = {"TRAINGUARD_RESTARTS": "0", "TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "3"}
+    slurm = StubSlurm({"0": [ranks(**env)]}, ["0"])
+    detail = _run(slurm, replace(_job(tmp_path), node_list="n[1-4]"), leave_node=True)
+    assert "not restarted without n1: no spare node in its allocation (4 node(s), 2 left or leaving, its step spans " \
+           "3): requeue instead" in detail, detail
+    assert json.loads((sw / "left.5.n1").read_text())["node"] == "n1" and not (sw / "restart.5").exists()
+
+    (sw / "left.5.n1").unlink()
+    slurm = StubSlurm({"0": [ranks(**env)]}, ["0"])
+    detail = _run(slurm, replace(_job(tmp_path), node_list="n[1-5]"), leave_node=True)
+    assert detail.startswith("restart of 5 without n1 requested"), detail
+    assert (sw / "left.5.n1").is_file() and json.loads((sw / "restart.5").read_text())["leave"] == "n1"
 
 
 def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[..., int]) -> None:
@@ -521,5 +568,9 @@ def test_leave_node_on_a_node_the_job_runs_nothing_on_leaves_the_job_alone(tmp_p
     before it keeps new jobs off the node)."""
     job = replace(_job(tmp_path), node_list="n[1-4]")
     slurm = StubSlurm({}, ["0"])
-    assert _run(slurm, job, leave_node=True) == "job 5 (t): none of its steps runs on n1: nothing to restart"
-    assert slurm.calls == [] and not (tmp_path / "sw").exists()
+    record = tmp_path / "sw" / "left.5.n1"
+    assert _run(slurm, job, leave_node=True) == (f"job 5 (t): none of its steps runs on n1: nothing to restart; n1 "
+                                                 f"recorded as left ({record})")
+    # no signal, no request: the record only keeps the job's next restart off the node
+    assert slurm.calls == [] and [p.name for p in record.parent.iterdir()] == ["left.5.n1"]
+    assert json.loads(record.read_text())["check"] == "training_log"

@@ -307,9 +307,11 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     ranks' (save and exit, save): the loop must outlive them when they reach the whole batch step.
 
     A request may name a node to leave (`"leave"`: the agent's `restart` with `leave_node`, after a fault of that
-    node): when the command is `srun` itself, the loop starts it again with `--exclude=` every node left so far, so
-    the job goes on without the node, on the spare its allocation holds. The command sees TRAINGUARD_LEFT (those
-    nodes, comma-separated) exactly when the loop can do this.
+    node), and the agents record each node the job is to leave in a file of its own (`left.<SLURM_JOB_ID>.<node>`:
+    two nodes lost at once, or a lost spare the job ran nothing on): when the command is `srun` itself, the loop
+    starts it again with `--exclude=` every node left so far, so the job goes on without them, on the spare its
+    allocation holds. The command sees TRAINGUARD_LEFT (those nodes, comma-separated) exactly when the loop can do
+    this. Records left by an earlier life of the job (a requeue: a new allocation) are removed when the loop starts.
 
     A request written by another node's agent on a network file system may show up here a moment late (NFS caches
     attributes and lookups): after a command that exited 0 the loop looks again for up to `settle` seconds."""
@@ -327,8 +329,12 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     restarts = 0
     env = {**os.environ, "TRAINGUARD_MAX_RESTARTS": str(max_restarts)}  # the agent requeues a loop out of restarts
     env.pop("TRAINGUARD_LEFT", None)  # inherited (a job submitted from a rank): the agent must not trust it
-    left: list[str] = []  # nodes a request asked the job to leave, in order
+    left: list[str] = []  # nodes a request or a record asked the job to leave, in order
     can_leave = _can_exclude(command)
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    for name in _left_files(watcher, job_id):  # an earlier life's, in another allocation
+        with contextlib.suppress(OSError):
+            os.unlink(watcher.switch_dir / f"left.{job_id}.{name}")
     while True:
         argv = [command[0], f"--exclude={','.join(left)}", *command[1:]] if left else command
         run_env = {**env, "TRAINGUARD_RESTARTS": str(restarts)}
@@ -356,8 +362,8 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
             return status
         seen, restarts = request, restarts + 1
         reason, leave = _request(watcher.switch_dir / watcher.restart_name)
-        if leave and can_leave and leave not in left:
-            left.append(leave)
+        if can_leave:
+            left += [node for node in dict.fromkeys([leave, *_left_files(watcher, job_id)]) if node and node not in left]
         print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked ({reason}); {command[0]} "
               f"exited {status}: starting it again" + (f" without {', '.join(left)}" if left else ""),
               file=sys.stderr, flush=True)
@@ -371,6 +377,25 @@ _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 def _host_name(text: str) -> bool:
     """One host name (no hostlist syntax, no option): 1-64 of letters, digits, `.`, `_`, `-`, a letter or digit first."""
     return 0 < len(text) <= 64 and text[0] not in "._-" and set(text) <= _HOST_CHARS
+
+
+def _left_files(watcher: Trainer, job_id: str) -> list[str]:
+    """The nodes recorded as left by this job in its switch dir (`left.<job>.<node>`, as switch files count: regular
+    files of this user, root or the switch group), sorted; at most 10,000 entries of the directory are looked at."""
+    if not job_id:
+        return []
+    prefix, nodes = f"left.{job_id}.", []
+    try:
+        with os.scandir(watcher.switch_dir) as entries:
+            for seen, entry in enumerate(entries):
+                if seen >= 10_000:
+                    break
+                node = entry.name[len(prefix):]
+                if entry.name.startswith(prefix) and _host_name(node) and watcher._switch(entry.name) is not None:
+                    nodes.append(node)
+    except OSError:  # no switch dir (yet): nothing recorded
+        return []
+    return sorted(nodes)
 
 
 def _request(path: Path) -> tuple[str, str]:

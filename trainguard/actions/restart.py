@@ -15,9 +15,12 @@ srun steps (never the batch script: the loop must live), waits up to `wait_exit`
 then (a rank hung in a collective or a CUDA call never exits by itself). The request is written before the signal:
 a rank that exits before the loop could see a request would end the job instead.
 
-With `leave_node`, for a fault of this node (a GPU lost: bind it after `drain`), the request also names this node:
-the loop starts srun again with `--exclude` of it, on the spare node the allocation holds (`sbatch -N 3-4`, `srun
--N 3`), again without a requeue. A job with no spare left gets the fallback.
+With `leave_node`, for a fault of this node (a GPU lost: bind it after `drain`), the action first records the node
+as left (`left.<job>.<node>` in the switch dir, one file per node: two nodes lost at once each write their own) and
+counts the nodes every agent recorded; the request names this node too. The loop starts srun again with `--exclude`
+of every node recorded, on the spare node the allocation holds (`sbatch -N 3-4`, `srun -N 3`), again without a
+requeue. A job with no spare left gets the fallback. A lost spare (no step of the job on the node) is only recorded,
+so that no later restart starts a rank there.
 
 A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
 would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
@@ -38,7 +41,7 @@ from pydantic import Field, field_validator
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job, slurm_jobs
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
-from trainguard.actions.switch import create_switch, job_owner, remove_switch
+from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_names
 from trainguard.core.settings import Duration
 from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
@@ -69,6 +72,12 @@ def request_name(job_id: str) -> str:
     return f"restart.{job_id}"
 
 
+def left_prefix(job_id: str) -> str:
+    """The job's records of nodes left, `left.<job>.<node>`: one file per node, so that the agents of two nodes lost
+    at once never replace each other's (the loop reads them all: `_left_files` in trainguard/trainer.py)."""
+    return f"left.{job_id}."
+
+
 class RestartSettings(WaitExitSettings):
     signal: str = Field("USR1", description="The signal that asks the ranks to save and exit (the trainer helper's "
                                             "default: USR1).")
@@ -76,10 +85,11 @@ class RestartSettings(WaitExitSettings):
                                                          "steps are cancelled.")
     leave_node: bool = Field(
         False, description="Restart the job without this node (bind it to a fault of the node, e.g. `xid` after "
-                           "`drain`): the request names the node and the relaunch loop starts srun again with "
-                           "`--exclude` of it, on the spare node the job's allocation holds (`sbatch -N 3-4` with "
-                           "`srun -N 3`). A job without a spare, or whose loop cannot leave a node (its command is not "
-                           "srun itself), gets the fallback.")
+                           "`drain`): the node is recorded as left in the job's switch dir and the relaunch loop "
+                           "starts srun again with `--exclude` of every node left, on the spare node the job's "
+                           "allocation holds (`sbatch -N 3-4` with `srun -N 3`). A job without a spare, or whose loop "
+                           "cannot leave a node (its command is not srun itself), gets the fallback; a spare that ran "
+                           "nothing of the job is only recorded.")
     fallback: Literal["requeue", "none"] = Field(
         "requeue", description="A job whose ranks on this node do not run under the trainer helper's relaunch loop "
                                "(or that has no srun step here) would end, not restart: `requeue` signals it (every "
@@ -167,8 +177,12 @@ class RestartAction(Action):
                 raise ActionError(f"restart {job_id}: {exc}") from None
         if not looped and not here and s.leave_node:
             # A node the job holds but runs nothing on (the spare itself lost its GPU): the job goes on untouched; a
-            # requeue would cost it its progress for nothing. The drain keeps other jobs off the node.
-            return f"{job.label()}: none of its steps runs on {ctx.node}: nothing to restart"
+            # requeue would cost it its progress for nothing. The drain keeps other jobs off the node, and the record
+            # keeps the job's own next restart off it (srun picks from the allocation, drained nodes included).
+            nothing = f"{job.label()}: none of its steps runs on {ctx.node}: nothing to restart"
+            if not job.switch_dir:
+                return f"{nothing} (no switch dir to record {ctx.node} as left in)"
+            return f"{nothing}; {ctx.node} recorded as left ({self._record_left(job, ctx)})"
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
@@ -179,10 +193,16 @@ class RestartAction(Action):
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
         leave: dict[str, str] = {}
         if s.leave_node:
-            no_spare = self._no_spare(job, ctx.node, ranks)  # ctx.node: this node's SLURM name (jobs.slurm_node)
+            # ctx.node: this node's SLURM name (jobs.slurm_node). Recorded before the others' records are counted:
+            # of two agents acting at once, at least the later one counts both nodes.
+            no_spare = self._cannot_leave(job, ctx.node, ranks)
+            if not no_spare:
+                self._record_left(job, ctx)
+                identity, _ = job_owner(job)
+                no_spare = self._no_spare(job, ranks, set(switch_names(job.switch_dir, left_prefix(job_id), identity)))
             if no_spare:
                 return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
-            leave = {"leave": ctx.node}
+            leave = {"leave": ctx.node}  # besides the record: an older loop reads this alone
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
@@ -248,24 +268,40 @@ class RestartAction(Action):
         return None
 
     @staticmethod
-    def _no_spare(job: Job, node: str, ranks: list[dict[str, str]]) -> str:
-        """Why the job cannot go on without `node` inside its allocation ("" when it can): its loop must be able to
-        leave a node, and the allocation (the controller's NodeList) less the nodes left must hold the step's size.
-        The ranks' variables are the job user's to set: a lie only misleads that user's own restart."""
+    def _cannot_leave(job: Job, node: str, ranks: list[dict[str, str]]) -> str:
+        """Why the job's loop cannot start it again without `node` ("" when it can): the loop must be able to leave a
+        node, its ranks must say how many nodes their step spans, and `node` must be in the allocation (the
+        controller's NodeList). The ranks' variables are the job user's to set: a lie only misleads that user's own
+        restart."""
         if not any(LEFT_VAR in env for env in ranks):
             return "its relaunch loop cannot leave a node (an older trainer helper, or a command that is not srun)"
-        sizes = [n for n in (_count(env.get(STEP_NODES_VAR)) for env in ranks) if n is not None]
-        if not sizes:
+        if not any(_count(env.get(STEP_NODES_VAR)) is not None for env in ranks):
             return f"its ranks here do not say how many nodes their step spans ({STEP_NODES_VAR})"
-        gone = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | {node}
-        allocation = expand(job.node_list) if job.node_list else []
-        if node not in allocation:  # --exclude of a name srun does not know would fail the step, or leave nothing
+        if node not in (expand(job.node_list) if job.node_list else []):
+            # --exclude of a name srun does not know would fail the step, or leave nothing
             return f"this node ({node}) is not in its allocation ({job.node_list or 'unknown'})"
-        usable = [n for n in allocation if n not in gone]
-        if len(usable) < max(sizes):
-            return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
-                    f"step spans {max(sizes)})")
         return ""
+
+    @staticmethod
+    def _no_spare(job: Job, ranks: list[dict[str, str]], recorded: set[str]) -> str:
+        """Why the allocation less the nodes left (those the running loop left, in the ranks' TRAINGUARD_LEFT, and
+        those recorded as left by any node's agent, this one's included) cannot hold the step ("" when it can)."""
+        size = max(n for n in (_count(env.get(STEP_NODES_VAR)) for env in ranks) if n is not None)
+        allocation = expand(job.node_list) if job.node_list else []
+        gone = ({n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | recorded) & set(allocation)
+        if len(allocation) - len(gone) < size:
+            return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
+                    f"step spans {size})")
+        return ""
+
+    @staticmethod
+    def _record_left(job: Job, ctx: ActionContext) -> str:
+        """Record this node as left by the job (`left.<job>.<node>` in its switch dir, as its user)."""
+        assert job.job_id and job.switch_dir
+        identity, gid = job_owner(job)
+        return create_switch(job.switch_dir, left_prefix(job.job_id) + ctx.node, identity, gid, {
+            "requested_by": "trainguard", "job_id": job.job_id, "node": ctx.node, "at": ctx.clock(),
+            "incident": ctx.event.incident_id, "check": ctx.event.check, "reason": one_line(ctx.event.summary, 200)})
 
     def _fallback(self, job: Job, ctx: ActionContext, why: str, deadline: float) -> str:
         """Without the loop the signal would end the job: requeue it instead (or fail, `fallback = "none"`)."""

@@ -29,6 +29,10 @@ from trainguard.node.access import AccessDeniedError, Identity, resolve
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+class SwitchDirMissingError(ActionError):
+    """The job's switch dir does not exist (and was not to be created)."""
+
+
 class SwitchSettings(ActionSettings):
     switch: Literal["save", "stop"] = Field("save", description="Which switch file to create.")
 
@@ -49,7 +53,7 @@ def _open_switch_dir(directory: str, identity: Identity, create: bool) -> int:
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
         except FileNotFoundError:
             if not create:
-                raise ActionError(f"switch dir {path} does not exist") from None
+                raise SwitchDirMissingError(f"switch dir {path} does not exist") from None
             fd = _create_dir(pfd, name, path, identity)
         except OSError as exc:
             # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: say which case it was.
@@ -140,6 +144,36 @@ def remove_switch(directory: str, name: str, identity: Identity) -> bool:
         return False
     finally:
         os.close(dfd)
+
+
+SCAN_LIMIT = 10_000  # entries of a switch dir looked at: the directory is the user's, and may hold millions
+
+
+def switch_names(directory: str, prefix: str, identity: Identity) -> list[str]:
+    """The names after `prefix` of the switch files in a job's switch dir (opened as in create_switch; none when it
+    is missing): regular files of the job's user or root, as the agent writes them. At most SCAN_LIMIT entries are
+    looked at; a user who fills the directory past that only hides their own files."""
+    try:
+        dfd = _open_switch_dir(directory, identity, create=False)
+    except SwitchDirMissingError:
+        return []
+    names = []
+    try:
+        with os.scandir(dfd) as entries:
+            for seen, entry in enumerate(entries):
+                if seen >= SCAN_LIMIT:
+                    break
+                if not entry.name.startswith(prefix):
+                    continue
+                with contextlib.suppress(OSError):  # gone meanwhile: not there
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_uid in (identity.uid, 0):
+                        names.append(entry.name[len(prefix):])
+    except OSError as exc:
+        raise ActionError(f"cannot list switch dir {directory}: {exc.strerror or exc}") from None
+    finally:
+        os.close(dfd)
+    return sorted(names)
 
 
 def job_owner(job: Job) -> tuple[Identity, int]:
