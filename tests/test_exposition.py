@@ -4,14 +4,17 @@ independent reading of the format), whatever a job put in a label value."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainguard.agent.metrics import BUILD_INFO, CHECK_RUNS, CONTENT_TYPE, collect, exposition, family, render
-from trainguard.core.model import Metric
-from trainguard.pipeline.engine import Snapshot
+from trainguard.core.model import Metric, Result, Sample, Status
+from trainguard.pipeline.engine import CheckState, Snapshot
+from trainguard.pipeline.runner import RunReport
 
 PATH = Metric("trainguard_test_free_bytes", 'Free bytes\\of a "path",\nper path.', ("path", "kind"))
 COUNT = Metric("trainguard_test_events_total", "Events.", ("path",), counter=True)
@@ -82,3 +85,40 @@ def test_two_values_that_render_alike_are_one_series() -> None:
                                  PATH(1, {"path": "/data/\\udcff", "kind": "a"})])]).decode()
     assert [line for line in text.splitlines() if not line.startswith("#")] == \
         ['trainguard_test_free_bytes{kind="a",path="/data/\\\\udcff"} 2.0']
+
+
+def _run(check: str, started: float, *samples: Sample) -> CheckState:
+    report = RunReport(check, started, 0.1, "ok", (Result(check, "/", Status.OK, "fine", samples=samples),))
+    return CheckState("disk", 60.0, last=report, runs=1)
+
+
+def test_a_check_run_is_rendered_once_while_it_is_the_latest_and_the_first_check_of_a_series_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrape renders only the checks that ran since the one before; what it answers is the same as rendering
+    everything afresh. Two checks of one type reporting one series: the first by check name wins, as before."""
+    from trainguard.agent import metrics
+
+    rendered: list[str] = []
+    real = metrics.run_series
+    monkeypatch.setattr(metrics, "run_series", lambda report: rendered.append(report.check) or real(report))
+    checks = {"disk_b": _run("disk_b", 1.0, PATH(2, {"path": "/", "kind": "fs"}), PATH(7, {"path": "/b", "kind": "fs"})),
+              "disk_a": _run("disk_a", 1.0, PATH(1, {"path": "/", "kind": "fs"}), COUNT(3, {"path": "/"}))}
+    snap = Snapshot("n1", 0.0, checks, {}, {}, {})
+    scrape = exposition(lambda: snap)
+    first = scrape()
+    assert sorted(rendered) == ["disk_a", "disk_b"]
+    got = parsed(first)
+    assert got["trainguard_test_free_bytes"][2] == [({"path": "/", "kind": "fs"}, 1.0),  # disk_a's, not disk_b's
+                                                    ({"path": "/b", "kind": "fs"}, 7.0)]
+    assert got["trainguard_test_events"][2] == [({"path": "/"}, 3.0)]
+    assert scrape() == first and len(rendered) == 2  # nothing ran since: nothing rendered again
+
+    snap = replace(snap, checks={**checks, "disk_b": _run("disk_b", 2.0, PATH(9, {"path": "/b", "kind": "fs"}))})
+    second = scrape()
+    assert rendered[2:] == ["disk_b"]  # disk_a's run is still the latest: its text is kept
+    assert second == render(collect(snap, lambda _name, report: real(report)))  # the same as rendered afresh
+    assert parsed(second)["trainguard_test_free_bytes"][2] == [({"path": "/", "kind": "fs"}, 1.0),
+                                                               ({"path": "/b", "kind": "fs"}, 9.0)]
+
+    snap = replace(snap, checks={"disk_b": snap.checks["disk_b"]})  # disk_a gone (a reload): its series too
+    assert "trainguard_test_events{" not in scrape().decode() and rendered[3:] == []

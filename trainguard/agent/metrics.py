@@ -7,13 +7,15 @@ The agent's own metrics are declared here; each check declares its own beside it
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from trainguard import __version__
 from trainguard.core.events import jobs_of
 from trainguard.core.model import Metric, Sample, Status
 from trainguard.pipeline.engine import Snapshot
+from trainguard.pipeline.runner import RunReport
 from trainguard.pipeline.selfcheck import AgentCheck
 
 BUILD_INFO = Metric("trainguard_build_info", "trainguard version running on this node.", ("version", "node"))
@@ -103,36 +105,93 @@ def _label(v: str) -> str:
     return _escape(v).replace('"', '\\"')
 
 
-def render(families: Iterable[Family]) -> bytes:
+Series = tuple[str, str]  # one sample rendered: its label set as text (what makes it one series) and its line
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One declared metric whose samples are rendered already, in order (duplicates still among them)."""
+
+    metric: Metric
+    series: tuple[Series, ...] = ()
+
+
+def _series(m: Metric, samples: Iterable[tuple[tuple[str, ...], float]]) -> Iterator[Series]:
+    order = sorted(range(len(m.labels)), key=m.labels.__getitem__)  # labels by name: one text for one state
+    for key, value in samples:
+        labels = "{" + ",".join(f'{m.labels[i]}="{_label(key[i])}"' for i in order) + "}" if key else ""
+        yield labels, f"{m.name}{labels} {_value(value)}"
+
+
+def render(families: Iterable[Family | Rendered]) -> bytes:
     """The families in Prometheus's text exposition format, HELP and TYPE before each (also when it has no sample)."""
     lines: list[str] = []
     for fam in families:
         m = fam.metric
         lines.append(f"# HELP {m.name} {_escape(m.help)}")
         lines.append(f"# TYPE {m.name} {'counter' if m.counter else 'gauge'}")
-        order = sorted(range(len(m.labels)), key=m.labels.__getitem__)  # labels by name: one text for one state
         shown: set[str] = set()
-        for key, value in fam.samples:
-            labels = "{" + ",".join(f'{m.labels[i]}="{_label(key[i])}"' for i in order) + "}" if key else ""
+        for labels, line in fam.series if isinstance(fam, Rendered) else _series(m, fam.samples):
             if labels in shown:  # two values that escape alike (a path's undecodable byte, its escape typed out)
                 continue
             shown.add(labels)
-            lines.append(f"{m.name}{labels} {_value(value)}")
+            lines.append(line)
     lines.append("")
     return "\n".join(lines).encode()
 
 
+RunSeries = Mapping[Metric, Sequence[Series]]
+
+
+def run_series(report: RunReport) -> dict[Metric, list[Series]]:
+    """The samples of one check run, rendered, by metric, in the order the run reported them."""
+    samples: dict[Metric, list[tuple[tuple[str, ...], float]]] = {}
+    for result in report.results:
+        for sample in result.samples:
+            m = sample.metric
+            samples.setdefault(m, []).append((tuple(sample.labels[k] for k in m.labels), sample.value))
+    return {m: list(_series(m, keyed)) for m, keyed in samples.items()}
+
+
+class Exposition:
+    """What GET /metrics answers: the snapshot taken at the moment of the scrape, rendered. A check run's results
+    never change, so the samples of each check's latest run are rendered once and kept while that run is the latest:
+    a scrape renders what changed since the one before (a check that runs every minute, scraped every 15 s, is
+    rendered once in four), and holds the text of the latest runs only."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+        self._lock = threading.Lock()  # one scrape at a time renders (the endpoint serves one; a test may call twice)
+        self._runs: dict[str, tuple[RunReport, RunSeries]] = {}
+
+    def __call__(self) -> bytes:
+        snap = self._snapshot()
+        with self._lock:
+            kept: dict[str, tuple[RunReport, RunSeries]] = {}
+
+            def series(name: str, report: RunReport) -> RunSeries:
+                last = self._runs.get(name)
+                kept[name] = last if last is not None and last[0] is report else (report, run_series(report))
+                return kept[name][1]
+
+            body = render(collect(snap, series))
+            self._runs = kept  # checks gone from the snapshot are dropped with their text
+            return body
+
+
 def exposition(snapshot: Callable[[], Snapshot]) -> Callable[[], bytes]:
-    """What GET /metrics answers: the snapshot taken at the moment of the scrape, rendered."""
-    return lambda: render(collect(snapshot()))
+    return Exposition(snapshot)
 
 
-def collect(snap: Snapshot) -> Iterator[Family]:
-    """Every family of the agent's /metrics: its own, then those the checks declared, from one snapshot."""
+def collect(snap: Snapshot,
+            series: Callable[[str, RunReport], RunSeries] = lambda _name, report: run_series(report),
+            ) -> Iterator[Family | Rendered]:
+    """Every family of the agent's /metrics: its own, then those the checks declared, from one snapshot (`series`:
+    the rendered samples of a check's latest run)."""
     yield family(BUILD_INFO, [BUILD_INFO(1, {"version": __version__, "node": snap.node})])
     agent: dict[Metric, list[Sample]] = {m: [] for m in (CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN,
                                                           CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS, CHECK_TIMEOUTS)}
-    by_metric: dict[Metric, list[Sample]] = {}
+    by_metric: dict[Metric, list[Series]] = {}
     for name, st in sorted(snap.checks.items()):
         check = {"check": name}
         agent[CHECK_TIMEOUTS].append(CHECK_TIMEOUTS(st.timeouts, check))
@@ -149,8 +208,8 @@ def collect(snap: Snapshot) -> Iterator[Family]:
         for result in st.last.results:
             agent[CHECK_STATUS].append(CHECK_STATUS(int(result.status), {**check, "subject": result.subject,
                                                                          "type": st.kind}))
-            for sample in result.samples:
-                by_metric.setdefault(sample.metric, []).append(sample)
+        for metric, lines in series(name, st.last).items():  # checks in name order: the first of a series wins
+            by_metric.setdefault(metric, []).extend(lines)
     yield from (family(m, samples) for m, samples in agent.items())
     yield family(INCIDENTS_FIRING, [INCIDENTS_FIRING(snap.firing.get(sev, 0), {"severity": sev.label})
                                     for sev in (Status.UNKNOWN, Status.WARNING, Status.CRITICAL)])
@@ -175,8 +234,8 @@ def collect(snap: Snapshot) -> Iterator[Family]:
     if "rss" in snap.agent:
         yield family(RSS, [RSS(snap.agent["rss"])])
         yield family(CPU, [CPU(snap.agent["cpu"])])
-    for metric, samples in sorted(by_metric.items(), key=lambda item: item[0].name):
-        yield family(metric, samples)
+    for metric, lines in sorted(by_metric.items(), key=lambda item: item[0].name):
+        yield Rendered(metric, tuple(lines))
 
 
 def incident_families(snap: Snapshot) -> Iterator[Family]:
