@@ -70,6 +70,28 @@ def test_sigterm_shuts_down_cleanly(tmp_path: Path, agent_process: Callable[...,
     assert (tmp_path / "state" / "state.db").exists()
 
 
+def test_after_the_first_round_the_main_thread_sleeps_until_a_signal(tmp_path: Path,
+                                                                     agent_process: Callable[..., AgentProcess]) -> None:
+    """The main thread watches the first round for `systemctl status`; after it, it only waits for SIGTERM: no
+    wake-up a second (an idle agent's CPU is the sum of such wake-ups), and the signal still ends it at once."""
+    agent = agent_process(write_config(tmp_path, free_port()))
+    agent.wait_for("first round done")
+    assert agent.proc is not None
+    status = Path(f"/proc/{agent.proc.pid}/task/{agent.proc.pid}/status")  # the main thread's tid is the pid
+
+    def switches() -> int:
+        return int(next(line.split()[1] for line in status.read_text().splitlines()
+                        if line.startswith("voluntary_ctxt_switches:")))
+
+    before = switches()
+    time.sleep(2.5)
+    assert switches() == before  # with a 1 s wait it woke twice
+    t0 = time.monotonic()
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(timeout=5) == 0 and time.monotonic() - t0 < 5
+    assert "msg=stopped" in agent.output()
+
+
 class NotifySocket:
     """A NOTIFY_SOCKET as systemd listens on it: every datagram the agent sends, in order."""
 

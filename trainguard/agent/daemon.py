@@ -90,7 +90,8 @@ def run_daemon(config: Config) -> int:
     pinger.start()
     log.info("ready", extra=kv(checks=len(engine.configured), pending=",".join(pending) or None,
                                watchdog_s=systemd.watchdog_s))
-    while not stop.wait(1.0):
+    # Once the first round is done the main thread only waits for a signal: no wake-up a second for nothing.
+    while not stop.wait(1.0 if pending else None):
         if pending:
             now_pending = engine.pending()
             if now_pending != pending:  # `systemctl status` shows the first round completing
