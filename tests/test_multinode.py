@@ -354,8 +354,8 @@ def test_a_lost_spare_is_recorded_and_the_next_restart_keeps_off_it(multinode: M
             catalog.close()
         lost.append(spares[0])  # the one srun picks first without the rank's node (it takes them in name order)
         detail = lose(spares[0], job)
-        assert detail.endswith(f"none of its steps runs on {spares[0]}: nothing to restart; {spares[0]} recorded as "
-                               f"left ({workdir}/.trainguard/left.{job_id}.{spares[0]})"), detail
+        assert detail.endswith(f"nothing of it runs on {spares[0]}: nothing to restart; {spares[0]} recorded as "
+                               f"left ({workdir}/.trainguard/left.{job_id}.0.{spares[0]})"), detail
         lost.append(rank)
         detail = lose(rank, job)
         assert detail.startswith(f"restart of {job_id} without {rank} requested"), detail

@@ -129,14 +129,14 @@ with open(sw.parent / "launches", "a") as f:
 plan = (sw.parent / "plan").read_text().split(";")
 for what in plan[n].split("+") if n < len(plan) else ():
     if what.startswith("left "):
-        (sw / f"left.77.{what[5:]}").write_text("{}")
+        (sw / f"left.77.{os.environ.get('SLURM_RESTART_COUNT', '0')}.{what[5:]}").write_text("{}")
     if what.startswith("leave "):
         tmp = sw / ".restart.tmp"; tmp.write_text(json.dumps({"reason": "XID 79", "leave": what[6:]}))
         tmp.rename(sw / "restart.77")
 """
 
 
-def _srun_loop(tmp_path: Path, plan: str, *srun_args: str) -> list[tuple[list[str], str | None]]:
+def _srun_loop(tmp_path: Path, plan: str, *srun_args: str, **env: str) -> list[tuple[list[str], str | None]]:
     (tmp_path / "sw").mkdir(exist_ok=True)
     (tmp_path / "plan").write_text(plan)
     srun = tmp_path / "bin" / "srun"
@@ -145,7 +145,7 @@ def _srun_loop(tmp_path: Path, plan: str, *srun_args: str) -> list[tuple[list[st
     srun.chmod(0o755)
     proc = subprocess.run([sys.executable, "-m", "trainguard.trainer", "relaunch", "--switch-dir",
                            str(tmp_path / "sw"), "--", str(srun), *srun_args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "SLURM_JOB_ID": "77", "SW": str(tmp_path / "sw")})
+                          timeout=60, env={**os.environ, "SLURM_JOB_ID": "77", "SW": str(tmp_path / "sw"), **env})
     assert proc.returncode == 0, proc.stderr
     return [tuple(json.loads(line)) for line in (tmp_path / "launches").read_text().splitlines()]  # type: ignore[misc]
 
@@ -158,22 +158,26 @@ def test_a_request_to_leave_a_node_starts_srun_again_without_every_node_left(tmp
                         (["--exclude=n3,n1", "-N", "3", "python", "train.py"], "n3,n1")]  # n3 once
 
 
-def test_nodes_recorded_as_left_are_left_too_and_an_earlier_lifes_records_are_removed(tmp_path: Path) -> None:
+def test_nodes_recorded_as_left_in_this_life_are_left_and_an_earlier_lifes_records_are_removed(tmp_path: Path) -> None:
     """Two nodes lost at once: each agent records its node in a file of its own, and the one request names only the
-    later one; a lost spare is recorded with no request at all. The loop leaves every node recorded for this job,
-    as switch files count (regular files of the user or root); records from before the loop started belong to an
-    earlier life of the job, in another allocation, and are removed."""
+    later one; a lost spare is recorded with no request at all, maybe before the loop started (the batch script
+    preparing). The loop leaves every node this life of the job recorded (`SLURM_RESTART_COUNT`), as the agent writes
+    them (regular files of the user or root); an earlier life's records (another allocation) are removed."""
     sw = tmp_path / "sw"
     sw.mkdir()
-    (sw / "left.77.n9").write_text("{}")  # an earlier life's
-    (sw / "left.78.n5").write_text("{}")  # another job's of the same directory
-    (sw / "left.77.--uid=0").write_text("{}")  # not a host name
-    os.symlink(tmp_path / "plan", sw / "left.77.n7")  # not a regular file
-    launches = _srun_loop(tmp_path, "left n2+leave n3;left n4+leave n1;exit", "-N", "2", "python", "train.py")
-    assert launches == [(["-N", "2", "python", "train.py"], ""),
-                        (["--exclude=n3,n2", "-N", "2", "python", "train.py"], "n3,n2"),
-                        (["--exclude=n3,n2,n1,n4", "-N", "2", "python", "train.py"], "n3,n2,n1,n4")]
-    assert not (sw / "left.77.n9").exists() and (sw / "left.78.n5").exists()
+    (sw / "left.77.0.n9").write_text("{}")  # the first life's: this is the second (requeued once)
+    (sw / "left.77.1.n8").write_text("{}")  # this life's, from before the loop started
+    (sw / "left.78.1.n5").write_text("{}")  # another job's of the same directory
+    (sw / "left.77.1.--uid=0").write_text("{}")  # not a host name
+    os.symlink(tmp_path / "plan", sw / "left.77.1.n7")  # not a regular file
+    (sw / "left.77.1.n6").write_text("{}")
+    os.chown(sw / "left.77.1.n6", 65534, 65534)  # another user's (a teammate's): not the agent's
+    launches = _srun_loop(tmp_path, "left n2+leave n3;left n4+leave n1;exit", "-N", "2", "python", "train.py",
+                          SLURM_RESTART_COUNT="1")
+    assert launches == [(["--exclude=n8", "-N", "2", "python", "train.py"], "n8"),
+                        (["--exclude=n8,n3,n2", "-N", "2", "python", "train.py"], "n8,n3,n2"),
+                        (["--exclude=n8,n3,n2,n1,n4", "-N", "2", "python", "train.py"], "n8,n3,n2,n1,n4")]
+    assert not (sw / "left.77.0.n9").exists() and (sw / "left.78.1.n5").exists() and (sw / "left.77.1.n6").exists()
 
 
 @pytest.mark.parametrize("leave", ["n[1-3]", "--uid=0", "n1,n2", "", "n1 n2"])
@@ -282,13 +286,18 @@ class StubSlurm:
 
     def __init__(self, here: dict[str, list[int]], steps: list[str], fail_signal: bool = False,
                  gone: bool = False, batch: list[int] | None = None,
-                 sruns: dict[str, tuple[str, int]] | None = None) -> None:
+                 sruns: dict[str, tuple[str, int]] | None = None, spans: dict[str, str] | None = None) -> None:
         self.here, self.listed, self.fail_signal, self.gone = here, steps, fail_signal, gone
         self.batch, self.sruns = batch or [], sruns or {}  # this node's processes of the job; who launched each step
+        self.spans = spans or {}  # each step's NodeList
         self.calls: list[tuple[str, ...]] = []
 
     def local_pids(self, node: str = "") -> dict[str, list[int]]:
-        return {"5": self.batch + [pid for pids in self.here.values() for pid in pids]}
+        pids = self.batch + [pid for pids in self.here.values() for pid in pids]
+        return {"5": pids} if pids else {}
+
+    def step_nodes(self, job_id: str) -> dict[str, str]:
+        return self.spans
 
     def step_sruns(self, job_id: str) -> dict[str, tuple[str, int]]:
         return self.sruns
@@ -382,6 +391,7 @@ def test_leave_node_restarts_without_this_node_when_the_allocation_holds_a_spare
     detail = _run(slurm, job, leave_node=True)
     assert detail.startswith("restart of 5 without n1 requested"), detail
     assert json.loads((tmp_path / "sw" / "restart.5").read_text())["leave"] == "n1"
+    assert json.loads((tmp_path / "sw" / "left.5.0.n1").read_text())["life"] == 0
     assert slurm.calls == [("signal", "5.0", "USR1", "step"), ("cancel", "5.0")]
 
 
@@ -402,29 +412,55 @@ def test_leave_node_without_a_spare_is_requeued_instead(tmp_path: Path, ranks: C
     assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
     # no restart request; the node is recorded as left only where the loop could have left it (a true record: the
     # next life of the job, after the requeue, removes it)
-    assert sorted(p.name for p in (tmp_path / "sw").glob("*")) == (["left.5.n1"] if "no spare" in why else [])
+    assert sorted(p.name for p in (tmp_path / "sw").glob("*")) == (["left.5.0.n1"] if "no spare" in why else [])
 
 
 def test_two_nodes_lost_at_once_count_each_others_record(tmp_path: Path, ranks: Callable[..., int]) -> None:
     """n2's agent recorded n2 as left a moment ago; its restart has not reached the ranks yet (TRAINGUARD_LEFT is
     still empty). n1's agent counts n2 too: with one spare in the allocation the job cannot go on without both, and
-    is requeued; with two it restarts without n1, and the loop reads both records. A symlink is no record."""
+    is requeued; with two it restarts without n1, and the loop reads both records. A symlink is no record, and
+    neither is an earlier life's (the job was requeued once: its ranks say so, the controller's record did not)."""
     sw = tmp_path / "sw"
     sw.mkdir()
-    (sw / "left.5.n2").write_text("{}")
-    os.symlink(tmp_path, sw / "left.5.n3")
-    env = {"TRAINGUARD_RESTARTS": "0", "TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "3"}
+    (sw / "left.5.1.n2").write_text("{}")
+    os.symlink(tmp_path, sw / "left.5.1.n3")
+    env = {"TRAINGUARD_RESTARTS": "0", "TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "3", "SLURM_RESTART_COUNT": "1"}
     slurm = StubSlurm({"0": [ranks(**env)]}, ["0"])
     detail = _run(slurm, replace(_job(tmp_path), node_list="n[1-4]"), leave_node=True)
     assert "not restarted without n1: no spare node in its allocation (4 node(s), 2 left or leaving, its step spans " \
            "3): requeue instead" in detail, detail
-    assert json.loads((sw / "left.5.n1").read_text())["node"] == "n1" and not (sw / "restart.5").exists()
+    assert json.loads((sw / "left.5.1.n1").read_text())["node"] == "n1" and not (sw / "restart.5").exists()
 
-    (sw / "left.5.n1").unlink()
+    (sw / "left.5.1.n1").unlink()
+    (sw / "left.5.0.n4").write_text("{}")
+    (sw / "left.5.0.n5").write_text("{}")
     slurm = StubSlurm({"0": [ranks(**env)]}, ["0"])
     detail = _run(slurm, replace(_job(tmp_path), node_list="n[1-5]"), leave_node=True)
     assert detail.startswith("restart of 5 without n1 requested"), detail
-    assert (sw / "left.5.n1").is_file() and json.loads((sw / "restart.5").read_text())["leave"] == "n1"
+    assert (sw / "left.5.1.n1").is_file() and json.loads((sw / "restart.5").read_text())["leave"] == "n1"
+
+
+def test_a_node_left_but_neither_restarted_nor_requeued_is_not_left_recorded(tmp_path: Path,
+                                                                              ranks: Callable[..., int]) -> None:
+    """No spare and `fallback = "none"` (or a job submitted --no-requeue): the job goes on as it was, and a later
+    restart (a NaN) must not leave the node its step needs. A switch dir the record cannot be written in is the
+    fallback too (a requeue), as a job without a spare would get."""
+    env = {"TRAINGUARD_RESTARTS": "0", "TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "4"}
+    job = replace(_job(tmp_path), node_list="n[1-4]")
+    slurm = StubSlurm({"0": [ranks(**env)]}, ["0"])
+    with pytest.raises(ActionError, match=r"no spare node in its allocation.*fallback none"):
+        _run(slurm, job, leave_node=True, fallback="none")
+    assert list((tmp_path / "sw").iterdir()) == [] and slurm.calls == []
+
+    (tmp_path / "sw").rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "sw").symlink_to(tmp_path / "elsewhere")
+    slurm = StubSlurm({"0": [ranks(**{**env, "SLURM_STEP_NUM_NODES": "3"})]}, ["0"])
+    detail = _run(slurm, job, leave_node=True)
+    assert "not restarted without n1: n1 cannot be recorded as left (switch dir" in detail and "is a symlink: " \
+           "refused): requeue instead" in detail, detail
+    assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[..., int]) -> None:
@@ -563,14 +599,32 @@ def test_which_srun_launched_each_step_as_captured() -> None:
     assert parse_step_sruns("StepId=2.0 SrunHost:Pid=vm:5\nStepId=1.batch SrunHost:Pid=(null):0\n", "1") == {}
 
 
-def test_leave_node_on_a_node_the_job_runs_nothing_on_leaves_the_job_alone(tmp_path: Path) -> None:
-    """The spare itself lost its GPU: no step of the job runs there, so no restart and no requeue (the drain bound
-    before it keeps new jobs off the node)."""
-    job = replace(_job(tmp_path), node_list="n[1-4]")
-    slurm = StubSlurm({}, ["0"])
-    record = tmp_path / "sw" / "left.5.n1"
-    assert _run(slurm, job, leave_node=True) == (f"job 5 (t): none of its steps runs on n1: nothing to restart; n1 "
+def test_which_nodes_each_step_spans_as_captured() -> None:
+    """The same capture: step 0 spans n[2-3], step 1 n3 (the batch step, on n1, is no srun step). The step's name
+    comes after SLURM's NodeList: a forged one in it does not win."""
+    from trainguard.jobs.slurm import parse_step_nodes
+
+    assert parse_step_nodes((DATA / "show-step.txt").read_text(), "1") == {"0": "n[2-3]", "1": "n3"}
+    assert parse_step_nodes("StepId=1.2 UserId=1 NodeList=n1 Nodes=1 Name=x NodeList=evil\n", "1") == {"2": "n1"}
+
+
+def test_leave_node_on_a_node_the_job_runs_nothing_on_leaves_the_job_alone(tmp_path: Path,
+                                                                           ranks: Callable[..., int]) -> None:
+    """The spare itself lost its GPU: no process of the job here and no step spans the node, so no restart and no
+    requeue (the drain bound before it keeps new jobs off the node); the record keeps the job's next restart off it.
+    A node whose rank already died (its step still spans it), or whose batch script trains without srun, is no
+    spare: the fallback requeues the job."""
+    job = replace(_job(tmp_path), node_list="n[1-4]", restarts=2)
+    slurm = StubSlurm({}, ["0"], spans={"0": "n[2-4]"})
+    record = tmp_path / "sw" / "left.5.2.n1"
+    assert _run(slurm, job, leave_node=True) == (f"job 5 (t): nothing of it runs on n1: nothing to restart; n1 "
                                                  f"recorded as left ({record})")
     # no signal, no request: the record only keeps the job's next restart off the node
-    assert slurm.calls == [] and [p.name for p in record.parent.iterdir()] == ["left.5.n1"]
+    assert slurm.calls == [] and [p.name for p in record.parent.iterdir()] == ["left.5.2.n1"]
     assert json.loads(record.read_text())["check"] == "training_log"
+
+    assert "(n1 not recorded as left: its life is unknown)" in _run(slurm, replace(job, restarts=None),
+                                                                    leave_node=True)
+    for slurm in (StubSlurm({}, ["0"], spans={"0": "n[1-3]"}), StubSlurm({}, ["0"], batch=[ranks()])):
+        assert "no srun step of it on this node: requeue instead" in _run(slurm, job, leave_node=True)
+        assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]

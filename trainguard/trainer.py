@@ -307,11 +307,12 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     ranks' (save and exit, save): the loop must outlive them when they reach the whole batch step.
 
     A request may name a node to leave (`"leave"`: the agent's `restart` with `leave_node`, after a fault of that
-    node), and the agents record each node the job is to leave in a file of its own (`left.<SLURM_JOB_ID>.<node>`:
-    two nodes lost at once, or a lost spare the job ran nothing on): when the command is `srun` itself, the loop
-    starts it again with `--exclude=` every node left so far, so the job goes on without them, on the spare its
-    allocation holds. The command sees TRAINGUARD_LEFT (those nodes, comma-separated) exactly when the loop can do
-    this. Records left by an earlier life of the job (a requeue: a new allocation) are removed when the loop starts.
+    node), and the agents record each node the job is to leave in a file of its own, named by the job's life
+    (`left.<SLURM_JOB_ID>.<SLURM_RESTART_COUNT or 0>.<node>`: two nodes lost at once, or a lost spare the job ran
+    nothing on): when the command is `srun` itself, the loop starts it with `--exclude=` every node this life left so
+    far (from its first start: a spare lost while the batch script prepared counts), so the job goes on without
+    them, on the spare its allocation holds. The command sees TRAINGUARD_LEFT (those nodes, comma-separated) exactly
+    when the loop can do this. The records of an earlier life (a requeue: another allocation) are removed.
 
     A request written by another node's agent on a network file system may show up here a moment late (NFS caches
     attributes and lookups): after a command that exited 0 the loop looks again for up to `settle` seconds."""
@@ -329,12 +330,17 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     restarts = 0
     env = {**os.environ, "TRAINGUARD_MAX_RESTARTS": str(max_restarts)}  # the agent requeues a loop out of restarts
     env.pop("TRAINGUARD_LEFT", None)  # inherited (a job submitted from a rank): the agent must not trust it
-    left: list[str] = []  # nodes a request or a record asked the job to leave, in order
     can_leave = _can_exclude(command)
     job_id = os.environ.get("SLURM_JOB_ID", "")
-    for name in _left_files(watcher, job_id):  # an earlier life's, in another allocation
-        with contextlib.suppress(OSError):
-            os.unlink(watcher.switch_dir / f"left.{job_id}.{name}")
+    life = _life(os.environ.get("SLURM_RESTART_COUNT", "0")) or "0"  # SLURM sets it once the job was requeued
+    records = _left_records(watcher.switch_dir, job_id)
+    for (lived, _node), path in records.items():
+        if lived != life:  # an earlier life's, in another allocation: removed when it is this user's
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_uid == os.getuid():
+                    os.unlink(path)
+    # nodes a record or a request asked the job to leave, in order; this life's records count from the first start
+    left = sorted(node for lived, node in records if lived == life) if can_leave else []
     while True:
         argv = [command[0], f"--exclude={','.join(left)}", *command[1:]] if left else command
         run_env = {**env, "TRAINGUARD_RESTARTS": str(restarts)}
@@ -363,7 +369,8 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
         seen, restarts = request, restarts + 1
         reason, leave = _request(watcher.switch_dir / watcher.restart_name)
         if can_leave:
-            left += [node for node in dict.fromkeys([leave, *_left_files(watcher, job_id)]) if node and node not in left]
+            recorded = sorted(node for lived, node in _left_records(watcher.switch_dir, job_id) if lived == life)
+            left += [node for node in dict.fromkeys([leave, *recorded]) if node and node not in left]
         print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked ({reason}); {command[0]} "
               f"exited {status}: starting it again" + (f" without {', '.join(left)}" if left else ""),
               file=sys.stderr, flush=True)
@@ -379,23 +386,31 @@ def _host_name(text: str) -> bool:
     return 0 < len(text) <= 64 and text[0] not in "._-" and set(text) <= _HOST_CHARS
 
 
-def _left_files(watcher: Trainer, job_id: str) -> list[str]:
-    """The nodes recorded as left by this job in its switch dir (`left.<job>.<node>`, as switch files count: regular
-    files of this user, root or the switch group), sorted; at most 10,000 entries of the directory are looked at."""
+def _life(text: str) -> str:
+    """A job's life (how many times SLURM requeued it) as one text for one number ("" when `text` is not one)."""
+    return str(int(text)) if 0 < len(text) <= 9 and text.isascii() and text.isdigit() else ""
+
+
+def _left_records(switch_dir: Path, job_id: str) -> dict[tuple[str, str], Path]:
+    """The job's records of nodes left (`left.<job>.<life>.<node>`, written by the agents as this user): (life,
+    node) -> path, for regular files of this user or root whose node is one host name. The whole directory is read
+    (the user's own, at a restart only): a record is never missed because others are many."""
     if not job_id:
-        return []
-    prefix, nodes = f"left.{job_id}.", []
+        return {}
+    prefix, found = f"left.{job_id}.", {}
     try:
-        with os.scandir(watcher.switch_dir) as entries:
-            for seen, entry in enumerate(entries):
-                if seen >= 10_000:
-                    break
-                node = entry.name[len(prefix):]
-                if entry.name.startswith(prefix) and _host_name(node) and watcher._switch(entry.name) is not None:
-                    nodes.append(node)
+        with os.scandir(switch_dir) as entries:
+            for entry in entries:
+                life, _, node = entry.name[len(prefix):].partition(".")
+                if not (entry.name.startswith(prefix) and _life(life) and _host_name(node)):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_uid in (os.getuid(), 0):
+                        found[(_life(life), node)] = Path(entry.path)
     except OSError:  # no switch dir (yet): nothing recorded
-        return []
-    return sorted(nodes)
+        return {}
+    return found
 
 
 def _request(path: Path) -> tuple[str, str]:

@@ -16,11 +16,12 @@ then (a rank hung in a collective or a CUDA call never exits by itself). The req
 a rank that exits before the loop could see a request would end the job instead.
 
 With `leave_node`, for a fault of this node (a GPU lost: bind it after `drain`), the action first records the node
-as left (`left.<job>.<node>` in the switch dir, one file per node: two nodes lost at once each write their own) and
-counts the nodes every agent recorded; the request names this node too. The loop starts srun again with `--exclude`
-of every node recorded, on the spare node the allocation holds (`sbatch -N 3-4`, `srun -N 3`), again without a
-requeue. A job with no spare left gets the fallback. A lost spare (no step of the job on the node) is only recorded,
-so that no later restart starts a rank there.
+as left (`left.<job>.<life>.<node>` in the switch dir: one file per node, so two nodes lost at once each write their
+own, and per life, so a requeued job's new allocation starts clean) and counts the nodes every agent recorded for
+this life; the request names this node too. The loop starts srun again with `--exclude` of every node recorded, on
+the spare node the allocation holds (`sbatch -N 3-4`, `srun -N 3`), again without a requeue. A job with no spare left
+gets the fallback, and a job neither restarted nor requeued keeps no record. A lost spare (nothing of the job on the
+node: no process, no step spanning it) is only recorded.
 
 A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
 would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
@@ -41,7 +42,7 @@ from pydantic import Field, field_validator
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job, slurm_jobs
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
-from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_names
+from trainguard.actions.switch import create_switch, job_owner, present_switches, remove_switch
 from trainguard.core.settings import Duration
 from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
@@ -53,7 +54,8 @@ LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop fo
 LOOP_MAX_VAR = "TRAINGUARD_MAX_RESTARTS"
 LEFT_VAR = "TRAINGUARD_LEFT"  # set (maybe empty) when the loop can start srun without a node: those it left
 STEP_NODES_VAR = "SLURM_STEP_NUM_NODES"  # srun's, in each rank's environment
-LOOP_VARS = (LOOP_VAR, LOOP_MAX_VAR, LEFT_VAR, STEP_NODES_VAR)
+LIFE_VAR = "SLURM_RESTART_COUNT"  # SLURM's, once the job was requeued (absent: 0): which life the ranks are of
+LOOP_VARS = (LOOP_VAR, LOOP_MAX_VAR, LEFT_VAR, STEP_NODES_VAR, LIFE_VAR)
 RELAUNCH_GRACE = 30.0  # a job restarted this recently may be between two sruns: its next step is waited for
 RELAUNCH_WAIT = 10.0  # at most this long
 POLL = 0.2  # the ranks on this node: /proc only
@@ -72,10 +74,19 @@ def request_name(job_id: str) -> str:
     return f"restart.{job_id}"
 
 
-def left_prefix(job_id: str) -> str:
-    """The job's records of nodes left, `left.<job>.<node>`: one file per node, so that the agents of two nodes lost
-    at once never replace each other's (the loop reads them all: `_left_files` in trainguard/trainer.py)."""
-    return f"left.{job_id}."
+def left_name(job_id: str, life: int, node: str) -> str:
+    """The record that the job's life `life` (its requeues so far) left `node`: one file per node, so that the agents
+    of two nodes lost at once never replace each other's, and per life, so that a requeued job (another allocation)
+    never leaves a node for an earlier life's fault (the loop reads them: `_left_records` in trainguard/trainer.py)."""
+    return f"left.{job_id}.{life}.{node}"
+
+
+def _hosts(node_list: str | None) -> list[str]:
+    """The controller's NodeList as host names ([] when unknown or not a hostlist)."""
+    try:
+        return expand(node_list) if node_list else []
+    except ValueError:
+        return []
 
 
 class RestartSettings(WaitExitSettings):
@@ -175,14 +186,18 @@ class RestartAction(Action):
                 looped, ranks = self._launched_here(job_id, ctx, procfs)
             except SlurmError as exc:
                 raise ActionError(f"restart {job_id}: {exc}") from None
-        if not looped and not here and s.leave_node:
+        if not looped and not here and s.leave_node and self._spare(job, ctx):
             # A node the job holds but runs nothing on (the spare itself lost its GPU): the job goes on untouched; a
             # requeue would cost it its progress for nothing. The drain keeps other jobs off the node, and the record
             # keeps the job's own next restart off it (srun picks from the allocation, drained nodes included).
-            nothing = f"{job.label()}: none of its steps runs on {ctx.node}: nothing to restart"
-            if not job.switch_dir:
-                return f"{nothing} (no switch dir to record {ctx.node} as left in)"
-            return f"{nothing}; {ctx.node} recorded as left ({self._record_left(job, ctx)})"
+            nothing = f"{job.label()}: nothing of it runs on {ctx.node}: nothing to restart"
+            if not job.switch_dir or job.restarts is None:
+                return f"{nothing} ({ctx.node} not recorded as left: its {'life' if job.switch_dir else 'switch dir'} " \
+                       "is unknown)"
+            try:
+                return f"{nothing}; {ctx.node} recorded as left ({self._record_left(job, ctx, job.restarts)})"
+            except ActionError as exc:
+                return f"{nothing} ({ctx.node} not recorded as left: {exc})"
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
@@ -191,18 +206,41 @@ class RestartAction(Action):
         spent = self._spent(ranks)
         if spent is not None:
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
-        leave: dict[str, str] = {}
-        if s.leave_node:
-            # ctx.node: this node's SLURM name (jobs.slurm_node). Recorded before the others' records are counted:
-            # of two agents acting at once, at least the later one counts both nodes.
-            no_spare = self._cannot_leave(job, ctx.node, ranks)
-            if not no_spare:
-                self._record_left(job, ctx)
-                identity, _ = job_owner(job)
-                no_spare = self._no_spare(job, ranks, set(switch_names(job.switch_dir, left_prefix(job_id), identity)))
+        identity, _ = job_owner(job)
+        if not s.leave_node:
+            return self._request(job, ctx, looped, {}, deadline)
+        # ctx.node: this node's SLURM name (jobs.slurm_node). Recorded before the others' records are counted: of two
+        # agents acting at once, at least the later one counts both nodes.
+        no_spare = self._cannot_leave(job, ctx.node, ranks)
+        record = ""
+        if not no_spare:
+            life = job.restarts if job.restarts is not None else self._life(ranks)
+            allocation = _hosts(job.node_list)
+            try:
+                self._record_left(job, ctx, life)
+                record = left_name(job_id, life, ctx.node)
+                present = present_switches(job.switch_dir, [left_name(job_id, life, n) for n in allocation], identity)
+            except ActionError as exc:
+                no_spare = f"{ctx.node} cannot be recorded as left ({exc})"
+            else:
+                no_spare = self._no_spare(job, ranks, {n for n in allocation
+                                                       if left_name(job_id, life, n) in present} | {ctx.node})
+        try:
             if no_spare:
                 return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
-            leave = {"leave": ctx.node}  # besides the record: an older loop reads this alone
+            return self._request(job, ctx, looped, {"leave": ctx.node}, deadline)  # an older loop reads the request
+        except ActionError:
+            # neither restarted nor requeued: the job goes on as it was, and a later restart of it (a NaN) must not
+            # leave a node its step may need (a job without a spare would end)
+            if record:
+                remove_switch(job.switch_dir, record, identity)
+            raise
+
+    def _request(self, job: Job, ctx: ActionContext, looped: dict[str, list[int]], leave: dict[str, str],
+                 deadline: float) -> str:
+        """Ask the loop for a restart, signal the steps, wait for them and cancel those still running."""
+        assert job.job_id and job.switch_dir
+        job_id, s = job.job_id, self.settings
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
@@ -268,6 +306,26 @@ class RestartAction(Action):
         return None
 
     @staticmethod
+    def _spare(job: Job, ctx: ActionContext) -> bool:
+        """Whether this node is one the job holds and runs nothing on: in its allocation, no process of the job here
+        (its batch script may train without srun) and in no srun step's NodeList (a rank that died of the lost GPU
+        leaves no process, yet its step still spans the node: not a spare, and the fallback applies)."""
+        assert job.job_id
+        try:
+            if ctx.slurm.local_pids(ctx.slurmd).get(job.job_id):
+                return False
+            spanned = {n for nodes in ctx.slurm.step_nodes(job.job_id).values() for n in _hosts(nodes)}
+        except SlurmError:
+            return False
+        return ctx.node in _hosts(job.node_list) and ctx.node not in spanned
+
+    @staticmethod
+    def _life(ranks: list[dict[str, str]]) -> int:
+        """The job's life as its ranks see it (SLURM_RESTART_COUNT, absent in the first): when the controller's
+        record did not say."""
+        return next((n for n in (_count(env.get(LIFE_VAR)) for env in ranks) if n is not None), 0)
+
+    @staticmethod
     def _cannot_leave(job: Job, node: str, ranks: list[dict[str, str]]) -> str:
         """Why the job's loop cannot start it again without `node` ("" when it can): the loop must be able to leave a
         node, its ranks must say how many nodes their step spans, and `node` must be in the allocation (the
@@ -277,7 +335,7 @@ class RestartAction(Action):
             return "its relaunch loop cannot leave a node (an older trainer helper, or a command that is not srun)"
         if not any(_count(env.get(STEP_NODES_VAR)) is not None for env in ranks):
             return f"its ranks here do not say how many nodes their step spans ({STEP_NODES_VAR})"
-        if node not in (expand(job.node_list) if job.node_list else []):
+        if node not in _hosts(job.node_list):
             # --exclude of a name srun does not know would fail the step, or leave nothing
             return f"this node ({node}) is not in its allocation ({job.node_list or 'unknown'})"
         return ""
@@ -287,7 +345,7 @@ class RestartAction(Action):
         """Why the allocation less the nodes left (those the running loop left, in the ranks' TRAINGUARD_LEFT, and
         those recorded as left by any node's agent, this one's included) cannot hold the step ("" when it can)."""
         size = max(n for n in (_count(env.get(STEP_NODES_VAR)) for env in ranks) if n is not None)
-        allocation = expand(job.node_list) if job.node_list else []
+        allocation = _hosts(job.node_list)
         gone = ({n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | recorded) & set(allocation)
         if len(allocation) - len(gone) < size:
             return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
@@ -295,12 +353,13 @@ class RestartAction(Action):
         return ""
 
     @staticmethod
-    def _record_left(job: Job, ctx: ActionContext) -> str:
-        """Record this node as left by the job (`left.<job>.<node>` in its switch dir, as its user)."""
+    def _record_left(job: Job, ctx: ActionContext, life: int) -> str:
+        """Record this node as left by the job's life `life` (`left.<job>.<life>.<node>` in its switch dir, as its
+        user)."""
         assert job.job_id and job.switch_dir
         identity, gid = job_owner(job)
-        return create_switch(job.switch_dir, left_prefix(job.job_id) + ctx.node, identity, gid, {
-            "requested_by": "trainguard", "job_id": job.job_id, "node": ctx.node, "at": ctx.clock(),
+        return create_switch(job.switch_dir, left_name(job.job_id, life, ctx.node), identity, gid, {
+            "requested_by": "trainguard", "job_id": job.job_id, "life": life, "node": ctx.node, "at": ctx.clock(),
             "incident": ctx.event.incident_id, "check": ctx.event.check, "reason": one_line(ctx.event.summary, 200)})
 
     def _fallback(self, job: Job, ctx: ActionContext, why: str, deadline: float) -> str:

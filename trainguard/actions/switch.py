@@ -18,6 +18,7 @@ import os
 import pwd
 import stat
 import time
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import Field
@@ -146,34 +147,28 @@ def remove_switch(directory: str, name: str, identity: Identity) -> bool:
         os.close(dfd)
 
 
-SCAN_LIMIT = 10_000  # entries of a switch dir looked at: the directory is the user's, and may hold millions
-
-
-def switch_names(directory: str, prefix: str, identity: Identity) -> list[str]:
-    """The names after `prefix` of the switch files in a job's switch dir (opened as in create_switch; none when it
-    is missing): regular files of the job's user or root, as the agent writes them. At most SCAN_LIMIT entries are
-    looked at; a user who fills the directory past that only hides their own files."""
+def present_switches(directory: str, names: Iterable[str], identity: Identity) -> set[str]:
+    """Which of `names` are switch files in a job's switch dir (opened as in create_switch; none when it is missing):
+    regular files of the job's user or root, as the agent writes them. One lstat per name asked, so the cost follows
+    what is asked, never how many files the user keeps there."""
     try:
         dfd = _open_switch_dir(directory, identity, create=False)
     except SwitchDirMissingError:
-        return []
-    names = []
+        return set()
+    present = set()
     try:
-        with os.scandir(dfd) as entries:
-            for seen, entry in enumerate(entries):
-                if seen >= SCAN_LIMIT:
-                    break
-                if not entry.name.startswith(prefix):
-                    continue
-                with contextlib.suppress(OSError):  # gone meanwhile: not there
-                    st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode) and st.st_uid in (identity.uid, 0):
-                        names.append(entry.name[len(prefix):])
-    except OSError as exc:
-        raise ActionError(f"cannot list switch dir {directory}: {exc.strerror or exc}") from None
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise ActionError(f"cannot look for {name} in switch dir {directory}: {exc.strerror or exc}") from None
+            if stat.S_ISREG(st.st_mode) and st.st_uid in (identity.uid, 0):
+                present.add(name)
     finally:
         os.close(dfd)
-    return sorted(names)
+    return present
 
 
 def job_owner(job: Job) -> tuple[Identity, int]:

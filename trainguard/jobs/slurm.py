@@ -107,6 +107,11 @@ class SlurmClient:
         REQUEST_JOB_STEP_INFO for this job)."""
         return parse_step_sruns(self.run("scontrol", "show", "step", job_id, "--oneliner"), job_id)
 
+    def step_nodes(self, job_id: str) -> dict[str, str]:
+        """The nodes each of the job's srun steps spans: step -> NodeList, from the controller (one
+        REQUEST_JOB_STEP_INFO for this job)."""
+        return parse_step_nodes(self.run("scontrol", "show", "step", job_id, "--oneliner"), job_id)
+
     def steps(self, job_id: str) -> list[str]:
         """The ids of the job's srun steps still known to the controller, on any node (`squeue --steps`, one
         REQUEST_JOB_STEP_INFO for this job)."""
@@ -240,6 +245,20 @@ def parse_step_sruns(out: str, job_id: str) -> dict[str, tuple[str, int]]:
         if step is not None and host and _small_id(pid):
             sruns[step] = (host, int(pid))
     return sruns
+
+
+def parse_step_nodes(out: str, job_id: str) -> dict[str, str]:
+    """`scontrol show step ID --oneliner`: numbered step -> its NodeList (a hostlist, `n[2-3]`). The field comes
+    before the step's name (the job user's text) on its line: the first occurrence is SLURM's."""
+    nodes: dict[str, str] = {}
+    for line in out.splitlines():
+        if not line.startswith("StepId="):
+            continue
+        step = _numbered_step(line[len("StepId="):].split(" ", 1)[0], job_id)
+        hostlist = line.partition(" NodeList=")[2].split(" ", 1)[0]
+        if step is not None and hostlist:
+            nodes[step] = hostlist
+    return nodes
 
 
 # squeue --Format: every field but the last ends with "|" and is printed whole; the name is last and whole (`:0`).
