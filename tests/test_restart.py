@@ -177,7 +177,9 @@ def test_nodes_recorded_as_left_in_this_life_are_left_and_an_earlier_lifes_recor
     assert launches == [(["--exclude=n8", "-N", "2", "python", "train.py"], "n8"),
                         (["--exclude=n8,n3,n2", "-N", "2", "python", "train.py"], "n8,n3,n2"),
                         (["--exclude=n8,n3,n2,n1,n4", "-N", "2", "python", "train.py"], "n8,n3,n2,n1,n4")]
-    assert not (sw / "left.77.0.n9").exists() and (sw / "left.78.1.n5").exists() and (sw / "left.77.1.n6").exists()
+    assert (sw / "left.78.1.n5").exists() and (sw / "left.77.1.n6").exists()  # another job's; not this user's
+    # the job's life ended with its loop: none of its records is left for a later job given the same id
+    assert sorted(p.name for p in sw.glob("left.77.*")) == ["left.77.1.--uid=0", "left.77.1.n6", "left.77.1.n7"]
 
 
 @pytest.mark.parametrize("leave", ["n[1-3]", "--uid=0", "n1,n2", "", "n1 n2"])
@@ -290,11 +292,15 @@ class StubSlurm:
         self.here, self.listed, self.fail_signal, self.gone = here, steps, fail_signal, gone
         self.batch, self.sruns = batch or [], sruns or {}  # this node's processes of the job; who launched each step
         self.spans = spans or {}  # each step's NodeList
+        self.fail_steps = False
         self.calls: list[tuple[str, ...]] = []
 
     def local_pids(self, node: str = "") -> dict[str, list[int]]:
         pids = self.batch + [pid for pids in self.here.values() for pid in pids]
         return {"5": pids} if pids else {}
+
+    def local_work_pids(self, job_id: str, node: str = "") -> list[int]:
+        return self.local_pids(node).get(job_id, [])
 
     def step_nodes(self, job_id: str) -> dict[str, str]:
         return self.spans
@@ -306,6 +312,8 @@ class StubSlurm:
         return self.here
 
     def steps(self, job_id: str) -> list[str]:
+        if self.fail_steps:
+            raise SlurmError("squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation")
         return self.listed
 
     def signal(self, job_id: str, signal_name: str, mode: str = "full") -> None:
@@ -438,6 +446,18 @@ def test_two_nodes_lost_at_once_count_each_others_record(tmp_path: Path, ranks: 
     detail = _run(slurm, replace(_job(tmp_path), node_list="n[1-5]"), leave_node=True)
     assert detail.startswith("restart of 5 without n1 requested"), detail
     assert (sw / "left.5.1.n1").is_file() and json.loads((sw / "restart.5").read_text())["leave"] == "n1"
+
+
+def test_a_restart_under_way_keeps_its_record_when_the_controller_fails_after_the_signal(
+        tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """The request is written and the steps signalled: the loop restarts the job without this node whatever fails
+    next, so the record stays (another node's agent counts it)."""
+    env = {"TRAINGUARD_RESTARTS": "0", "TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "3"}
+    slurm = StubSlurm({"0": [ranks(**env)]}, ["0"])
+    slurm.fail_steps = True
+    with pytest.raises(ActionError, match=r"restart 5: .*restart.5 written, SIGUSR1 sent, then: squeue: error"):
+        _run(slurm, replace(_job(tmp_path), node_list="n[1-4]"), leave_node=True)
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir()) == ["left.5.0.n1", "restart.5"]
 
 
 def test_a_node_left_but_neither_restarted_nor_requeued_is_not_left_recorded(tmp_path: Path,
@@ -599,6 +619,18 @@ def test_which_srun_launched_each_step_as_captured() -> None:
     assert parse_step_sruns("StepId=2.0 SrunHost:Pid=vm:5\nStepId=1.batch SrunHost:Pid=(null):0\n", "1") == {}
 
 
+def test_the_extern_step_is_no_work_of_the_job_on_a_node() -> None:
+    """`scontrol listpids` as captured (tests/data/slurm/listpids-steps.txt: the batch step and step 0), plus an
+    extern step's line written in the same format (this cluster runs no extern step: `PrologFlags=Contain` needs
+    proctrack/cgroup here), whose `sleep` SLURM keeps on every node of the job, spares included."""
+    from trainguard.jobs.slurm import parse_listpids_work
+
+    captured = (DATA / "listpids-steps.txt").read_text()
+    assert parse_listpids_work(captured) == {"1": [8483, 8485, 8457, 8461, 8458]}
+    assert parse_listpids_work(captured + "9001     2        extern   0       0       \n") == \
+        {"1": [8483, 8485, 8457, 8461, 8458]}
+
+
 def test_which_nodes_each_step_spans_as_captured() -> None:
     """The same capture: step 0 spans n[2-3], step 1 n3 (the batch step, on n1, is no srun step). The step's name
     comes after SLURM's NodeList: a forged one in it does not win."""
@@ -625,6 +657,6 @@ def test_leave_node_on_a_node_the_job_runs_nothing_on_leaves_the_job_alone(tmp_p
 
     assert "(n1 not recorded as left: its life is unknown)" in _run(slurm, replace(job, restarts=None),
                                                                     leave_node=True)
-    for slurm in (StubSlurm({}, ["0"], spans={"0": "n[1-3]"}), StubSlurm({}, ["0"], batch=[ranks()])):
+    for slurm in (StubSlurm({}, ["0"], spans={"0": "n[1-3]"}), StubSlurm({}, ["0"], batch=[ranks()], spans={"0": "n2"})):
         assert "no srun step of it on this node: requeue instead" in _run(slurm, job, leave_node=True)
         assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]

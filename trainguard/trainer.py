@@ -312,7 +312,8 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     nothing on): when the command is `srun` itself, the loop starts it with `--exclude=` every node this life left so
     far (from its first start: a spare lost while the batch script prepared counts), so the job goes on without
     them, on the spare its allocation holds. The command sees TRAINGUARD_LEFT (those nodes, comma-separated) exactly
-    when the loop can do this. The records of an earlier life (a requeue: another allocation) are removed.
+    when the loop can do this. The loop removes the job's records when it returns (the life is over), and an earlier
+    life's (a requeue: another allocation; a loop that was killed) when it starts.
 
     A request written by another node's agent on a network file system may show up here a moment late (NFS caches
     attributes and lookups): after a command that exited 0 the loop looks again for up to `settle` seconds."""
@@ -327,7 +328,6 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # a handler, not SIG_IGN: an ignored signal stays ignored in exec
         signal.signal(sig, lambda _signum, _frame: None)
     seen = watcher.restart_request()
-    restarts = 0
     env = {**os.environ, "TRAINGUARD_MAX_RESTARTS": str(max_restarts)}  # the agent requeues a loop out of restarts
     env.pop("TRAINGUARD_LEFT", None)  # inherited (a job submitted from a rank): the agent must not trust it
     can_leave = _can_exclude(command)
@@ -341,41 +341,48 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
                     os.unlink(path)
     # nodes a record or a request asked the job to leave, in order; this life's records count from the first start
     left = sorted(node for lived, node in records if lived == life) if can_leave else []
-    while True:
-        argv = [command[0], f"--exclude={','.join(left)}", *command[1:]] if left else command
-        run_env = {**env, "TRAINGUARD_RESTARTS": str(restarts)}
-        if can_leave:
-            run_env["TRAINGUARD_LEFT"] = ",".join(left)
-        try:
-            code = subprocess.run(argv, env=run_env, check=False).returncode  # no timeout: the job, it runs for days
-        except OSError as exc:
-            print(f"trainguard relaunch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr,
-                  flush=True)
-            return 127
-        status = 128 - code if code < 0 else code
-        request = watcher.restart_request()
-        deadline = time.monotonic() + settle
-        while status == 0 and request in (None, seen) and not ending.is_set() and time.monotonic() < deadline:
-            time.sleep(0.5)
-            with contextlib.suppress(OSError):
-                os.listdir(watcher.switch_dir)  # a fresh listing: NFS revalidates the directory
+    restarts = 0
+    try:
+        while True:
+            argv = [command[0], f"--exclude={','.join(left)}", *command[1:]] if left else command
+            run_env = {**env, "TRAINGUARD_RESTARTS": str(restarts)}
+            if can_leave:
+                run_env["TRAINGUARD_LEFT"] = ",".join(left)
+            try:
+                code = subprocess.run(argv, env=run_env, check=False).returncode  # no timeout: the job, it runs for days
+            except OSError as exc:
+                print(f"trainguard relaunch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr,
+                      flush=True)
+                return 127
+            status = 128 - code if code < 0 else code
             request = watcher.restart_request()
-        if ending.is_set() or request is None or request == seen:
-            return status
-        if restarts >= max_restarts:
-            print(f"trainguard relaunch: restart asked after {restarts} restarts (--max-restarts {max_restarts}): "
-                  f"not starting {command[0]} again", file=sys.stderr, flush=True)
-            return status
-        seen, restarts = request, restarts + 1
-        reason, leave = _request(watcher.switch_dir / watcher.restart_name)
-        if can_leave:
-            recorded = sorted(node for lived, node in _left_records(watcher.switch_dir, job_id) if lived == life)
-            left += [node for node in dict.fromkeys([leave, *recorded]) if node and node not in left]
-        print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked ({reason}); {command[0]} "
-              f"exited {status}: starting it again" + (f" without {', '.join(left)}" if left else ""),
-              file=sys.stderr, flush=True)
-        if ending.is_set():  # stopped while deciding: a job being stopped is never started again
-            return status
+            deadline = time.monotonic() + settle
+            while status == 0 and request in (None, seen) and not ending.is_set() and time.monotonic() < deadline:
+                time.sleep(0.5)
+                with contextlib.suppress(OSError):
+                    os.listdir(watcher.switch_dir)  # a fresh listing: NFS revalidates the directory
+                request = watcher.restart_request()
+            if ending.is_set() or request is None or request == seen:
+                return status
+            if restarts >= max_restarts:
+                print(f"trainguard relaunch: restart asked after {restarts} restarts (--max-restarts {max_restarts}): "
+                      f"not starting {command[0]} again", file=sys.stderr, flush=True)
+                return status
+            seen, restarts = request, restarts + 1
+            reason, leave = _request(watcher.switch_dir / watcher.restart_name)
+            if can_leave:
+                recorded = sorted(node for lived, node in _left_records(watcher.switch_dir, job_id) if lived == life)
+                left += [node for node in dict.fromkeys([leave, *recorded]) if node and node not in left]
+            print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked ({reason}); {command[0]} "
+                  f"exited {status}: starting it again" + (f" without {', '.join(left)}" if left else ""),
+                  file=sys.stderr, flush=True)
+            if ending.is_set():  # stopped while deciding: a job being stopped is never started again
+                return status
+    finally:  # the job's life ends with its loop: a later job given the same id must not find its records
+        for path in _left_records(watcher.switch_dir, job_id).values():
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_uid == os.getuid():
+                    os.unlink(path)
 
 
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

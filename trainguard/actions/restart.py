@@ -20,8 +20,9 @@ as left (`left.<job>.<life>.<node>` in the switch dir: one file per node, so two
 own, and per life, so a requeued job's new allocation starts clean) and counts the nodes every agent recorded for
 this life; the request names this node too. The loop starts srun again with `--exclude` of every node recorded, on
 the spare node the allocation holds (`sbatch -N 3-4`, `srun -N 3`), again without a requeue. A job with no spare left
-gets the fallback, and a job neither restarted nor requeued keeps no record. A lost spare (nothing of the job on the
-node: no process, no step spanning it) is only recorded.
+gets the fallback; when it is then neither restarted nor requeued, the record is removed again. A lost spare
+(nothing of the job's work on the node: no process of its batch script or steps, no step spanning it) is only
+recorded.
 
 A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
 would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
@@ -72,6 +73,10 @@ def request_name(job_id: str) -> str:
     """One request file per job: jobs submitted from one directory (an array's tasks) share its switch dir. The
     name the relaunch loop looks for (`Trainer.restart_name` in trainguard/trainer.py, which stands alone)."""
     return f"restart.{job_id}"
+
+
+class RestartUnderwayError(ActionError):
+    """The restart went ahead (request written, steps signalled) and something after it failed."""
 
 
 def left_name(job_id: str, life: int, node: str) -> str:
@@ -214,7 +219,7 @@ class RestartAction(Action):
         no_spare = self._cannot_leave(job, ctx.node, ranks)
         record = ""
         if not no_spare:
-            life = job.restarts if job.restarts is not None else self._life(ranks)
+            life = self._life(ranks)  # as the loop reads it: the ranks' environment is the batch script's
             allocation = _hosts(job.node_list)
             try:
                 self._record_left(job, ctx, life)
@@ -229,10 +234,10 @@ class RestartAction(Action):
             if no_spare:
                 return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
             return self._request(job, ctx, looped, {"leave": ctx.node}, deadline)  # an older loop reads the request
-        except ActionError:
+        except ActionError as exc:
             # neither restarted nor requeued: the job goes on as it was, and a later restart of it (a NaN) must not
-            # leave a node its step may need (a job without a spare would end)
-            if record:
+            # leave a node its step may need (a job without a spare would end). A restart under way keeps it.
+            if record and not isinstance(exc, RestartUnderwayError):
                 remove_switch(job.switch_dir, record, identity)
             raise
 
@@ -265,7 +270,7 @@ class RestartAction(Action):
                 left = self._running(ctx, job_id, set(steps))
             cancelled = [step for step in sorted(left, key=int) if ctx.slurm.cancel_step(job_id, step)]
         except SlurmError as exc:
-            raise ActionError(f"restart {job_id}: {request} written, SIG{s.signal} sent, then: {exc}") from None
+            raise RestartUnderwayError(f"restart {job_id}: {request} written, SIG{s.signal} sent, then: {exc}") from None
         took = time.monotonic() - started
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
@@ -307,12 +312,14 @@ class RestartAction(Action):
 
     @staticmethod
     def _spare(job: Job, ctx: ActionContext) -> bool:
-        """Whether this node is one the job holds and runs nothing on: in its allocation, no process of the job here
-        (its batch script may train without srun) and in no srun step's NodeList (a rank that died of the lost GPU
-        leaves no process, yet its step still spans the node: not a spare, and the fallback applies)."""
+        """Whether this node is one the job holds and runs nothing on: in its allocation, no process of the job's
+        batch script or srun steps here (the batch script may train without srun; the extern step's `sleep` under
+        PrologFlags=Contain is no work) and in no srun step's NodeList (a rank that died of the lost GPU leaves no
+        process, yet its step still spans the node: not a spare, and the fallback applies). In doubt (the controller
+        not answering, no NodeList) it is not a spare: the fallback applies."""
         assert job.job_id
         try:
-            if ctx.slurm.local_pids(ctx.slurmd).get(job.job_id):
+            if ctx.slurm.local_work_pids(job.job_id, ctx.slurmd):
                 return False
             spanned = {n for nodes in ctx.slurm.step_nodes(job.job_id).values() for n in _hosts(nodes)}
         except SlurmError:
@@ -321,8 +328,8 @@ class RestartAction(Action):
 
     @staticmethod
     def _life(ranks: list[dict[str, str]]) -> int:
-        """The job's life as its ranks see it (SLURM_RESTART_COUNT, absent in the first): when the controller's
-        record did not say."""
+        """The job's life as its ranks (and the loop, in the same batch environment) see it: SLURM_RESTART_COUNT, which
+        SLURM sets once the job was requeued (0 without it)."""
         return next((n for n in (_count(env.get(LIFE_VAR)) for env in ranks) if n is not None), 0)
 
     @staticmethod

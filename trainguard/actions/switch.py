@@ -105,6 +105,8 @@ def create_switch(directory: str, name: str, identity: Identity, gid: int, paylo
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
+        except OSError as exc:  # a stale NFS handle, an I/O error: a clear failure, never a raw one
+            raise ActionError(f"cannot look at {where}: {exc.strerror or exc}") from None
         if st is not None and not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid in (identity.uid, 0)):
             kind = "symlink" if stat.S_ISLNK(st.st_mode) else "hard link" if st.st_nlink > 1 else "foreign file"
             raise ActionError(f"{where} exists as a {kind} (uid {st.st_uid}): refused")

@@ -39,6 +39,11 @@ class SlurmClient:
         the batch script and the extern step are not among them."""
         return parse_listpids_steps(self._listpids(node)).get(job_id, {})
 
+    def local_work_pids(self, job_id: str, node: str = "") -> list[int]:
+        """The job's processes on this node that do its work: its batch script and its srun steps, not its extern
+        step (the `sleep` SLURM keeps on every node of a job under `PrologFlags=Contain`, spares included)."""
+        return parse_listpids_work(self._listpids(node)).get(job_id, [])
+
     def _listpids(self, node: str) -> str:
         try:
             return self.run("scontrol", "listpids", *(["*", node] if node else []))
@@ -218,6 +223,17 @@ def parse_listpids_steps(out: str) -> dict[str, dict[str, list[int]]]:
     return jobs
 
 
+def parse_listpids_work(out: str) -> dict[str, list[int]]:
+    """The same as job id -> pids of its batch step and numbered steps (no `extern`, no `interactive`)."""
+    jobs: dict[str, list[int]] = {}
+    for line in out.splitlines()[1:]:
+        fields = line.split()
+        if (len(fields) >= 3 and _small_id(fields[0]) and _small_id(fields[1])
+                and (fields[2] == "batch" or _small_id(fields[2]))):
+            jobs.setdefault(fields[1], []).append(int(fields[0]))
+    return jobs
+
+
 def _numbered_step(step_id: str, job_id: str) -> str | None:
     """The step number of `JOB.STEP` (an array task's `ARRAY_TASK.STEP`) of the job asked for by id; None for
     `batch`, `extern` and anything else."""
@@ -243,7 +259,7 @@ def parse_step_sruns(out: str, job_id: str) -> dict[str, tuple[str, int]]:
         step = _numbered_step(line[len("StepId="):].split(" ", 1)[0], job_id)
         host, _, pid = line.rpartition("SrunHost:Pid=")[2].split(" ", 1)[0].rpartition(":")
         if step is not None and host and _small_id(pid):
-            sruns[step] = (host, int(pid))
+            sruns.setdefault(step, (host, int(pid)))  # a step's own line comes first; a name can hold a line break
     return sruns
 
 
@@ -257,7 +273,7 @@ def parse_step_nodes(out: str, job_id: str) -> dict[str, str]:
         step = _numbered_step(line[len("StepId="):].split(" ", 1)[0], job_id)
         hostlist = line.partition(" NodeList=")[2].split(" ", 1)[0]
         if step is not None and hostlist:
-            nodes[step] = hostlist
+            nodes.setdefault(step, hostlist)
     return nodes
 
 
