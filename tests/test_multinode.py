@@ -254,6 +254,16 @@ def test_restart_in_place_keeps_the_allocation_and_the_relaunch_loop_starts_the_
         multinode.run("scancel", job_id, check=False)
 
 
+def _job_record(job_id: str, node: str) -> Job:
+    """The job as `node`'s agent knows it (the node-local source, with the controller's record fetched once)."""
+    catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=node, refresh="0s"), "agent-host")
+    try:
+        return wait_until(lambda: next((j for j in catalog.view(fresh=True).jobs
+                                        if j.job_id == job_id and j.switch_dir), None), 20, what="the job's record")
+    finally:
+        catalog.close()
+
+
 @pytest.mark.slow
 def test_restart_leaving_a_lost_node_goes_on_on_the_allocations_spare(multinode: MultiNodeCluster,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,12 +289,7 @@ def test_restart_leaving_a_lost_node_goes_on_on_the_allocations_spare(multinode:
         lost = info["BatchHost"]  # the GPU lost where the loop runs: later restarts are asked from there too
         assert lost in nodes(0), (lost, nodes(0))
         multinode.run("scontrol", "update", f"nodename={lost}", "state=drain", "reason=test: GPU lost")
-        catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=lost, refresh="0s"), "agent-host")
-        try:
-            job = wait_until(lambda: next((j for j in catalog.view(fresh=True).jobs
-                                           if j.job_id == job_id and j.switch_dir), None), 20, what="the job's record")
-        finally:
-            catalog.close()
+        job = _job_record(job_id, lost)
         event = Event(EventKind.FIRED, "i1", "xid", "pci:0000:17:00", Status.CRITICAL, "XID 79: GPU fell off the bus",
                       lost, time.time(), time.time(), details={"job_key": job.key})
         action = RestartAction("restart_elsewhere", RestartSettings(wait_exit=10, timeout=30, leave_node=True))
@@ -346,12 +351,7 @@ def test_a_lost_spare_is_recorded_and_the_next_restart_keeps_off_it(multinode: M
         allocation = sorted(expand(multinode.job(job_id)["NodeList"]))
         assert len(allocation) == 3
         rank, spares = nodes(0)[0], [n for n in allocation if n != nodes(0)[0]]
-        catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=rank, refresh="0s"), "agent-host")
-        try:
-            job = wait_until(lambda: next((j for j in catalog.view(fresh=True).jobs
-                                           if j.job_id == job_id and j.switch_dir), None), 20, what="the job's record")
-        finally:
-            catalog.close()
+        job = _job_record(job_id, rank)
         lost.append(spares[0])  # the one srun picks first without the rank's node (it takes them in name order)
         detail = lose(spares[0], job)
         assert detail.endswith(f"nothing of it runs on {spares[0]}: nothing to restart; {spares[0]} recorded as "
