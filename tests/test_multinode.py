@@ -141,7 +141,8 @@ def test_a_requeued_job_starts_a_new_life_in_its_logs(multinode: MultiNodeCluste
     beat = (f"PYTHONPATH={multinode.lib} {multinode.python} -c 'from trainguard.trainer import Trainer; "
             "Trainer().heartbeat(53, loss=float(\"nan\"))'")
     script = (f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {beat}; echo "step 51 loss=nan"; echo "step 52 loss=nan"; '
-              'echo "step 53 loss=nan"; else echo "step 41 loss=2.0"; fi; exec sleep 120')
+              'echo "step 53 loss=nan"; else echo "$SLURM_RESTART_COUNT" > life; echo "step 41 loss=2.0"; fi; '
+              'exec sleep 120')
     job_id = multinode.submit(script, "-N", "1", "-w", "n1", "--requeue", f"--open-mode={open_mode}", workdir=workdir,
                               name="tg-lives")
     jobs = JobCatalog(JobsSettings(sources=["slurm"], slurm_node="n1", refresh="0s"), "agent-host")
@@ -163,6 +164,9 @@ def test_a_requeued_job_starts_a_new_life_in_its_logs(multinode: MultiNodeCluste
             "JobState")) == ("1", "RUNNING"), 60, what="the job running again")
         out = Path(multinode.job(job_id)["StdOut"])
         wait_until(lambda: "step 41" in out.read_text(), 20, what="the second life's first line")
+        # the life the relaunch loop names its records of nodes left by (SLURM_RESTART_COUNT in the batch
+        # environment) is the controller's Restarts, which the agent names a spare's record by
+        assert (workdir / "life").read_text().strip() == multinode.job(job_id)["Restarts"] == "1"
         second = wait_until(lambda: result(Status.OK), 20, what="the second life's own result")
         assert second.details["job_key"] == key and "findings" not in second.details  # type: ignore[attr-defined]
         # what the earlier life left is still there, and is not this life's
