@@ -334,13 +334,9 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
     job_id = os.environ.get("SLURM_JOB_ID", "")
     life = _life(os.environ.get("SLURM_RESTART_COUNT", "0")) or "0"  # SLURM sets it once the job was requeued
     records = _left_records(watcher.switch_dir, job_id)
-    for (lived, _node), path in records.items():
-        if lived != life:  # an earlier life's, in another allocation: removed when it is this user's
-            with contextlib.suppress(OSError):
-                if os.lstat(path).st_uid == os.getuid():
-                    os.unlink(path)
+    _remove_records(path for (lived, _node), path in records.items() if lived != life)  # an earlier life's
     # nodes a record or a request asked the job to leave, in order; this life's records count from the first start
-    left = sorted(node for lived, node in records if lived == life) if can_leave else []
+    left = _nodes_left(records, life) if can_leave else []
     restarts = 0
     try:
         while True:
@@ -371,7 +367,7 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
             seen, restarts = request, restarts + 1
             reason, leave = _request(watcher.switch_dir / watcher.restart_name)
             if can_leave:
-                recorded = sorted(node for lived, node in _left_records(watcher.switch_dir, job_id) if lived == life)
+                recorded = _nodes_left(_left_records(watcher.switch_dir, job_id), life)
                 left += [node for node in dict.fromkeys([leave, *recorded]) if node and node not in left]
             print(f"trainguard relaunch: restart {restarts} of at most {max_restarts} asked ({reason}); {command[0]} "
                   f"exited {status}: starting it again" + (f" without {', '.join(left)}" if left else ""),
@@ -379,10 +375,7 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
             if ending.is_set():  # stopped while deciding: a job being stopped is never started again
                 return status
     finally:  # the job's life ends with its loop: a later job given the same id must not find its records
-        for path in _left_records(watcher.switch_dir, job_id).values():
-            with contextlib.suppress(OSError):
-                if os.lstat(path).st_uid == os.getuid():
-                    os.unlink(path)
+        _remove_records(_left_records(watcher.switch_dir, job_id).values())
 
 
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -418,6 +411,19 @@ def _left_records(switch_dir: Path, job_id: str) -> dict[tuple[str, str], Path]:
     except OSError:  # no switch dir (yet): nothing recorded
         return {}
     return found
+
+
+def _nodes_left(records: dict[tuple[str, str], Path], life: str) -> list[str]:
+    """The nodes `life` recorded as left, sorted."""
+    return sorted(node for lived, node in records if lived == life)
+
+
+def _remove_records(paths: Iterable[Path]) -> None:
+    """Remove those records that are this user's (root's stay: nobody here wrote them)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
 
 
 def _request(path: Path) -> tuple[str, str]:

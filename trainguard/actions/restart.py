@@ -216,11 +216,11 @@ class RestartAction(Action):
             return self._request(job, ctx, looped, {}, deadline)
         # ctx.node: this node's SLURM name (jobs.slurm_node). Recorded before the others' records are counted: of two
         # agents acting at once, at least the later one counts both nodes.
-        no_spare = self._cannot_leave(job, ctx.node, ranks)
+        allocation = _hosts(job.node_list)
+        no_spare = self._cannot_leave(job, ctx.node, ranks, allocation)
         record = ""
         if not no_spare:
             life = self._life(ranks)  # as the loop reads it: the ranks' environment is the batch script's
-            allocation = _hosts(job.node_list)
             try:
                 self._record_left(job, ctx, life)
                 record = left_name(job_id, life, ctx.node)
@@ -228,8 +228,8 @@ class RestartAction(Action):
             except ActionError as exc:
                 no_spare = f"{ctx.node} cannot be recorded as left ({exc})"
             else:
-                no_spare = self._no_spare(job, ranks, {n for n in allocation
-                                                       if left_name(job_id, life, n) in present} | {ctx.node})
+                no_spare = self._no_spare(allocation, ranks, {n for n in allocation
+                                                              if left_name(job_id, life, n) in present} | {ctx.node})
         try:
             if no_spare:
                 return self._fallback(job, ctx, f"not restarted without {ctx.node}: {no_spare}", deadline)
@@ -333,7 +333,7 @@ class RestartAction(Action):
         return next((n for n in (_count(env.get(LIFE_VAR)) for env in ranks) if n is not None), 0)
 
     @staticmethod
-    def _cannot_leave(job: Job, node: str, ranks: list[dict[str, str]]) -> str:
+    def _cannot_leave(job: Job, node: str, ranks: list[dict[str, str]], allocation: list[str]) -> str:
         """Why the job's loop cannot start it again without `node` ("" when it can): the loop must be able to leave a
         node, its ranks must say how many nodes their step spans, and `node` must be in the allocation (the
         controller's NodeList). The ranks' variables are the job user's to set: a lie only misleads that user's own
@@ -342,17 +342,16 @@ class RestartAction(Action):
             return "its relaunch loop cannot leave a node (an older trainer helper, or a command that is not srun)"
         if not any(_count(env.get(STEP_NODES_VAR)) is not None for env in ranks):
             return f"its ranks here do not say how many nodes their step spans ({STEP_NODES_VAR})"
-        if node not in _hosts(job.node_list):
+        if node not in allocation:
             # --exclude of a name srun does not know would fail the step, or leave nothing
             return f"this node ({node}) is not in its allocation ({job.node_list or 'unknown'})"
         return ""
 
     @staticmethod
-    def _no_spare(job: Job, ranks: list[dict[str, str]], recorded: set[str]) -> str:
+    def _no_spare(allocation: list[str], ranks: list[dict[str, str]], recorded: set[str]) -> str:
         """Why the allocation less the nodes left (those the running loop left, in the ranks' TRAINGUARD_LEFT, and
         those recorded as left by any node's agent, this one's included) cannot hold the step ("" when it can)."""
         size = max(n for n in (_count(env.get(STEP_NODES_VAR)) for env in ranks) if n is not None)
-        allocation = _hosts(job.node_list)
         gone = ({n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | recorded) & set(allocation)
         if len(allocation) - len(gone) < size:
             return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
