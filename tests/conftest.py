@@ -24,6 +24,7 @@ import requests
 
 from tests.packaging import Dists, build_dists
 from tests.slurm_cluster import SlurmCluster, missing_components
+from trainguard.node.stacks import find_py_spy
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -202,8 +203,18 @@ class AgentProcess:
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 10.0) -> int:
+        """The exit status; an agent still running after `timeout` fails with its threads' stacks and its log's
+        tail, so a shutdown that hangs once in a CI run says where."""
         assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            py_spy = find_py_spy()
+            dump = subprocess.run([py_spy, "dump", "--pid", str(self.proc.pid)], capture_output=True, text=True,
+                                  timeout=30, check=False) if py_spy else None
+            stacks = (dump.stdout + dump.stderr) if dump else "(no py-spy)"
+            raise AssertionError(f"agent pid {self.proc.pid} still running {timeout:g}s on\n--- stacks ---\n"
+                                 f"{stacks}\n--- log tail ---\n{self.output()[-6000:]}") from None
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

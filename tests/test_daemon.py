@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -90,6 +91,25 @@ def test_after_the_first_round_the_main_thread_sleeps_until_a_signal(tmp_path: P
     agent.signal(signal.SIGTERM)
     assert agent.wait(timeout=5) == 0 and time.monotonic() - t0 < 5
     assert "msg=stopped" in agent.output()
+
+
+def test_a_sigterm_the_kernel_hands_to_another_thread_still_stops_the_agent(
+        tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    """`kill` lets the kernel pick any thread of the agent; Python runs the handler in the main thread only. A main
+    thread asleep in a lock never ran it (1 stop in 10 hung on a loaded machine): aimed at every other thread in turn
+    (tgkill), SIGTERM stops the agent at once."""
+    tgkill = ctypes.CDLL(None, use_errno=True).tgkill  # glibc 2.30+: a signal to one thread of another process
+    for attempt in range(3):
+        agent = agent_process(write_config(tmp_path, free_port()), log_name=f"agent{attempt}.log")
+        agent.wait_for("first round done")
+        assert agent.proc is not None
+        pid = agent.proc.pid
+        others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        assert others, "the agent runs its checks and servers in threads of their own"
+        tid = others[attempt * len(others) // 3]
+        assert tgkill(pid, tid, signal.SIGTERM) == 0, os.strerror(ctypes.get_errno())
+        assert agent.wait(timeout=10) == 0, agent.output()
+        assert "signal=SIGTERM" in agent.output() and "msg=stopped" in agent.output()
 
 
 class NotifySocket:

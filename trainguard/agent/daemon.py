@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -50,6 +51,13 @@ def run_daemon(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # The kernel may hand SIGTERM to any of the agent's threads; Python then runs the handler in the main thread only
+    # once that thread runs bytecode, and a main thread blocked in a lock never does. The wakeup fd gets a byte
+    # whichever thread the signal reached, so the main thread sleeps in select() on it: woken by every signal, and
+    # by nothing else.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)  # set_wakeup_fd's requirement: a handler never blocks on a full pipe
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
 
     log.info("starting", extra=kv(version=__version__, node=config.agent.node_name,
                                   config=config.source or "(built-in default)", state_dir=config.agent.state_dir))
@@ -91,7 +99,9 @@ def run_daemon(config: Config) -> int:
     log.info("ready", extra=kv(checks=len(engine.configured), pending=",".join(pending) or None,
                                watchdog_s=systemd.watchdog_s))
     # Once the first round is done the main thread only waits for a signal: no wake-up a second for nothing.
-    while not stop.wait(1.0 if pending else None):
+    while not stop.is_set():
+        if select.select([wake_r], [], [], 1.0 if pending else None)[0]:
+            os.read(wake_r, 512)  # the handler has run, or runs before the next bytecode: `stop` says
         if pending:
             now_pending = engine.pending()
             if now_pending != pending:  # `systemctl status` shows the first round completing
@@ -107,6 +117,9 @@ def run_daemon(config: Config) -> int:
     if control is not None:
         control.stop()
     engine.stop()
+    signal.set_wakeup_fd(-1)
+    os.close(wake_r)
+    os.close(wake_w)
     log.info("stopped", extra=kv(shutdown_s=round(time.monotonic() - t0, 3)))
     return 0
 
