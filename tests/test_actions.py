@@ -10,11 +10,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,6 +238,39 @@ def test_process_source_by_cmdline_and_pidfile(sleeper: subprocess.Popen[bytes],
         child.wait()
 
 
+def test_actions_that_ask_for_the_jobs_at_once_share_one_fresh_listing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel log replayed with 200 GPUs' faults starts 200 actions at once, each asking for the jobs now: callers
+    waiting together share a listing begun after they asked (two in all), instead of 200 listings (and their SLURM
+    calls) in a row that held the XID check's results, and an operator's `trainguard clear`, behind them."""
+    from trainguard.jobs.process import ProcessSource
+
+    listings: list[float] = []
+    real = ProcessSource.jobs
+
+    def slow(self: ProcessSource) -> Any:
+        listings.append(time.monotonic())
+        time.sleep(0.2)
+        return real(self)
+
+    monkeypatch.setattr(ProcessSource, "jobs", slow)
+    catalog = JobCatalog(JobsSettings(sources=["process"], processes={
+        "trainer": ProcessJobSettings(cmdline="no-such-process-" + uuid.uuid4().hex, user="root")}), "node1")
+    catalog.view(fresh=True)
+    assert len(listings) == 1
+    views = []
+    asked = time.monotonic()
+    threads = [threading.Thread(target=lambda: views.append(catalog.view(fresh=True))) for _ in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(views) == 50 and len(listings) <= 3  # one may be under way as the first ask; the next serves them all
+    assert all(at >= asked for at in listings[1:])  # each caller's view began after it asked
+    before = len(listings)
+    catalog.view(fresh=True)
+    assert len(listings) == before + 1  # asked alone: a listing of its own
+
+
 def test_exec_action_gets_the_incident(tmp_path: Path) -> None:
     out = tmp_path / "env.txt"
     action = ExecAction("hook", ExecSettings(command=["sh", "-c", f'echo "$TRAINGUARD_STATUS $TRAINGUARD_SUMMARY" > {out}'],
@@ -270,6 +305,39 @@ def test_actions_run_once_per_incident_with_audit_and_dry_run(tmp_path: Path,
         assert any(r.getMessage() == "action" and r.__dict__["kv"]["outcome"] == "dry_run" for r in caplog.records)
     finally:
         engine.stop()
+
+
+def test_an_action_in_flight_at_shutdown_finishes_before_the_agent_stops(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault that fires a second before `systemctl stop`: its incident is saved as fired, so the next start does
+    not act again; the drain or requeue under way must finish now (within the grace), or be logged as cut short."""
+    marker = tmp_path / "ran"
+
+    def engine_with(command: str) -> Engine:
+        raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+               "actions": {"hook": {"type": "exec", "command": ["sh", "-c", command], "timeout": "20s"}},
+               "checks": {"disk": {"paths": ["/"], "free_critical": "100%", "actions": {"critical": ["hook"]}}}}
+        return Engine(parse_config(raw, "t.toml"), store=Store(None))
+
+    engine = engine_with(f"sleep 1; echo x >> {marker}")
+    engine.run_round()
+    assert [t.is_alive() for t in engine.responder.threads] == [True]
+    with caplog.at_level("INFO"):
+        engine.stop()
+    assert marker.read_text() == "x\n"
+    [incident] = engine.tracker.incidents()
+    assert [(a["action"], a["outcome"]) for a in incident.actions] == [("hook", "ok")]
+    assert any(r.getMessage() == "actions finished before shutdown" for r in caplog.records)
+
+    monkeypatch.setattr("trainguard.pipeline.engine.ACTIONS_GRACE_S", 0.3)
+    engine = engine_with("sleep 3")
+    engine.run_round()
+    caplog.clear()
+    t0 = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - t0 < 2.5  # bounded by the grace, not by the action's own timeout
+    [cut] = [r for r in caplog.records if r.getMessage() == "actions still running at shutdown; cut short"]
+    assert cut.levelname == "ERROR" and cut.__dict__["kv"]["threads"].startswith("actions-")
 
 
 def test_unknown_action_name_is_a_config_error() -> None:

@@ -38,6 +38,8 @@ log = logging.getLogger("trainguard.engine")
 # The tick comes each second (liveness); the queue lengths and the agent's own usage it also reads are shown on a
 # 15 s scrape: read every few ticks, not each.
 USAGE_EVERY_S = 5.0
+# The unit's TimeoutStopSec is 15 s: actions in flight get 10 of them, the rest of shutdown takes about 2.
+ACTIONS_GRACE_S = 10.0
 
 
 class OperatorError(Exception):
@@ -386,6 +388,13 @@ class Engine:
             self._schedule.stop()
         for runner in self.runners.values():
             runner.close()
+        t0 = time.monotonic()
+        cut = self.responder.finish(ACTIONS_GRACE_S)
+        waited = round(time.monotonic() - t0, 3)
+        if cut:
+            log.error("actions still running at shutdown; cut short", extra=kv(threads=",".join(cut), waited_s=waited))
+        elif waited >= 0.01:
+            log.info("actions finished before shutdown", extra=kv(waited_s=waited))
         for check in self.checks.values():
             try:
                 check.stop()
