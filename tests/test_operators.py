@@ -9,9 +9,11 @@ import os
 import pwd
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -147,6 +149,37 @@ def test_ack_silence_and_clear_through_the_control_socket(base: Path,
     assert refused.returncode == 1 and "no check named 'nosuch'" in refused.stderr
     tcp = requests.post(f"http://127.0.0.1:{port}/ack", json={"target": "scratch"}, timeout=5)
     assert tcp.status_code == 405  # never over TCP
+
+
+def test_a_command_held_behind_a_checks_run_says_so_rather_than_unreachable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent took the command and waits for the check's run under way (a clear never changes a history mid-run):
+    the operator is told it will be done, not that the agent is gone (and so does not run it again)."""
+    from trainguard.agent import client
+
+    config = parse_config({"agent": {"state_dir": str(tmp_path), "listen": ""}}, "t.toml")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(config.agent.control_path()))
+    server.listen(1)
+    monkeypatch.setattr(client, "COMMAND_TIMEOUT_S", 0.5)
+    taken: list[bytes] = []
+
+    def hold() -> None:  # reads the command and, like a check's run lock, answers nothing
+        conn, _ = server.accept()
+        taken.append(conn.recv(65536))
+        time.sleep(1.5)
+        conn.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        with pytest.raises(client.AgentUnreachableError, match=r"no answer in 0\.5s: a check's run under way holds "
+                                                               r"the command \(it is done when the run ends\)"):
+            client.command(config, "/clear", {"target": "xid/pci:0000:01:00", "reason": "r"})
+    finally:
+        holder.join(5)
+        server.close()
+    assert taken and taken[0].startswith(b"POST /clear ")
 
 
 def test_a_user_outside_the_agents_group_is_refused(base: Path, agent_process: Callable[..., AgentProcess]) -> None:

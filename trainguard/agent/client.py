@@ -13,6 +13,9 @@ from urllib.parse import urlsplit
 from trainguard.pipeline.config import Config
 
 TIMEOUT_S = 5.0
+# A command waits for the check's run under way to end (a clear never changes a history mid-run): up to the check's
+# timeout (10 s by default) and its results. Given up on, the command is still done when the run ends.
+COMMAND_TIMEOUT_S = 30.0
 # Where an installed agent's socket is when this user's own config resolves elsewhere (a group member without
 # $RUNTIME_DIRECTORY, whose default state dir is in their home).
 WELL_KNOWN = (Path("/run/trainguard/control.sock"), Path("/var/lib/trainguard/control.sock"))
@@ -23,13 +26,13 @@ class AgentUnreachableError(Exception):
 
 
 class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("localhost", timeout=TIMEOUT_S)
+    def __init__(self, path: Path, timeout: float = TIMEOUT_S) -> None:
+        super().__init__("localhost", timeout=timeout)
         self._path = path
 
     def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(TIMEOUT_S)
+        sock.settimeout(self.timeout)
         try:
             sock.connect(str(self._path))
         except OSError:
@@ -69,9 +72,15 @@ def command(config: Config, path: str, body: dict[str, Any]) -> tuple[Any, str]:
         if not sock_path.exists():
             continue
         try:
-            return _get(_UnixConnection(sock_path), path, body), str(sock_path)
+            return _get(_UnixConnection(sock_path, COMMAND_TIMEOUT_S), path, body), str(sock_path)
         except PermissionError:
             errors.append(f"{sock_path}: permission denied (root or the agent's group only)")
+        except TimeoutError:
+            # Not unreachable: it took the command and is waiting to do it. Saying so keeps an operator from
+            # running it again, or from believing it was dropped.
+            raise AgentUnreachableError(f"{sock_path}: no answer in {COMMAND_TIMEOUT_S:g}s: a check's run under way "
+                                        "holds the command (it is done when the run ends), or the agent is stuck "
+                                        "(`trainguard status` tells which)") from None
         except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
             errors.append(f"{sock_path}: {exc}")
     raise AgentUnreachableError("; ".join(errors) or "no control socket found (is the agent running here?)")
