@@ -210,9 +210,12 @@ class AgentProcess:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             py_spy = find_py_spy()
-            dump = subprocess.run([py_spy, "dump", "--pid", str(self.proc.pid)], capture_output=True, text=True,
-                                  timeout=30, check=False) if py_spy else None
-            stacks = (dump.stdout + dump.stderr) if dump else "(no py-spy)"
+            try:
+                dump = subprocess.run([py_spy, "dump", "--pid", str(self.proc.pid)], capture_output=True, text=True,
+                                      timeout=30, check=False) if py_spy else None
+                stacks = (dump.stdout + dump.stderr) if dump else "(no py-spy)"
+            except subprocess.TimeoutExpired:
+                stacks = "(py-spy dump timed out after 30s)"
             raise AssertionError(f"agent pid {self.proc.pid} still running {timeout:g}s on\n--- stacks ---\n"
                                  f"{stacks}\n--- log tail ---\n{self.output()[-6000:]}") from None
 

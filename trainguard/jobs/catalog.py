@@ -62,7 +62,8 @@ class JobCatalog:
         self.identities = Identities()  # whose authority a job's files are read with
         self._lock = threading.Lock()
         self._view: JobView | None = None
-        # Listings begun, and the one `_view` came from: a fresh view is any listing begun after the caller asked.
+        # Fresh listings begun, and the one `_view` came from (0: a listing that may reuse a process table a few
+        # seconds old): a fresh view is any fresh listing begun after the caller asked.
         self._begun = 0
         self._view_from = 0
 
@@ -86,14 +87,16 @@ class JobCatalog:
         max_age = self.settings.refresh if max_age is None else max_age
         asked = self._begun
         with self._lock:  # concurrent callers share one listing
-            now = self.clock()
             if self._view is not None and fresh and self._view_from > asked:
                 return self._view
-            if (self._view is not None and not fresh and now - self._view.taken <= max_age
+            if (self._view is not None and not fresh and self.clock() - self._view.taken <= max_age
                     and not any(self._changed(s) for s in self._sources.values())):
                 return self._view
-            self._begun += 1
-            begun = self._begun
+            begun = 0
+            if fresh:
+                self._begun += 1
+                begun = self._begun
+            now = self.clock()  # after the count: a caller that takes this listing asked before it began
             if fresh:  # the processes of a job that started a moment ago too
                 self.snapshots.get(max_age=0.0)
             jobs: list[Job] = []

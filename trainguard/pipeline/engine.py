@@ -380,7 +380,9 @@ class Engine:
         log.info("engine started", extra=kv(checks=",".join(self.checks) or "-",
                                              notifiers=",".join(self.notifiers) or "-"))
 
-    def stop(self) -> None:
+    def stop(self, grace: float = ACTIONS_GRACE_S) -> None:
+        """Stop; actions under way get `grace` seconds to finish (their incidents are saved as fired: cut short,
+        what they were to do never happens)."""
         if self.stop_event.is_set():
             return
         self.stop_event.set()
@@ -389,7 +391,13 @@ class Engine:
         for runner in self.runners.values():
             runner.close()
         t0 = time.monotonic()
-        cut = self.responder.finish(ACTIONS_GRACE_S)
+        deadline = t0 + grace
+        # A run past ingest's stop test still starts the actions of what it fires: wait for it (each run lock, once
+        # free, says so), so that `finish` sees them. A run blocked past the deadline is left; its actions with it.
+        for lock in self._run_locks.values():
+            if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                lock.release()
+        cut = self.responder.finish(max(0.0, deadline - time.monotonic()))
         waited = round(time.monotonic() - t0, 3)
         if cut:
             log.error("actions still running at shutdown; cut short", extra=kv(threads=",".join(cut), waited_s=waited))

@@ -113,7 +113,12 @@ class Responder:
         for name in names:
             action = self.actions[name]
             record = self.run_one(action, ctx)
-            self.tracker.record_action(event.check, event.subject, record, event.incident_id)
+            try:
+                self.tracker.record_action(event.check, event.subject, record, event.incident_id)
+            except Exception as exc:  # noqa: BLE001 - the audit line said it; the next actions still run
+                # (an action cut short at shutdown returns after the store closed)
+                log.error("recording the action's outcome failed", extra=kv(
+                    action=name, incident=event.incident_id, outcome=record["outcome"], error=exc))
             if action.fresh_start and record["outcome"] == "ok" and self.forget is not None:
                 # The job started afresh: what the check learned about it (a NaN streak in the log it still writes,
                 # samples of the processes gone) is the earlier start's, and must not hold the incident open.
