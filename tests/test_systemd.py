@@ -390,6 +390,40 @@ def test_wedged_engine_is_restarted_by_the_watchdog(service: Service) -> None:
     service.wait_serving()
 
 
+def test_an_action_under_way_at_systemctl_stop_finishes(service: Service) -> None:
+    """An XID fires, its action (a command that takes 3 s) is under way, and the operator stops the unit: systemd
+    sends SIGTERM to the agent only (KillMode=mixed: its children are killed only after it exits), the agent waits for
+    the action, and the command's work is done. The incident is saved as fired, so no later start would redo it."""
+    c = service.c
+    bus = unique_bus()
+    config = CONFIG.replace('actions = { critical = [] }    # the kernel log holds other tests\' XIDs: no action on them',
+                            'actions = { critical = ["mark"] }')
+    assert config != CONFIG
+    config += """
+[actions.mark]
+type = "exec"
+command = ["sh", "-c", 'sleep 3; echo "$TRAINGUARD_SUBJECT" >> /var/lib/trainguard/acted']
+"""
+    c.write("/etc/trainguard/trainguard.toml", config, mode="0640", owner="root:trainguard")
+    try:
+        c.run(["systemctl", "restart", UNIT], timeout=60)  # on the same boot: the XIDs of earlier steps stay done
+        service.wait_serving()
+        invocation = service.invocation()
+        c.run(["sh", "-c", 'printf "<4>%s\\n" "$1" > /dev/kmsg', "sh", xid79(bus)])
+        wait_until(lambda: f"event=fired check=xid subject=pci:{bus}" in service.journal(invocation), 10, 0.2,
+                   what="the XID to fire")
+        c.run(["systemctl", "stop", UNIT], timeout=60)
+        acted = c.run(["cat", "/var/lib/trainguard/acted"], check=False).stdout
+        assert f"pci:{bus}" in acted.split(), service.journal(invocation)[-3000:]
+        journal = service.journal(invocation)
+        assert "msg=\"actions finished before shutdown\"" in journal and "cut short" not in journal
+        assert "action=mark outcome=ok incident=" in journal
+    finally:
+        c.write("/etc/trainguard/trainguard.toml", CONFIG, mode="0640", owner="root:trainguard")
+        c.run(["systemctl", "start", UNIT], timeout=60)
+        service.wait_serving()
+
+
 def test_uninstall(service: Service) -> None:
     c = service.c
     out = c.run([TG, "uninstall"]).stdout
