@@ -151,8 +151,7 @@ def test_ack_silence_and_clear_through_the_control_socket(base: Path,
     assert tcp.status_code == 405  # never over TCP
 
 
-def test_a_command_held_behind_a_checks_run_says_so_rather_than_unreachable(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_command_held_behind_a_checks_run_says_so_rather_than_unreachable(tmp_path: Path) -> None:
     """The agent took the command and waits for the check's run under way (a clear never changes a history mid-run):
     the operator is told it will be done, not that the agent is gone (and so does not run it again)."""
     from trainguard.agent import client
@@ -161,7 +160,6 @@ def test_a_command_held_behind_a_checks_run_says_so_rather_than_unreachable(
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(config.agent.control_path()))
     server.listen(1)
-    monkeypatch.setattr(client, "COMMAND_TIMEOUT_S", 0.5)
     taken: list[bytes] = []
 
     def hold() -> None:  # reads the command and, like a check's run lock, answers nothing
@@ -173,13 +171,16 @@ def test_a_command_held_behind_a_checks_run_says_so_rather_than_unreachable(
     holder = threading.Thread(target=hold)
     holder.start()
     try:
-        with pytest.raises(client.AgentUnreachableError, match=r"no answer in 0\.5s: a check's run under way holds "
-                                                               r"the command \(it is done when the run ends\)"):
-            client.command(config, "/clear", {"target": "xid/pci:0000:01:00", "reason": "r"})
+        with pytest.raises(client.CommandPendingError, match=r"no answer in 0\.5s: a check's run under way holds "
+                                                             r"the command \(it is done when the run ends\)"):
+            client.command(config, "/clear", {"target": "xid/pci:0000:01:00", "reason": "r"}, timeout=0.5)
     finally:
         holder.join(5)
         server.close()
     assert taken and taken[0].startswith(b"POST /clear ")
+    # Nobody listening on the socket left behind: never sent, so unreachable (not "held").
+    with pytest.raises(client.AgentUnreachableError, match=r"control\.sock: .*[Cc]onnection refused"):
+        client.command(config, "/clear", {"target": "xid/pci:0000:01:00", "reason": "r"}, timeout=0.5)
 
 
 def test_a_user_outside_the_agents_group_is_refused(base: Path, agent_process: Callable[..., AgentProcess]) -> None:

@@ -363,16 +363,29 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
 
 
 def cmd_operator(config: Config, args: argparse.Namespace) -> int:
-    from trainguard.agent.client import AgentUnreachableError, CommandRefusedError, command
+    from trainguard.agent.client import (
+        COMMAND_TIMEOUT_S,
+        AgentUnreachableError,
+        CommandPendingError,
+        CommandRefusedError,
+        command,
+    )
 
     body = {"target": args.target, "reason": args.reason}
     if args.command == "silence":
         body["for"] = args.duration
+    timeout = COMMAND_TIMEOUT_S
+    check = config.checks.get(args.target.partition("/")[0])
+    if args.command == "clear" and check is not None:  # it waits for that check's run under way
+        timeout += check.timeout
     try:
-        reply, _ = command(config, "/" + ("ack" if args.command == "ack" else args.command), body)
+        reply, _ = command(config, "/" + ("ack" if args.command == "ack" else args.command), body, timeout)
     except CommandRefusedError as exc:
         print(f"trainguard {args.command}: {exc}", file=sys.stderr)
         return 1
+    except CommandPendingError as exc:
+        print(f"trainguard {args.command}: not answered yet: {exc}", file=sys.stderr)
+        return 4
     except AgentUnreachableError as exc:
         print(f"trainguard {args.command}: cannot reach the agent: {exc}", file=sys.stderr)
         return 3

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 from trainguard.pipeline.config import Config
 
 TIMEOUT_S = 5.0
-# A command waits for the check's run under way to end (a clear never changes a history mid-run): up to the check's
-# timeout (10 s by default) and its results. Given up on, the command is still done when the run ends.
+# A clear waits for the check's run under way to end (it never changes a history mid-run): up to the check's own
+# `timeout`, which the caller adds, and the time its results take, which this covers.
 COMMAND_TIMEOUT_S = 30.0
 # Where an installed agent's socket is when this user's own config resolves elsewhere (a group member without
 # $RUNTIME_DIRECTORY, whose default state dir is in their home).
@@ -45,6 +45,11 @@ class CommandRefusedError(Exception):
     """The agent understood and refused (no such check, no incident): its message says why."""
 
 
+class CommandPendingError(Exception):
+    """The agent's socket took the command and no answer came in time: a check's run under way holds it (it is done
+    when the run ends), or the agent is stuck."""
+
+
 def _get(conn: http.client.HTTPConnection, path: str, body: dict[str, Any] | None = None) -> Any:
     try:
         if body is None:
@@ -65,22 +70,29 @@ def _get(conn: http.client.HTTPConnection, path: str, body: dict[str, Any] | Non
     return json.loads(raw)
 
 
-def command(config: Config, path: str, body: dict[str, Any]) -> tuple[Any, str]:
+def command(config: Config, path: str, body: dict[str, Any],
+            timeout: float = COMMAND_TIMEOUT_S) -> tuple[Any, str]:
     """An operator command (POST) over the control socket only: TCP never takes them."""
     errors = []
     for sock_path in control_candidates(config):
         if not sock_path.exists():
             continue
+        conn = _UnixConnection(sock_path, timeout)
         try:
-            return _get(_UnixConnection(sock_path, COMMAND_TIMEOUT_S), path, body), str(sock_path)
+            conn.connect()  # a refusal or a full backlog here: the command never reached the agent
         except PermissionError:
             errors.append(f"{sock_path}: permission denied (root or the agent's group only)")
+            continue
+        except OSError as exc:
+            errors.append(f"{sock_path}: {exc}")
+            continue
+        try:
+            return _get(conn, path, body), str(sock_path)
         except TimeoutError:
-            # Not unreachable: it took the command and is waiting to do it. Saying so keeps an operator from
-            # running it again, or from believing it was dropped.
-            raise AgentUnreachableError(f"{sock_path}: no answer in {COMMAND_TIMEOUT_S:g}s: a check's run under way "
-                                        "holds the command (it is done when the run ends), or the agent is stuck "
-                                        "(`trainguard status` tells which)") from None
+            # Sent, and not answered: not "unreachable". Saying so keeps an operator from believing it was dropped.
+            raise CommandPendingError(f"{sock_path}: no answer in {timeout:g}s: a check's run under way holds the "
+                                      "command (it is done when the run ends), or the agent is stuck "
+                                      "(`trainguard status` tells which)") from None
         except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
             errors.append(f"{sock_path}: {exc}")
     raise AgentUnreachableError("; ".join(errors) or "no control socket found (is the agent running here?)")
