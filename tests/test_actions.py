@@ -35,7 +35,8 @@ from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.access import Identity
-from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.engine import Engine, OperatorError
+from trainguard.pipeline.incidents import Operator
 from trainguard.pipeline.store import Store
 from trainguard.trainer import Trainer
 
@@ -338,7 +339,19 @@ def test_an_action_in_flight_at_shutdown_finishes_before_the_agent_stops(
     assert marker.read_text() == "x\n"
     [incident] = engine.tracker.incidents()
     assert [(a["action"], a["outcome"]) for a in incident.actions] == [("hook", "ok")]
-    assert any(r.getMessage() == "actions finished before shutdown" for r in caplog.records)
+    [waited] = [r for r in caplog.records if r.getMessage() == "actions finished before shutdown"]
+    assert waited.__dict__["kv"]["actions"] == 1
+    # Stopped: no action starts any more (it would be cut short unseen), and an operator's command is refused.
+    with caplog.at_level("INFO"):
+        assert engine.responder.handle(ev(), engine.checks["disk"].settings.actions) is None
+    assert any(r.getMessage() == "action not started: the agent is stopping" for r in caplog.records)
+    with pytest.raises(OperatorError, match="the agent is stopping"):
+        engine.clear(f"disk/{incident.subject}", Operator("root", 0, "fixed"))
+
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        engine_with("true").stop()  # nothing ran: nothing said about actions
+    assert not [r for r in caplog.records if "actions" in r.getMessage()]
 
     engine = engine_with(f"sleep 1.5; echo y >> {marker}")
     engine.run_round()

@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # imported where used: one-shot commands start faster
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
+OPERATOR_EXIT = (" Exit code: 0 done, 1 refused (the message says why), 3 the agent was not reached or the "
+                 "exchange failed, 4 sent and not answered yet (do not run it again: `trainguard status`).")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,19 +63,22 @@ def _parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("ack", help="acknowledge incidents: no more reminders (they stay visible)",
                                    description="Acknowledge the incidents of a check (or one subject) of the running "
                                                "agent: reminders stop; the incident stays until it resolves. Over the "
-                                               "control socket: root and the trainguard group."))
+                                               "control socket: root and the trainguard group." + OPERATOR_EXIT))
     p.add_argument("target", metavar="CHECK[/SUBJECT]")
     p.add_argument("--reason", default="", help="why (recorded and announced)")
     p = with_config(sub.add_parser("silence", help="silence a check (or one subject) for a while",
                                    description="While the silence lasts, nothing of these incidents is announced and "
-                                               "no action runs; its end is announced, with what fired meanwhile."))
+                                               "no action runs; its end is announced, with what fired meanwhile."
+                                               + OPERATOR_EXIT))
     p.add_argument("target", metavar="CHECK[/SUBJECT]")
     p.add_argument("--for", dest="duration", required=True, metavar="DURATION", help="e.g. 2h, 30m")
     p.add_argument("--reason", required=True, help="why (recorded and announced)")
     p = with_config(sub.add_parser("clear", help="the cause is fixed: resolve the incident and forget its history",
                                    description="Resolve an incident now because its cause is fixed (a GPU was reset): "
                                                "the check forgets what it recorded about the subject (an XID's "
-                                               "history), and only what happens from now on fires again."))
+                                               "history), and only what happens from now on fires again. It waits "
+                                               "for the check's run under way (its timeout, plus 30 s)."
+                                               + OPERATOR_EXIT))
     p.add_argument("target", metavar="CHECK/SUBJECT")
     p.add_argument("--reason", required=True, help="what was fixed (recorded and announced)")
     with_config(sub.add_parser("validate", help="check a config file and print the effective config",

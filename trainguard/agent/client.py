@@ -90,8 +90,9 @@ def command(config: Config, path: str, body: dict[str, Any],
             return _get(conn, path, body), str(sock_path)
         except TimeoutError:
             # Sent, and not answered: not "unreachable". Saying so keeps an operator from believing it was dropped.
-            raise CommandPendingError(f"{sock_path}: no answer in {timeout:g}s: a check's run under way holds the "
-                                      "command (it is done when the run ends), or the agent is stuck "
+            held = ("a check's run under way holds the command (it is done when the run ends), or the agent is stuck"
+                    if path == "/clear" else "the agent is busy or stuck")  # only a clear waits for a run
+            raise CommandPendingError(f"{sock_path}: no answer in {timeout:g}s: {held} "
                                       "(`trainguard status` tells which)") from None
         except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
             errors.append(f"{sock_path}: {exc}")

@@ -24,7 +24,8 @@ log = logging.getLogger("trainguard.daemon")
 
 M_ARENA_MAX = -8  # glibc's malloc.h
 # The unit's TimeoutStopSec is 15 s: the servers and the actions under way share 10, the rest of shutdown (the
-# channels' last deliveries, 2 s at most; the store's checkpoint) has the remainder before systemd's SIGKILL.
+# kernel log reader's stop and the channels' last deliveries, 2 s at most each; the store's checkpoint) has the
+# remainder before systemd's SIGKILL.
 STOP_BUDGET_S = 10.0
 MALLOC_ARENAS = 2
 

@@ -283,6 +283,8 @@ class Engine:
     # operators -------------------------------------------------------------------
     def _target(self, target: str, need_subject: bool = False) -> tuple[str, str | None]:
         """`CHECK` or `CHECK/SUBJECT` (a subject may itself hold slashes: `disk//scratch`)."""
+        if self.stop_event.is_set():  # the store and the channels are closing: the command would be half done
+            raise OperatorError("the agent is stopping: run it again once it is back")
         check, sep, subject = target.partition("/")
         if check not in self.checks:
             raise OperatorError(f"no check named {check!r} (configured: {', '.join(self.configured) or 'none'})")
@@ -309,10 +311,14 @@ class Engine:
         runs again at once (what is still wrong fires as a new incident)."""
         check, subject = self._target(target, need_subject=True)
         assert subject is not None
-        with self._run_locks[check]:  # never while the check runs: it would change the history under the run
+        # Never while the check runs (it would change the history under the run); and the resolution's actions
+        # start under the lock, where a stop waits for them.
+        with self._run_locks[check]:
+            if self.stop_event.is_set():
+                raise OperatorError("the agent is stopping: run it again once it is back")
             self.checks[check].clear(subject, self.clock())
-        events = self.tracker.clear(check, subject, who, self.dispatcher.route)
-        self._emit(events)
+            events = self.tracker.clear(check, subject, who, self.dispatcher.route)
+            self._emit(events)
         self.trigger(check)
         return events
 
@@ -394,15 +400,18 @@ class Engine:
         deadline = t0 + grace
         # A run past ingest's stop test still starts the actions of what it fires: wait for it (each run lock, once
         # free, says so), so that `finish` sees them. A run blocked past the deadline is left; its actions with it.
-        for lock in self._run_locks.values():
+        for name, lock in self._run_locks.items():
             if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 lock.release()
-        cut = self.responder.finish(max(0.0, deadline - time.monotonic()))
+            else:
+                log.warning("check run still under way at shutdown; actions it starts are not waited for",
+                            extra=kv(check=name))
+        running, cut = self.responder.finish(max(0.0, deadline - time.monotonic()))
         waited = round(time.monotonic() - t0, 3)
         if cut:
             log.error("actions still running at shutdown; cut short", extra=kv(threads=",".join(cut), waited_s=waited))
-        elif waited >= 0.01:
-            log.info("actions finished before shutdown", extra=kv(waited_s=waited))
+        elif running:
+            log.info("actions finished before shutdown", extra=kv(actions=running, waited_s=waited))
         for check in self.checks.values():
             try:
                 check.stop()

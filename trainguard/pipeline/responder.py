@@ -44,6 +44,7 @@ class Responder:
         self.clock = clock
         self.threads: list[threading.Thread] = []
         self._threads_lock = threading.Lock()  # checks' threads start actions at once
+        self._closing = False  # set by `finish`: an action starting after it would be cut short unseen
         # Actions that refused to act (the drain circuit breaker), by incident: an open fault nobody acted on.
         self._refused: dict[tuple[str, str], dict[str, Any]] = {}
         self._refused_lock = threading.Lock()
@@ -72,22 +73,27 @@ class Responder:
         thread = threading.Thread(target=self._run_all, args=(event, names), name=f"actions-{event.incident_id}",
                                   daemon=True)
         with self._threads_lock:  # started under the lock: `finish` never takes a listed thread for one done
+            if self._closing:
+                log.error("action not started: the agent is stopping", extra=kv(
+                    incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(names)))
+                return None
             self.threads = [t for t in self.threads if t.is_alive()] + [thread]
             thread.start()
         return thread
 
-    def finish(self, timeout: float) -> list[str]:
-        """At shutdown: wait up to `timeout` s for the actions still running. A fault that fired a second before
-        `systemctl stop` has its incident saved as fired, so the next start does not act again: an action cut
-        short here (a drain, a requeue) would never happen. The threads (`actions-<incident>`) still running."""
+    def finish(self, timeout: float) -> tuple[int, list[str]]:
+        """At shutdown: wait up to `timeout` s for the actions still running, and start no more. A fault that fired
+        a second before `systemctl stop` has its incident saved as fired, so the next start does not act again: an
+        action cut short here (a drain, a requeue) would never happen. How many were running, and the threads
+        (`actions-<incident>`) still running at the end."""
         deadline = time.monotonic() + timeout
-        while True:
-            with self._threads_lock:
-                alive = [t for t in self.threads if t.is_alive()]
-            left = deadline - time.monotonic()
-            if not alive or left <= 0:
-                return [t.name for t in alive]
-            alive[0].join(left)
+        with self._threads_lock:
+            self._closing = True
+            alive = [t for t in self.threads if t.is_alive()]
+        running = len(alive)
+        for thread in alive:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return running, [t.name for t in alive if t.is_alive()]
 
     def jobs_for(self, event: Event) -> tuple[Job, ...]:
         """The incident's own job when it names one, else every job running on this node. Listed afresh (the node
