@@ -151,11 +151,13 @@ def test_ack_silence_and_clear_through_the_control_socket(base: Path,
     assert tcp.status_code == 405  # never over TCP
 
 
-def test_a_command_held_behind_a_checks_run_says_so_rather_than_unreachable(tmp_path: Path) -> None:
+def test_a_command_held_behind_a_checks_run_says_so_rather_than_unreachable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent took the command and waits for the check's run under way (a clear never changes a history mid-run):
     the operator is told it will be done, not that the agent is gone (and so does not run it again)."""
     from trainguard.agent import client
 
+    monkeypatch.setattr(client, "WELL_KNOWN", ())  # this test's socket only, whatever agent runs on this host
     config = parse_config({"agent": {"state_dir": str(tmp_path), "listen": ""}}, "t.toml")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(config.agent.control_path()))
