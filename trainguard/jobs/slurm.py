@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from trainguard.core.text import linear
@@ -203,34 +203,38 @@ def _small_id(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= 10
 
 
-def parse_listpids(out: str) -> dict[str, list[int]]:
-    """`scontrol listpids` (PID JOBID STEPID LOCALID GLOBALID, one line per process) as job id -> pids."""
-    jobs: dict[str, list[int]] = {}
+def _listpids_rows(out: str) -> Iterator[tuple[int, str, str]]:
+    """`scontrol listpids` (PID JOBID STEPID LOCALID GLOBALID, one line per process after the header): (pid, job
+    id, step id) of each line with a numeric pid and job id; the step id is "" when the line has none."""
     for line in out.splitlines()[1:]:
         fields = line.split()
         if len(fields) >= 2 and _small_id(fields[0]) and _small_id(fields[1]):
-            jobs.setdefault(fields[1], []).append(int(fields[0]))
+            yield int(fields[0]), fields[1], fields[2] if len(fields) >= 3 else ""
+
+
+def parse_listpids(out: str) -> dict[str, list[int]]:
+    """`scontrol listpids` as job id -> pids (every step)."""
+    jobs: dict[str, list[int]] = {}
+    for pid, job, _step in _listpids_rows(out):
+        jobs.setdefault(job, []).append(pid)
     return jobs
 
 
 def parse_listpids_steps(out: str) -> dict[str, dict[str, list[int]]]:
     """The same as job id -> srun step id -> pids: only numbered steps (not `batch`, `extern`, `interactive`)."""
     jobs: dict[str, dict[str, list[int]]] = {}
-    for line in out.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) >= 3 and _small_id(fields[0]) and _small_id(fields[1]) and _small_id(fields[2]):
-            jobs.setdefault(fields[1], {}).setdefault(fields[2], []).append(int(fields[0]))
+    for pid, job, step in _listpids_rows(out):
+        if _small_id(step):
+            jobs.setdefault(job, {}).setdefault(step, []).append(pid)
     return jobs
 
 
 def parse_listpids_work(out: str) -> dict[str, list[int]]:
     """The same as job id -> pids of its batch step and numbered steps (no `extern`, no `interactive`)."""
     jobs: dict[str, list[int]] = {}
-    for line in out.splitlines()[1:]:
-        fields = line.split()
-        if (len(fields) >= 3 and _small_id(fields[0]) and _small_id(fields[1])
-                and (fields[2] == "batch" or _small_id(fields[2]))):
-            jobs.setdefault(fields[1], []).append(int(fields[0]))
+    for pid, job, step in _listpids_rows(out):
+        if step == "batch" or _small_id(step):
+            jobs.setdefault(job, []).append(pid)
     return jobs
 
 
