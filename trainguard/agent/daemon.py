@@ -17,16 +17,12 @@ from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
 from trainguard.core.logs import kv
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.config import Config
-from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.engine import ACTIONS_GRACE_S, Engine
 
 log = logging.getLogger("trainguard.daemon")
 
 
 M_ARENA_MAX = -8  # glibc's malloc.h
-# The unit's TimeoutStopSec is 15 s: the servers and the actions under way share 10, the rest of shutdown (the
-# kernel log reader's stop and the channels' last deliveries, 2 s at most each; the store's checkpoint) has the
-# remainder before systemd's SIGKILL.
-STOP_BUDGET_S = 10.0
 MALLOC_ARENAS = 2
 
 
@@ -120,8 +116,8 @@ def run_daemon(config: Config) -> int:
         endpoint.stop()
     if control is not None:
         control.stop()
-    # One budget for the whole stop, inside the unit's TimeoutStopSec: what the servers took is the actions' less.
-    engine.stop(grace=max(0.0, STOP_BUDGET_S - (time.monotonic() - t0)))
+    # The servers' stop comes out of the actions' grace: one budget inside the unit's TimeoutStopSec.
+    engine.stop(grace=max(0.0, ACTIONS_GRACE_S - (time.monotonic() - t0)))
     signal.set_wakeup_fd(-1)
     os.close(wake_r)
     os.close(wake_w)

@@ -38,7 +38,9 @@ log = logging.getLogger("trainguard.engine")
 # The tick comes each second (liveness); the queue lengths and the agent's own usage it also reads are shown on a
 # 15 s scrape: read every few ticks, not each.
 USAGE_EVERY_S = 5.0
-# The unit's TimeoutStopSec is 15 s: actions in flight get 10 of them, the rest of shutdown takes about 2.
+# The unit's TimeoutStopSec is 15 s: the daemon's servers and the actions under way share 10 of them; the rest of
+# shutdown (the kernel log reader's stop and the channels' last deliveries, 2 s at most each; the store's
+# checkpoint) has the remainder before systemd's SIGKILL.
 ACTIONS_GRACE_S = 10.0
 
 
