@@ -47,7 +47,7 @@ bench: deb-test install-test
 	$(BIN)/python -m benchmarks.round_cost --rounds 10
 	$(BIN)/python -m benchmarks.hardware --runs 300
 	$(BIN)/pip install -q -e '.[bench]'
-	flock /tmp/trainguard-tests.lock $(BIN)/python -m benchmarks.goodput --minutes 7
+	flock /tmp/trainguard-tests.lock $(BIN)/python -m benchmarks.goodput --minutes 15
 
 lint: install-test
 	$(BIN)/ruff check trainguard tests benchmarks

@@ -18,7 +18,7 @@ trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a huma
 what they see: frees the disk, drains a node whose GPU is gone, requeues the job). With trainguard the same human is
 also paged: they act R minutes after an alert. Time is scaled by --scale (60: a real minute is a second here).
 
-    python -m benchmarks.goodput [--seed 24] [--minutes 7] [--scale 60]   # one run each way; root
+    python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60]   # one run each way; root
 """
 
 from __future__ import annotations
@@ -258,9 +258,10 @@ class Run:
         c["job_switch"].update(fast)
         c["training_log"].update(fast, actions={"critical": ["restart"]})
         raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)},
-                          "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)},
+                          "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
+                                      "timeout": s.dur(330, 4)},
                           "restart_elsewhere": {"type": "restart", "leave_node": True, "wait_exit": s.dur(300, 2),
-                                                "timeout": s.dur(330, 4)}}
+                                                "after_save": s.dur(30), "timeout": s.dur(330, 4)}}
         path = self.base / f"trainguard-{node}.toml"
         path.write_text(tomli_w.dumps(raw))
         # which alerts (check, status) have actions bound: a paged human waits for their outcome
@@ -723,7 +724,7 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=24)
-    p.add_argument("--minutes", type=float, default=7.0, help="each run (two runs: with and without trainguard)")
+    p.add_argument("--minutes", type=float, default=15.0, help="each run (two runs: with and without trainguard)")
     p.add_argument("--scale", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=Path("/tmp/trainguard-goodput"))
     p.add_argument("--plot", type=Path, default=REPO / "docs" / "goodput-timeline.png")

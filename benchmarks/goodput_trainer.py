@@ -180,6 +180,7 @@ def main() -> int:
         if votes is None:  # a signal while a peer is missing: the last completed step is consistent, save it
             if rank == 0 and step > 0:
                 save(a.ckpt_dir, step - 1, loss, a.ckpt_pad, progress)
+                trainer.saved()
             print(f"rank {rank}: stop requested ({trainer.last_signal or 'switch'}) in the barrier of step {step}",
                   flush=True)
             record_stop(f"asked to stop while a peer was missing ({stop_reason(trainer)})", step)

@@ -103,11 +103,11 @@ def main() -> int:
         if (save or stop) and saved_step < step:  # a checkpoint of this very step was just written: not twice
             save_checkpoint(args.ckpt_dir, step, loss, args.save_time)
             saved_step = step
+        if save:  # true on a stop too: the agent restarting the job learns the checkpoint is written
+            trainer.saved()
         if stop:
             print(f"stop requested ({trainer.last_signal or 'switch'}): exiting cleanly at step {step}", flush=True)
             return 0
-        if save:
-            trainer.saved()
     if saved_step < args.steps - 1:
         save_checkpoint(args.ckpt_dir, args.steps - 1, loss, args.save_time)
     print("training finished", flush=True)

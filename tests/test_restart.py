@@ -483,6 +483,81 @@ def test_a_node_left_but_neither_restarted_nor_requeued_is_not_left_recorded(tmp
     assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
+# A rank 0 that saves when the restart is asked (the trainer helper's saved(), as the goodput trainer calls it) and
+# exits, while another rank of the job stays hung.
+SAVER = r"""
+import sys, time
+from trainguard.trainer import Trainer
+t = Trainer(switch_dir=sys.argv[1])
+open(sys.argv[2], "w").close()
+deadline = time.monotonic() + 30
+while not t.restart_requested() and time.monotonic() < deadline:
+    time.sleep(0.05)
+t.saved()
+"""
+
+
+def test_a_checkpoint_reported_written_cuts_the_wait_for_a_hung_rank_to_after_save(tmp_path: Path,
+                                                                                  ranks: Callable[..., int]) -> None:
+    """A rank hung in a collective never exits: once the trainer reports the checkpoint the restart asked for, the
+    steps still running after `after_save` are cancelled, not after the whole wait_exit."""
+    ready = tmp_path / "ready"
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "sw"), str(ready)], cwd=REPO,
+                             env={**os.environ, "SLURM_JOB_ID": "5"})
+    try:
+        wait_until(ready.exists, 30, what="the saving rank's start")
+        slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+        started = time.monotonic()
+        detail = _run(slurm, _job(tmp_path), wait_exit=20, timeout=30, after_save=0.3)
+        took = time.monotonic() - started
+        assert saver.wait(10) == 0
+    finally:
+        saver.kill()
+    assert slurm.calls == [("signal", "5.0", "USR1", "step"), ("cancel", "5.0")]
+    assert took < 10, (took, detail)  # wait_exit is 20 s
+    assert re.search(r"cancelled 5\.0 still running after \d+\.\ds \(saved\.5 \d+\.\ds after the signal: the "
+                     r"checkpoint was written\)", detail), detail
+
+
+def test_a_save_report_older_than_the_request_or_not_the_users_file_leaves_wait_exit(tmp_path: Path,
+                                                                                   ranks: Callable[..., int]) -> None:
+    """An earlier restart's report, or a link, is not this restart's: the steps get the whole wait_exit."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "saved.5").write_text("{}")
+    os.utime(sw / "saved.5", (time.time() - 3600, time.time() - 3600))
+    (tmp_path / "fresh").write_text("{}")
+    for report in ("old", "link"):
+        if report == "link":
+            (sw / "saved.5").unlink()
+            os.symlink(tmp_path / "fresh", sw / "saved.5")
+        slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+        started = time.monotonic()
+        detail = _run(slurm, _job(tmp_path), wait_exit=1.0, after_save=0.0)
+        assert time.monotonic() - started >= 1.0 and "saved.5" not in detail, (report, detail)
+        assert slurm.calls[-1] == ("cancel", "5.0")
+
+
+def test_saved_reports_a_checkpoint_only_while_a_restart_is_asked(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    (tmp_path / "restart.77").write_text("{}")
+    t = Trainer(switch_dir=tmp_path)
+    t.saved()
+    assert not (tmp_path / "saved.77").exists()  # the request is an earlier life's: nobody waits for the report
+    tmp = tmp_path / ".restart.tmp"
+    tmp.write_text("{}")
+    tmp.rename(tmp_path / "restart.77")
+    before = time.time_ns()
+    t.saved()
+    report = tmp_path / "saved.77"
+    assert report.lstat().st_mtime_ns >= before - 1_000_000_000 and json.loads(report.read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["restart.77", "saved.77"]  # no temporary file left
+    (tmp_path / "restart.77").unlink()
+    t.saved()  # no request: the last report stays, written no more
+    assert report.exists()
+
+
 def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[..., int]) -> None:
     """Left in place, the request would restart the job the next time its srun ends, even at the end of training."""
     slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"], fail_signal=True)

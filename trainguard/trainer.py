@@ -14,6 +14,7 @@
             trainer.saved()
         if trainer.should_stop():
             save_checkpoint(step)
+            trainer.saved()
             break
 
 Switch files live in the switch dir ($TRAINGUARD_SWITCH_DIR, else ./.trainguard): `save` asks for one
@@ -130,8 +131,16 @@ class Trainer:
     def should_stop(self) -> bool:
         return self._stop.is_set() or self._switch("stop") is not None
 
+    @property
+    def saved_name(self) -> str:
+        """This job's report that the checkpoint a restart asked for is written (`saved.<job id>`)."""
+        return f"saved.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
+
     def saved(self) -> None:
-        """A checkpoint was written: clear the save request (signal flag and `save` switch file)."""
+        """A checkpoint was written (call it once the checkpoint is complete, on the rank or ranks that know it is):
+        clear the save request (signal flag and `save` switch file). While a restart is asked, also tell the agent:
+        it then cancels what still runs of the job's steps (a rank hung in a collective, or whose GPU is gone) soon
+        after, instead of waiting out its `wait_exit`."""
         self._save.clear()
         if not self._stop.is_set():  # the signal was answered: a later stop must not be reported as its doing
             self.last_signal = None
@@ -139,6 +148,15 @@ class Trainer:
             (self.switch_dir / "save").unlink()
         except FileNotFoundError:
             pass
+        if self.restart_requested():
+            path = self.switch_dir / self.saved_name
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:  # a new file each time: the agent compares its time with its request's
+                tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
+                os.replace(tmp, path)
+            except OSError:  # the report only shortens the agent's wait: training goes on without it
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
 
     def heartbeat(self, step: int, **metrics: float) -> None:
         """Atomically write {step, time, pid, metrics} so the agent can tell progress from a hang."""

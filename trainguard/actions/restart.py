@@ -43,12 +43,13 @@ from pydantic import Field, field_validator
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job, slurm_jobs
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
-from trainguard.actions.switch import create_switch, job_owner, present_switches, remove_switch
+from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_stats
 from trainguard.core.settings import Duration
 from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
+from trainguard.node.access import Identity
 from trainguard.node.procfs import ProcFS
 
 LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop for the command it runs
@@ -79,6 +80,37 @@ class RestartUnderwayError(ActionError):
     """The restart went ahead (request written, steps signalled) and something after it failed."""
 
 
+def saved_name(job_id: str) -> str:
+    """The ranks' report that the checkpoint a restart asked for is written (`Trainer.saved_name` in
+    trainguard/trainer.py): the trainer helper's `saved()` writes it while a restart request is present."""
+    return f"saved.{job_id}"
+
+
+class _SaveAck:
+    """Whether the ranks reported a checkpoint written since this restart's request: `saved.<job id>` in the switch
+    dir, no older than the request (the same file system stamps both). A report from an earlier restart is older; a
+    user who forges one only has their own steps cancelled sooner. Any error reads as no report: wait_exit holds."""
+
+    def __init__(self, switch_dir: str, job_id: str, identity: Identity, request: str) -> None:
+        self.switch_dir, self.identity, self.name = switch_dir, identity, saved_name(job_id)
+        self.at: float | None = None  # monotonic time the report was first seen
+        try:
+            self._since = switch_stats(switch_dir, [request], identity)[request].st_mtime_ns
+        except (ActionError, KeyError):
+            self._since = None
+
+    def seen(self) -> float | None:
+        """When the report was first seen (None: not yet)."""
+        if self.at is None and self._since is not None:
+            try:
+                st = switch_stats(self.switch_dir, [self.name], self.identity).get(self.name)
+            except ActionError:
+                return None
+            if st is not None and st.st_mtime_ns >= self._since:
+                self.at = time.monotonic()
+        return self.at
+
+
 def left_name(job_id: str, life: int, node: str) -> str:
     """The record that the job's life `life` (its requeues so far) left `node`: one file per node, so that the agents
     of two nodes lost at once never replace each other's, and per life, so that a requeued job (another allocation)
@@ -99,6 +131,11 @@ class RestartSettings(WaitExitSettings):
                                             "default: USR1).")
     wait_exit: Duration = Field(300.0, ge=0, description="How long the ranks get to save and exit before their "
                                                          "steps are cancelled.")
+    after_save: Duration = Field(
+        30.0, ge=0, description="Once the ranks report their checkpoint written (the trainer helper's `saved()` "
+                                "writes `saved.<job id>` in the switch dir while a restart is asked), the steps still "
+                                "running this long after are cancelled without waiting out `wait_exit`: the progress "
+                                "is safe, and a rank hung in a collective or on a lost GPU never exits by itself.")
     leave_node: bool = Field(
         False, description="Restart the job without this node (bind it to a fault of the node, e.g. `xid` after "
                            "`drain`): the node is recorded as left in the job's switch dir and the relaunch loop "
@@ -224,7 +261,7 @@ class RestartAction(Action):
             try:
                 self._record_left(job, ctx, life)
                 record = left_name(job_id, life, ctx.node)
-                present = present_switches(job.switch_dir, [left_name(job_id, life, n) for n in allocation], identity)
+                present = switch_stats(job.switch_dir, [left_name(job_id, life, n) for n in allocation], identity)
             except ActionError as exc:
                 no_spare = f"{ctx.node} cannot be recorded as left ({exc})"
             else:
@@ -253,6 +290,7 @@ class RestartAction(Action):
         request = create_switch(job.switch_dir, name, identity, gid, {
             **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
             "incident": ctx.event.incident_id, "check": ctx.event.check, "reason": one_line(ctx.event.summary, 200)})
+        ack = _SaveAck(job.switch_dir, job_id, identity, name)
         started = time.monotonic()
         steps = sorted(looped, key=int)
         try:
@@ -261,11 +299,15 @@ class RestartAction(Action):
             # Left in place, the request would restart the job the next time its srun ends, even at the end of training
             remove_switch(job.switch_dir, name, identity)
             raise ActionError(f"restart {job_id}: {exc} (the request is withdrawn)") from None
-        while any(r.matches() for r in refs) and time.monotonic() < deadline:
+        def until() -> float:  # wait_exit, cut to after_save once the ranks report their checkpoint written
+            at = ack.seen()
+            return deadline if at is None else min(deadline, at + s.after_save)
+
+        while any(r.matches() for r in refs) and time.monotonic() < until():
             time.sleep(POLL)
         try:
             left = self._running(ctx, job_id, set(steps))
-            while left and time.monotonic() < deadline:
+            while left and time.monotonic() < until():
                 time.sleep(POLL_CONTROLLER)
                 left = self._running(ctx, job_id, set(steps))
             cancelled = [step for step in sorted(left, key=int) if ctx.slurm.cancel_step(job_id, step)]
@@ -275,6 +317,8 @@ class RestartAction(Action):
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
+        if cancelled and ack.at is not None:
+            how += f" ({ack.name} {ack.at - started:.1f}s after the signal: the checkpoint was written)"
         if gone:  # ended by itself just before, or at once on the signal
             how += f" ({', '.join(f'{job_id}.{g}' for g in gone)} no longer listed when signalled)"
         if len(gone) == len(steps) and not self._relaunched(ctx, job_id, set(steps)):

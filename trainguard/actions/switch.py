@@ -149,15 +149,15 @@ def remove_switch(directory: str, name: str, identity: Identity) -> bool:
         os.close(dfd)
 
 
-def present_switches(directory: str, names: Iterable[str], identity: Identity) -> set[str]:
-    """Which of `names` are switch files in a job's switch dir (opened as in create_switch; none when it is missing):
-    regular files of the job's user or root, as the agent writes them. One lstat per name asked, so the cost follows
-    what is asked, never how many files the user keeps there."""
+def switch_stats(directory: str, names: Iterable[str], identity: Identity) -> dict[str, os.stat_result]:
+    """The lstat of each of `names` that is a switch file in a job's switch dir (opened as in create_switch; none
+    when it is missing): regular files of the job's user or root, as the agent writes them. One lstat per name asked,
+    so the cost follows what is asked, never how many files the user keeps there."""
     try:
         dfd = _open_switch_dir(directory, identity, create=False)
     except SwitchDirMissingError:
-        return set()
-    present = set()
+        return {}
+    present = {}
     try:
         for name in names:
             try:
@@ -167,7 +167,7 @@ def present_switches(directory: str, names: Iterable[str], identity: Identity) -
             except OSError as exc:
                 raise ActionError(f"cannot look for {name} in switch dir {directory}: {exc.strerror or exc}") from None
             if stat.S_ISREG(st.st_mode) and st.st_uid in (identity.uid, 0):
-                present.add(name)
+                present[name] = st
     finally:
         os.close(dfd)
     return present
