@@ -503,7 +503,7 @@ def test_a_checkpoint_reported_written_cuts_the_wait_for_a_hung_rank_to_after_sa
     steps still running after `after_save` are cancelled, not after the whole wait_exit."""
     ready = tmp_path / "ready"
     saver = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "sw"), str(ready)], cwd=REPO,
-                             env={**os.environ, "SLURM_JOB_ID": "5"})
+                             env={**os.environ, "SLURM_JOB_ID": "5", "RANK": "0"})
     try:
         wait_until(ready.exists, 30, what="the saving rank's start")
         slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
@@ -519,28 +519,34 @@ def test_a_checkpoint_reported_written_cuts_the_wait_for_a_hung_rank_to_after_sa
                      r"checkpoint was written\)", detail), detail
 
 
-def test_a_save_report_older_than_the_request_or_not_the_users_file_leaves_wait_exit(tmp_path: Path,
-                                                                                   ranks: Callable[..., int]) -> None:
-    """An earlier restart's report, or a link, is not this restart's: the steps get the whole wait_exit."""
+def test_an_earlier_restarts_report_or_a_link_is_no_report(tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """The report the last restart left is removed before the request, and a link made after the request is not a
+    report (a link to a file the user could not write): the steps get the whole wait_exit."""
     sw = tmp_path / "sw"
     sw.mkdir()
-    (sw / "saved.5").write_text("{}")
-    os.utime(sw / "saved.5", (time.time() - 3600, time.time() - 3600))
-    (tmp_path / "fresh").write_text("{}")
-    for report in ("old", "link"):
-        if report == "link":
-            (sw / "saved.5").unlink()
-            os.symlink(tmp_path / "fresh", sw / "saved.5")
-        slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
-        started = time.monotonic()
-        detail = _run(slurm, _job(tmp_path), wait_exit=1.0, after_save=0.0)
-        assert time.monotonic() - started >= 1.0 and "saved.5" not in detail, (report, detail)
-        assert slurm.calls[-1] == ("cancel", "5.0")
+    (sw / "saved.5").write_text("{}")  # the last restart's
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+    started = time.monotonic()
+    detail = _run(slurm, _job(tmp_path), wait_exit=1.0, after_save=0.0)
+    assert time.monotonic() - started >= 1.0 and "saved.5" not in detail, detail
+    assert not (sw / "saved.5").exists() and slurm.calls[-1] == ("cancel", "5.0")
+
+    (sw / "restart.5").unlink()
+    linked = threading.Thread(target=lambda: (wait_until((sw / "restart.5").exists, 10, what="the request"),
+                                              os.symlink("/etc/hostname", sw / "saved.5")))
+    linked.start()
+    started = time.monotonic()
+    detail = _run(slurm, _job(tmp_path), wait_exit=1.5, after_save=0.0)
+    linked.join(10)
+    assert (sw / "saved.5").is_symlink()  # made while the action waited
+    assert time.monotonic() - started >= 1.5 and "saved.5" not in detail, detail
 
 
-def test_saved_reports_a_checkpoint_only_while_a_restart_is_asked(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_saved_reports_a_checkpoint_on_rank_0_only_while_a_restart_is_asked(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
     (tmp_path / "restart.77").write_text("{}")
     t = Trainer(switch_dir=tmp_path)
     t.saved()
@@ -548,14 +554,23 @@ def test_saved_reports_a_checkpoint_only_while_a_restart_is_asked(tmp_path: Path
     tmp = tmp_path / ".restart.tmp"
     tmp.write_text("{}")
     tmp.rename(tmp_path / "restart.77")
-    before = time.time_ns()
+    monkeypatch.setenv("RANK", "3")  # torchrun's global rank comes first: SLURM_PROCID is then the node's task
+    t.saved()
+    assert not (tmp_path / "saved.77").exists()  # rank 3 knows only that its part is written
+    monkeypatch.setenv("RANK", "0")
     t.saved()
     report = tmp_path / "saved.77"
-    assert report.lstat().st_mtime_ns >= before - 1_000_000_000 and json.loads(report.read_text())["pid"] == os.getpid()
+    assert json.loads(report.read_text())["pid"] == os.getpid()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["restart.77", "saved.77"]  # no temporary file left
-    (tmp_path / "restart.77").unlink()
-    t.saved()  # no request: the last report stays, written no more
-    assert report.exists()
+
+
+def test_the_loop_removes_the_ranks_last_report_when_it_returns(tmp_path: Path) -> None:
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "saved.77").write_text("{}")
+    (tmp_path / "sw" / "saved.78").write_text("{}")  # another job's, from the same directory
+    proc = _loop(tmp_path, "exit 0")
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0 and sorted(p.name for p in (tmp_path / "sw").iterdir()) == ["saved.78"]
 
 
 def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[..., int]) -> None:

@@ -9,13 +9,13 @@
     for step in range(start, steps):
         loss = train_step()
         trainer.heartbeat(step, loss=loss)
-        if trainer.should_save():
-            save_checkpoint(step)
-            trainer.saved()
-        if trainer.should_stop():
+        if trainer.should_stop():          # first: a stop asks for a save too, and one checkpoint is enough
             save_checkpoint(step)
             trainer.saved()
             break
+        if trainer.should_save():
+            save_checkpoint(step)
+            trainer.saved()
 
 Switch files live in the switch dir ($TRAINGUARD_SWITCH_DIR, else ./.trainguard): `save` asks for one
 checkpoint (removed by `saved()`), `stop` asks the run to checkpoint and exit. A switch counts when it is a regular
@@ -137,10 +137,11 @@ class Trainer:
         return f"saved.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
 
     def saved(self) -> None:
-        """A checkpoint was written (call it once the checkpoint is complete, on the rank or ranks that know it is):
-        clear the save request (signal flag and `save` switch file). While a restart is asked, also tell the agent:
-        it then cancels what still runs of the job's steps (a rank hung in a collective, or whose GPU is gone) soon
-        after, instead of waiting out its `wait_exit`."""
+        """A checkpoint was written (call it once the checkpoint is complete): clear the save request (signal flag
+        and `save` switch file). On global rank 0 (RANK, else SLURM_PROCID, is 0 or unset), while a restart is asked,
+        also tell the agent: it then cancels what still runs of the job's steps (a rank hung in a collective, or
+        whose GPU is gone) soon after, instead of waiting out its `wait_exit`. Rank 0's call must come after the whole
+        checkpoint is written: after its own torch.save, or after a collective save returns."""
         self._save.clear()
         if not self._stop.is_set():  # the signal was answered: a later stop must not be reported as its doing
             self.last_signal = None
@@ -148,7 +149,7 @@ class Trainer:
             (self.switch_dir / "save").unlink()
         except FileNotFoundError:
             pass
-        if self.restart_requested():
+        if self.restart_requested() and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             path = self.switch_dir / self.saved_name
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:  # a new file each time: the agent compares its time with its request's
@@ -394,6 +395,8 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
                 return status
     finally:  # the job's life ends with its loop: a later job given the same id must not find its records
         _remove_records(_left_records(watcher.switch_dir, job_id).values())
+        if job_id:  # nor the ranks' last report of a checkpoint written for a restart
+            _remove_records([watcher.switch_dir / watcher.saved_name])
 
 
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

@@ -82,33 +82,50 @@ class RestartUnderwayError(ActionError):
 
 def saved_name(job_id: str) -> str:
     """The ranks' report that the checkpoint a restart asked for is written (`Trainer.saved_name` in
-    trainguard/trainer.py): the trainer helper's `saved()` writes it while a restart request is present."""
+    trainguard/trainer.py): the trainer helper's `saved()` on rank 0 writes it while a restart request is present."""
     return f"saved.{job_id}"
 
 
 class _SaveAck:
-    """Whether the ranks reported a checkpoint written since this restart's request: `saved.<job id>` in the switch
-    dir, no older than the request (the same file system stamps both). A report from an earlier restart is older; a
-    user who forges one only has their own steps cancelled sooner. Any error reads as no report: wait_exit holds."""
+    """Whether the ranks reported the checkpoint this restart asked for: `saved.<job id>` in the switch dir, a regular
+    file of the user or root. The report the last restart left is removed before the request is written, so a report
+    present later is this restart's (no clocks compared: the request and the report are written on different nodes,
+    whose clocks may disagree). Looked for in a thread of its own, so that a switch dir on a file system that hangs
+    never holds up the cancel: the wait reads `at` only. A user who forges a report only has their own steps
+    cancelled sooner; any error reads as no report, and wait_exit holds."""
 
-    def __init__(self, switch_dir: str, job_id: str, identity: Identity, request: str) -> None:
+    def __init__(self, switch_dir: str, job_id: str, identity: Identity) -> None:
         self.switch_dir, self.identity, self.name = switch_dir, identity, saved_name(job_id)
         self.at: float | None = None  # monotonic time the report was first seen
-        try:
-            self._since = switch_stats(switch_dir, [request], identity)[request].st_mtime_ns
-        except (ActionError, KeyError):
-            self._since = None
+        self.note = ""
+        self._stop = threading.Event()
 
-    def seen(self) -> float | None:
-        """When the report was first seen (None: not yet)."""
-        if self.at is None and self._since is not None:
+    def clear(self) -> None:
+        """Before the request: the last restart's report goes (one left in place makes this one's unreadable)."""
+        remove_switch(self.switch_dir, self.name, self.identity)
+
+    def watch(self) -> None:
+        """After the request: look for the report every POLL until it is there or close() is called."""
+        try:
+            stale = self.name in switch_stats(self.switch_dir, [self.name], self.identity)
+        except ActionError:
+            stale = False  # unreadable now; the thread looks again
+        if stale:
+            self.note = f" ({self.name} of an earlier restart could not be removed: no report read)"
+            return
+        threading.Thread(target=self._look, name=f"restart-saved-{self.name}", daemon=True).start()
+
+    def _look(self) -> None:
+        while not self._stop.wait(POLL):
             try:
-                st = switch_stats(self.switch_dir, [self.name], self.identity).get(self.name)
+                if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
+                    self.at = time.monotonic()
+                    return
             except ActionError:
-                return None
-            if st is not None and st.st_mtime_ns >= self._since:
-                self.at = time.monotonic()
-        return self.at
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def left_name(job_id: str, life: int, node: str) -> str:
@@ -132,10 +149,11 @@ class RestartSettings(WaitExitSettings):
     wait_exit: Duration = Field(300.0, ge=0, description="How long the ranks get to save and exit before their "
                                                          "steps are cancelled.")
     after_save: Duration = Field(
-        30.0, ge=0, description="Once the ranks report their checkpoint written (the trainer helper's `saved()` "
-                                "writes `saved.<job id>` in the switch dir while a restart is asked), the steps still "
-                                "running this long after are cancelled without waiting out `wait_exit`: the progress "
-                                "is safe, and a rank hung in a collective or on a lost GPU never exits by itself.")
+        30.0, ge=0, description="Once the ranks report their checkpoint written (the trainer helper's `saved()` on "
+                                "rank 0 writes `saved.<job id>` in the switch dir while a restart is asked), the "
+                                "steps still running this long after are cancelled without waiting out `wait_exit`: "
+                                "the progress is safe, and a rank hung in a collective or on a lost GPU never exits "
+                                "by itself.")
     leave_node: bool = Field(
         False, description="Restart the job without this node (bind it to a fault of the node, e.g. `xid` after "
                            "`drain`): the node is recorded as left in the job's switch dir and the relaunch loop "
@@ -286,11 +304,12 @@ class RestartAction(Action):
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
+        ack = _SaveAck(job.switch_dir, job_id, identity)
+        ack.clear()
         # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
         request = create_switch(job.switch_dir, name, identity, gid, {
             **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
             "incident": ctx.event.incident_id, "check": ctx.event.check, "reason": one_line(ctx.event.summary, 200)})
-        ack = _SaveAck(job.switch_dir, job_id, identity, name)
         started = time.monotonic()
         steps = sorted(looped, key=int)
         try:
@@ -299,13 +318,14 @@ class RestartAction(Action):
             # Left in place, the request would restart the job the next time its srun ends, even at the end of training
             remove_switch(job.switch_dir, name, identity)
             raise ActionError(f"restart {job_id}: {exc} (the request is withdrawn)") from None
-        def until() -> float:  # wait_exit, cut to after_save once the ranks report their checkpoint written
-            at = ack.seen()
-            return deadline if at is None else min(deadline, at + s.after_save)
 
-        while any(r.matches() for r in refs) and time.monotonic() < until():
-            time.sleep(POLL)
+        def until() -> float:  # wait_exit, cut to after_save once the ranks report their checkpoint written
+            return deadline if ack.at is None else min(deadline, ack.at + s.after_save)
+
+        ack.watch()
         try:
+            while any(r.matches() for r in refs) and time.monotonic() < until():
+                time.sleep(POLL)
             left = self._running(ctx, job_id, set(steps))
             while left and time.monotonic() < until():
                 time.sleep(POLL_CONTROLLER)
@@ -313,12 +333,15 @@ class RestartAction(Action):
             cancelled = [step for step in sorted(left, key=int) if ctx.slurm.cancel_step(job_id, step)]
         except SlurmError as exc:
             raise RestartUnderwayError(f"restart {job_id}: {request} written, SIG{s.signal} sent, then: {exc}") from None
+        finally:
+            ack.close()
         took = time.monotonic() - started
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
         if cancelled and ack.at is not None:
             how += f" ({ack.name} {ack.at - started:.1f}s after the signal: the checkpoint was written)"
+        how += ack.note
         if gone:  # ended by itself just before, or at once on the signal
             how += f" ({', '.join(f'{job_id}.{g}' for g in gone)} no longer listed when signalled)"
         if len(gone) == len(steps) and not self._relaunched(ctx, job_id, set(steps)):
