@@ -101,19 +101,20 @@ class _SaveAck:
         self._stop = threading.Event()
 
     def clear(self) -> None:
-        """Before the request: the last restart's report goes (one left in place makes this one's unreadable)."""
+        """Before the request: the last restart's report goes. One that stays (not the user's, or not removable)
+        would read as this restart's: no report is read then. Before the request, since a rank reports only once it
+        is there, so what is found now cannot be this restart's."""
         remove_switch(self.switch_dir, self.name, self.identity)
+        try:
+            if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
+                self.note = f" ({self.name} of an earlier restart could not be removed: no report read)"
+        except ActionError as exc:  # whether one stayed is unknown: none is read
+            self.note = f" (no report read: {exc})"
 
     def watch(self) -> None:
-        """After the request: look for the report every POLL until it is there or close() is called."""
-        try:
-            stale = self.name in switch_stats(self.switch_dir, [self.name], self.identity)
-        except ActionError:
-            stale = False  # unreadable now; the thread looks again
-        if stale:
-            self.note = f" ({self.name} of an earlier restart could not be removed: no report read)"
-            return
-        threading.Thread(target=self._look, name=f"restart-saved-{self.name}", daemon=True).start()
+        """After the signal: look for the report every POLL until it is there or close() is called."""
+        if not self.note:
+            threading.Thread(target=self._look, name=f"restart-saved-{self.name}", daemon=True).start()
 
     def _look(self) -> None:
         while not self._stop.wait(POLL):
