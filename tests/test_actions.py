@@ -30,13 +30,14 @@ from trainguard.agent.configfile import ConfigError, parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.install import Installer
-from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.access import Identity
 from trainguard.pipeline.engine import Engine, OperatorError
 from trainguard.pipeline.incidents import Operator
+from trainguard.pipeline.responder import event_jobs
 from trainguard.pipeline.store import Store
 from trainguard.trainer import Trainer
 
@@ -445,3 +446,34 @@ def test_sacct_history_lines() -> None:
     pending = parse_history(line("99", "99", "x", "PENDING", "0:0", "Unknown", "Unknown", "bob", "Dependency"))
     assert pending is not None and pending.end_time is None and pending.reason == "Dependency"
     assert parse_history("garbage without separators") is None
+
+
+class _LateRecords:
+    """A catalog whose job is listed before its record came (requeued onto this node: seen by its prolog), and whose
+    record comes once asked to settle."""
+
+    def __init__(self, comes: bool) -> None:
+        self.comes, self.settled = comes, 0.0
+        self.incomplete = Job(key="slurm:5", source="slurm", name="", state="RUNNING", job_id="5", on_this_node=True,
+                              extra={"incomplete": "not yet known to the agent: asking slurmctld"})
+
+    def view(self, fresh: bool = False) -> JobView:
+        known = replace(self.incomplete, name="t", switch_dir="/home/u/.trainguard", extra={})
+        return JobView(jobs=(known if self.settled and self.comes else self.incomplete,))
+
+    def settle(self, timeout: float) -> None:
+        self.settled = timeout
+
+
+@pytest.mark.parametrize("comes", [True, False])
+def test_an_action_waits_for_the_record_of_a_slurm_job_listed_before_it(comes: bool) -> None:
+    """Issue 24's run: a job requeued onto a node was acted on before its record came, with no switch dir, so a
+    restart took it for a job without the relaunch loop and requeued it. The record is waited for (bounded); a record
+    that does not come leaves the job as listed."""
+    catalog = _LateRecords(comes)
+    event = ev(job_key="slurm:5")
+    [job] = event_jobs(catalog, event, record_wait=2.0)  # type: ignore[arg-type]
+    assert catalog.settled == 2.0
+    assert (job.switch_dir, "incomplete" in job.extra) == (("/home/u/.trainguard", False) if comes else (None, True))
+    [job] = event_jobs(_LateRecords(comes), ev())  # type: ignore[arg-type]
+    assert job.key == "slurm:5"  # every job of this node, when the incident names none

@@ -468,8 +468,9 @@ class SlurmSource:
 
     def settle(self, timeout: float) -> None:
         """Wait, `timeout` at most, until the controller answered (or failed to) for every running job found so
-        far (by its steps or its prolog): a one-shot `trainguard check` reports jobs with their attributes; the
-        daemon never waits."""
+        far (by its steps or its prolog): a one-shot `trainguard check` reports jobs with their attributes, and an
+        action about a job listed before its record came acts on what the record says (its switch dir); the checks
+        never wait."""
         with self._lock:
             self._fetched.wait_for(lambda: all(
                 local.fetched is not None or local.failures > 0 for local in self._jobs.values()

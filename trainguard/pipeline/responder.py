@@ -18,7 +18,7 @@ from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Status
-from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.pipeline.config import Config
@@ -26,6 +26,29 @@ from trainguard.pipeline.incidents import IncidentTracker
 from trainguard.registry import Registry
 
 log = logging.getLogger("trainguard.actions")
+
+
+RECORD_WAIT_S = 5.0  # how long an action waits for a job's record from slurmctld (usually about a second)
+
+
+def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WAIT_S) -> tuple[Job, ...]:
+    """The incident's own job when it names one, else every job running on this node. Listed afresh (the node only:
+    no controller RPC): a job that started a second before the fault is still the one to act on. A SLURM job listed
+    before its record came (just started, or requeued onto this node) lacks what only the controller knows (its
+    switch dir, its life): acting without it would take a job under the relaunch loop for one without, and requeue
+    it instead of restarting it. Its record is waited for, `record_wait` at most (the controller failing ends it)."""
+    def pick(view: JobView) -> tuple[Job, ...]:
+        key = event.details.get("job_key")
+        if key:
+            job = view.by_key(str(key))
+            return (job,) if job else ()
+        return tuple(view.on_node())
+
+    jobs = pick(catalog.view(fresh=True))
+    if any(job.source == "slurm" and "incomplete" in job.extra for job in jobs):
+        catalog.settle(record_wait)
+        jobs = pick(catalog.view(fresh=True))
+    return jobs
 
 
 class Responder:
@@ -96,16 +119,7 @@ class Responder:
         return running, [t.name for t in alive if t.is_alive()]
 
     def jobs_for(self, event: Event) -> tuple[Job, ...]:
-        """The incident's own job when it names one, else every job running on this node. Listed afresh (the node
-        only: no controller RPC): a job that started a second before the fault is still the one to act on."""
-        if self.catalog is None:
-            return ()
-        view = self.catalog.view(fresh=True)
-        key = event.details.get("job_key")
-        if key:
-            job = view.by_key(str(key))
-            return (job,) if job else ()
-        return tuple(view.on_node())
+        return () if self.catalog is None else event_jobs(self.catalog, event)
 
     def _run_all(self, event: Event, names: list[str]) -> None:
         try:
