@@ -200,31 +200,6 @@ def test_nan_losses_count_in_a_row_across_reads(tmp_path: Path, trainer: tuple[s
     assert result.status is Status.CRITICAL and "3 in a row (6 in all)" in result.summary
 
 
-def test_a_log_last_written_before_the_job_started_is_read_from_its_end(tmp_path: Path,
-                                                                       trainer: tuple[str, Path]) -> None:
-    """A job requeued onto a node whose agent never read its StdOut: the agent may list it (its prolog) before the new
-    life truncates the file, which still holds the earlier life's NaN streak (issue 24's run: a false restart, then a
-    requeue of the healthy job). What was written before the job started is not its own; what it writes is read,
-    whether it appends or truncates."""
-    marker, logs = trainer
-    logs.mkdir()
-    log = logs / "rank0.log"
-    log.write_bytes(lines("step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan", "step 4 loss=nan"))
-    [job] = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
-    earlier = job.create_time() - 30
-    os.utime(log, (earlier, earlier))
-    watch = check(tmp_path, marker, Store(None))
-    [result] = watch.run()
-    assert result.status is Status.OK, result.summary
-    with log.open("ab") as f:  # appended by the new life (--open-mode=append)
-        f.write(lines("step 5 loss=nan"))
-    [result] = watch.run()
-    assert result.status is Status.WARNING and "1 in a row (1 in all)" in result.summary, result.summary
-    log.write_bytes(lines("step 1 loss=nan", "step 2 loss=nan"))  # truncated and written again: read from its start
-    [result] = watch.run()
-    assert "3 in a row (3 in all)" in result.summary, result.summary
-
-
 def test_nan_loss_from_the_heartbeat(tmp_path: Path, trainer: tuple[str, Path]) -> None:
     from trainguard.trainer import Trainer
 

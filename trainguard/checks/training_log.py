@@ -8,9 +8,7 @@ A requeued SLURM job keeps its id; its restart count (`Restarts=`) is its life. 
 the count changes, what the earlier life left (findings, NaN streaks, collectives) is dropped, and its logs are read
 on from where the reader stood: the end of what the earlier life wrote when it was read to the end (appended logs,
 `--open-mode=append`), the start of a StdOut the new life truncated or recreated. A heartbeat older than the new
-life's start is the earlier life's and is not read. So is a log this agent first meets that was last written before
-the job started (a job requeued onto a node whose agent never read its log, seen before the new life truncated its
-StdOut): it is read on from its end.
+life's start is the earlier life's and is not read.
 """
 
 from __future__ import annotations
@@ -54,7 +52,6 @@ log = logging.getLogger("trainguard.checks.training_log")
 POSITIONS_KEY = "logscan.positions"
 FINDINGS_KEY = "logscan.findings"
 COLLECTIVES_KEY = "logscan.collectives"
-CLOCK_SLACK_S = 1.0  # a log's mtime (the writing node's clock) and the job's start (the controller's) may disagree
 LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
 MAX_PER_SIGNATURE = 8  # per job and signature: a flood of one kind (25 ranks' timeouts) never crowds out another
@@ -243,13 +240,6 @@ class TrainingLogCheck(JobCheck):
 
     def _read(self, job: Job, path: str) -> None:
         tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
-        if (path not in self._positions and job.start_time is not None
-                and tail.start_at_end_if_written_before(job.start_time - CLOCK_SLACK_S) and tail.position):
-            # A log this check first meets, last written before the job started: an earlier life's (a job requeued
-            # onto this node, seen before the new life truncated its StdOut) or an earlier run's. Its failures are
-            # not this job's: read on from its end.
-            self._positions[path] = tail.position
-            return
         streaks = self._nan_streaks.setdefault(job.key, {})
         try:
             self._scan(job, path, tail, streaks)

@@ -77,24 +77,6 @@ class LogTail:
         finally:
             os.close(fd)
 
-    def start_at_end_if_written_before(self, when: float) -> bool:
-        """A file last written before `when` (the job's start: what it holds is an earlier life's, or an earlier
-        run's whose path the job reuses) is read on from its end, as if read to there: a new life that truncates it
-        is read from its start again, one that appends from where it stood. False when it was written since (or
-        cannot be opened): nothing changes."""
-        try:
-            fd = open_as(self.identity, self.path)
-        except OSError:
-            return False
-        try:
-            st = os.fstat(fd)
-            if st.st_mtime >= when:
-                return False
-            self.position = Position(st.st_dev, st.st_ino, st.st_size, head=os.pread(fd, HEAD, 0).hex())
-            return True
-        finally:
-            os.close(fd)
-
     def _lines(self, data: bytes, pos: Position) -> bytes | None:
         start = pos.offset
         if pos.skipping:
