@@ -477,3 +477,6 @@ def test_an_action_waits_for_the_record_of_a_slurm_job_listed_before_it(comes: b
     assert (job.switch_dir, "incomplete" in job.extra) == (("/home/u/.trainguard", False) if comes else (None, True))
     [job] = event_jobs(_LateRecords(comes), ev())  # type: ignore[arg-type]
     assert job.key == "slurm:5"  # every job of this node, when the incident names none
+    unasked = _LateRecords(comes)
+    [job] = event_jobs(unasked, event, record_wait=0.0)  # type: ignore[arg-type]
+    assert not unasked.settled and "incomplete" in job.extra  # an action that needs no record acts on the listing

@@ -573,6 +573,18 @@ def test_the_loop_removes_the_ranks_last_report_when_it_returns(tmp_path: Path) 
     assert proc.returncode == 0 and sorted(p.name for p in (tmp_path / "sw").iterdir()) == ["saved.78"]
 
 
+def test_a_looped_job_whose_record_has_not_come_is_neither_restarted_nor_requeued(tmp_path: Path,
+                                                                                   ranks: Callable[..., int]) -> None:
+    """Its ranks run under the loop but its switch dir is unknown (the controller's record has not come): a requeue
+    would cost it its allocation for want of a record."""
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+    job = replace(_job(tmp_path), switch_dir=None, extra={"incomplete": "not yet known to the agent: asking slurmctld"})
+    with pytest.raises(ActionError, match=r"its switch dir is unknown \(not yet known to the agent: asking "
+                                          r"slurmctld\): not restarted, not requeued"):
+        _run(slurm, job)
+    assert slurm.calls == []
+
+
 def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[..., int]) -> None:
     """Left in place, the request would restart the job the next time its srun ends, even at the end of training."""
     slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"], fail_signal=True)

@@ -262,6 +262,10 @@ class RestartAction(Action):
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
+        if not job.switch_dir and job.extra.get("incomplete"):
+            # Its ranks run under the loop: a requeue would cost the job its allocation for want of a record
+            raise ActionError(f"restart {job_id}: its ranks run under the relaunch loop, but its switch dir is unknown "
+                              f"({job.extra['incomplete']}): not restarted, not requeued")
         if not job.switch_dir:
             return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
         spent = self._spent(ranks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError
@@ -35,8 +35,8 @@ def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WA
     """The incident's own job when it names one, else every job running on this node. Listed afresh (the node only:
     no controller RPC): a job that started a second before the fault is still the one to act on. A SLURM job listed
     before its record came (just started, or requeued onto this node) lacks what only the controller knows (its
-    switch dir, its life): acting without it would take a job under the relaunch loop for one without, and requeue
-    it instead of restarting it. Its record is waited for, `record_wait` at most (the controller failing ends it)."""
+    switch dir, its life): a restart would not know where to ask the job's relaunch loop. Its record is waited for,
+    `record_wait` at most (a controller that fails ends the wait; 0: no wait)."""
     def pick(view: JobView) -> tuple[Job, ...]:
         key = event.details.get("job_key")
         if key:
@@ -45,7 +45,7 @@ def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WA
         return tuple(view.on_node())
 
     jobs = pick(catalog.view(fresh=True))
-    if any(job.source == "slurm" and "incomplete" in job.extra for job in jobs):
+    if record_wait > 0 and any(job.source == "slurm" and "incomplete" in job.extra for job in jobs):
         catalog.settle(record_wait)
         jobs = pick(catalog.view(fresh=True))
     return jobs
@@ -118,12 +118,16 @@ class Responder:
             thread.join(max(0.0, deadline - time.monotonic()))
         return running, [t.name for t in alive if t.is_alive()]
 
-    def jobs_for(self, event: Event) -> tuple[Job, ...]:
-        return () if self.catalog is None else event_jobs(self.catalog, event)
+    def jobs_for(self, event: Event, names: Sequence[str] = ()) -> tuple[Job, ...]:
+        if self.catalog is None:
+            return ()
+        # only a restart waits for a record (its switch dir): the other actions act on what is listed now
+        wait = any(self.actions[name].fresh_start for name in names if name in self.actions)
+        return event_jobs(self.catalog, event, RECORD_WAIT_S if wait else 0.0)
 
     def _run_all(self, event: Event, names: list[str]) -> None:
         try:
-            jobs = self.jobs_for(event)
+            jobs = self.jobs_for(event, names)
         except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
             log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
             jobs = ()
