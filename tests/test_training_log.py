@@ -8,7 +8,6 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -19,14 +18,13 @@ from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import GpuProcess, GpuState, Nvml
-from trainguard.jobs.catalog import JobCatalog, JobView
-from trainguard.jobs.model import Job
+from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import diagnose_cuda
 from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner
-from trainguard.node.access import Identities, Identity
+from trainguard.node.access import Identity
 from trainguard.pipeline.store import Store
 
 from .conftest import wait_until
@@ -200,35 +198,6 @@ def test_nan_losses_count_in_a_row_across_reads(tmp_path: Path, trainer: tuple[s
         f.write(lines("step 8 loss: NaN"))
     [result] = watch.run()
     assert result.status is Status.CRITICAL and "3 in a row (6 in all)" in result.summary
-
-
-class _Listed:
-    """A catalog that lists one SLURM job, as the prolog alone or with its processes found on this node."""
-
-    def __init__(self, job: Job) -> None:
-        self.job, self.identities = job, Identities()
-
-    def view(self) -> JobView:
-        return JobView(jobs=(self.job,))
-
-
-def test_a_slurm_job_listed_by_its_prolog_alone_is_not_read_yet(tmp_path: Path) -> None:
-    """A job requeued onto a node whose agent had forgotten it: its prolog lists it before the new life's batch step
-    truncates its StdOut, which still holds the earlier life's NaN streak (issue 24's run: a false restart, then a
-    requeue of the healthy job). Nothing of it runs here yet: nothing is read until something does."""
-    out = tmp_path / "slurm-5.out"
-    out.write_bytes(lines(*[f"step {i} loss=nan" for i in range(5)]))
-    job = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=os.getuid(), stdout=str(out),
-              log_paths=(str(out),), on_this_node=True, restarts=1, extra={"found_by": "prolog"})
-    listed = _Listed(job)
-    watch = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
-        "node1", tmp_path, jobs=listed, state=ScopedState(Store(None), "check/logs"),  # type: ignore[arg-type]
-        nvml=Nvml(FakeNvml(init_error=NVMLError))))
-    assert watch.run() == []
-    out.write_bytes(lines("step 0 loss=2.5", "step 1 loss=nan"))  # the batch step truncated it; the ranks write
-    listed.job = replace(job, extra={"found_by": "listpids"})
-    [result] = watch.run()
-    assert result.status is Status.WARNING and "1 in a row (1 in all)" in result.summary, result.summary
 
 
 def test_nan_loss_from_the_heartbeat(tmp_path: Path, trainer: tuple[str, Path]) -> None:

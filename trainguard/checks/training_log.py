@@ -8,8 +8,7 @@ A requeued SLURM job keeps its id; its restart count (`Restarts=`) is its life. 
 the count changes, what the earlier life left (findings, NaN streaks, collectives) is dropped, and its logs are read
 on from where the reader stood: the end of what the earlier life wrote when it was read to the end (appended logs,
 `--open-mode=append`), the start of a StdOut the new life truncated or recreated. A heartbeat older than the new
-life's start is the earlier life's and is not read. A job listed by its prolog alone (nothing of it runs on this node
-yet: requeued onto it, the batch step not started) is not read: its StdOut may still be the earlier life's.
+life's start is the earlier life's and is not read.
 """
 
 from __future__ import annotations
@@ -184,11 +183,6 @@ class TrainingLogCheck(JobCheck):
             logs = job_log_files(job, self.settings.logs)
             paths.update(logs)
             if job.state == "REQUEUED":  # its life here ended; what its log says now is its next life's, elsewhere
-                continue
-            if job.source == "slurm" and job.extra.get("found_by") == "prolog":
-                # Listed by its prolog alone: nothing of it runs here yet, and its StdOut may still hold its earlier
-                # life's output (SLURM truncates it when the batch step starts, after the prolog). Read from there, a
-                # NaN streak already dealt with was taken for the new life's (the goodput benchmark: a false restart).
                 continue
             if not self._life(job, bool(view.stale.get(job.source))):
                 continue
