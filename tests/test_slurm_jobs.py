@@ -22,7 +22,7 @@ from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import CheckContext
 from trainguard.checks.job_timelimit import TimeLimitCheck, TimeLimitSettings
 from trainguard.core.events import Event, EventKind
-from trainguard.core.model import Status
+from trainguard.core.model import Result, Status
 from trainguard.core.state import scoped_key
 from trainguard.jobs import slurmsource
 from trainguard.jobs.catalog import JobCatalog, JobView
@@ -513,6 +513,40 @@ def test_only_the_owner_speaks_for_a_multi_node_job() -> None:
     assert replace(job, node_list="n1").spoken_for_by("n1")
     assert replace(job, node_list=None, batch_host=None).spoken_for_by("n2")  # not known: every node speaks
     assert replace(job, node_list="n[bad").spoken_for_by("n2")
+
+
+class _Listing:
+    def __init__(self, job: Job, stale: dict[str, str] | None = None) -> None:
+        self.job, self.stale, self.node = job, stale or {}, "n2"
+
+    def view(self) -> JobView:
+        return JobView(jobs=(self.job,), stale=self.stale)
+
+
+def test_a_job_listed_before_its_record_came_is_spoken_for_once_it_has(tmp_path: Path) -> None:
+    """Issue 24's 15-minute run: a job requeued onto n4, listed by its prolog before its record came, had no known
+    owner, so n4 spoke with the NaN streak it held from an earlier start of the job (dealt with by the owner's
+    restart in place): a false restart, then a requeue of the healthy job. A job-scoped result waits for the record
+    (a second, usually); with the controller not answering every node speaks, as before, and a node-scoped result
+    (this node's own stop file) always counts."""
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "n2", "listen": ""},
+           "jobs": {"sources": ["slurm"]}, "checks": {}, "notifiers": {"console": {}}}
+    engine = Engine(parse_config(raw, "test.toml"))
+    try:
+        job = Job(key="slurm:1", source="slurm", name="", state="RUNNING", job_id="1", on_this_node=True,
+                  extra={"found_by": "prolog", "incomplete": "not yet known to the agent: asking slurmctld"})
+        check = Registry().check_class("training_log")
+        results = (Result("training_log", "slurm:1", Status.CRITICAL, "NaN", {"job_key": "slurm:1"}),
+                   Result("training_log", "slurm:1", Status.WARNING, "stop", {"job_key": "slurm:1", "scope": "node"}))
+        engine.catalog = _Listing(job)  # type: ignore[assignment]
+        assert [r.summary for r in engine._spoken(check, results)] == ["stop"]  # type: ignore[arg-type]
+        engine.catalog = _Listing(job, stale={"slurm": "slurmctld not answering"})  # type: ignore[assignment]
+        assert [r.summary for r in engine._spoken(check, results)] == ["NaN", "stop"]  # type: ignore[arg-type]
+        known = replace(job, node_list="n[2-4]", batch_host="n2", extra={"found_by": "listpids"})
+        engine.catalog = _Listing(known)  # type: ignore[assignment]
+        assert [r.summary for r in engine._spoken(check, results)] == ["NaN", "stop"]  # type: ignore[arg-type]
+    finally:
+        engine.store.close()
 
 
 def test_hardware_checks_speak_on_the_node_at_fault() -> None:

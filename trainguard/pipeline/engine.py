@@ -257,8 +257,16 @@ class Engine:
         for r in results:
             key = r.details.get("job_key")
             job = view.by_key(key) if isinstance(key, str) else None
-            if job is not None and r.details.get("scope") != "node" and not job.spoken_for_by(self.catalog.node):
-                continue
+            if job is not None and r.details.get("scope") != "node":
+                if not job.spoken_for_by(self.catalog.node):
+                    continue
+                if job.source == "slurm" and "incomplete" in job.extra and not view.stale.get(job.source):
+                    # Listed before its record came (a second, usually: a job requeued onto this node, seen by its
+                    # prolog): its owner is unknown, and every node would speak with what it holds, such as an
+                    # earlier start's NaN streak the owner's restart dealt with (the goodput benchmark: a false
+                    # restart, then a requeue of the healthy job). It speaks once the record says who owns it; a
+                    # controller that does not answer leaves every node speaking, as before.
+                    continue
             out.append(r)
         return tuple(out)
 
