@@ -453,7 +453,8 @@ class _LateRecords:
     record comes once asked to settle."""
 
     def __init__(self, comes: bool) -> None:
-        self.comes, self.settled = comes, 0.0
+        self.comes = comes
+        self.settled: float | None = None
         self.incomplete = Job(key="slurm:5", source="slurm", name="", state="RUNNING", job_id="5", on_this_node=True,
                               extra={"incomplete": "not yet known to the agent: asking slurmctld"})
 
@@ -479,4 +480,21 @@ def test_an_action_waits_for_the_record_of_a_slurm_job_listed_before_it(comes: b
     assert job.key == "slurm:5"  # every job of this node, when the incident names none
     unasked = _LateRecords(comes)
     [job] = event_jobs(unasked, event, record_wait=0.0)  # type: ignore[arg-type]
-    assert not unasked.settled and "incomplete" in job.extra  # an action that needs no record acts on the listing
+    assert unasked.settled is None and "incomplete" in job.extra  # an action that needs no record acts on the listing
+
+
+def test_only_the_actions_that_need_a_record_wait_for_it(tmp_path: Path) -> None:
+    """A restart or a switch needs the job's switch dir: they wait for its record; a drain or an exec acts on the
+    job as listed, at once."""
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "n2", "listen": ""},
+           "jobs": {"sources": ["slurm"]}, "checks": {}, "notifiers": {"console": {}},
+           "actions": {"restart": {"type": "restart"}, "save": {"type": "switch"},
+                       "note": {"type": "exec", "command": ["true"]}}}
+    engine = Engine(parse_config(raw, "test.toml"))
+    try:
+        for names, waits in ((["note", "drain"], False), (["drain", "restart"], True), (["save"], True)):
+            engine.responder.catalog = catalog = _LateRecords(True)  # type: ignore[assignment]
+            [job] = engine.responder.jobs_for(ev(job_key="slurm:5"), names)
+            assert (catalog.settled is not None, "incomplete" in job.extra) == (waits, not waits), names
+    finally:
+        engine.store.close()

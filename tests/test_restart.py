@@ -575,13 +575,17 @@ def test_the_loop_removes_the_ranks_last_report_when_it_returns(tmp_path: Path) 
 
 def test_a_looped_job_whose_record_has_not_come_is_neither_restarted_nor_requeued(tmp_path: Path,
                                                                                    ranks: Callable[..., int]) -> None:
-    """Its ranks run under the loop but its switch dir is unknown (the controller's record has not come): a requeue
-    would cost it its allocation for want of a record."""
+    """The controller's record has not come (its switch dir, nodes and --no-requeue unknown): whatever it holds, it
+    is neither restarted nor requeued, whose fallbacks would guess (a requeue would cost a looped job its
+    allocation for want of a record)."""
     slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
     job = replace(_job(tmp_path), switch_dir=None, extra={"incomplete": "not yet known to the agent: asking slurmctld"})
-    with pytest.raises(ActionError, match=r"its switch dir is unknown \(not yet known to the agent: asking "
-                                          r"slurmctld\): not restarted, not requeued"):
-        _run(slurm, job)
+    for listed in (job, replace(job, switch_dir=str(tmp_path / "sw"))):  # a prolog's workdir gives a switch dir
+        with pytest.raises(ActionError, match=r"its record has not come from slurmctld \(not yet known to the agent: "
+                                              r"asking slurmctld\): not restarted, not requeued"):
+            _run(slurm, listed)
+        with pytest.raises(ActionError, match="not restarted, not requeued"):
+            _run(StubSlurm({}, []), listed, leave_node=True)  # no rank here, no NodeList: no fallback either
     assert slurm.calls == []
 
 

@@ -48,6 +48,9 @@ class Action(ABC):
     # Done, it leaves the job starting afresh (restarted in place): the check forgets what it learned about the
     # incident's subject, so that the new start's own logs and samples decide whether the incident is over.
     fresh_start: ClassVar[bool] = False
+    # It needs what only the controller's record of a SLURM job says (its switch dir, its nodes): a job listed before
+    # that record came is waited for (trainguard.pipeline.responder.event_jobs).
+    needs_record: ClassVar[bool] = False
 
     def __init__(self, name: str, settings: ActionSettings) -> None:
         self.name = name

@@ -180,6 +180,7 @@ class RestartAction(Action):
     Settings = RestartSettings
     settings: RestartSettings
     fresh_start = True
+    needs_record = True
 
     def __init__(self, name: str, settings: ActionSettings) -> None:
         super().__init__(name, settings)
@@ -227,6 +228,11 @@ class RestartAction(Action):
     def _one(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id
         job_id, s = job.job_id, self.settings
+        if job.extra.get("incomplete"):
+            # Without the controller's record its switch dir, nodes and --no-requeue are unknown: every fallback
+            # below would guess, and a requeue would cost a job under the relaunch loop its allocation
+            raise ActionError(f"restart {job_id}: its record has not come from slurmctld ({job.extra['incomplete']}): "
+                              "not restarted, not requeued")
         deadline = time.monotonic() + s.wait_exit  # the slurm calls before the signal count too: timeout holds
         try:
             here = ctx.slurm.local_steps(job_id, ctx.slurmd)
@@ -262,10 +268,6 @@ class RestartAction(Action):
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
-        if not job.switch_dir and job.extra.get("incomplete"):
-            # Its ranks run under the loop: a requeue would cost the job its allocation for want of a record
-            raise ActionError(f"restart {job_id}: its ranks run under the relaunch loop, but its switch dir is unknown "
-                              f"({job.extra['incomplete']}): not restarted, not requeued")
         if not job.switch_dir:
             return self._fallback(job, ctx, "no switch dir to ask its relaunch loop in", deadline)
         spent = self._spent(ranks)

@@ -184,6 +184,7 @@ def job_owner(job: Job) -> tuple[Identity, int]:
 
 
 class SwitchAction(Action):
+    needs_record = True  # the switch dir comes from the job's workdir
     Settings = SwitchSettings
     settings: SwitchSettings
 

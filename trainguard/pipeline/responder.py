@@ -121,13 +121,17 @@ class Responder:
     def jobs_for(self, event: Event, names: Sequence[str] = ()) -> tuple[Job, ...]:
         if self.catalog is None:
             return ()
-        # only a restart waits for a record (its switch dir): the other actions act on what is listed now
-        wait = any(self.actions[name].fresh_start for name in names if name in self.actions)
+        # only an action that needs the record waits for it (a restart, a switch): the others act on what is listed
+        wait = any(self.actions[name].needs_record for name in names if name in self.actions)
         return event_jobs(self.catalog, event, RECORD_WAIT_S if wait else 0.0)
 
     def _run_all(self, event: Event, names: list[str]) -> None:
         try:
             jobs = self.jobs_for(event, names)
+            if self._closing:  # stopped while it waited for a record: what starts now would be cut short unseen
+                log.error("action not started: the agent is stopping", extra=kv(
+                    incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(names)))
+                return
         except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
             log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
             jobs = ()
