@@ -124,6 +124,17 @@ def test_vanished_subject_resolves_only_after_a_complete_run(h: Harness) -> None
     assert all(e.kind is EventKind.RESOLVED for e in resolved)
 
 
+def test_a_withheld_subject_is_neither_stepped_nor_resolved(h: Harness) -> None:
+    """A job whose owner is not known yet this run (its record asked, not answered): its incident stays as it is,
+    where a complete run without it would resolve it (and the next run fire it again, its actions run twice)."""
+    assert kinds(h.feed(r(Status.CRITICAL, "slurm:1"))) == ["fired"]
+    h.clock.now += 30
+    events = h.tracker.observe("disk", [], h.policy, True, lambda e: ["console"], withheld=frozenset({"slurm:1"}))
+    assert events == [] and [i.subject for i in h.tracker.incidents() if i.firing] == ["slurm:1"]
+    assert kinds(h.feed(r(Status.CRITICAL, "slurm:1"))) == []  # the same incident, not a new one
+    assert kinds(h.feed()) == ["resolved"]
+
+
 def test_restart_keeps_firing_incident_without_refiring(tmp_path: Path) -> None:
     store = Store(tmp_path)
     first = Harness(store)

@@ -613,6 +613,30 @@ def test_a_second_incident_about_the_same_job_waits_for_the_restart_under_way(tm
     assert [c[0] for c in slurm.calls] == ["signal", "cancel"] and "restart of 5 requested" in out[0]
 
 
+def test_a_second_incident_waiting_on_a_restart_that_failed_fails_too(tmp_path: Path,
+                                                                       ranks: Callable[..., int]) -> None:
+    """Its outcome is the first's: an 'ok' would make the check forget the job's findings though nothing restarted."""
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+    slurm.fail_steps = True  # the controller fails once the ranks here had their wait_exit
+    action = RestartAction("restart", RestartSettings(wait_exit=1.5, timeout=5))
+    ctx = ActionContext(_event(), (_job(tmp_path),), "n1", slurm, time.time)  # type: ignore[arg-type]
+    errors: list[str] = []
+
+    def first() -> None:
+        try:
+            action.run(ctx)
+        except ActionError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    wait_until(lambda: slurm.calls, 10, what="the first restart signalling")
+    with pytest.raises(ActionError, match=r"the restart already under way failed: restart 5: .* Socket timed out"):
+        action.run(ctx)
+    thread.join(10)
+    assert len(errors) == 1 and "Socket timed out" in errors[0], errors
+
+
 @pytest.mark.parametrize(("listed", "signalled"), [("5.0\n5.batch\n", True), ("5.batch\n", False)])
 def test_a_step_signal_that_slurm_calls_an_invalid_job_id_counts_when_the_step_is_still_there(
         tmp_path: Path, listed: str, signalled: bool) -> None:

@@ -526,25 +526,30 @@ class _Listing:
 def test_a_job_listed_before_its_record_came_is_spoken_for_once_it_has(tmp_path: Path) -> None:
     """Issue 24's 15-minute run: a job requeued onto n4, listed by its prolog before its record came, had no known
     owner, so n4 spoke with the NaN streak it held from an earlier start of the job (dealt with by the owner's
-    restart in place): a false restart, then a requeue of the healthy job. A job-scoped result waits for the record
-    (a second, usually); with the controller not answering every node speaks, as before, and a node-scoped result
-    (this node's own stop file) always counts."""
+    restart in place): a false restart, then a requeue of the healthy job. While its record is asked and not yet
+    answered, a job-scoped result is withheld (its incident left as it is); a record that failed or came back empty
+    leaves every node speaking, as before; a node-scoped result (this node's own stop file) always counts."""
     raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "n2", "listen": ""},
            "jobs": {"sources": ["slurm"]}, "checks": {}, "notifiers": {"console": {}}}
     engine = Engine(parse_config(raw, "test.toml"))
     try:
+        unknown = "not yet known to the agent: asking slurmctld"
         job = Job(key="slurm:1", source="slurm", name="", state="RUNNING", job_id="1", on_this_node=True,
-                  extra={"found_by": "prolog", "incomplete": "not yet known to the agent: asking slurmctld"})
+                  extra={"found_by": "prolog", "incomplete": unknown, "record_pending": True})
         check = Registry().check_class("training_log")
         results = (Result("training_log", "slurm:1", Status.CRITICAL, "NaN", {"job_key": "slurm:1"}),
                    Result("training_log", "slurm:1", Status.WARNING, "stop", {"job_key": "slurm:1", "scope": "node"}))
-        engine.catalog = _Listing(job)  # type: ignore[assignment]
-        assert [r.summary for r in engine._spoken(check, results)] == ["stop"]  # type: ignore[arg-type]
-        engine.catalog = _Listing(job, stale={"slurm": "slurmctld not answering"})  # type: ignore[assignment]
-        assert [r.summary for r in engine._spoken(check, results)] == ["NaN", "stop"]  # type: ignore[arg-type]
+
+        def spoken(listed: Job) -> tuple[list[str], list[str]]:
+            engine.catalog = _Listing(listed)  # type: ignore[assignment]
+            kept, withheld = engine._spoken(check, results)  # type: ignore[arg-type]
+            return [r.summary for r in kept], sorted(withheld)
+
+        assert spoken(job) == (["stop"], ["slurm:1"])
+        assert spoken(replace(job, extra={"found_by": "prolog", "incomplete": unknown})) == (["NaN", "stop"], [])
         known = replace(job, node_list="n[2-4]", batch_host="n2", extra={"found_by": "listpids"})
-        engine.catalog = _Listing(known)  # type: ignore[assignment]
-        assert [r.summary for r in engine._spoken(check, results)] == ["NaN", "stop"]  # type: ignore[arg-type]
+        assert spoken(known) == (["NaN", "stop"], [])
+        assert spoken(replace(known, batch_host="n3")) == (["stop"], [])  # not the owner: silent, as before
     finally:
         engine.store.close()
 
@@ -584,8 +589,16 @@ def test_asking_again_never_overrides_a_retry_backoff_nor_the_refetch_minimum() 
     try:
         with source._lock:  # a job this node found, whose first fetch has not been made yet
             source._jobs["7"] = slurmsource._Local("7", seen=now[0])
+
+        def extra() -> dict[str, object]:
+            with source._lock:
+                return dict(source._job(source._jobs["7"]).extra)
+
+        assert extra()["record_pending"] is True  # asked, not answered: its owner's results wait (engine._spoken)
         source.refresh("7", 300.0)
         wait_until(lambda: len(client.asked) == 1, 5, what="the first fetch, refused")
+        wait_until(lambda: "record_pending" not in extra(), 5, what="the refusal counted")
+        assert "slurmctld not answering" in str(extra()["incomplete"])  # refused: every node speaks, as before
         for _ in range(20):  # the time-limit check runs every second, asking again each time
             now[0] += 1
             source.refresh("7", 300.0)
@@ -594,6 +607,7 @@ def test_asking_again_never_overrides_a_retry_backoff_nor_the_refetch_minimum() 
 
         client.down = False  # the retry (due 5 s after the refusal) is answered
         wait_until(lambda: source._jobs["7"].fetched is not None, 10, what="the retry, answered")
+        assert "record_pending" not in extra()  # answered (this short record parses to none): every node speaks
         assert client.asked == ["7"] * 2
         for _ in range(5):  # answered a moment ago: younger than the recheck, nothing asked
             now[0] += 1

@@ -189,6 +189,7 @@ class RestartAction(Action):
         self._lock = threading.Lock()
         self._busy: dict[str, threading.Event] = {}
         self._done: dict[str, float] = {}
+        self._failed: dict[str, str] = {}  # per job: why the last restart failed, for those that waited on it
 
     def plan(self, ctx: ActionContext) -> str:
         without = f" without {ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
@@ -213,17 +214,31 @@ class RestartAction(Action):
             busy = self._busy.get(job.job_id)
             if busy is None:
                 self._busy[job.job_id] = threading.Event()
+                self._failed.pop(job.job_id, None)
         if busy is not None:  # the same fault seen by a second check: the restart under way answers both
             busy.wait(self.settings.timeout)
+            with self._lock:
+                failed = self._failed.get(job.job_id)
+            if failed is not None:
+                raise ActionError(f"the restart already under way failed: {failed}")
             return f"{job.label()}: restarted in place by the restart already under way"
+        done = False
         try:
-            return self._one(job, ctx)
+            outcome = self._one(job, ctx)
+            done = True
+            return outcome
+        except ActionError as exc:
+            with self._lock:
+                self._failed[job.job_id] = str(exc)
+            raise
         finally:
             with self._lock:
                 self._busy.pop(job.job_id).set()
-                self._done[job.job_id] = time.monotonic()
+                if done:  # the loop is starting the next srun: a restart asked now waits for it
+                    self._done[job.job_id] = time.monotonic()
                 for key in [k for k, at in self._done.items() if time.monotonic() - at > RELAUNCH_GRACE]:
                     del self._done[key]
+                    self._failed.pop(key, None)
 
     def _one(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id

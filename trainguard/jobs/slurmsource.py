@@ -351,6 +351,8 @@ class SlurmSource:
         extra: dict[str, object] = {"found_by": self._discovery.method if local.stepped else "prolog"}
         if rec is None:
             extra["incomplete"] = "not yet known to the agent: " + (self._stale or "asking slurmctld")
+            if local.fetched is None and local.failures == 0:
+                extra["record_pending"] = True  # asked, not answered yet (a second, usually)
         if local.array_pending is not None:
             extra["array_pending"] = local.array_pending
         fields = {"workdir": workdir or "", "job_id": local.job_id, "array_job_id": array_job or local.job_id,

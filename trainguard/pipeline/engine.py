@@ -218,8 +218,9 @@ class Engine:
             state.idle += report.outcome == "idle"
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
-        results = self._spoken(check, self._placed(report))
-        self._emit(self.tracker.observe(report.check, results, policy, report.complete, self.dispatcher.route))
+        results, withheld = self._spoken(check, self._placed(report))
+        self._emit(self.tracker.observe(report.check, results, policy, report.complete, self.dispatcher.route,
+                                        withheld))
 
     def _placed(self, report: RunReport) -> tuple[Result, ...]:
         """The results with where they belong in the fleet, for grouping and inhibition across nodes: the check's
@@ -240,35 +241,38 @@ class Engine:
             out.append(replace(r, details=details))
         return tuple(out)
 
-    def _spoken(self, check: Check, results: tuple[Result, ...]) -> tuple[Result, ...]:
+    def _spoken(self, check: Check, results: tuple[Result, ...]) -> tuple[tuple[Result, ...], frozenset[str]]:
         """A job-scoped check's results about a multi-node job count on the job's owner node only: every node of the
         job sees the same log, time limit and switch, and each alerting and requeueing it made duplicates (issue 24:
         12 of 22 alerts; the extra requeues failed). A result about what only this node sees (details scope "node":
         the operator's stop file in this node's /etc) counts here. The report itself (metrics, status) keeps them
-        all."""
+        all.
+
+        Also the subjects withheld this run: a SLURM job whose record was asked and not answered yet (a second,
+        usually: the agent just started, or the job was requeued onto this node and seen by its prolog) has no known
+        owner, and every node would speak with what it holds, such as the NaN streak of an earlier start that the
+        owner's restart dealt with (the goodput benchmark: a false restart, then a requeue of the healthy job). Its
+        incident, if open, is neither stepped nor resolved until the record says who owns the job; a record that
+        failed or came back empty leaves every node speaking, as before."""
         if check.scope != "job" or self.catalog is None:
-            return results
+            return results, frozenset()
         try:
             view = self.catalog.view()
         except Exception as exc:  # noqa: BLE001 - without the view every node speaks, as before
             log.warning("job owners unknown; every result kept", extra=kv(check=check.name, error=exc))
-            return results
-        out = []
+            return results, frozenset()
+        out, withheld = [], set()
         for r in results:
             key = r.details.get("job_key")
             job = view.by_key(key) if isinstance(key, str) else None
             if job is not None and r.details.get("scope") != "node":
                 if not job.spoken_for_by(self.catalog.node):
                     continue
-                if job.source == "slurm" and "incomplete" in job.extra and not view.stale.get(job.source):
-                    # Listed before its record came (a second, usually: a job requeued onto this node, seen by its
-                    # prolog): its owner is unknown, and every node would speak with what it holds, such as an
-                    # earlier start's NaN streak the owner's restart dealt with (the goodput benchmark: a false
-                    # restart, then a requeue of the healthy job). It speaks once the record says who owns it; a
-                    # controller that does not answer leaves every node speaking, as before.
+                if job.extra.get("record_pending"):
+                    withheld.add(r.subject)
                     continue
             out.append(r)
-        return tuple(out)
+        return tuple(out), frozenset(withheld)
 
     def _job_ids_here(self) -> list[str]:
         if self.catalog is None:

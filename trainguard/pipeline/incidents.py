@@ -215,8 +215,10 @@ class IncidentTracker:
         policy: IncidentPolicy,
         complete: bool,
         route: Callable[[Event], Iterable[str]],
+        withheld: frozenset[str] = frozenset(),
     ) -> list[Event]:
-        """Feed one run's results. `complete`: the run succeeded, so a subject it no longer reports is OK.
+        """Feed one run's results. `complete`: the run succeeded, so a subject it no longer reports is OK, except
+        the `withheld` ones: reported, but not to be judged this run (their incidents stay as they are).
 
         State and the outbox rows for the resulting events are written in one transaction before
         memory changes, so a crash never announces twice nor forgets an incident.
@@ -230,7 +232,7 @@ class IncidentTracker:
                 self._step(result, policy, now, change)
             if complete:
                 for (c, subject), incident in list(self._incidents.items()):
-                    if c == check and subject not in seen:
+                    if c == check and subject not in seen and subject not in withheld:
                         self._resolve(incident, "no longer reported by the check", now, change)
             return self._commit(change, route, now)
 

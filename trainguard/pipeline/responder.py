@@ -128,10 +128,6 @@ class Responder:
     def _run_all(self, event: Event, names: list[str]) -> None:
         try:
             jobs = self.jobs_for(event, names)
-            if self._closing:  # stopped while it waited for a record: what starts now would be cut short unseen
-                log.error("action not started: the agent is stopping", extra=kv(
-                    incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(names)))
-                return
         except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
             log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
             jobs = ()
