@@ -187,9 +187,8 @@ class RestartAction(Action):
         # Per job: the restart under way (a second incident about the same fault waits for it instead of restarting
         # the fresh start again) and when the last one ended (the loop takes a moment to start the next srun).
         self._lock = threading.Lock()
-        self._busy: dict[str, threading.Event] = {}
+        self._busy: dict[str, tuple[threading.Event, list[str]]] = {}  # set when done; why it failed, if it did
         self._done: dict[str, float] = {}
-        self._failed: dict[str, str] = {}  # per job: why the last restart failed, for those that waited on it
 
     def plan(self, ctx: ActionContext) -> str:
         without = f" without {ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
@@ -210,17 +209,14 @@ class RestartAction(Action):
 
     def _once(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id
+        mine: tuple[threading.Event, list[str]] = (threading.Event(), [])
         with self._lock:
-            busy = self._busy.get(job.job_id)
-            if busy is None:
-                self._busy[job.job_id] = threading.Event()
-                self._failed.pop(job.job_id, None)
-        if busy is not None:  # the same fault seen by a second check: the restart under way answers both
-            busy.wait(self.settings.timeout)
-            with self._lock:
-                failed = self._failed.get(job.job_id)
-            if failed is not None:
-                raise ActionError(f"the restart already under way failed: {failed}")
+            busy = self._busy.setdefault(job.job_id, mine)
+        if busy is not mine:  # the same fault seen by a second check: the restart under way answers both
+            ended, failed = busy
+            ended.wait(self.settings.timeout)
+            if failed:  # its outcome is this one's: an "ok" would make the check forget what nothing restarted
+                raise ActionError(f"the restart already under way failed: {failed[0]}")
             return f"{job.label()}: restarted in place by the restart already under way"
         done = False
         try:
@@ -228,17 +224,16 @@ class RestartAction(Action):
             done = True
             return outcome
         except ActionError as exc:
-            with self._lock:
-                self._failed[job.job_id] = str(exc)
+            mine[1].append(str(exc))
             raise
         finally:
             with self._lock:
-                self._busy.pop(job.job_id).set()
+                self._busy.pop(job.job_id)
                 if done:  # the loop is starting the next srun: a restart asked now waits for it
                     self._done[job.job_id] = time.monotonic()
                 for key in [k for k, at in self._done.items() if time.monotonic() - at > RELAUNCH_GRACE]:
                     del self._done[key]
-                    self._failed.pop(key, None)
+            mine[0].set()
 
     def _one(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id
