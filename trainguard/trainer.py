@@ -152,7 +152,7 @@ class Trainer:
         if self.restart_requested() and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             path = self.switch_dir / self.saved_name
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:  # a new file each time: the agent compares its time with its request's
+            try:  # renamed into place: the agent, which removed the last one before its request, never sees half
                 tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
                 os.replace(tmp, path)
             except OSError:  # the report only shortens the agent's wait: training goes on without it
