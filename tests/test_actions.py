@@ -462,7 +462,7 @@ class _LateRecords:
         known = replace(self.incomplete, name="t", switch_dir="/home/u/.trainguard", extra={})
         return JobView(jobs=(known if self.settled and self.comes else self.incomplete,))
 
-    def settle(self, timeout: float) -> None:
+    def settle(self, timeout: float, listed: bool = False) -> None:
         self.settled = timeout
 
 

@@ -128,9 +128,11 @@ class JobCatalog:
         if ask is not None and job.job_id:
             ask(job.job_id, max_age)
 
-    def settle(self, timeout: float) -> None:
-        """List the jobs, then wait (`timeout` at most) for what their sources fetch in the background."""
-        self.view(fresh=True)
+    def settle(self, timeout: float, listed: bool = False) -> None:
+        """List the jobs (unless the caller just took a fresh listing: `listed`), then wait (`timeout` at most) for
+        what their sources fetch in the background."""
+        if not listed:
+            self.view(fresh=True)
         for source in self._sources.values():
             wait = getattr(source, "settle", None)
             if wait is not None:

@@ -46,7 +46,7 @@ def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WA
 
     jobs = pick(catalog.view(fresh=True))
     if record_wait > 0 and any(job.source == "slurm" and "incomplete" in job.extra for job in jobs):
-        catalog.settle(record_wait)
+        catalog.settle(record_wait, listed=True)  # the listing above asked for the records
         jobs = pick(catalog.view(fresh=True))
     return jobs
 
