@@ -295,10 +295,13 @@ class Engine:
             self.dispatcher.wake()
 
     # operators -------------------------------------------------------------------
-    def _target(self, target: str, need_subject: bool = False) -> tuple[str, str | None]:
-        """`CHECK` or `CHECK/SUBJECT` (a subject may itself hold slashes: `disk//scratch`)."""
+    def _refuse_if_stopping(self) -> None:
         if self.stop_event.is_set():  # the store and the channels are closing: the command would be half done
             raise OperatorError("the agent is stopping: run it again once it is back")
+
+    def _target(self, target: str, need_subject: bool = False) -> tuple[str, str | None]:
+        """`CHECK` or `CHECK/SUBJECT` (a subject may itself hold slashes: `disk//scratch`)."""
+        self._refuse_if_stopping()
         check, sep, subject = target.partition("/")
         if check not in self.checks:
             raise OperatorError(f"no check named {check!r} (configured: {', '.join(self.configured) or 'none'})")
@@ -328,8 +331,7 @@ class Engine:
         # Never while the check runs (it would change the history under the run); and the resolution's actions
         # start under the lock, where a stop waits for them.
         with self._run_locks[check]:
-            if self.stop_event.is_set():
-                raise OperatorError("the agent is stopping: run it again once it is back")
+            self._refuse_if_stopping()  # again: a stop may have begun while it waited for the run
             self.checks[check].clear(subject, self.clock())
             events = self.tracker.clear(check, subject, who, self.dispatcher.route)
             self._emit(events)
