@@ -151,9 +151,12 @@ def test_slurmctld_killed_mid_run_leaves_the_node_jobs_and_checks_working(slurm:
     tag = uuid.uuid4().hex[:6]
     known = slurm.submit("sleep 300", "--time=60", name=f"tg-known-{tag}")
     wait_until(lambda: running(catalog, known), 20, what="the job found")
+    # the record fetched while the controller is up (a 3 s fetch may time out on a loaded machine: the source asks
+    # again 5 s later, so wait for the record itself rather than for one settle)
     catalog.settle(10)
-    before = catalog.view(max_age=0).by_key(f"slurm:{known}")
-    assert before is not None and before.name == f"tg-known-{tag}" and before.end_time
+    before = wait_until(lambda: (j := catalog.view(max_age=0).by_key(f"slurm:{known}")) and j.name and j, 30,
+                        what="the known job's record")
+    assert isinstance(before, Job) and before.name == f"tg-known-{tag}" and before.end_time
     # a job that starts here while the agent looks elsewhere: the controller goes before the agent asked about it
     late = slurm.submit("sleep 300", "--time=60", name=f"tg-late-{tag}")
     slurm.wait_state(late, ("RUNNING",))
