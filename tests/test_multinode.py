@@ -414,6 +414,76 @@ def test_restart_of_a_job_without_the_relaunch_loop_requeues_it(multinode: Multi
         multinode.run("scancel", job_id, check=False)
 
 
+# One rank per node under the trainer helper: rank 1 is on the GPU that fell off the bus (stuck in the driver, it
+# never reaches its signal handler); rank 0 saves on SIGUSR1 and reports it (`saved()`), as any rank 0 would.
+LOST_GPU_RANK = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from trainguard.trainer import Trainer
+t = Trainer().install()
+t.heartbeat(0)  # the switch dir, as the first step of a run makes it
+rank = os.environ["SLURM_PROCID"]
+if rank == "1":
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: (open("rank1.ended", "w").close(), sys.exit(0)))  # the requeue's
+with open(f"rank{rank}.node", "w") as f:
+    f.write(os.environ["SLURMD_NODENAME"])
+while rank == "1" or not t.should_stop():
+    time.sleep(0.1)
+with open("checkpoint", "w") as f:
+    f.write("saved\\n")
+t.saved()
+"""
+
+
+@pytest.mark.slow
+def test_a_lost_gpus_rank_holds_the_requeue_only_until_rank_0_reports_its_checkpoint(
+        multinode: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default binding of a lost GPU, `signal` then `requeue` (drain has no part in the wait): the requeue waits
+    for the job's processes on this node to exit, and the rank on the lost GPU never does. Once rank 0, on the other
+    node, reports its checkpoint written, the requeue waits `after_save` more, not the whole `wait_exit`."""
+    import re
+
+    from trainguard.actions.base import ActionContext
+    from trainguard.actions.signal import SignalAction, SignalSettings
+    from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
+    from trainguard.core.events import Event, EventKind
+    from trainguard.jobs.slurm import SlurmClient
+
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    (workdir / "rank.py").write_text(LOST_GPU_RANK)
+    shutil.chown(workdir / "rank.py", JOB_USER, JOB_USER)
+    job_id = multinode.submit(f"exec srun --ntasks-per-node=1 {multinode.python} rank.py {multinode.lib}", "-N", "2",
+                              "--requeue", workdir=workdir, name="tg-lost-gpu")
+    try:
+        lost = str(wait_until(lambda: (workdir / "rank1.node").exists() and (workdir / "rank1.node").read_text(), 30,
+                              what="the rank on the lost GPU"))
+        job = _job_record(job_id, lost)
+        assert job.processes and job.switch_dir == f"{workdir}/.trainguard"
+        event = Event(EventKind.FIRED, "i1", "xid", "pci:0000:17:00", Status.CRITICAL, "XID 79: GPU fell off the bus",
+                      lost, time.time(), time.time(), details={"job_key": job.key})
+        ctx = ActionContext(event, (job,), lost, SlurmClient(10.0), time.time, slurmd=lost)
+        try:
+            assert SignalAction("signal", SignalSettings()).run(ctx) == f"scancel --signal=USR1 --full {job_id}"
+            started = time.monotonic()
+            detail = RequeueAction("requeue", RequeueSettings(wait_exit=120, timeout=150, after_save=1)).run(ctx)
+            took = time.monotonic() - started
+        finally:
+            ctx.done()
+        assert re.fullmatch(rf"requeued {job_id} \(saved\.{job_id} \d+\.\ds after the wait began: the checkpoint "
+                            r"was written\)", detail), detail
+        assert 1 <= took < 60, (took, detail)  # wait_exit is 120 s; after_save 1 s
+        wait_until((workdir / "rank1.ended").exists, 30, what="the lost GPU's rank ended by the requeue, not before")
+        assert (workdir / "checkpoint").read_text() == "saved\n"
+        wait_until(lambda: multinode.job(job_id).get("Restarts") == "1", 30, what="the job requeued")
+        switch_dir = workdir / ".trainguard"  # the request and the report served this fault: gone
+        wait_until(lambda: not {f"signalled.{job_id}", f"saved.{job_id}"} & {p.name for p in switch_dir.iterdir()},
+                   10, what="the request and the report removed")
+    finally:
+        multinode.run("scancel", job_id, check=False)
+
+
 @pytest.mark.slow
 def test_the_node_a_requeued_job_left_does_not_read_its_next_lifes_log(multinode: MultiNodeCluster, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:

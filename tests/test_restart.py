@@ -21,10 +21,12 @@ import pytest
 from tests.conftest import wait_until
 from trainguard.actions.base import ActionContext, ActionError
 from trainguard.actions.restart import RestartAction, RestartSettings
+from trainguard.actions.signal import SignalAction, SignalSettings
+from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
 from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
-from trainguard.jobs.model import Job
+from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmClient, SlurmError, parse_listpids_steps, parse_steps
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.engine import Engine
@@ -357,7 +359,11 @@ def _job(tmp_path: Path, requeue: bool = True) -> Job:
 
 def _run(slurm: StubSlurm, job: Job, **settings: object) -> str:
     action = RestartAction("restart", RestartSettings(**{"wait_exit": 0.5, "timeout": 5, **settings}))
-    return action.run(ActionContext(_event(), (job,), "n1", slurm, time.time))  # type: ignore[arg-type]
+    ctx = ActionContext(_event(), (job,), "n1", slurm, time.time)  # type: ignore[arg-type]
+    try:
+        return action.run(ctx)
+    finally:
+        ctx.done()
 
 
 def test_only_the_loops_steps_are_signalled_and_those_left_cancelled(tmp_path: Path,
@@ -564,9 +570,92 @@ def test_saved_reports_a_checkpoint_on_rank_0_only_while_a_restart_is_asked(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["restart.77", "saved.77"]  # no temporary file left
 
 
+def test_saved_reports_on_rank_0_after_the_agents_save_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`signalled.<job>` newer than the process (the `signal` action writes it after its save signal) asks for the
+    report as a restart request does; one older than the process (a fault of an earlier life) does not."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("RANK", "0")
+    (tmp_path / "signalled.77").write_text("{}")
+    t = Trainer(switch_dir=tmp_path)
+    t.saved()
+    assert not (tmp_path / "saved.77").exists()
+    tmp = tmp_path / ".signalled.tmp"
+    tmp.write_text("{}")
+    tmp.rename(tmp_path / "signalled.77")
+    t.saved()
+    assert json.loads((tmp_path / "saved.77").read_text())["pid"] == os.getpid()
+
+
+# A job's rank 0 that saves once the agent's save signal asks for a report, while a rank on a lost GPU never exits.
+SIGNALLED_SAVER = r"""
+import os, sys, time
+from trainguard.trainer import Trainer
+t = Trainer(switch_dir=sys.argv[1])
+open(sys.argv[2], "w").close()
+deadline = time.monotonic() + 30
+while not os.path.exists(os.path.join(sys.argv[1], "signalled.5")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+t.saved()
+"""
+
+
+def _signal_requeue(job: Job, slurm: StubSlurm, **requeue: object) -> tuple[str, str, float]:
+    """The default binding of a lost GPU (`signal`, then `requeue`; drain has no part here) as the responder runs
+    it: one context, closed once the list is done. Their details and how long the requeue took."""
+    ctx = ActionContext(_event("xid", "pci:0000:3b:00"), (job,), "n1", slurm, time.time)  # type: ignore[arg-type]
+    try:
+        signalled = SignalAction("signal", SignalSettings()).run(ctx)
+        started = time.monotonic()
+        requeued = RequeueAction("requeue", RequeueSettings(**{"wait_exit": 20, "timeout": 30, **requeue})).run(ctx)
+        return signalled, requeued, time.monotonic() - started
+    finally:
+        ctx.done()
+
+
+def test_a_requeue_after_the_save_signal_waits_for_rank_0s_report_not_for_a_rank_that_never_exits(
+        tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """A rank on a GPU that fell off the bus never exits: once rank 0 reports its checkpoint written, the requeue
+    waits `after_save` more, not the whole wait_exit; the request and the report are gone once the list is done."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "saved.5").write_text("{}")  # an earlier fault's report: removed before the request, never read as this one
+    ready = tmp_path / "ready"
+    saver = subprocess.Popen([sys.executable, "-c", SIGNALLED_SAVER, str(sw), str(ready)], cwd=REPO,
+                             env={**os.environ, "SLURM_JOB_ID": "5", "RANK": "0"})
+    try:
+        wait_until(ready.exists, 30, what="rank 0's start")
+        hung = ProcessRef.of(ranks())
+        assert hung is not None
+        slurm = StubSlurm({}, [])
+        signalled, requeued, took = _signal_requeue(replace(_job(tmp_path), processes=(hung,)), slurm,
+                                                    after_save=0.3)
+        assert saver.wait(10) == 0
+    finally:
+        saver.kill()
+    assert signalled == "scancel --signal=USR1 --full 5"
+    assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
+    assert took < 10, (took, requeued)  # wait_exit is 20 s
+    assert re.fullmatch(r"requeued 5 \(saved\.5 \d+\.\ds after the wait began: the checkpoint was written\)",
+                        requeued), requeued
+    wait_until(lambda: sorted(p.name for p in sw.iterdir()) == [], 10, what="the request and the report removed")
+
+
+def test_without_a_switch_dir_the_requeue_waits_out_wait_exit_and_says_why(tmp_path: Path,
+                                                                          ranks: Callable[..., int]) -> None:
+    """No switch dir (the job runs no trainer helper): no request is made for it, and nothing cuts the wait."""
+    hung = ProcessRef.of(ranks())
+    assert hung is not None
+    slurm = StubSlurm({}, [])
+    _, requeued, took = _signal_requeue(replace(_job(tmp_path), processes=(hung,)), slurm, wait_exit=1.0)
+    assert took >= 1.0 and slurm.calls[-1] == ("requeue", "5")
+    assert re.fullmatch(r"requeued 5 \(no report asked: switch dir .*/sw does not exist\)", requeued), requeued
+    assert not (tmp_path / "sw").exists()
+
+
 def test_the_loop_removes_the_ranks_last_report_when_it_returns(tmp_path: Path) -> None:
     (tmp_path / "sw").mkdir()
     (tmp_path / "sw" / "saved.77").write_text("{}")
+    (tmp_path / "sw" / "signalled.77").write_text("{}")  # the agent's request, had it not removed it
     (tmp_path / "sw" / "saved.78").write_text("{}")  # another job's, from the same directory
     proc = _loop(tmp_path, "exit 0")
     proc.communicate(timeout=60)

@@ -79,6 +79,7 @@ class Trainer:
         self._stop = threading.Event()
         self.last_signal: str | None = None
         self._restart_seen = self.restart_request()  # a request older than this process is not for it
+        self._signalled_seen = self._request(self.signalled_name)
 
     def install(self, save_and_stop: Iterable[str] = ("USR1",), save: Iterable[str] = ("USR2",),
                 stop: Iterable[str] = ("TERM",)) -> Trainer:
@@ -114,9 +115,13 @@ class Trainer:
         return f"restart.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
 
     def restart_request(self) -> tuple[int, int, int] | None:
-        """Which restart request for this job the switch dir holds now (None: none). Each request is a new file (the
-        agent writes it under a temporary name and renames it), so a new one differs from an old one here."""
-        st = self._switch(self.restart_name)
+        """Which restart request for this job the switch dir holds now (None: none)."""
+        return self._request(self.restart_name)
+
+    def _request(self, name: str) -> tuple[int, int, int] | None:
+        """Which request of the agent's named `name` the switch dir holds now (None: none). Each request is a new
+        file (the agent writes it under a temporary name and renames it), so a new one differs from an old one."""
+        st = self._switch(name)
         return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) if st else None
 
     def restart_requested(self) -> bool:
@@ -133,15 +138,29 @@ class Trainer:
 
     @property
     def saved_name(self) -> str:
-        """This job's report that the checkpoint a restart asked for is written (`saved.<job id>`)."""
+        """This job's report that the checkpoint the agent asked for is written (`saved.<job id>`)."""
         return f"saved.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
+
+    @property
+    def signalled_name(self) -> str:
+        """The agent's request for that report after its save signal (`signalled.<job id>`)."""
+        return f"signalled.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
+
+    def _report_asked(self) -> bool:
+        """The agent waits for this job's ranks and asked since this process started: a restart, or its save signal
+        (an action after it, `requeue`, waits)."""
+        if self.restart_requested():
+            return True
+        now = self._request(self.signalled_name)
+        return now is not None and now != self._signalled_seen
 
     def saved(self) -> None:
         """A checkpoint was written (call it once the checkpoint is complete): clear the save request (signal flag
-        and `save` switch file). On global rank 0 (RANK, else SLURM_PROCID, is 0 or unset), while a restart is asked,
-        also tell the agent: it then cancels what still runs of the job's steps (a rank hung in a collective, or
-        whose GPU is gone) soon after, instead of waiting out its `wait_exit`. Rank 0's call must come after the whole
-        checkpoint is written: after its own torch.save, or after a collective save returns."""
+        and `save` switch file). On global rank 0 (RANK, else SLURM_PROCID, is 0 or unset), while the agent waits for
+        the ranks (a restart, or a requeue after its save signal), also tell the agent: it then ends what still runs
+        of the job (a rank hung in a collective, or whose GPU is gone) soon after, instead of waiting out its
+        `wait_exit`. Rank 0's call must come after the whole checkpoint is written: after its own torch.save, or
+        after a collective save returns."""
         self._save.clear()
         if not self._stop.is_set():  # the signal was answered: a later stop must not be reported as its doing
             self.last_signal = None
@@ -149,7 +168,7 @@ class Trainer:
             (self.switch_dir / "save").unlink()
         except FileNotFoundError:
             pass
-        if self.restart_requested() and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0" and self._report_asked():
             path = self.switch_dir / self.saved_name
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:  # renamed into place: the agent, which removed the last one before its request, never sees half
@@ -395,8 +414,8 @@ def relaunch(command: list[str], max_restarts: int = 10, switch_dir: str | os.Pa
                 return status
     finally:  # the job's life ends with its loop: a later job given the same id must not find its records
         _remove_records(_left_records(watcher.switch_dir, job_id).values())
-        if job_id:  # nor the ranks' last report of a checkpoint written for a restart
-            _remove_records([watcher.switch_dir / watcher.saved_name])
+        if job_id:  # nor the ranks' last report of a checkpoint written, nor the agent's request for one
+            _remove_records([watcher.switch_dir / watcher.saved_name, watcher.switch_dir / watcher.signalled_name])
 
 
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field
 
@@ -13,6 +13,9 @@ from trainguard.core.events import Event
 from trainguard.core.settings import Duration, SettingsModel
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
+
+if TYPE_CHECKING:
+    from trainguard.actions.savereport import SaveReport
 
 
 class ActionSettings(SettingsModel):
@@ -40,6 +43,14 @@ class ActionContext:
     clock: Callable[[], float]
     others_critical: tuple[str, ...] = ()  # other CRITICAL incidents firing on this node ("check/subject")
     slurmd: str = ""  # this node's slurmd by name where a host runs several (`jobs.slurm_node`); empty: the one
+    # Job id -> the ranks' report asked for after a save signal by an action of this event's list, for the actions
+    # after it that wait for the ranks (`requeue`); the responder closes them once the list is done.
+    saves: dict[str, SaveReport] = field(default_factory=dict)
+
+    def done(self) -> None:
+        """The event's actions are over: the reports asked for served them."""
+        for report in self.saves.values():
+            report.close()
 
 
 class Action(ABC):

@@ -41,6 +41,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job, slurm_jobs
+from trainguard.actions.savereport import SaveReport, ask_after_signal
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_stats
@@ -49,7 +50,6 @@ from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
-from trainguard.node.access import Identity
 from trainguard.node.procfs import ProcFS
 
 LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop for the command it runs
@@ -80,55 +80,6 @@ class RestartUnderwayError(ActionError):
     """The restart went ahead (request written, steps signalled) and something after it failed."""
 
 
-def saved_name(job_id: str) -> str:
-    """The ranks' report that the checkpoint a restart asked for is written (`Trainer.saved_name` in
-    trainguard/trainer.py): the trainer helper's `saved()` on rank 0 writes it while a restart request is present."""
-    return f"saved.{job_id}"
-
-
-class _SaveAck:
-    """Whether the ranks reported the checkpoint this restart asked for: `saved.<job id>` in the switch dir, a regular
-    file of the user or root. The report the last restart left is removed before the request is written, so a report
-    present later is this restart's (no clocks compared: the request and the report are written on different nodes,
-    whose clocks may disagree). Looked for in a thread of its own, so that a switch dir on a file system that hangs
-    never holds up the cancel: the wait reads `at` only. A user who forges a report only has their own steps
-    cancelled sooner; any error reads as no report, and wait_exit holds."""
-
-    def __init__(self, switch_dir: str, job_id: str, identity: Identity) -> None:
-        self.switch_dir, self.identity, self.name = switch_dir, identity, saved_name(job_id)
-        self.at: float | None = None  # monotonic time the report was first seen
-        self.note = ""
-        self._stop = threading.Event()
-
-    def clear(self) -> None:
-        """Before the request: the last restart's report goes. One that stays (not the user's, or not removable)
-        would read as this restart's: no report is read then. Before the request, since a rank reports only once it
-        is there, so what is found now cannot be this restart's."""
-        remove_switch(self.switch_dir, self.name, self.identity)
-        try:
-            if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
-                self.note = f" ({self.name} of an earlier restart could not be removed: no report read)"
-        except ActionError as exc:  # whether one stayed is unknown: none is read
-            self.note = f" (no report read: {exc})"
-
-    def watch(self) -> None:
-        """After the signal: look for the report every POLL until it is there or close() is called."""
-        if not self.note:
-            threading.Thread(target=self._look, name=f"restart-saved-{self.name}", daemon=True).start()
-
-    def _look(self) -> None:
-        while not self._stop.wait(POLL):
-            try:
-                if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
-                    self.at = time.monotonic()
-                    return
-            except ActionError:
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-
-
 def left_name(job_id: str, life: int, node: str) -> str:
     """The record that the job's life `life` (its requeues so far) left `node`: one file per node, so that the agents
     of two nodes lost at once never replace each other's, and per life, so that a requeued job (another allocation)
@@ -149,12 +100,6 @@ class RestartSettings(WaitExitSettings):
                                             "default: USR1).")
     wait_exit: Duration = Field(300.0, ge=0, description="How long the ranks get to save and exit before their "
                                                          "steps are cancelled.")
-    after_save: Duration = Field(
-        30.0, ge=0, description="Once the ranks report their checkpoint written (the trainer helper's `saved()` on "
-                                "rank 0 writes `saved.<job id>` in the switch dir while a restart is asked), the "
-                                "steps still running this long after are cancelled without waiting out `wait_exit`: "
-                                "the progress is safe, and a rank hung in a collective or on a lost GPU never exits "
-                                "by itself.")
     leave_node: bool = Field(
         False, description="Restart the job without this node (bind it to a fault of the node, e.g. `xid` after "
                            "`drain`): the node is recorded as left in the job's switch dir and the relaunch loop "
@@ -321,7 +266,7 @@ class RestartAction(Action):
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
-        ack = _SaveAck(job.switch_dir, job_id, identity)
+        ack = SaveReport(job.switch_dir, job_id, identity)
         ack.clear()
         # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
         request = create_switch(job.switch_dir, name, identity, gid, {
@@ -356,9 +301,8 @@ class RestartAction(Action):
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
                if cancelled else f"ended in {took:.1f}s")
-        if cancelled and ack.at is not None:
-            how += f" ({ack.name} {ack.at - started:.1f}s after the signal: the checkpoint was written)"
-        how += ack.note
+        if cancelled or ack.at is None:
+            how += ack.said(started, "the signal")
         if gone:  # ended by itself just before, or at once on the signal
             how += f" ({', '.join(f'{job_id}.{g}' for g in gone)} no longer listed when signalled)"
         if len(gone) == len(steps) and not self._relaunched(ctx, job_id, set(steps)):
@@ -465,8 +409,10 @@ class RestartAction(Action):
             ctx.slurm.signal(job.job_id, s.signal, "full")
         except SlurmError as exc:
             raise ActionError(f"{job.label()}: {why}; requeue instead: {exc}") from None
+        ask_after_signal(job, ctx)  # the requeue waits for the ranks until `after_save` after rank 0's report
         wait = max(0.0, deadline - time.monotonic())
-        requeue = RequeueAction(self.name, RequeueSettings(timeout=max(s.timeout, wait + 1), wait_exit=wait))
+        requeue = RequeueAction(self.name, RequeueSettings(timeout=max(s.timeout, wait + 1), wait_exit=wait,
+                                                           after_save=s.after_save))
         done = requeue.run(dataclasses.replace(ctx, jobs=(job,)))
         return f"{job.label()}: {why}: requeue instead: SIG{s.signal} to every step, {done}"
 

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job
+from trainguard.actions.savereport import ask_after_signal
 from trainguard.core.logs import kv
 from trainguard.core.settings import Duration
 from trainguard.jobs.model import Job, ProcessRef
@@ -83,6 +84,8 @@ class SignalAction(Action):
                 ctx.slurm.signal(job.job_id, s.signal, s.slurm_mode)
             except SlurmError as exc:
                 raise ActionError(str(exc)) from None
+            # a requeue after it waits for rank 0's report of the checkpoint written, not for a rank that never exits
+            ask_after_signal(job, ctx)
             return f"scancel --signal={s.signal} --{s.slurm_mode} {job.job_id}"
         if not job.processes:
             raise ActionError("job has no running process")

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, ActionSettings, slurm_jobs
 from trainguard.core.settings import Duration
 from trainguard.core.text import linear, one_line
+from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmError
 
 DRAIN_TAG = "trainguard:"
@@ -133,6 +134,12 @@ class WaitExitSettings(ActionSettings):
 
     timeout: Duration = Field(330.0, gt=0, description="An action still running after this is reported as failed.")
     wait_exit: Duration = Field(300.0, ge=0)
+    after_save: Duration = Field(
+        30.0, ge=0, description="Once the ranks report their checkpoint written (the trainer helper's `saved()` on "
+                                "rank 0 writes `saved.<job id>` in the switch dir while a request of the agent's is "
+                                "there: a restart, or the save signal of `signal`), what still runs of the job this "
+                                "long after is ended without waiting out `wait_exit`: the progress is safe, and a "
+                                "rank hung in a collective or on a lost GPU never exits by itself.")
 
     @model_validator(mode="after")
     def _wait_fits(self) -> WaitExitSettings:
@@ -150,8 +157,9 @@ class RequeueAction(Action):
     """Puts the job back in the queue, to run elsewhere once this node is drained.
 
     Bound after a save signal it first lets the job finish saving: `scontrol requeue` of a running job
-    kills it, so it waits (up to `wait_exit`) for the job's processes here to exit. Jobs submitted with
-    `--no-requeue` are left alone.
+    kills it, so it waits (up to `wait_exit`) for the job's processes here to exit, or `after_save` once rank 0
+    reported its checkpoint written (trainguard.actions.savereport: a rank on a lost GPU never exits). Jobs submitted
+    with `--no-requeue` are left alone.
     """
 
     Settings = RequeueSettings
@@ -166,15 +174,24 @@ class RequeueAction(Action):
             return "no SLURM job on this node: nothing to requeue"
         refused = [j for j in jobs if not j.requeue]
         jobs = [j for j in jobs if j.requeue]
-        deadline = time.monotonic() + self.settings.wait_exit
-        while any(ref.matches() for j in jobs for ref in j.processes) and time.monotonic() < deadline:
+        s = self.settings
+        started = time.monotonic()
+        deadline = started + s.wait_exit
+
+        def waiting(job: Job) -> bool:  # its processes here still run, and its wait is not over
+            report = ctx.saves.get(job.job_id or "")
+            until = deadline if report is None or report.at is None else min(deadline, report.at + s.after_save)
+            return time.monotonic() < until and any(ref.matches() for ref in job.processes)
+
+        while any(waiting(j) for j in jobs):
             time.sleep(0.2)
         for job in jobs:
             assert job.job_id
             _slurm("requeue", ctx.slurm.requeue, job.job_id)
         parts = []
         if jobs:
-            parts.append("requeued " + ", ".join(j.job_id or "" for j in jobs))
+            said = {k: r.said(started, "the wait began") for k, r in ctx.saves.items()}
+            parts.append("requeued " + ", ".join(f"{j.job_id}{said.get(j.job_id or '', '')}" for j in jobs))
         if refused:
             parts.append("not requeueable (--no-requeue): " + ", ".join(j.job_id or "" for j in refused))
         return "; ".join(parts)

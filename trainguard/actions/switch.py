@@ -95,8 +95,9 @@ def _create_dir(pfd: int, name: str, path: str, identity: Identity) -> int:
     return fd
 
 
-def create_switch(directory: str, name: str, identity: Identity, gid: int, payload: dict[str, object]) -> str:
-    dfd = _open_switch_dir(directory, identity, create=True)
+def create_switch(directory: str, name: str, identity: Identity, gid: int, payload: dict[str, object],
+                  create: bool = True) -> str:
+    dfd = _open_switch_dir(directory, identity, create=create)
     where = f"{directory.rstrip('/')}/{name}"
     tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}"
     made = False

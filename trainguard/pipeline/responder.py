@@ -134,6 +134,13 @@ class Responder:
         others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                        if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd)
+        try:
+            self._run_list(ctx, names)
+        finally:
+            ctx.done()
+
+    def _run_list(self, ctx: ActionContext, names: list[str]) -> None:
+        event = ctx.event
         for name in names:
             action = self.actions[name]
             record = self.run_one(action, ctx)
@@ -158,7 +165,10 @@ class Responder:
         if name not in self.actions:
             return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd)
-        return self.run_one(self.actions[name], ctx)
+        try:
+            return self.run_one(self.actions[name], ctx)
+        finally:
+            ctx.done()
 
     def run_one(self, action: Action, ctx: ActionContext) -> dict[str, Any]:
         started = self.clock()
