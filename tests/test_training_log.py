@@ -200,6 +200,56 @@ def test_nan_losses_count_in_a_row_across_reads(tmp_path: Path, trainer: tuple[s
     assert result.status is Status.CRITICAL and "3 in a row (6 in all)" in result.summary
 
 
+def _relaunch_line(tmp_path: Path) -> str:
+    """The line the trainer helper's relaunch loop prints when a restart request makes it start the command again:
+    the real loop, run once with a command that asks for one restart in its first launch."""
+    sw = tmp_path / "loop-sw"
+    sw.mkdir()
+    ask_once = ("import json, os, sys; p = os.path.join(sys.argv[1], 'restart.77')\n"
+                "if not os.path.exists(p + '.asked'):\n"
+                "    open(p + '.asked', 'w').close(); open(p, 'w').write(json.dumps({'reason': 'NaN loss in 3 steps'}))")
+    proc = subprocess.run([sys.executable, "-m", "trainguard.trainer", "relaunch", "--switch-dir", str(sw), "--",
+                           sys.executable, "-c", ask_once, str(sw)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "SLURM_JOB_ID": "77"})
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("trainguard relaunch:")]
+    assert proc.returncode == 0 and line.endswith("starting it again"), proc.stderr
+    return line
+
+
+def test_a_restart_in_place_by_the_relaunch_loop_drops_the_earlier_starts_findings(tmp_path: Path,
+                                                                                   trainer: tuple[str, Path]) -> None:
+    """Every node of the job reads its log, and only the one whose agent ran the restart forgets what it learned:
+    the loop's line says on every node that what came before is the earlier start's. A NaN after it counts anew."""
+    marker, logs = trainer
+    logs.mkdir()
+    relaunch = _relaunch_line(tmp_path)
+    log = logs / "rank0.log"
+    log.write_bytes(lines("step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan"))
+    watch = check(tmp_path, marker, Store(None))
+    [result] = watch.run()
+    assert result.status is Status.CRITICAL and "3 in a row" in result.summary
+    with log.open("ab") as f:  # what a rank prints about the cancel, then the loop, then the new start
+        f.write(lines("[rank1]: RuntimeError: NCCL communicator was aborted", relaunch, "step 2 loss=1.9"))
+    [result] = watch.run()
+    assert result.status is Status.OK, result.summary
+    with log.open("ab") as f:  # in one read: the new start's NaNs, the loop again, one NaN of the start after it
+        f.write(lines("step 3 loss=nan", "step 4 loss=nan", "step 5 loss=nan", relaunch, "step 3 loss=nan"))
+    [result] = watch.run()
+    assert result.status is Status.WARNING and "1 in a row (1 in all)" in result.summary, result.summary
+
+
+def test_only_the_loops_own_line_is_a_restart(tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    """Quoted by a rank (not at the line's start), or the loop saying it will not start again: no restart."""
+    marker, logs = trainer
+    logs.mkdir()
+    relaunch = _relaunch_line(tmp_path)
+    (logs / "rank0.log").write_bytes(lines(
+        "step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan", f"[rank0]: {relaunch}",
+        "trainguard relaunch: restart asked after 10 restarts (--max-restarts 10): not starting python again"))
+    [result] = check(tmp_path, marker, Store(None)).run()
+    assert result.status is Status.CRITICAL and "3 in a row" in result.summary, result.summary
+
+
 def test_nan_loss_from_the_heartbeat(tmp_path: Path, trainer: tuple[str, Path]) -> None:
     from trainguard.trainer import Trainer
 

@@ -36,7 +36,7 @@ from trainguard.jobs.tree import (
     read_heartbeat,
 )
 from trainguard.logscan.collectives import ADVICE, Story, gather, observe, tell
-from trainguard.logscan.context import finite_loss, last_step, oom_gpu
+from trainguard.logscan.context import finite_loss, last_step, oom_gpu, relaunched
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
 from trainguard.logscan.launcher import BLOCK, root_cause
 from trainguard.logscan.lines import plain, timestamp, unwrap
@@ -233,10 +233,18 @@ class TrainingLogCheck(JobCheck):
 
     def clear(self, subject: str, at: float) -> None:
         """The job's findings so far are dealt with: only what its logs say from now on counts."""
-        for table in (self._findings, self._nan_streaks, self._counts, self._collectives, self._stalls):
-            table.pop(subject, None)
+        self._drop(subject)
         self.save_state(FINDINGS_KEY, self._findings)
         self.save_state(COLLECTIVES_KEY, self._collectives)
+
+    def _drop(self, key: str) -> int:
+        """Forget what the job's logs said so far; how many findings that was. The NaN streaks are emptied in place:
+        a scan under way holds them."""
+        dropped = len(self._findings.get(key, []))
+        for table in (self._findings, self._counts, self._collectives, self._stalls, self._pending_assert):
+            table.pop(key, None)
+        self._nan_streaks.get(key, {}).clear()
+        return dropped
 
     def _read(self, job: Job, path: str) -> None:
         tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
@@ -252,6 +260,14 @@ class TrainingLogCheck(JobCheck):
             base = (tail.position.offset if tail.position is not None else len(chunk)) - len(chunk)
             since = 0  # end of the last NaN line in this chunk: a finite loss after it ends the streak
             consumed = -1  # end of the last line a wrapped message was joined up to: its continuations are read
+            restarted = relaunched(chunk)
+            if restarted >= 0:
+                # Restarted in place by its relaunch loop: what the log said before is the earlier start's. The node
+                # whose agent ran the restart forgets it anyway; every other node of the job reads this line too.
+                dropped = self._drop(job.key)
+                since = consumed = restarted - 1  # the lines before it are not read for this start
+                log.info("job restarted in place: findings of its earlier start dropped",
+                         extra=kv(job=job.key, log=path, findings=dropped))
             for hit in self.scanner.scan(chunk):
                 if hit.offset <= consumed:
                     continue

@@ -28,6 +28,31 @@ def last_step(data: bytes, end: int | None = None) -> int | None:
     return int(found.group(1)) if found else None
 
 
+# The trainer helper's relaunch loop, when it starts the job's command again for a restart in place (its stderr, in
+# the job's log; trainguard/trainer.py prints it, tests/test_training_log.py reads the real loop's line)
+_RELAUNCH = b"trainguard relaunch: restart "
+_AGAIN = b": starting it again"
+
+
+def relaunched(data: bytes) -> int:
+    """The end of the last line of `data` (complete lines) on which the relaunch loop says it starts the command
+    again, or -1: what comes before it is the earlier start's. The line must begin with the loop's words. Linear:
+    the candidates are line starts, each line searched once, whatever the user wrote."""
+    end = len(data)
+    while True:
+        at = data.rfind(b"\n" + _RELAUNCH, 0, end)
+        start = at + 1 if at >= 0 else 0 if data.startswith(_RELAUNCH) else -1
+        if start < 0:
+            return -1
+        stop = data.find(b"\n", start)
+        stop = len(data) if stop < 0 else stop + 1
+        if data.find(_AGAIN, start, stop) >= 0:
+            return stop
+        if at < 0:
+            return -1
+        end = at  # the next candidate ends before this line's newline (the loop's words hold none)
+
+
 def finite_loss(data: bytes, start: int, end: int) -> bool:
     """Whether a finite loss value (`loss=2.31`, `'loss': 0.5`) is printed in data[start:end]."""
     return _FINITE_LOSS.search(data, start, end) is not None
