@@ -257,7 +257,8 @@ class Run:
                                   actions={"warning": ["signal", "requeue"]})
         c["job_switch"].update(fast)
         c["training_log"].update(fast, actions={"critical": ["restart"]})
-        raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "timeout": s.dur(330, 4)},
+        raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
+                                      "timeout": s.dur(330, 4)},
                           "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
                                       "timeout": s.dur(330, 4)},
                           "restart_elsewhere": {"type": "restart", "leave_node": True, "wait_exit": s.dur(300, 2),
