@@ -194,6 +194,8 @@ def main() -> int:
                 old.unlink(missing_ok=True)
         stop = any("stop" in v for v in votes)
         if rank == 0 and (stop or any("save" in v for v in votes) or step % a.ckpt_every == a.ckpt_every - 1):
+            if stop:  # the stop this checkpoint is for, as rank 0 sees it now: its report answers the agent's request
+                trainer.should_stop()
             gpu_gone(a.run_dir, node, rank, step)
             try:
                 save(a.ckpt_dir, step, loss, a.ckpt_pad, progress)

@@ -4,6 +4,7 @@ tests/test_multinode.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from trainguard.actions.base import ActionContext, ActionError
+from trainguard.actions.base import ActionContext, ActionError, ActionList, Reports
 from trainguard.actions.restart import RestartAction, RestartSettings
 from trainguard.actions.signal import SignalAction, SignalSettings
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
@@ -296,6 +297,7 @@ class StubSlurm:
         self.spans = spans or {}  # each step's NodeList
         self.fail_steps = False
         self.calls: list[tuple[str, ...]] = []
+        self.record: str | None = None  # the controller's record of job 5 (`scontrol show job 5 --oneliner`)
 
     def local_pids(self, node: str = "") -> dict[str, list[int]]:
         pids = self.batch + [pid for pids in self.here.values() for pid in pids]
@@ -333,6 +335,10 @@ class StubSlurm:
 
     def requeue(self, job_id: str) -> None:
         self.calls.append(("requeue", job_id))
+        self.record = self.record.replace("JobState=RUNNING", "JobState=PENDING") if self.record else None
+
+    def show_job(self, job_id: str) -> str | None:
+        return self.record
 
 
 @pytest.fixture
@@ -492,13 +498,16 @@ def test_a_node_left_but_neither_restarted_nor_requeued_is_not_left_recorded(tmp
 # A rank 0 that saves when the restart is asked (the trainer helper's saved(), as the goodput trainer calls it) and
 # exits, while another rank of the job stays hung.
 SAVER = r"""
-import sys, time
+import os, signal, sys, time
 from trainguard.trainer import Trainer
-t = Trainer(switch_dir=sys.argv[1])
+t = Trainer(switch_dir=sys.argv[1]).install()
 open(sys.argv[2], "w").close()
 deadline = time.monotonic() + 30
 while not t.restart_requested() and time.monotonic() < deadline:
     time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGUSR1)  # the restart's save signal (the stub SLURM sends none)
+while not t.should_stop():
+    time.sleep(0.01)
 t.saved()
 """
 
@@ -548,55 +557,76 @@ def test_an_earlier_restarts_report_or_a_link_is_no_report(tmp_path: Path, ranks
     assert time.monotonic() - started >= 1.5 and "saved.5" not in detail, detail
 
 
-def test_saved_reports_a_checkpoint_on_rank_0_only_while_a_restart_is_asked(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def _fresh(path: Path) -> None:
+    """A new request where `path` is: the agent writes each under a temporary name and renames it into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("{}")
+    tmp.rename(path)
+
+
+@pytest.mark.parametrize("request_name", ["restart.77", "signalled.77"])
+def test_saved_reports_on_rank_0_a_stops_checkpoint_while_the_agent_asks(tmp_path: Path, request_name: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart's request, or the one the `signal` action writes before its save signal: rank 0 reports the
+    checkpoint it took for a stop decided while the request was there; not for a request older than the process
+    (an earlier life's), not on another rank, and not for a checkpoint begun before the stop was decided."""
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("SLURM_PROCID", "0")
-    (tmp_path / "restart.77").write_text("{}")
+    (tmp_path / request_name).write_text("{}")
     t = Trainer(switch_dir=tmp_path)
+    (tmp_path / "stop").write_text("")  # the stop (a signal, in the agent's case)
+    assert t.should_stop()
     t.saved()
     assert not (tmp_path / "saved.77").exists()  # the request is an earlier life's: nobody waits for the report
-    tmp = tmp_path / ".restart.tmp"
-    tmp.write_text("{}")
-    tmp.rename(tmp_path / "restart.77")
+    _fresh(tmp_path / request_name)
+    t.saved()  # a checkpoint begun before the stop that answers the request was decided (the periodic one)
+    assert not (tmp_path / "saved.77").exists()
     monkeypatch.setenv("RANK", "3")  # torchrun's global rank comes first: SLURM_PROCID is then the node's task
+    assert t.should_stop()
     t.saved()
     assert not (tmp_path / "saved.77").exists()  # rank 3 knows only that its part is written
     monkeypatch.setenv("RANK", "0")
+    assert t.should_save()  # a stop is a save too, and decides the same
     t.saved()
     report = tmp_path / "saved.77"
     assert json.loads(report.read_text())["pid"] == os.getpid()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["restart.77", "saved.77"]  # no temporary file left
-
-
-def test_saved_reports_on_rank_0_after_the_agents_save_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`signalled.<job>` newer than the process (the `signal` action writes it after its save signal) asks for the
-    report as a restart request does; one older than the process (a fault of an earlier life) does not."""
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("RANK", "0")
-    (tmp_path / "signalled.77").write_text("{}")
-    t = Trainer(switch_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([request_name, "saved.77", "stop"])  # no tmp left
+    report.unlink()
+    assert t.should_stop()
+    _fresh(tmp_path / request_name)  # replaced between the stop and its checkpoint: another request, not this one's
     t.saved()
-    assert not (tmp_path / "saved.77").exists()
-    tmp = tmp_path / ".signalled.tmp"
-    tmp.write_text("{}")
-    tmp.rename(tmp_path / "signalled.77")
-    t.saved()
-    assert json.loads((tmp_path / "saved.77").read_text())["pid"] == os.getpid()
+    assert not report.exists()
 
 
 # A job's rank 0 that saves once the agent's save signal asks for a report, while a rank on a lost GPU never exits.
 SIGNALLED_SAVER = r"""
-import os, sys, time
+import os, signal, sys, time
 from trainguard.trainer import Trainer
-t = Trainer(switch_dir=sys.argv[1])
+t = Trainer(switch_dir=sys.argv[1]).install()
 open(sys.argv[2], "w").close()
 deadline = time.monotonic() + 30
 while not os.path.exists(os.path.join(sys.argv[1], "signalled.5")) and time.monotonic() < deadline:
     time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGUSR1)  # the save signal (the stub SLURM sends none)
+while not t.should_stop():
+    time.sleep(0.01)
 t.saved()
 """
+
+
+@contextlib.contextmanager
+def _rank0(sw: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Rank 0 of job 5 under the trainer helper, started, waiting for the agent's request with its save signal."""
+    ready = sw.parent / "ready"
+    saver = subprocess.Popen([sys.executable, "-c", SIGNALLED_SAVER, str(sw), str(ready)], cwd=REPO,
+                             env={**os.environ, "SLURM_JOB_ID": "5", "RANK": "0"})
+    try:
+        wait_until(ready.exists, 30, what="rank 0's start")
+        yield saver
+    finally:
+        saver.kill()
+        saver.wait()
 
 
 def _signal_requeue(job: Job, slurm: StubSlurm, **requeue: object) -> tuple[str, str, float]:
@@ -619,19 +649,13 @@ def test_a_requeue_after_the_save_signal_waits_for_rank_0s_report_not_for_a_rank
     sw = tmp_path / "sw"
     sw.mkdir()
     (sw / "saved.5").write_text("{}")  # an earlier fault's report: removed before the request, never read as this one
-    ready = tmp_path / "ready"
-    saver = subprocess.Popen([sys.executable, "-c", SIGNALLED_SAVER, str(sw), str(ready)], cwd=REPO,
-                             env={**os.environ, "SLURM_JOB_ID": "5", "RANK": "0"})
-    try:
-        wait_until(ready.exists, 30, what="rank 0's start")
+    with _rank0(sw) as saver:
         hung = ProcessRef.of(ranks())
         assert hung is not None
         slurm = StubSlurm({}, [])
         signalled, requeued, took = _signal_requeue(replace(_job(tmp_path), processes=(hung,)), slurm,
                                                     after_save=0.3)
         assert saver.wait(10) == 0
-    finally:
-        saver.kill()
     assert signalled == "scancel --signal=USR1 --full 5"
     assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
     assert took < 10, (took, requeued)  # wait_exit is 20 s
@@ -650,6 +674,97 @@ def test_without_a_switch_dir_the_requeue_waits_out_wait_exit_and_says_why(tmp_p
     assert took >= 1.0 and slurm.calls[-1] == ("requeue", "5")
     assert re.fullmatch(r"requeued 5 \(no report asked: switch dir .*/sw does not exist\)", requeued), requeued
     assert not (tmp_path / "sw").exists()
+
+
+RUNNING_RECORD = (REPO / "tests/data/slurm/show-job-running.txt").read_text().replace("JobId=1 ", "JobId=5 ", 1)
+
+
+def test_two_incidents_about_one_lost_gpu_share_the_report_and_requeue_the_job_once(
+        tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """A GPU off the bus is two incidents with the same default actions (`xid` at once, `gpu` on its next poll). The
+    second list joins the first's report instead of removing it and asking again, and does not requeue the job the
+    first requeued (its next life may be running elsewhere by then)."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    with _rank0(sw) as saver:
+        hung = ProcessRef.of(ranks())
+        assert hung is not None
+        job = replace(_job(tmp_path), processes=(hung,), restarts=0)
+        slurm = StubSlurm({}, [])
+        slurm.record = RUNNING_RECORD
+        shared = Reports()
+        requeue = RequeueAction("requeue", RequeueSettings(wait_exit=20, timeout=30, after_save=0.3))
+        first = ActionContext(_event("xid", "pci:0000:3b:00"), (job,), "n1", slurm, time.time,  # type: ignore[arg-type]
+                              reports=shared)
+        second = replace(first, event=_event("gpu", "gpu:0000:3b:00"), actions=ActionList())
+        SignalAction("signal", SignalSettings()).run(first)
+        SignalAction("signal", SignalSettings()).run(second)  # before rank 0 answered: the same report
+        assert shared.get("5") is not None
+        started = time.monotonic()
+        done = requeue.run(first)
+        assert saver.wait(10) == 0
+        first.done()
+        assert (sw / "signalled.5").exists()  # the second list still holds the report
+        again = requeue.run(second)
+        second.done()
+        took = time.monotonic() - started
+    assert done.startswith("requeued 5 (saved.5 ") and took < 10, (done, took)
+    assert again.startswith("5 not requeued: requeued already (PENDING, Restarts=0) (saved.5 "), again
+    assert [c for c in slurm.calls if c[0] == "requeue"] == [("requeue", "5")]
+    assert sorted(p.name for p in sw.iterdir()) == []  # the last list out removed the request and the report
+
+
+def test_a_job_that_reported_is_requeued_without_waiting_for_another_job_of_the_node(
+        tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """An XID names no job: the requeue acts on every job of the node, each once its own wait is over."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    times: dict[str, float] = {}
+
+    class Timed(StubSlurm):
+        def requeue(self, job_id: str) -> None:
+            times[job_id] = time.monotonic()
+            super().requeue(job_id)
+
+    with _rank0(sw) as saver:
+        reporting = replace(_job(tmp_path), processes=(ProcessRef.of(ranks()),))
+        silent = replace(_job(tmp_path), key="slurm:6", job_id="6", switch_dir=str(tmp_path / "none"),
+                         processes=(ProcessRef.of(ranks()),))
+        started = time.monotonic()
+        slurm = Timed({}, [])
+        ctx = ActionContext(_event("xid", "pci:0000:3b:00"), (reporting, silent), "n1", slurm,  # type: ignore[arg-type]
+                            time.time)
+        try:
+            SignalAction("signal", SignalSettings()).run(ctx)
+            detail = RequeueAction("requeue", RequeueSettings(wait_exit=4, timeout=10, after_save=0.3)).run(ctx)
+        finally:
+            ctx.done()
+        assert saver.wait(10) == 0
+    assert times["5"] - started < 3 and times["6"] - started >= 4, (times, started, detail)  # wait_exit 4 s
+    assert re.fullmatch(r"requeued 5 \(saved\.5 \d+\.\ds after the wait began: the checkpoint was written\); "
+                        r"requeued 6 \(no report asked: switch dir .*/none does not exist\)", detail), detail
+
+
+def test_reports_are_shared_by_lists_and_closed_by_the_last_one_done() -> None:
+    class Probe:
+        at = None
+        closed = 0
+
+        def said(self, since: float, what: str) -> str:
+            return ""
+
+        def close(self) -> None:
+            self.closed += 1
+
+    reports, a, b = Reports(), ActionList(), ActionList()
+    made = [Probe(), Probe()]
+    first = reports.join("5", a, made.pop)
+    assert reports.join("5", b, made.pop) is first and len(made) == 1  # joined, not made again
+    reports.release(a)
+    assert first.closed == 0 and reports.get("5") is first
+    reports.release(b)
+    assert first.closed == 1 and reports.get("5") is None
+    assert reports.join("5", a, made.pop) is None and len(made) == 1  # asked after its list was done: nothing
 
 
 def test_the_loop_removes_the_ranks_last_report_when_it_returns(tmp_path: Path) -> None:

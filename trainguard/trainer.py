@@ -80,6 +80,7 @@ class Trainer:
         self.last_signal: str | None = None
         self._restart_seen = self.restart_request()  # a request older than this process is not for it
         self._signalled_seen = self._request(self.signalled_name)
+        self._answering: tuple[Any, Any] | None = None  # the agent's request the stop under way answers
 
     def install(self, save_and_stop: Iterable[str] = ("USR1",), save: Iterable[str] = ("USR2",),
                 stop: Iterable[str] = ("TERM",)) -> Trainer:
@@ -131,10 +132,19 @@ class Trainer:
         return now is not None and now != self._restart_seen
 
     def should_save(self) -> bool:
-        return self._save.is_set() or self._switch("save") is not None or self.should_stop()
+        stop = self.should_stop()  # first: a save for a stop is the one that may answer the agent (saved())
+        return self._save.is_set() or self._switch("save") is not None or stop
 
     def should_stop(self) -> bool:
-        return self._stop.is_set() or self._switch("stop") is not None
+        stop = self._stop.is_set() or self._switch("stop") is not None
+        if stop and self._answering is None:
+            # The checkpoint this stop takes answers the agent's request (saved()) only if the request was there as
+            # the stop was decided: a checkpoint already under way then is not the one asked for, and the agent
+            # would end the job while the stop's own one is being written.
+            with contextlib.suppress(OSError):
+                os.listdir(self.switch_dir)  # a fresh listing: NFS revalidates what it cached of the directory
+            self._answering = self._asked()
+        return stop
 
     @property
     def saved_name(self) -> str:
@@ -146,21 +156,22 @@ class Trainer:
         """The agent's request for that report after its save signal (`signalled.<job id>`)."""
         return f"signalled.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
 
-    def _report_asked(self) -> bool:
-        """The agent waits for this job's ranks and asked since this process started: a restart, or its save signal
-        (an action after it, `requeue`, waits)."""
-        if self.restart_requested():
-            return True
-        now = self._request(self.signalled_name)
-        return now is not None and now != self._signalled_seen
+    def _asked(self) -> tuple[Any, Any] | None:
+        """The agent's requests for this job newer than this process, as the switch dir holds them now (a restart,
+        and its save signal: an action after it, `requeue`, waits for the ranks); None when there is none."""
+        restart, signalled = self.restart_request(), self._request(self.signalled_name)
+        new = (restart if restart != self._restart_seen else None,
+               signalled if signalled != self._signalled_seen else None)
+        return new if new != (None, None) else None
 
     def saved(self) -> None:
         """A checkpoint was written (call it once the checkpoint is complete): clear the save request (signal flag
-        and `save` switch file). On global rank 0 (RANK, else SLURM_PROCID, is 0 or unset), while the agent waits for
-        the ranks (a restart, or a requeue after its save signal), also tell the agent: it then ends what still runs
-        of the job (a rank hung in a collective, or whose GPU is gone) soon after, instead of waiting out its
-        `wait_exit`. Rank 0's call must come after the whole checkpoint is written: after its own torch.save, or
-        after a collective save returns."""
+        and `save` switch file). On global rank 0 (RANK, else SLURM_PROCID, is 0 or unset), for a stop decided
+        (should_stop() true) while the agent waited for the ranks (a restart, or a requeue after its save signal),
+        also tell the agent: it then ends what still runs of the job (a rank hung in a collective, or whose GPU is
+        gone) soon after, instead of waiting out its `wait_exit`. Rank 0's call must come after the whole checkpoint
+        is written: after its own torch.save, or after a collective save returns."""
+        answering, self._answering = self._answering, None
         self._save.clear()
         if not self._stop.is_set():  # the signal was answered: a later stop must not be reported as its doing
             self.last_signal = None
@@ -168,7 +179,8 @@ class Trainer:
             (self.switch_dir / "save").unlink()
         except FileNotFoundError:
             pass
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0" and self._report_asked():
+        if (answering is not None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+                and answering == self._asked()):  # the request the stop answered is still the one there
             path = self.switch_dir / self.saved_name
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:  # renamed into place: the agent, which removed the last one before its request, never sees half

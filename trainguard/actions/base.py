@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 from pydantic import Field
 
@@ -13,9 +14,6 @@ from trainguard.core.events import Event
 from trainguard.core.settings import Duration, SettingsModel
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
-
-if TYPE_CHECKING:
-    from trainguard.actions.savereport import SaveReport
 
 
 class ActionSettings(SettingsModel):
@@ -34,6 +32,65 @@ class ActionRefusedError(ActionError):
     open while it stands, since the fault it answered is still there and nobody acted on it."""
 
 
+class Report(Protocol):
+    """What an action that waits for the ranks reads of their report (trainguard.actions.savereport.SaveReport)."""
+
+    at: float | None  # monotonic time the report was first seen
+
+    def said(self, since: float, what: str) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class ActionList:
+    """One event's list of actions, run in order on one context: done once its last action returned."""
+
+    def __init__(self) -> None:
+        self.done = False  # under Reports' lock
+
+
+class Reports:
+    """The ranks' reports asked for on this agent, one per job, shared by every event's action list about it: one
+    fault is often two incidents (a GPU off the bus: `xid` from the kernel log, `gpu` on its next poll), and one list
+    must never withdraw what another waits for. The last list done with a report closes it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reports: dict[str, tuple[Report, set[ActionList]]] = {}
+
+    def join(self, job_id: str, user: ActionList, make: Callable[[], Report]) -> Report | None:
+        """The job's report under way, else a new one from `make()`; None once `user` is done (nothing would wait
+        for it, and nothing would close it)."""
+        with self._lock:
+            if user.done:
+                return None
+            report, users = self._reports.get(job_id) or (None, set())
+            if report is None:
+                report = make()
+            self._reports[job_id] = (report, users | {user})
+            return report
+
+    def get(self, job_id: str) -> Report | None:
+        with self._lock:
+            held = self._reports.get(job_id)
+        return held[0] if held else None
+
+    def release(self, user: ActionList) -> None:
+        """`user`'s list is done: each report no other list holds is closed."""
+        closing = []
+        with self._lock:
+            user.done = True
+            for job_id, (report, users) in list(self._reports.items()):
+                if user in users:
+                    if users == {user}:
+                        del self._reports[job_id]
+                        closing.append(report)
+                    else:
+                        self._reports[job_id] = (report, users - {user})
+        for report in closing:
+            report.close()
+
+
 @dataclass(frozen=True)
 class ActionContext:
     event: Event
@@ -43,14 +100,14 @@ class ActionContext:
     clock: Callable[[], float]
     others_critical: tuple[str, ...] = ()  # other CRITICAL incidents firing on this node ("check/subject")
     slurmd: str = ""  # this node's slurmd by name where a host runs several (`jobs.slurm_node`); empty: the one
-    # Job id -> the ranks' report asked for after a save signal by an action of this event's list, for the actions
-    # after it that wait for the ranks (`requeue`); the responder closes them once the list is done.
-    saves: dict[str, SaveReport] = field(default_factory=dict)
+    # The ranks' reports asked for with a save signal (`signal`), for the actions after it that wait for the ranks
+    # (`requeue`): the agent's, shared by its lists; this list's hold on them ends with done().
+    reports: Reports = field(default_factory=Reports)
+    actions: ActionList = field(default_factory=ActionList)
 
     def done(self) -> None:
-        """The event's actions are over: the reports asked for served them."""
-        for report in self.saves.values():
-            report.close()
+        """The event's actions are over: the reports this list asked for or joined served them."""
+        self.reports.release(self.actions)
 
 
 class Action(ABC):

@@ -41,7 +41,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job, slurm_jobs
-from trainguard.actions.savereport import SaveReport, ask_after_signal
+from trainguard.actions.savereport import SaveReport, ask_save
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_stats
@@ -405,11 +405,11 @@ class RestartAction(Action):
         if not job.requeue:  # the signal would end a job nobody may requeue
             raise ActionError(f"{job.label()}: {why}, and it was submitted --no-requeue: left alone")
         assert job.job_id
+        ask_save([job], ctx)  # the requeue waits for the ranks until `after_save` after rank 0's report
         try:
             ctx.slurm.signal(job.job_id, s.signal, "full")
         except SlurmError as exc:
             raise ActionError(f"{job.label()}: {why}; requeue instead: {exc}") from None
-        ask_after_signal(job, ctx)  # the requeue waits for the ranks until `after_save` after rank 0's report
         wait = max(0.0, deadline - time.monotonic())
         requeue = RequeueAction(self.name, RequeueSettings(timeout=max(s.timeout, wait + 1), wait_exit=wait,
                                                            after_save=s.after_save))

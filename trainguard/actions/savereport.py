@@ -3,30 +3,35 @@
 `restart` and `requeue` wait (`wait_exit`, minutes) for the job's ranks to save and exit. A rank hung in a collective
 or on a GPU that fell off the bus never exits, so without word from the ranks the whole job would sit idle for the
 whole wait after the others saved. The trainer helper's `saved()` on global rank 0 writes `saved.<job id>` in the
-job's switch dir once its checkpoint is complete, while a request of the agent's for this job is there that is newer
-than the process: `restart.<job id>` (a restart in place) or `signalled.<job id>` (the save signal of `signal`, or of
-`restart`'s requeue fallback). From the report on, the waiting action gives the ranks `after_save` and goes on.
+job's switch dir once the checkpoint it took for a stop is complete, when a request of the agent's for this job was
+there as it decided to stop: `restart.<job id>` (a restart in place) or `signalled.<job id>` (written by `signal`,
+and by `restart`'s requeue fallback, just before the save signal). From the report on, the waiting action gives the
+ranks `after_save` and goes on.
 
 No clocks are compared: the request and the report are written on different nodes. The agent removes the last
 report before it writes its request, so a report there later answers this request. Every look at the user's switch
-dir runs in a thread of the report's own: a switch dir on a file system that hangs never holds up a signal, a cancel
-or a requeue; the waiting action reads `at` only. A user who forges a report only has their own job ended sooner;
-any error reads as no report, and `wait_exit` holds.
+dir runs in a thread of the report's own: a switch dir on a file system that hangs holds up a signal by
+REQUEST_WAIT at most, and never a cancel or a requeue, which read `at` only. A user who forges a report only has
+their own job ended sooner; any error reads as no report, and `wait_exit` holds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
+from functools import partial
 
-from trainguard.actions.base import ActionContext, ActionError
+from trainguard.actions.base import ActionContext, ActionError, Report
 from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_stats
 from trainguard.core.text import one_line
 from trainguard.jobs.model import Job
 from trainguard.node.access import Identity
 
-POLL = 0.2  # one lstat in the switch dir per look, only while an action waits
+POLL = 0.2  # one lstat in the switch dir per look, only while a report is asked for
 KEEP = 3600.0  # a report nobody closed (a bug) stops being looked for after this
+REQUEST_WAIT = 1.0  # the save signal waits this long at most for its request to be written
+CLOSE_WAIT = 1.0  # close() waits this long for the thread to have removed the request and the report
 
 
 def saved_name(job_id: str) -> str:
@@ -35,7 +40,7 @@ def saved_name(job_id: str) -> str:
 
 
 def signalled_name(job_id: str) -> str:
-    """The agent's request for a report after its save signal (`Trainer.signalled_name`)."""
+    """The agent's request for a report with its save signal (`Trainer.signalled_name`)."""
     return f"signalled.{job_id}"
 
 
@@ -47,8 +52,10 @@ class SaveReport:
         self.switch_dir, self.identity, self.job_id, self.name = switch_dir, identity, job_id, saved_name(job_id)
         self.at: float | None = None
         self.note = ""
+        self.requested = threading.Event()  # ask(): the request is written, or will not be
         self._stop = threading.Event()
-        self._request: tuple[int, dict[str, object]] | None = None  # signalled: the owner's gid and the request
+        self._request: tuple[int, dict[str, object]] | None = None  # ask(): the owner's gid and the request
+        self._thread: threading.Thread | None = None
 
     def clear(self) -> None:
         """Before the request: the last report goes. One that stays (not the user's, or not removable) would read as
@@ -62,35 +69,42 @@ class SaveReport:
             self.note = f" (no report read: {exc})"
 
     def watch(self) -> None:
-        """After the signal (the request written and the last report cleared by the caller): look for the report
-        every POLL until it is there or close() is called."""
+        """After the signal (the request written and the last report cleared by the caller, `restart`): look for the
+        report every POLL until it is there or close() is called. The relaunch loop removes the files."""
         if not self.note:
             self._start()
 
     def ask(self, gid: int, request: dict[str, object]) -> None:
-        """After a save signal: clear the last report, write `signalled.<job id>`, then look for the report, all in
-        the thread. After the signal, never before: the signal is what matters and must not wait on the user's file
-        system. A rank 0 that saved before the request was there reports nothing, and `wait_exit` holds."""
+        """Before a save signal: clear the last report, write `signalled.<job id>` (`requested` is set then), look
+        for the report, and once closed remove both; all in the thread."""
         self._request = (gid, request)
         self._start()
 
     def _start(self) -> None:
-        threading.Thread(target=self._run, name=f"saved-{self.job_id}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"saved-{self.job_id}", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         request = signalled_name(self.job_id)
         deadline = time.monotonic() + KEEP
+        wrote = False
         try:
             if self._request is not None:
+                if self._stop.is_set():
+                    return
                 self.clear()
-                if self.note:
+                if self.note or self._stop.is_set():
                     return
                 try:
-                    # a job with no switch dir runs no trainer helper that could answer: none is made for it
+                    # a job with no switch dir yet runs no trainer helper that could answer (the helper makes it at
+                    # its first heartbeat): none is made for it
                     create_switch(self.switch_dir, request, self.identity, *self._request, create=False)
+                    wrote = True
                 except ActionError as exc:
                     self.note = f" (no report asked: {exc})"
                     return
+                finally:
+                    self.requested.set()
             while not self._stop.wait(POLL) and time.monotonic() < deadline:
                 try:
                     if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
@@ -99,36 +113,58 @@ class SaveReport:
                 except ActionError:
                     continue
         finally:
-            if self._request is not None:
-                # A signal's request and report answer one wait: gone once it is over (or the ranks never answered),
-                # so the user's switch dir keeps nothing of a fault once its actions are done
+            self.requested.set()
+            if wrote:
+                # The request and its answer served this fault: gone once its lists are done (or nobody answered), so
+                # that the user's switch dir keeps nothing of a fault and a later fault starts clean
                 self._stop.wait(max(0.0, deadline - time.monotonic()))
                 remove_switch(self.switch_dir, request, self.identity)
                 remove_switch(self.switch_dir, self.name, self.identity)
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT)  # a hung file system keeps it: nothing waits on it then
 
     def said(self, since: float, what: str) -> str:
         """For the action's audit line: when the report came (after `what`, at monotonic `since`), or why none was
         read."""
         if self.at is not None:
-            return f" ({self.name} {self.at - since:.1f}s after {what}: the checkpoint was written)"
-        return self.note
+            return f" ({self.name} {max(0.0, self.at - since):.1f}s after {what}: the checkpoint was written)"
+        return self.note or " (no report from rank 0 of the checkpoint written)"
 
 
-def ask_after_signal(job: Job, ctx: ActionContext) -> None:
-    """A save signal was sent to `job`: ask its rank 0 to report the checkpoint written (the request is written in
-    the background). The actions after it in this event's list (`requeue`) wait for the report; the responder closes
-    it once they are done. A job without a known switch dir or owner gets no request: its wait is `wait_exit`."""
-    if job.source != "slurm" or not job.job_id or not job.switch_dir or job.uid is None:
-        return
-    identity, gid = job_owner(job)
-    report = SaveReport(job.switch_dir, job.job_id, identity)
-    earlier = ctx.saves.get(job.job_id)
-    if earlier is not None:  # signalled twice in one list: the last request counts
-        earlier.close()
-    ctx.saves[job.job_id] = report
-    report.ask(gid, {"requested_by": "trainguard", "job_id": job.job_id, "at": ctx.clock(),
-                     "incident": ctx.event.incident_id, "check": ctx.event.check,
-                     "reason": one_line(ctx.event.summary, 200)})
+def _asked(switch_dir: str, job_id: str, identity: Identity, gid: int, request: dict[str, object]) -> Report:
+    report = SaveReport(switch_dir, job_id, identity)
+    report.ask(gid, request)
+    return report
+
+
+def ask_save(jobs: Iterable[Job], ctx: ActionContext) -> list[str]:
+    """A save signal is about to go to `jobs`: ask each SLURM job's rank 0 to report its checkpoint written, for the
+    actions after it in this event's list (`requeue`), and wait REQUEST_WAIT at most for the requests to be written
+    (a rank that decides to stop before its request is there reports nothing). A job whose report another list
+    already asked for joins it. A job without a known switch dir or owner gets no request: its wait is `wait_exit`.
+    What could not be asked, in words (the signal goes anyway)."""
+    asked: list[SaveReport] = []
+    failed = []
+    for job in jobs:
+        if job.source != "slurm" or not job.job_id or not job.switch_dir or job.uid is None:
+            continue
+        try:
+            identity, gid = job_owner(job)
+            request: dict[str, object] = {
+                "requested_by": "trainguard", "job_id": job.job_id, "at": ctx.clock(),
+                "incident": ctx.event.incident_id, "check": ctx.event.check,
+                "reason": one_line(ctx.event.summary, 200)}
+            report = ctx.reports.join(job.job_id, ctx.actions,
+                                      partial(_asked, job.switch_dir, job.job_id, identity, gid, request))
+        except Exception as exc:  # noqa: BLE001 - the signal matters more than the report: it goes anyway
+            failed.append(f"{job.label()}: no report asked: {exc}")
+            continue
+        if isinstance(report, SaveReport):
+            asked.append(report)
+    until = time.monotonic() + REQUEST_WAIT
+    for report in asked:
+        report.requested.wait(max(0.0, until - time.monotonic()))
+    return failed

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job
-from trainguard.actions.savereport import ask_after_signal
+from trainguard.actions.savereport import ask_save
 from trainguard.core.logs import kv
 from trainguard.core.settings import Duration
 from trainguard.jobs.model import Job, ProcessRef
@@ -73,7 +73,10 @@ class SignalAction(Action):
     def run(self, ctx: ActionContext) -> str:
         if not ctx.jobs:
             raise ActionError("no job to signal")
-        return each_job(ctx.jobs, lambda job: self._one(job, ctx))
+        # first: a requeue after it waits for rank 0's report of the checkpoint written, not for a rank that never
+        # exits (on a lost GPU), and rank 0 reports only when the request was there as it decided to stop
+        unasked = ask_save(ctx.jobs, ctx)
+        return "; ".join([each_job(ctx.jobs, lambda job: self._one(job, ctx)), *unasked])
 
     def _one(self, job: Job, ctx: ActionContext) -> str:
         s = self.settings
@@ -84,8 +87,6 @@ class SignalAction(Action):
                 ctx.slurm.signal(job.job_id, s.signal, s.slurm_mode)
             except SlurmError as exc:
                 raise ActionError(str(exc)) from None
-            # a requeue after it waits for rank 0's report of the checkpoint written, not for a rank that never exits
-            ask_after_signal(job, ctx)
             return f"scancel --signal={s.signal} --{s.slurm_mode} {job.job_id}"
         if not job.processes:
             raise ActionError("job has no running process")

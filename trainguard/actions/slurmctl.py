@@ -14,9 +14,12 @@ from trainguard.actions.base import Action, ActionContext, ActionError, ActionRe
 from trainguard.core.settings import Duration
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.model import Job
-from trainguard.jobs.slurm import SlurmError
+from trainguard.jobs.slurm import SlurmError, parse_job_record
 
 DRAIN_TAG = "trainguard:"
+# A job in these states is back in the queue: requeued already (a job that ended, COMPLETED or FAILED, is requeued:
+# a batch job that saved and exited comes back that way)
+BACK_IN_QUEUE = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
 T = TypeVar("T")
 
 
@@ -173,28 +176,49 @@ class RequeueAction(Action):
         if not jobs:
             return "no SLURM job on this node: nothing to requeue"
         refused = [j for j in jobs if not j.requeue]
-        jobs = [j for j in jobs if j.requeue]
+        waiting = [j for j in jobs if j.requeue]
         s = self.settings
         started = time.monotonic()
         deadline = started + s.wait_exit
 
-        def waiting(job: Job) -> bool:  # its processes here still run, and its wait is not over
-            report = ctx.saves.get(job.job_id or "")
+        def over(job: Job) -> bool:  # its processes here exited, or its wait is over
+            report = ctx.reports.get(job.job_id or "")
             until = deadline if report is None or report.at is None else min(deadline, report.at + s.after_save)
-            return time.monotonic() < until and any(ref.matches() for ref in job.processes)
+            return time.monotonic() >= until or not any(ref.matches() for ref in job.processes)
 
-        while any(waiting(j) for j in jobs):
-            time.sleep(0.2)
-        for job in jobs:
-            assert job.job_id
-            _slurm("requeue", ctx.slurm.requeue, job.job_id)
-        parts = []
-        if jobs:
-            said = {k: r.said(started, "the wait began") for k, r in ctx.saves.items()}
-            parts.append("requeued " + ", ".join(f"{j.job_id}{said.get(j.job_id or '', '')}" for j in jobs))
+        done, errors = [], []
+        while waiting:  # each job requeued once its own wait is over: one that never reports waits for no other
+            for job in [j for j in waiting if over(j)]:
+                waiting.remove(job)
+                report = ctx.reports.get(job.job_id or "")
+                try:
+                    done.append(self._requeue(job, ctx) + (report.said(started, "the wait began") if report else ""))
+                except ActionError as exc:
+                    errors.append(f"{job.job_id}: {exc}")
+            if waiting:
+                time.sleep(0.2)
+        if errors and not done and not refused:
+            raise ActionError("; ".join(errors))
+        parts = done + errors
         if refused:
             parts.append("not requeueable (--no-requeue): " + ", ".join(j.job_id or "" for j in refused))
         return "; ".join(parts)
+
+    @staticmethod
+    def _requeue(job: Job, ctx: ActionContext) -> str:
+        """`scontrol requeue`, unless the job left the life this event was about: another incident about the same
+        fault (a lost GPU is `xid` and `gpu`), or another node's agent, requeued it first, and its next life may
+        already be running elsewhere (one REQUEST_JOB_INFO_SINGLE per requeue; not answering: requeued anyway)."""
+        assert job.job_id
+        try:
+            now = parse_job_record(ctx.slurm.show_job(job.job_id) or "")
+        except SlurmError:
+            now = None
+        if now is not None and (now.state in BACK_IN_QUEUE or (
+                job.restarts is not None and now.restarts is not None and now.restarts > job.restarts)):
+            return f"{job.job_id} not requeued: requeued already ({now.state}, Restarts={now.restarts})"
+        _slurm("requeue", ctx.slurm.requeue, job.job_id)
+        return f"requeued {job.job_id}"
 
 
 class ArraySettings(ActionSettings):

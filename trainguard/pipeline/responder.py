@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, Reports
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
@@ -63,6 +63,7 @@ class Responder:
         self.node = catalog.node if catalog else (config.jobs.slurm_node or config.agent.node_name)
         self.slurmd = config.jobs.slurm_node
         self.forget = forget  # (check, subject): the check forgets the subject's history (the engine's, under its lock)
+        self.reports = Reports()  # the ranks' reports asked for by a save signal, shared by the lists about a job
         self.tracker = tracker
         self.clock = clock
         self.threads: list[threading.Thread] = []
@@ -133,7 +134,7 @@ class Responder:
             jobs = ()
         others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                        if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
-        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd)
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports)
         try:
             self._run_list(ctx, names)
         finally:
@@ -164,7 +165,7 @@ class Responder:
         """Run one configured action for `event` now (the `check --drain` path, tests); its outcome record."""
         if name not in self.actions:
             return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
-        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd)
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd, self.reports)
         try:
             return self.run_one(self.actions[name], ctx)
         finally:
