@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import wait_until
 from trainguard.actions.base import ActionContext, ActionError, ActionList, Reports
 from trainguard.actions.restart import RestartAction, RestartSettings
+from trainguard.actions.savereport import SaveReport
 from trainguard.actions.signal import SignalAction, SignalSettings
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
 from trainguard.agent.configfile import parse_config
@@ -594,7 +595,12 @@ def test_saved_reports_on_rank_0_a_stops_checkpoint_while_the_agent_asks(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([request_name, "saved.77", "stop"])  # no tmp left
     report.unlink()
     assert t.should_stop()
-    _fresh(tmp_path / request_name)  # replaced between the stop and its checkpoint: another request, not this one's
+    _fresh(tmp_path / request_name)  # replaced between the stop and its checkpoint (a second node's agent asking too)
+    t.saved()
+    assert report.exists()  # the stop's checkpoint answers them all
+    report.unlink()
+    assert t.should_stop()
+    (tmp_path / request_name).unlink()  # withdrawn (the signal failed): nobody waits
     t.saved()
     assert not report.exists()
 
@@ -676,7 +682,9 @@ def test_without_a_switch_dir_the_requeue_waits_out_wait_exit_and_says_why(tmp_p
     assert not (tmp_path / "sw").exists()
 
 
-RUNNING_RECORD = (REPO / "tests/data/slurm/show-job-running.txt").read_text().replace("JobId=1 ", "JobId=5 ", 1)
+# the captured record as job 5 of this test's user (the action reads it with the job's uid)
+RUNNING_RECORD = ((REPO / "tests/data/slurm/show-job-running.txt").read_text().replace("JobId=1 ", "JobId=5 ", 1)
+                  .replace("UserId=tgjob(1001)", f"UserId=tester({os.getuid()})", 1))
 
 
 def test_two_incidents_about_one_lost_gpu_share_the_report_and_requeue_the_job_once(
@@ -743,6 +751,26 @@ def test_a_job_that_reported_is_requeued_without_waiting_for_another_job_of_the_
     assert times["5"] - started < 3 and times["6"] - started >= 4, (times, started, detail)  # wait_exit 4 s
     assert re.fullmatch(r"requeued 5 \(saved\.5 \d+\.\ds after the wait began: the checkpoint was written\); "
                         r"requeued 6 \(no report asked: switch dir .*/none does not exist\)", detail), detail
+
+
+def test_a_closed_report_removes_only_the_request_it_wrote_and_the_report_it_saw(tmp_path: Path) -> None:
+    """Another node's agent (or a later list, after this one's close) may write its own request in the same name
+    meanwhile: it is not this report's to remove."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    report = SaveReport(str(sw), "5", None)
+    report.ask(os.getuid(), {"requested_by": "trainguard"})
+    assert report.requested.wait(5) and (sw / "signalled.5").exists() and not report.note
+    _fresh(sw / "signalled.5")  # another agent's request, written over this one
+    report.close()
+    assert (sw / "signalled.5").exists()
+    mine = SaveReport(str(sw), "5", None)  # asks, sees the report, removes both once closed
+    mine.ask(os.getuid(), {"requested_by": "trainguard"})
+    assert mine.requested.wait(5)
+    _fresh(sw / "saved.5")
+    wait_until(lambda: mine.at is not None, 5, what="the report seen")
+    mine.close()
+    assert sorted(p.name for p in sw.iterdir()) == []
 
 
 def test_reports_are_shared_by_lists_and_closed_by_the_last_one_done() -> None:

@@ -238,13 +238,36 @@ def test_a_restart_in_place_by_the_relaunch_loop_drops_the_earlier_starts_findin
     assert result.status is Status.WARNING and "1 in a row (1 in all)" in result.summary, result.summary
 
 
+def test_with_several_logs_what_the_others_said_in_the_restarts_round_is_the_earlier_starts(
+        tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    """Per-rank logs beside the batch log that holds the loop's line: no order across files, so the other files'
+    lines read in the round of the restart are taken as the earlier start's (the cancelled ranks' errors); later
+    rounds count as before."""
+    marker, logs = trainer
+    logs.mkdir()
+    relaunch = _relaunch_line(tmp_path)
+    (logs / "batch.log").write_bytes(lines("step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan"))
+    watch = check(tmp_path, marker, Store(None))
+    [result] = watch.run()
+    assert result.status is Status.CRITICAL
+    with (logs / "batch.log").open("ab") as f:
+        f.write(lines(relaunch, "step 3 loss=1.9"))
+    (logs / "rank1.log").write_bytes(lines("[rank1]: RuntimeError: NCCL communicator was aborted on rank 1.", NCCL_NEW))
+    [result] = watch.run()
+    assert result.status is Status.OK, result.summary
+    with (logs / "rank1.log").open("ab") as f:
+        f.write(lines("[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered"))
+    [result] = watch.run()
+    assert result.status is Status.CRITICAL and "illegal memory access" in result.summary, result.summary
+
+
 def test_only_the_loops_own_line_is_a_restart(tmp_path: Path, trainer: tuple[str, Path]) -> None:
     """Quoted by a rank (not at the line's start), or the loop saying it will not start again: no restart."""
     marker, logs = trainer
     logs.mkdir()
     relaunch = _relaunch_line(tmp_path)
     (logs / "rank0.log").write_bytes(lines(
-        "step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan", f"[rank0]: {relaunch}",
+        "step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan", f"[rank0]: {relaunch}", f"x{relaunch}",
         "trainguard relaunch: restart asked after 10 restarts (--max-restarts 10): not starting python again"))
     [result] = check(tmp_path, marker, Store(None)).run()
     assert result.status is Status.CRITICAL and "3 in a row" in result.summary, result.summary

@@ -80,7 +80,7 @@ class Trainer:
         self.last_signal: str | None = None
         self._restart_seen = self.restart_request()  # a request older than this process is not for it
         self._signalled_seen = self._request(self.signalled_name)
-        self._answering: tuple[Any, Any] | None = None  # the agent's request the stop under way answers
+        self._answering = False  # the stop under way was decided while the agent asked for a report
 
     def install(self, save_and_stop: Iterable[str] = ("USR1",), save: Iterable[str] = ("USR2",),
                 stop: Iterable[str] = ("TERM",)) -> Trainer:
@@ -137,10 +137,10 @@ class Trainer:
 
     def should_stop(self) -> bool:
         stop = self._stop.is_set() or self._switch("stop") is not None
-        if stop and self._answering is None:
-            # The checkpoint this stop takes answers the agent's request (saved()) only if the request was there as
-            # the stop was decided: a checkpoint already under way then is not the one asked for, and the agent
-            # would end the job while the stop's own one is being written.
+        if stop and not self._answering:
+            # The checkpoint this stop takes answers the agent (saved()) only if a request was there as the stop was
+            # decided: a checkpoint already under way then is not the one asked for, and the agent would end the job
+            # while the stop's own one is being written.
             with contextlib.suppress(OSError):
                 os.listdir(self.switch_dir)  # a fresh listing: NFS revalidates what it cached of the directory
             self._answering = self._asked()
@@ -156,13 +156,12 @@ class Trainer:
         """The agent's request for that report after its save signal (`signalled.<job id>`)."""
         return f"signalled.{os.environ.get('SLURM_JOB_ID', '')}".rstrip(".")
 
-    def _asked(self) -> tuple[Any, Any] | None:
-        """The agent's requests for this job newer than this process, as the switch dir holds them now (a restart,
-        and its save signal: an action after it, `requeue`, waits for the ranks); None when there is none."""
+    def _asked(self) -> bool:
+        """Whether the switch dir holds a request of the agent's for this job newer than this process: a restart, or
+        its save signal (an action after it, `requeue`, waits for the ranks)."""
         restart, signalled = self.restart_request(), self._request(self.signalled_name)
-        new = (restart if restart != self._restart_seen else None,
-               signalled if signalled != self._signalled_seen else None)
-        return new if new != (None, None) else None
+        return ((restart is not None and restart != self._restart_seen)
+                or (signalled is not None and signalled != self._signalled_seen))
 
     def saved(self) -> None:
         """A checkpoint was written (call it once the checkpoint is complete): clear the save request (signal flag
@@ -171,7 +170,7 @@ class Trainer:
         also tell the agent: it then ends what still runs of the job (a rank hung in a collective, or whose GPU is
         gone) soon after, instead of waiting out its `wait_exit`. Rank 0's call must come after the whole checkpoint
         is written: after its own torch.save, or after a collective save returns."""
-        answering, self._answering = self._answering, None
+        answering, self._answering = self._answering, False
         self._save.clear()
         if not self._stop.is_set():  # the signal was answered: a later stop must not be reported as its doing
             self.last_signal = None
@@ -179,8 +178,9 @@ class Trainer:
             (self.switch_dir / "save").unlink()
         except FileNotFoundError:
             pass
-        if (answering is not None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-                and answering == self._asked()):  # the request the stop answered is still the one there
+        # Any request there now: two agents (a fault seen on two nodes) or a restart beside a save signal each write
+        # theirs, and this stop's checkpoint answers them all; none there (withdrawn, a failed signal): no report
+        if answering and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0" and self._asked():
             path = self.switch_dir / self.saved_name
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:  # renamed into place: the agent, which removed the last one before its request, never sees half

@@ -23,14 +23,14 @@ from collections.abc import Iterable
 from functools import partial
 
 from trainguard.actions.base import ActionContext, ActionError, Report
-from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_stats
+from trainguard.actions.switch import create_switch, remove_switch, switch_stats, uid_owner
 from trainguard.core.text import one_line
 from trainguard.jobs.model import Job
 from trainguard.node.access import Identity
 
 POLL = 0.2  # one lstat in the switch dir per look, only while a report is asked for
 KEEP = 3600.0  # a report nobody closed (a bug) stops being looked for after this
-REQUEST_WAIT = 1.0  # the save signal waits this long at most for its request to be written
+REQUEST_WAIT = 0.25  # the save signal waits this long at most for its request to be written (0.7 ms on a local disk)
 CLOSE_WAIT = 1.0  # close() waits this long for the thread to have removed the request and the report
 
 
@@ -48,19 +48,20 @@ class SaveReport:
     """Whether the ranks reported the checkpoint asked for: `saved.<job id>` in the switch dir, a regular file of the
     user or root, first seen at monotonic time `at`."""
 
-    def __init__(self, switch_dir: str, job_id: str, identity: Identity) -> None:
+    def __init__(self, switch_dir: str, job_id: str, identity: Identity | None) -> None:
         self.switch_dir, self.identity, self.job_id, self.name = switch_dir, identity, job_id, saved_name(job_id)
         self.at: float | None = None
         self.note = ""
         self.requested = threading.Event()  # ask(): the request is written, or will not be
         self._stop = threading.Event()
-        self._request: tuple[int, dict[str, object]] | None = None  # ask(): the owner's gid and the request
+        self._request: tuple[int, dict[str, object]] | None = None  # ask(): the owner's uid and the request
         self._thread: threading.Thread | None = None
 
     def clear(self) -> None:
         """Before the request: the last report goes. One that stays (not the user's, or not removable) would read as
         an answer to this request: no report is read then. Before the request, since a rank reports only once it
         is there, so what is found now cannot answer it."""
+        assert self.identity is not None
         remove_switch(self.switch_dir, self.name, self.identity)
         try:
             if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
@@ -74,10 +75,11 @@ class SaveReport:
         if not self.note:
             self._start()
 
-    def ask(self, gid: int, request: dict[str, object]) -> None:
-        """Before a save signal: clear the last report, write `signalled.<job id>` (`requested` is set then), look
-        for the report, and once closed remove both; all in the thread."""
-        self._request = (gid, request)
+    def ask(self, uid: int, request: dict[str, object]) -> None:
+        """Before a save signal: find the owner, clear the last report, write `signalled.<job id>` (`requested` is
+        set then), look for the report, and once closed remove both; all in the thread (the user lookup too: NSS may
+        be slow, and the signal waits REQUEST_WAIT at most)."""
+        self._request = (uid, request)
         self._start()
 
     def _start(self) -> None:
@@ -87,39 +89,56 @@ class SaveReport:
     def _run(self) -> None:
         request = signalled_name(self.job_id)
         deadline = time.monotonic() + KEEP
-        wrote = False
+        mine: dict[str, int] = {}  # name -> inode of the request written and the report seen: only those are removed
         try:
             if self._request is not None:
-                if self._stop.is_set():
+                if self._stop.is_set() or not self._write(request, mine):
                     return
-                self.clear()
-                if self.note or self._stop.is_set():
-                    return
-                try:
-                    # a job with no switch dir yet runs no trainer helper that could answer (the helper makes it at
-                    # its first heartbeat): none is made for it
-                    create_switch(self.switch_dir, request, self.identity, *self._request, create=False)
-                    wrote = True
-                except ActionError as exc:
-                    self.note = f" (no report asked: {exc})"
-                    return
-                finally:
-                    self.requested.set()
             while not self._stop.wait(POLL) and time.monotonic() < deadline:
+                assert self.identity is not None
                 try:
-                    if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
-                        self.at = time.monotonic()
-                        return
+                    st = switch_stats(self.switch_dir, [self.name], self.identity).get(self.name)
                 except ActionError:
                     continue
+                if st is not None:
+                    self.at = time.monotonic()
+                    mine[self.name] = st.st_ino
+                    return
         finally:
             self.requested.set()
-            if wrote:
+            if request in mine:
                 # The request and its answer served this fault: gone once its lists are done (or nobody answered), so
-                # that the user's switch dir keeps nothing of a fault and a later fault starts clean
+                # that the user's switch dir keeps nothing of a fault. By inode: a later fault's request and report,
+                # written meanwhile by another list or another node's agent, are not this one's to remove.
                 self._stop.wait(max(0.0, deadline - time.monotonic()))
-                remove_switch(self.switch_dir, request, self.identity)
-                remove_switch(self.switch_dir, self.name, self.identity)
+                assert self.identity is not None
+                for name, ino in mine.items():
+                    remove_switch(self.switch_dir, name, self.identity, ino)
+
+    def _write(self, request: str, mine: dict[str, int]) -> bool:
+        """The owner, the last report cleared, the request written: whether it was (else `note` says why)."""
+        assert self._request is not None
+        uid, payload = self._request
+        try:
+            self.identity, gid = uid_owner(uid)
+            self.clear()
+            if self.note or self._stop.is_set():
+                return False
+            # a job with no switch dir yet runs no trainer helper that could answer (the helper makes it at its first
+            # heartbeat): none is made for it
+            create_switch(self.switch_dir, request, self.identity, gid, payload, create=False)
+            st = switch_stats(self.switch_dir, [request], self.identity).get(request)
+        except ActionError as exc:
+            self.note = f" (no report asked: {exc})"
+            return False
+        except Exception as exc:  # noqa: BLE001 - the owner's lookup (NSS): no report, and wait_exit holds
+            self.note = f" (no report asked: {type(exc).__name__}: {exc})"
+            return False
+        finally:
+            self.requested.set()
+        if st is not None:
+            mine[request] = st.st_ino
+        return True
 
     def close(self) -> None:
         self._stop.set()
@@ -134,9 +153,9 @@ class SaveReport:
         return self.note or " (no report from rank 0 of the checkpoint written)"
 
 
-def _asked(switch_dir: str, job_id: str, identity: Identity, gid: int, request: dict[str, object]) -> Report:
-    report = SaveReport(switch_dir, job_id, identity)
-    report.ask(gid, request)
+def _asked(switch_dir: str, job_id: str, uid: int, request: dict[str, object]) -> Report:
+    report = SaveReport(switch_dir, job_id, None)
+    report.ask(uid, request)
     return report
 
 
@@ -152,13 +171,12 @@ def ask_save(jobs: Iterable[Job], ctx: ActionContext) -> list[str]:
         if job.source != "slurm" or not job.job_id or not job.switch_dir or job.uid is None:
             continue
         try:
-            identity, gid = job_owner(job)
             request: dict[str, object] = {
                 "requested_by": "trainguard", "job_id": job.job_id, "at": ctx.clock(),
                 "incident": ctx.event.incident_id, "check": ctx.event.check,
                 "reason": one_line(ctx.event.summary, 200)}
             report = ctx.reports.join(job.job_id, ctx.actions,
-                                      partial(_asked, job.switch_dir, job.job_id, identity, gid, request))
+                                      partial(_asked, job.switch_dir, job.job_id, job.uid, request))
         except Exception as exc:  # noqa: BLE001 - the signal matters more than the report: it goes anyway
             failed.append(f"{job.label()}: no report asked: {exc}")
             continue

@@ -75,7 +75,7 @@ class SignalAction(Action):
             raise ActionError("no job to signal")
         # first: a requeue after it waits for rank 0's report of the checkpoint written, not for a rank that never
         # exits (on a lost GPU), and rank 0 reports only when the request was there as it decided to stop
-        unasked = ask_save(ctx.jobs, ctx)
+        unasked = ask_save(ctx.jobs, ctx) if self.settings.signal not in ("KILL", "STOP") else []  # uncatchable
         return "; ".join([each_job(ctx.jobs, lambda job: self._one(job, ctx)), *unasked])
 
     def _one(self, job: Job, ctx: ActionContext) -> str:

@@ -18,7 +18,8 @@ from trainguard.jobs.slurm import SlurmError, parse_job_record
 
 DRAIN_TAG = "trainguard:"
 # A job in these states is back in the queue: requeued already (a job that ended, COMPLETED or FAILED, is requeued:
-# a batch job that saved and exited comes back that way)
+# a batch job that saved and exited comes back that way). Just after `scontrol requeue` it shows COMPLETING, as does
+# a job ending by itself: only its Restarts= tells them apart then.
 BACK_IN_QUEUE = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
 T = TypeVar("T")
 
@@ -211,7 +212,7 @@ class RequeueAction(Action):
         already be running elsewhere (one REQUEST_JOB_INFO_SINGLE per requeue; not answering: requeued anyway)."""
         assert job.job_id
         try:
-            now = parse_job_record(ctx.slurm.show_job(job.job_id) or "")
+            now = parse_job_record(ctx.slurm.show_job(job.job_id) or "", job.uid)
         except SlurmError:
             now = None
         if now is not None and (now.state in BACK_IN_QUEUE or (

@@ -131,16 +131,17 @@ def create_switch(directory: str, name: str, identity: Identity, gid: int, paylo
         os.close(dfd)
 
 
-def remove_switch(directory: str, name: str, identity: Identity) -> bool:
+def remove_switch(directory: str, name: str, identity: Identity, ino: int | None = None) -> bool:
     """Withdraw a switch file the agent made (an action that failed after writing it): unlinked through the switch
-    dir opened as in create_switch, only while it is a regular file (unlink never follows a link). False when it is
-    gone or cannot be removed."""
+    dir opened as in create_switch, only while it is a regular file (unlink never follows a link) and, given `ino`,
+    still that file (not one written in its place since). False when it is gone or cannot be removed."""
     try:
         dfd = _open_switch_dir(directory, identity, create=False)
     except ActionError:
         return False
     try:
-        if not stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
             return False
         os.unlink(name, dir_fd=dfd)
         return True
@@ -177,11 +178,16 @@ def switch_stats(directory: str, names: Iterable[str], identity: Identity) -> di
 def job_owner(job: Job) -> tuple[Identity, int]:
     if job.uid is None:
         raise ActionError(f"{job.label()}: unknown owner")
+    return uid_owner(job.uid)
+
+
+def uid_owner(uid: int) -> tuple[Identity, int]:
+    """The user's identity (its groups, from NSS) and primary group."""
     try:
-        gid = pwd.getpwuid(job.uid).pw_gid
+        gid = pwd.getpwuid(uid).pw_gid
     except KeyError:
-        gid = job.uid
-    return Identity.of_uid(job.uid), gid
+        gid = uid
+    return Identity.of_uid(uid), gid
 
 
 class SwitchAction(Action):

@@ -187,8 +187,9 @@ class TrainingLogCheck(JobCheck):
             if not self._life(job, bool(view.stale.get(job.source))):
                 continue
             try:
-                for path in logs:
-                    self._read(job, path)
+                restarted = [path for path in logs if self._read(job, path)]
+                if restarted:
+                    self._after_restart(job.key, restarted, len(logs) > len(restarted))
                 self._heartbeat_loss(job)
                 self._exit(job, logs)
                 results.append(self._result(job))
@@ -246,16 +247,32 @@ class TrainingLogCheck(JobCheck):
         self._nan_streaks.get(key, {}).clear()
         return dropped
 
-    def _read(self, job: Job, path: str) -> None:
+    def _read(self, job: Job, path: str) -> bool:
+        """Read on in one of the job's logs; whether the relaunch loop said there that it started the job again."""
         tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
         streaks = self._nan_streaks.setdefault(job.key, {})
         try:
-            self._scan(job, path, tail, streaks)
+            return self._scan(job, path, tail, streaks)
         finally:  # the reader moved past each chunk before handing it over: what failed is not read again
             if tail.position is not None:
                 self._positions[path] = tail.position
 
-    def _scan(self, job: Job, path: str, tail: LogTail, streaks: dict[str, int]) -> None:
+    def _after_restart(self, key: str, restarted: list[str], several: bool) -> None:
+        """The loop's line was read in `restarted` this round. Lines of the job's other logs read this round have no
+        order against it; they are taken as the earlier start's (the cancelled ranks' errors come right then), at the
+        cost of a new start's error in another file within the same round."""
+        mine = tuple(f"{path}|" for path in restarted)
+        if key in self._findings:
+            self._findings[key] = [f for f in self._findings[key] if f.get("path") in restarted]
+        streaks = self._nan_streaks.get(key, {})
+        for other in [k for k in streaks if not k.startswith(mine)]:
+            del streaks[other]
+        if several:  # the collectives seen in them this round too (not kept per file): later lines rebuild them
+            self._collectives.pop(key, None)
+            self._stalls.pop(key, None)
+
+    def _scan(self, job: Job, path: str, tail: LogTail, streaks: dict[str, int]) -> bool:
+        restarted_here = False
         for chunk in tail.read(int(self.settings.read_limit)):
             base = (tail.position.offset if tail.position is not None else len(chunk)) - len(chunk)
             since = 0  # end of the last NaN line in this chunk: a finite loss after it ends the streak
@@ -265,6 +282,7 @@ class TrainingLogCheck(JobCheck):
                 # Restarted in place by its relaunch loop: what the log said before is the earlier start's. The node
                 # whose agent ran the restart forgets it anyway; every other node of the job reads this line too.
                 dropped = self._drop(job.key)
+                restarted_here = True
                 since = consumed = restarted - 1  # the lines before it are not read for this start
                 log.info("job restarted in place: findings of its earlier start dropped",
                          extra=kv(job=job.key, log=path, findings=dropped))
@@ -281,6 +299,7 @@ class TrainingLogCheck(JobCheck):
             step = last_step(chunk)
             if step is not None:
                 self._steps[path] = step
+        return restarted_here
 
     @staticmethod
     def _end_streaks(streaks: dict[str, int], path: str, data: bytes, start: int, end: int) -> None:

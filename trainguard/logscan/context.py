@@ -29,28 +29,31 @@ def last_step(data: bytes, end: int | None = None) -> int | None:
 
 
 # The trainer helper's relaunch loop, when it starts the job's command again for a restart in place (its stderr, in
-# the job's log; trainguard/trainer.py prints it, tests/test_training_log.py reads the real loop's line)
-_RELAUNCH = b"trainguard relaunch: restart "
+# the job's log; trainguard/trainer.py prints it, tests/test_training_log.py reads the real loop's line). At a line's
+# start, or after a carriage return (a killed rank's progress bar left without its newline).
 _AGAIN = b": starting it again"
+_RELAUNCH = linear(rb"(?m)(?:^|\r)trainguard relaunch: restart [^\n]*: starting it again[^\n]*\n?")
+_WINDOW = 4096
 
 
 def relaunched(data: bytes) -> int:
     """The end of the last line of `data` (complete lines) on which the relaunch loop says it starts the command
-    again, or -1: what comes before it is the earlier start's. The line must begin with the loop's words. Linear:
-    the candidates are line starts, each line searched once, whatever the user wrote."""
-    end = len(data)
+    again, or -1: what comes before it is the earlier start's. Searched on RE2 from the end, in windows that double:
+    a log that never says it costs one substring search, and a user's flood of such lines the last window's."""
+    if _AGAIN not in data:
+        return -1
+    size = _WINDOW
     while True:
-        at = data.rfind(b"\n" + _RELAUNCH, 0, end)
-        start = at + 1 if at >= 0 else 0 if data.startswith(_RELAUNCH) else -1
-        if start < 0:
+        start = max(0, len(data) - size)
+        start = data.rfind(b"\n", 0, start) + 1 if start else 0  # from a line's start: `^` holds there
+        last = None
+        for last in _RELAUNCH.finditer(data[start:]):  # noqa: B007 - the last one is wanted
+            pass
+        if last is not None:
+            return start + last.end()
+        if start == 0:
             return -1
-        stop = data.find(b"\n", start)
-        stop = len(data) if stop < 0 else stop + 1
-        if data.find(_AGAIN, start, stop) >= 0:
-            return stop
-        if at < 0:
-            return -1
-        end = at  # the next candidate ends before this line's newline (the loop's words hold none)
+        size *= 2
 
 
 def finite_loss(data: bytes, start: int, end: int) -> bool:
