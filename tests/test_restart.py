@@ -773,6 +773,23 @@ def test_a_closed_report_removes_only_the_request_it_wrote_and_the_report_it_saw
     assert sorted(p.name for p in sw.iterdir()) == []
 
 
+def test_a_requeue_that_requeued_nothing_fails_and_one_job_failing_never_keeps_another(tmp_path: Path) -> None:
+    class Refusing(StubSlurm):
+        def requeue(self, job_id: str) -> None:
+            if job_id == "6":
+                raise SlurmError("scontrol: error: Unable to contact slurm controller (connect failure)")
+            super().requeue(job_id)
+
+    slurm = Refusing({}, [])
+    other = replace(_job(tmp_path), key="slurm:6", job_id="6")
+    action = RequeueAction("requeue", RequeueSettings(wait_exit=0, timeout=5))
+    both = action.run(ActionContext(_event(), (other, _job(tmp_path)), "n1", slurm, time.time))  # type: ignore[arg-type]
+    assert both == "requeued 5; 6: requeue: scontrol: error: Unable to contact slurm controller (connect failure)", both
+    with pytest.raises(ActionError, match=r"^6: requeue: .*connect failure\); not requeueable \(--no-requeue\): 5$"):
+        action.run(ActionContext(_event(), (other, _job(tmp_path, requeue=False)), "n1", slurm,  # type: ignore[arg-type]
+                                 time.time))
+
+
 def test_reports_are_shared_by_lists_and_closed_by_the_last_one_done() -> None:
     class Probe:
         at = None

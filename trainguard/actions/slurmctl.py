@@ -198,11 +198,11 @@ class RequeueAction(Action):
                     errors.append(f"{job.job_id}: {exc}")
             if waiting:
                 time.sleep(0.2)
-        if errors and not done and not refused:
-            raise ActionError("; ".join(errors))
         parts = done + errors
         if refused:
             parts.append("not requeueable (--no-requeue): " + ", ".join(j.job_id or "" for j in refused))
+        if errors and not done:  # nothing requeued: a failure, whatever was left alone besides
+            raise ActionError("; ".join(parts))
         return "; ".join(parts)
 
     @staticmethod
