@@ -48,6 +48,7 @@ import os
 import pwd
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -254,6 +255,7 @@ class Trainer:
         server.__enter__()
         path.chmod(0o666)
         atexit.register(self._stop_server, server, run_dir)
+        _wait_serving(path)
         return str(path)
 
     @staticmethod
@@ -265,6 +267,24 @@ class Trainer:
                 (run_dir / name).unlink()
         with contextlib.suppress(OSError):
             run_dir.rmdir()
+
+
+def _wait_serving(path: Path, timeout: float = 5.0) -> None:
+    """Until the worker server answers one request. Stopped before its thread began serving (a script that ends, or
+    crashes, right after flight_recorder()), PyTorch's server (cpp-httplib) misses the stop and the process hangs at
+    exit joining its thread: the job would hold its nodes until its time limit. Seen in this project's tests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                conn.connect(str(path))
+                conn.sendall(b"GET / HTTP/1.0\r\nHost: localhost\r\n\r\n")
+                if conn.recv(1):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
 
 
 def _member(uid: int, group: str | None) -> bool:
