@@ -162,6 +162,66 @@ def test_check_reports_the_diagnosis_once_and_remembers_it(tmp_path: Path, train
     assert same.status is Status.CRITICAL and len(same.details["findings"]) == 2
 
 
+def test_two_jobs_naming_one_log_each_read_all_of_it(tmp_path: Path, trainer: tuple[str, Path]) -> None:
+    """A log template resolves from what users choose ({workdir}, {name}): a second job whose template lands on the
+    first job's log reads it with its own position, and never consumes lines before the first job saw them."""
+    marker, logs = trainer
+    other = f"logjob-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", other])
+    try:
+        logs.mkdir()
+        shared = str(logs / "*.log")
+        store = Store(tmp_path / "state")
+
+        def both() -> TrainingLogCheck:
+            jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+                name: ProcessJobSettings(cmdline=m, user="root", logs=[shared]) for name, m in
+                (("first", marker), ("second", other))}), "node1")
+            return TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+                "node1", tmp_path, jobs=jobs, state=ScopedState(store, "check/logs"),
+                nvml=Nvml(FakeNvml(init_error=NVMLError))))
+
+        (logs / "train.log").write_bytes(lines("step 1 loss=1.2"))
+        first = both()
+        assert {r.subject: r.status for r in first.run()} == {"process:first": Status.OK, "process:second": Status.OK}
+        with (logs / "train.log").open("ab") as f:
+            f.write(lines("step 2 loss=1.1", OOM_H100))
+        results = {r.subject: r for r in first.run()}
+        assert {k: r.status for k, r in results.items()} == {"process:first": Status.CRITICAL,
+                                                             "process:second": Status.CRITICAL}
+        assert all(r.details["findings"][0]["signature"] == "cuda_oom" for r in results.values())
+        saved = ScopedState(store, "check/logs").load_json("logscan.positions")
+        assert set(saved) == {"process:first", "process:second"}  # one position per job and log
+
+        with (logs / "train.log").open("ab") as f:  # a restarted agent reads on from each job's own position
+            f.write(lines("step 3 loss=1.0", NCCL_NEW))
+        results = {r.subject: r for r in both().run()}
+        for r in results.values():
+            assert [f["signature"] for f in r.details["findings"]] == ["cuda_oom", "nccl_timeout"], r.subject
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_positions_saved_per_path_by_an_earlier_version_are_read_on(tmp_path: Path,
+                                                                   trainer: tuple[str, Path]) -> None:
+    marker, logs = trainer
+    logs.mkdir()
+    log = logs / "rank0.log"
+    log.write_bytes(lines("step 1 loss=1.2", OOM_H100))
+    tail = LogTail(str(log), ROOT)
+    assert b"".join(tail.read()).count(b"\n") == 2 and tail.position is not None
+    store = Store(tmp_path / "state")
+    state = ScopedState(store, "check/logs")
+    state.save_json("logscan.positions", {str(log): tail.position.to_list()})  # the earlier layout
+    with log.open("ab") as f:
+        f.write(lines("step 2 loss=1.1"))
+    [result] = check(tmp_path, marker, store).run()
+    assert result.status is Status.OK  # the OOM before the saved position is not read again
+    assert state.load_json("logscan.positions") == {"process:trainer": {str(log): [
+        tail.position.dev, tail.position.ino, log.stat().st_size, 0, tail.position.head]}}
+
+
 def test_a_crash_on_one_rank_leads_over_the_others_timeouts(tmp_path: Path, trainer: tuple[str, Path]) -> None:
     marker, logs = trainer
     logs.mkdir()

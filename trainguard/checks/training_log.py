@@ -159,14 +159,22 @@ class TrainingLogCheck(JobCheck):
         super().__init__(name, settings, context)
         self.scanner = Scanner(BUILTIN + custom(self.settings.signatures))
         self.nvml = context.nvml
-        self._positions: dict[str, Position] = {
-            p: Position.from_list(v) for p, v in self.load_state(POSITIONS_KEY).items() if isinstance(v, list)}
+        # Read positions per (job, log): two jobs whose log templates name one file (a `{workdir}` or `{name}` the
+        # users chose) each read all of it; one job's reads never consume the lines the other has not seen.
+        self._positions: dict[tuple[str, str], Position] = {}
+        self._earlier: dict[str, Position] = {}  # state saved before positions were per job: path -> position
+        for key, value in self.load_state(POSITIONS_KEY).items():
+            if isinstance(value, dict):
+                self._positions.update(((key, p), Position.from_list(v)) for p, v in value.items()
+                                       if isinstance(v, list))
+            elif isinstance(value, list):
+                self._earlier[key] = Position.from_list(value)
         self._findings: dict[str, list[dict[str, Any]]] = self.load_state(FINDINGS_KEY)
         self._collectives: dict[str, dict[str, Any]] = self.load_state(COLLECTIVES_KEY)  # job -> gathered record
         self._stalls: dict[str, tuple[int, Stall | None]] = {}  # job -> (record size read at, flight recorder)
         self._counts: dict[str, dict[str, int]] = {}
         self._pending_assert: dict[str, str] = {}
-        self._steps: dict[str, int] = {}  # log path -> step of its last step line read
+        self._steps: dict[tuple[str, str], int] = {}  # (job, log path) -> step of its last step line read
         self._nan_streaks: dict[str, dict[str, int]] = {}  # job -> "path|rank" (or "heartbeat") -> NaNs in a row
         self._beat_steps: dict[str, int] = {}  # job -> heartbeat step last looked at
         self._lives: dict[str, int] = {k: v for k, v in self.load_state(LIVES_KEY).items() if isinstance(v, int)}
@@ -175,13 +183,13 @@ class TrainingLogCheck(JobCheck):
         view = self.view()
         results = self.source_errors(view)
         live: set[str] = set()
-        paths: set[str] = set()
+        paths: set[tuple[str, str]] = set()
         for job in view.jobs:
             if not job.on_this_node:
                 continue
             live.add(job.key)
             logs = job_log_files(job, self.settings.logs)
-            paths.update(logs)
+            paths.update((job.key, path) for path in logs)
             if job.state == "REQUEUED":  # its life here ended; what its log says now is its next life's, elsewhere
                 continue
             if not self._life(job, bool(view.stale.get(job.source))):
@@ -206,10 +214,14 @@ class TrainingLogCheck(JobCheck):
                           self._lives):
                 for key in set(table) - live:
                     del table[key]
-            for path in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
-                del self._positions[path]
-                self._steps.pop(path, None)
-        self.save_state(POSITIONS_KEY, {p: pos.to_list() for p, pos in self._positions.items()})
+            for key in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
+                del self._positions[key]
+                self._steps.pop(key, None)
+        self._earlier.clear()  # every job here had its round to take its log's earlier position
+        saved: dict[str, dict[str, list[int | str]]] = {}
+        for (key, path), pos in self._positions.items():
+            saved.setdefault(key, {})[path] = pos.to_list()
+        self.save_state(POSITIONS_KEY, saved)
         self.save_state(FINDINGS_KEY, self._findings)
         self.save_state(COLLECTIVES_KEY, self._collectives)
         self.save_state(LIVES_KEY, self._lives)
@@ -249,13 +261,17 @@ class TrainingLogCheck(JobCheck):
 
     def _read(self, job: Job, path: str) -> bool:
         """Read on in one of the job's logs; whether the relaunch loop said there that it started the job again."""
-        tail = LogTail(path, self.identity(job), self._positions.get(path), int(self.settings.max_line))
+        key = (job.key, path)
+        position = self._positions.get(key)
+        if position is None and (earlier := self._earlier.get(path)) is not None:
+            position = Position.from_list(earlier.to_list())  # a copy: each job moves on from it alone
+        tail = LogTail(path, self.identity(job), position, int(self.settings.max_line))
         streaks = self._nan_streaks.setdefault(job.key, {})
         try:
             return self._scan(job, path, tail, streaks)
         finally:  # the reader moved past each chunk before handing it over: what failed is not read again
             if tail.position is not None:
-                self._positions[path] = tail.position
+                self._positions[key] = tail.position
 
     def _after_restart(self, key: str, restarted: list[str], several: bool) -> None:
         """The loop's line was read in `restarted` this round. Lines of the job's other logs read this round have no
@@ -298,7 +314,7 @@ class TrainingLogCheck(JobCheck):
             self._end_streaks(streaks, path, chunk, since, len(chunk))
             step = last_step(chunk)
             if step is not None:
-                self._steps[path] = step
+                self._steps[(job.key, path)] = step
         return restarted_here
 
     @staticmethod
@@ -473,7 +489,7 @@ class TrainingLogCheck(JobCheck):
         """The step the OOM came at: the last step line before it, else the heartbeat's step."""
         step = last_step(data, hit.offset) if data else None
         if step is None:
-            step = self._steps.get(path)
+            step = self._steps.get((job.key, path))
         if step is None and (beat := heartbeat_path(job)):
             step = read_heartbeat(beat, self.identity(job))[0]
         return step
