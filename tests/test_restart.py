@@ -722,6 +722,41 @@ def test_two_incidents_about_one_lost_gpu_share_the_report_and_requeue_the_job_o
     assert sorted(p.name for p in sw.iterdir()) == []  # the last list out removed the request and the report
 
 
+def test_a_restart_beside_a_save_signal_reads_the_report_the_signal_asked_for(
+        tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """One fault, two lists: the lost GPU's XID signals the job (asking rank 0 for a report) while its CUDA error in
+    the log restarts it. The restart joins the report instead of removing it before its own request: rank 0 answered
+    already, so the hung rank is cancelled `after_save` after that, not after the whole wait_exit."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    with _rank0(sw) as saver:
+        shared = Reports()
+        signal_list = ActionContext(_event("xid", "pci:0000:3b:00"), (_job(tmp_path),), "n1",  # type: ignore[arg-type]
+                                    StubSlurm({}, []), time.time, reports=shared)
+        SignalAction("signal", SignalSettings()).run(signal_list)
+        assert saver.wait(10) == 0
+        report = shared.get("5")
+        assert report is not None
+        wait_until(lambda: report.at is not None, 10, what="rank 0's report read")
+        slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+        restart_list = ActionContext(_event(), (_job(tmp_path),), "n1", slurm, time.time,  # type: ignore[arg-type]
+                                     reports=shared)
+        started = time.monotonic()
+        try:
+            detail = RestartAction("restart", RestartSettings(wait_exit=20, timeout=30, after_save=0.3)).run(
+                restart_list)
+        finally:
+            restart_list.done()
+        took = time.monotonic() - started
+        assert (sw / "saved.5").exists()  # the signal's list still holds the report
+        signal_list.done()
+    assert slurm.calls == [("signal", "5.0", "USR1", "step"), ("cancel", "5.0")]
+    assert took < 10, (took, detail)  # wait_exit is 20 s
+    assert "(saved.5 0.0s after the signal: the checkpoint was written)" in detail, detail
+    wait_until(lambda: sorted(p.name for p in sw.iterdir()) == ["restart.5"], 10,
+               what="the signal's request and the report removed (the loop removes the restart's request)")
+
+
 def test_a_job_that_reported_is_requeued_without_waiting_for_another_job_of_the_node(
         tmp_path: Path, ranks: Callable[..., int]) -> None:
     """An XID names no job: the requeue acts on every job of the node, each once its own wait is over."""
@@ -810,6 +845,14 @@ def test_reports_are_shared_by_lists_and_closed_by_the_last_one_done() -> None:
     reports.release(b)
     assert first.closed == 1 and reports.get("5") is None
     assert reports.join("5", a, made.pop) is None and len(made) == 1  # asked after its list was done: nothing
+    c, d = ActionList(), ActionList()  # a restart's list leaves the report it made; a list that joined it holds on
+    mine = reports.join("6", c, made.pop)
+    assert reports.join("6", d, list) is mine
+    reports.leave("6", c)
+    reports.leave("6", c)  # once only
+    assert mine.closed == 0 and reports.get("6") is mine
+    reports.leave("6", d)
+    assert mine.closed == 1 and reports.get("6") is None
 
 
 def test_the_loop_removes_the_ranks_last_report_when_it_returns(tmp_path: Path) -> None:

@@ -75,6 +75,20 @@ class Reports:
             held = self._reports.get(job_id)
         return held[0] if held else None
 
+    def leave(self, job_id: str, user: ActionList) -> None:
+        """`user`'s list is done with this job's report (a `restart` that made it): closed unless another holds it."""
+        with self._lock:
+            report, users = self._reports.get(job_id) or (None, set())
+            if report is None or user not in users:
+                return
+            if users == {user}:
+                del self._reports[job_id]
+            else:
+                self._reports[job_id] = (report, users - {user})
+                report = None
+        if report is not None:
+            report.close()
+
     def release(self, user: ActionList) -> None:
         """`user`'s list is done: each report no other list holds is closed."""
         closing = []

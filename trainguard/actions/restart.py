@@ -40,7 +40,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job, slurm_jobs
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, Report, each_job, slurm_jobs
 from trainguard.actions.savereport import SaveReport, ask_save
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
@@ -266,8 +266,19 @@ class RestartAction(Action):
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
-        ack = SaveReport(job.switch_dir, job_id, identity)
-        ack.clear()
+        # One report per job on this agent: a save signal's list about the same fault (the lost GPU's `xid` while
+        # its CUDA error in the log restarts) may already wait on it, and a report rank 0 wrote for it answers this
+        # request too. Clearing it would leave that list its whole wait_exit; only a report made here is cleared.
+        made: list[SaveReport] = []
+
+        def make() -> SaveReport:
+            made.append(SaveReport(job.switch_dir or "", job_id, identity))
+            return made[0]
+
+        joined = ctx.reports.join(job_id, ctx.actions, make)
+        ack: Report = joined if joined is not None else make()
+        if made:
+            made[0].clear()
         # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
         request = create_switch(job.switch_dir, name, identity, gid, {
             **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
@@ -284,7 +295,8 @@ class RestartAction(Action):
         def until() -> float:  # wait_exit, cut to after_save once the ranks report their checkpoint written
             return deadline if ack.at is None else min(deadline, ack.at + s.after_save)
 
-        ack.watch()
+        if made:
+            made[0].watch()
         try:
             while any(r.matches() for r in refs) and time.monotonic() < until():
                 time.sleep(POLL)
@@ -296,7 +308,10 @@ class RestartAction(Action):
         except SlurmError as exc:
             raise RestartUnderwayError(f"restart {job_id}: {request} written, SIG{s.signal} sent, then: {exc}") from None
         finally:
-            ack.close()
+            if joined is None:
+                ack.close()
+            elif made:  # a list that joined it meanwhile holds it on; it is closed when the last one is done
+                ctx.reports.leave(job_id, ctx.actions)
         took = time.monotonic() - started
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"

@@ -72,6 +72,7 @@ class SaveReport:
     def watch(self) -> None:
         """After the signal (the request written and the last report cleared by the caller, `restart`): look for the
         report every POLL until it is there or close() is called. The relaunch loop removes the files."""
+        self.requested.set()  # the request is written: a save signal that joins this report need not wait for it
         if not self.note:
             self._start()
 
