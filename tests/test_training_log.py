@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,8 @@ from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import GpuProcess, GpuState, Nvml
-from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.catalog import JobCatalog, JobView
+from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import diagnose_cuda
@@ -201,6 +203,35 @@ def test_two_jobs_naming_one_log_each_read_all_of_it(tmp_path: Path, trainer: tu
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("written_in_this_life", [False, True])
+def test_a_node_meeting_a_requeued_job_skips_an_appended_log_its_earlier_lives_wrote(
+        tmp_path: Path, written_in_this_life: bool) -> None:
+    """The requeue placed the job's next life on a node that never ran it. Its StdOut is appended to
+    (`--open-mode=append`): the earlier life's OOM, dealt with by that life's requeue, is not this life's. A log
+    this life wrote to already is read from its start, as before (the earlier lines cannot be told apart)."""
+    log = tmp_path / "slurm-5.out"
+    log.write_bytes(lines("step 10 loss=1.2", OOM_H100))
+    earlier = time.time() - 60
+    os.utime(log, (earlier, earlier))  # the first life ended a minute ago
+    start = time.time() - 1
+    if written_in_this_life:
+        with log.open("ab") as f:
+            f.write(lines("step 0 loss=2.3"))
+    job = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+              restarts=1, start_time=start, log_paths=(str(log),))
+    logs = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
+        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    logs.view = lambda: JobView((job,))  # type: ignore[method-assign]
+    [result] = logs.run()
+    assert result.status is (Status.CRITICAL if written_in_this_life else Status.OK), result.summary
+    with log.open("ab") as f:  # what this life writes from now on is read in either case
+        f.write(lines("step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan", "step 4 loss=nan", "step 5 loss=nan"))
+    [result] = logs.run()
+    assert "nan_loss" in [f["signature"] for f in result.details["findings"]], result.details
+    assert ("cuda_oom" in [f["signature"] for f in result.details["findings"]]) is written_in_this_life
 
 
 def test_positions_saved_per_path_by_an_earlier_version_are_read_on(tmp_path: Path,

@@ -7,7 +7,8 @@ diagnosis and the lever to pull.
 A requeued SLURM job keeps its id; its restart count (`Restarts=`) is its life. Findings are kept per life: when
 the count changes, what the earlier life left (findings, NaN streaks, collectives) is dropped, and its logs are read
 on from where the reader stood: the end of what the earlier life wrote when it was read to the end (appended logs,
-`--open-mode=append`), the start of a StdOut the new life truncated or recreated. A heartbeat older than the new
+`--open-mode=append`), the start of a StdOut the new life truncated or recreated. A node meeting the job first in a
+later life reads an appended log last written before that life's start from its end. A heartbeat older than the new
 life's start is the earlier life's and is not read.
 """
 
@@ -50,6 +51,9 @@ from trainguard.node.flight import Stall, analyze
 log = logging.getLogger("trainguard.checks.training_log")
 
 POSITIONS_KEY = "logscan.positions"
+# The controller's StartTime (whole seconds) against a file's mtime (the file server's clock): a log last written
+# this much before a requeued life's start is the earlier lives'. A requeue takes longer than this between lives.
+CLOCK_SKEW = 2.0
 FINDINGS_KEY = "logscan.findings"
 COLLECTIVES_KEY = "logscan.collectives"
 LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
@@ -265,7 +269,14 @@ class TrainingLogCheck(JobCheck):
         position = self._positions.get(key)
         if position is None and (earlier := self._earlier.get(path)) is not None:
             position = Position.from_list(earlier.to_list())  # a copy: each job moves on from it alone
-        tail = LogTail(path, self.identity(job), position, int(self.settings.max_line))
+        older = None
+        if job.restarts and job.start_time:
+            # A node meeting a requeued job for the first time (the requeue placed it here): an appended log
+            # (`--open-mode=append`) last written before this life began holds only earlier lives' lines, whose
+            # errors were dealt with then; it is read from its end. One this life wrote to is read from its start,
+            # earlier lines included.
+            older = job.start_time - CLOCK_SKEW
+        tail = LogTail(path, self.identity(job), position, int(self.settings.max_line), older)
         streaks = self._nan_streaks.setdefault(job.key, {})
         try:
             return self._scan(job, path, tail, streaks)

@@ -38,13 +38,16 @@ class Position:
 
 
 class LogTail:
-    def __init__(self, path: str, identity: Identity, position: Position | None = None, max_line: int = MAX_LINE) -> None:
+    def __init__(self, path: str, identity: Identity, position: Position | None = None, max_line: int = MAX_LINE,
+                 older: float | None = None) -> None:
         """`identity`: the job's user, whose authority the log is read with (a path the user names is only read
-        if they could read it themselves)."""
+        if they could read it themselves). `older`: with no position, a file last written before this time (epoch
+        seconds) is read from its end, not its start: what it holds was written before the reader's interest."""
         self.path = path
         self.identity = identity
         self.position = position
         self.max_line = max_line
+        self.older = older
 
     def read(self, limit: int = 64 << 20) -> Iterator[bytes]:
         """Appended complete lines (newline-terminated), in chunks, up to `limit` bytes per call (the rest next time)."""
@@ -56,7 +59,9 @@ class LogTail:
             st = os.fstat(fd)
             pos = self.position
             head = os.pread(fd, HEAD, 0).hex()
-            if pos is None or (pos.dev, pos.ino) != (st.st_dev, st.st_ino) or not head.startswith(pos.head):
+            if pos is None and self.older is not None and st.st_mtime < self.older:
+                pos = Position(st.st_dev, st.st_ino, st.st_size)
+            elif pos is None or (pos.dev, pos.ino) != (st.st_dev, st.st_ino) or not head.startswith(pos.head):
                 pos = Position(st.st_dev, st.st_ino, 0)
             elif st.st_size < pos.offset:  # truncated (copytruncate, or rewritten)
                 pos = Position(st.st_dev, st.st_ino, 0)
