@@ -536,8 +536,9 @@ def test_a_checkpoint_reported_written_cuts_the_wait_for_a_hung_rank_to_after_sa
 
 
 def test_an_earlier_restarts_report_or_a_link_is_no_report(tmp_path: Path, ranks: Callable[..., int]) -> None:
-    """The report the last restart left is removed before the request, and a link made after the request is not a
-    report (a link to a file the user could not write): the steps get the whole wait_exit."""
+    """The report the last restart left is no answer to this one (it stays: another agent's request may be waiting
+    for it), and a link made after the request is not a report (a link to a file the user could not write): the
+    steps get the whole wait_exit."""
     sw = tmp_path / "sw"
     sw.mkdir()
     (sw / "saved.5").write_text("{}")  # the last restart's
@@ -545,9 +546,10 @@ def test_an_earlier_restarts_report_or_a_link_is_no_report(tmp_path: Path, ranks
     started = time.monotonic()
     detail = _run(slurm, _job(tmp_path), wait_exit=1.0, after_save=0.0)
     assert time.monotonic() - started >= 1.0 and "saved.5" not in detail, detail
-    assert not (sw / "saved.5").exists() and slurm.calls[-1] == ("cancel", "5.0")
+    assert (sw / "saved.5").read_text() == "{}" and slurm.calls[-1] == ("cancel", "5.0")
 
     (sw / "restart.5").unlink()
+    (sw / "saved.5").unlink()
     linked = threading.Thread(target=lambda: (wait_until((sw / "restart.5").exists, 10, what="the request"),
                                               os.symlink("/etc/hostname", sw / "saved.5")))
     linked.start()
@@ -654,7 +656,7 @@ def test_a_requeue_after_the_save_signal_waits_for_rank_0s_report_not_for_a_rank
     waits `after_save` more, not the whole wait_exit; the request and the report are gone once the list is done."""
     sw = tmp_path / "sw"
     sw.mkdir()
-    (sw / "saved.5").write_text("{}")  # an earlier fault's report: removed before the request, never read as this one
+    (sw / "saved.5").write_text("{}")  # an earlier fault's report: never read as this one (rank 0's replaces it)
     with _rank0(sw) as saver:
         hung = ProcessRef.of(ranks())
         assert hung is not None
@@ -805,6 +807,35 @@ def test_a_closed_report_removes_only_the_request_it_wrote_and_the_report_it_saw
     _fresh(sw / "saved.5")
     wait_until(lambda: mine.at is not None, 5, what="the report seen")
     mine.close()
+    assert sorted(p.name for p in sw.iterdir()) == []
+
+
+def test_two_agents_asking_at_once_never_take_the_report_from_each_other(tmp_path: Path) -> None:
+    """A fault seen on two nodes: each agent asks rank 0. One that asks after rank 0 answered the other notes that
+    report as earlier than its request (no answer to it) and leaves it for the agent it answered."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    first, second = SaveReport(str(sw), "5", None), SaveReport(str(sw), "5", None)
+    first.ask(os.getuid(), {"requested_by": "trainguard", "node": "n1"})
+    assert first.requested.wait(5) and not first.note
+    _fresh(sw / "saved.5")  # rank 0's answer
+    second.ask(os.getuid(), {"requested_by": "trainguard", "node": "n2"})  # before the first looked again
+    assert second.requested.wait(5) and not second.note
+    wait_until(lambda: first.at is not None, 5, what="the first agent's report")
+    time.sleep(0.5)  # the second agent looks twice meanwhile
+    assert second.at is None  # written before its request: rank 0 decided without it
+    first.close()
+    second.close()
+    assert sorted(p.name for p in sw.iterdir()) == []  # each removed its own request; the first the report it saw
+
+    both = [SaveReport(str(sw), "5", None) for _ in range(2)]  # both asked before rank 0 answered: both read it
+    for report in both:
+        report.ask(os.getuid(), {"requested_by": "trainguard"})
+        assert report.requested.wait(5)
+    _fresh(sw / "saved.5")
+    wait_until(lambda: all(r.at is not None for r in both), 5, what="both agents' reports")
+    for report in both:
+        report.close()
     assert sorted(p.name for p in sw.iterdir()) == []
 
 

@@ -268,7 +268,7 @@ class RestartAction(Action):
         name = request_name(job_id)
         # One report per job on this agent: a save signal's list about the same fault (the lost GPU's `xid` while
         # its CUDA error in the log restarts) may already wait on it, and a report rank 0 wrote for it answers this
-        # request too. Clearing it would leave that list its whole wait_exit; only a report made here is cleared.
+        # request too.
         made: list[SaveReport] = []
 
         def make() -> SaveReport:
@@ -278,7 +278,7 @@ class RestartAction(Action):
         joined = ctx.reports.join(job_id, ctx.actions, make)
         ack: Report = joined if joined is not None else make()
         if made:
-            made[0].clear()
+            made[0].mark()
         # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
         request = create_switch(job.switch_dir, name, identity, gid, {
             **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),

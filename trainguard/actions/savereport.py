@@ -8,8 +8,10 @@ there as it decided to stop: `restart.<job id>` (a restart in place) or `signall
 and by `restart`'s requeue fallback, just before the save signal). From the report on, the waiting action gives the
 ranks `after_save` and goes on.
 
-No clocks are compared: the request and the report are written on different nodes. The agent removes the last
-report before it writes its request, so a report there later answers this request. Every look at the user's switch
+No clocks are compared: the request and the report are written on different nodes. Before it writes its request
+the agent notes which report is there (inode and change time: rank 0 renames each report into place), and only
+another one answers this request. Nothing is removed then: two agents asking at once (a fault seen on two nodes) never
+remove the answer the other waits for. Every look at the user's switch
 dir runs in a thread of the report's own: a switch dir on a file system that hangs holds up a signal by
 REQUEST_WAIT at most, and never a cancel or a requeue, which read `at` only. A user who forges a report only has
 their own job ended sooner; any error reads as no report, and `wait_exit` holds.
@@ -52,32 +54,32 @@ class SaveReport:
         self.switch_dir, self.identity, self.job_id, self.name = switch_dir, identity, job_id, saved_name(job_id)
         self.at: float | None = None
         self.note = ""
+        self._earlier: tuple[int, int] | None = None  # mark(): the report there before the request (inode, ctime)
         self.requested = threading.Event()  # ask(): the request is written, or will not be
         self._stop = threading.Event()
         self._request: tuple[int, dict[str, object]] | None = None  # ask(): the owner's uid and the request
         self._thread: threading.Thread | None = None
 
-    def clear(self) -> None:
-        """Before the request: the last report goes. One that stays (not the user's, or not removable) would read as
-        an answer to this request: no report is read then. Before the request, since a rank reports only once it
-        is there, so what is found now cannot answer it."""
+    def mark(self) -> None:
+        """Before the request: note the report there now. A rank reports only once a request is there, so what is
+        found now cannot answer this one; a report that is not this one (rank 0 renames a new one into place) does."""
         assert self.identity is not None
-        remove_switch(self.switch_dir, self.name, self.identity)
         try:
-            if self.name in switch_stats(self.switch_dir, [self.name], self.identity):
-                self.note = f" ({self.name} of an earlier request could not be removed: no report read)"
-        except ActionError as exc:  # whether one stayed is unknown: none is read
+            st = switch_stats(self.switch_dir, [self.name], self.identity).get(self.name)
+        except ActionError as exc:  # what is there is unknown: none is read
             self.note = f" (no report read: {exc})"
+            return
+        self._earlier = (st.st_ino, st.st_ctime_ns) if st is not None else None
 
     def watch(self) -> None:
-        """After the signal (the request written and the last report cleared by the caller, `restart`): look for the
+        """After the signal (the report there marked, then the request written by the caller, `restart`): look for the
         report every POLL until it is there or close() is called. The relaunch loop removes the files."""
         self.requested.set()  # the request is written: a save signal that joins this report need not wait for it
         if not self.note:
             self._start()
 
     def ask(self, uid: int, request: dict[str, object]) -> None:
-        """Before a save signal: find the owner, clear the last report, write `signalled.<job id>` (`requested` is
+        """Before a save signal: find the owner, mark the report there, write `signalled.<job id>` (`requested` is
         set then), look for the report, and once closed remove both; all in the thread (the user lookup too: NSS may
         be slow, and the signal waits REQUEST_WAIT at most)."""
         self._request = (uid, request)
@@ -101,7 +103,7 @@ class SaveReport:
                     st = switch_stats(self.switch_dir, [self.name], self.identity).get(self.name)
                 except ActionError:
                     continue
-                if st is not None:
+                if st is not None and (st.st_ino, st.st_ctime_ns) != self._earlier:
                     self.at = time.monotonic()
                     mine[self.name] = st.st_ino
                     return
@@ -117,12 +119,12 @@ class SaveReport:
                     remove_switch(self.switch_dir, name, self.identity, ino)
 
     def _write(self, request: str, mine: dict[str, int]) -> bool:
-        """The owner, the last report cleared, the request written: whether it was (else `note` says why)."""
+        """The owner, the report there marked, the request written: whether it was (else `note` says why)."""
         assert self._request is not None
         uid, payload = self._request
         try:
             self.identity, gid = uid_owner(uid)
-            self.clear()
+            self.mark()
             if self.note or self._stop.is_set():
                 return False
             # a job with no switch dir yet runs no trainer helper that could answer (the helper makes it at its first
