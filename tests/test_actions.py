@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, require_root, require_tool
+from tests.conftest import REPO, require_root, require_tool, wait_until
 from tests.slurm_cluster import JOB_USER, ensure_user
 from trainguard.actions.base import ActionContext, ActionError
 from trainguard.actions.exec import ExecAction, ExecSettings
@@ -28,7 +28,7 @@ from trainguard.actions.signal import SignalAction, SignalSettings, signal_proce
 from trainguard.actions.switch import create_switch
 from trainguard.agent.configfile import ConfigError, parse_config
 from trainguard.core.events import Event, EventKind
-from trainguard.core.model import Status
+from trainguard.core.model import Result, Status
 from trainguard.install import Installer
 from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job, ProcessRef
@@ -36,9 +36,10 @@ from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.access import Identity
 from trainguard.pipeline.engine import Engine, OperatorError
-from trainguard.pipeline.incidents import Operator
-from trainguard.pipeline.responder import event_jobs
+from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker, Operator
+from trainguard.pipeline.responder import Responder, _brief, event_jobs
 from trainguard.pipeline.store import Store
+from trainguard.registry import Registry
 from trainguard.trainer import Trainer
 
 
@@ -368,6 +369,128 @@ def test_an_action_in_flight_at_shutdown_finishes_before_the_agent_stops(
     assert marker.read_text() == "x\ny\n"  # the process (outside the unit's stop here) ran on
     # Its outcome came back after the store closed: said in the log, not an exception in a dying thread.
     assert any(r.getMessage() == "recording the action's outcome failed" for r in caplog.records)
+
+
+def test_a_list_cut_short_by_a_stop_is_taken_up_at_the_next_start(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """`systemctl restart` while a requeue waits minutes for the ranks to save: the ranks save and exit, and a job
+    nobody requeues leaves the queue. The next start takes the list up from the action cut short, where the actions
+    are safe to repeat; the others are recorded on the incident as interrupted, and nothing runs twice."""
+    ran: list[str] = []
+    hold = threading.Event()  # the first agent's requeue waits on it until the test ends (the process "died")
+
+    class Signal(ExecAction):
+        def run(self, ctx: ActionContext) -> str:
+            ran.append(self.name)
+            return "signalled"
+
+    class Requeue(Signal):
+        resumes = True
+
+        def run(self, ctx: ActionContext) -> str:
+            ran.append(self.name)
+            if ctx.event.details.get("hold", True) and not ran.count(self.name) > 1:
+                hold.wait(30)
+            return "requeued"
+
+    def engine() -> Engine:
+        raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+               "actions": {name: {"type": "exec", "command": ["true"], "timeout": "60s"}
+                           for name in ("signal", "requeue", "notify")},
+               "checks": {"disk": {"paths": ["/"], "free_critical": "100%",
+                                   "actions": {"critical": ["signal", "requeue", "notify"]}}}}
+        built = Engine(parse_config(raw, "t.toml"), store=Store(tmp_path / "state"))
+        for name, cls in (("signal", Signal), ("requeue", Requeue), ("notify", Signal)):
+            built.responder.actions[name] = cls(name, ExecSettings(command=["true"], timeout=60))
+        return built
+
+    try:
+        first = engine()
+        first.run_round()
+        wait_until(lambda: ran == ["signal", "requeue"], 10, what="the requeue under way")
+        first.stop(grace=0.2)  # cut short
+        [incident] = first.tracker.incidents()
+        assert [(a["action"], a["outcome"]) for a in incident.actions] == [("signal", "ok")]
+
+        second = engine()
+        with caplog.at_level("INFO"):
+            second.start()
+            wait_until(lambda: len(ran) == 3, 10, what="the requeue taken up")
+            for thread in second.responder.threads:
+                thread.join(10)
+            second.stop()
+        assert ran == ["signal", "requeue", "requeue"]  # neither the signal again nor what came after the cut
+        [incident] = second.tracker.incidents()
+        assert [(a["action"], a["outcome"]) for a in incident.actions] == [
+            ("signal", "ok"), ("notify", "interrupted"), ("requeue", "ok")]
+        assert "not safe to repeat" in incident.actions[1]["detail"]
+        [taken] = [r for r in caplog.records if r.getMessage() == "action list cut short by a stop; taken up"]
+        assert taken.__dict__["kv"]["actions"] == "requeue"
+
+        third = engine()  # taken up once: nothing is left to take up
+        third.start()
+        third.stop()
+        assert ran == ["signal", "requeue", "requeue"]
+    finally:
+        hold.set()
+
+
+def test_a_list_taken_up_acts_on_the_jobs_it_was_about(tmp_path: Path) -> None:
+    """On the jobs the cut list was about: as listed now where they still run here, as they were where they ended
+    meanwhile (the requeue reads the record by id), and never on a job that started here since. An incident that
+    is over by the next start is not taken up."""
+    seen: list[tuple[Job, ...]] = []
+
+    class Requeue(ExecAction):
+        resumes = True
+
+        def run(self, ctx: ActionContext) -> str:
+            seen.append(ctx.jobs)
+            return "requeued"
+
+    class Catalog:
+        def __init__(self, *jobs: Job) -> None:
+            self.jobs, self.slurm, self.node = jobs, SlurmClient(), "node1"
+
+        def view(self, max_age: float | None = None, fresh: bool = False) -> JobView:
+            return JobView(self.jobs)
+
+    def responder(catalog: Catalog, store: Store, firing: bool = True) -> Responder:
+        config = parse_config({"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+                               "actions": {"requeue": {"type": "exec", "command": ["true"]}}}, "t.toml")
+        tracker = IncidentTracker(store, "node1", time.time)
+        if firing:
+            tracker.observe("xid", [Result("xid", "pci:0000:3b:00", Status.CRITICAL, "XID 79", {})],
+                            IncidentPolicy(), True, lambda event: ())
+        built = Responder(config, Registry(), catalog, tracker, state=store)  # type: ignore[arg-type]
+        built.actions["requeue"] = Requeue("requeue", ExecSettings(command=["true"]))
+        return built
+
+    ended = Job(key="slurm:7", source="slurm", name="t", state="RUNNING", job_id="7", uid=1001, user="u",
+                on_this_node=True, restarts=2, requeue=True)
+    running = replace(ended, key="slurm:8", job_id="8")
+    store = Store(tmp_path / "state")
+    first = responder(Catalog(ended, running), store)
+    [incident] = first.tracker.incidents()
+    event = Event(EventKind.FIRED, incident.id, "xid", incident.subject, Status.CRITICAL, "XID 79", "node1",
+                  time.time(), time.time())
+    first._keep("cut", {"event": event.to_dict(), "names": ["requeue"], "next": 0,
+                        "jobs": [_brief(ended), _brief(running)]})  # as a list cut short leaves it
+    later = replace(running, processes=(ProcessRef(1, 2.0),))
+    newcomer = replace(ended, key="slurm:9", job_id="9")
+    second = responder(Catalog(later, newcomer), store)
+    [thread] = second.resume()
+    thread.join(10)
+    [jobs] = seen
+    assert [j.job_id for j in jobs] == ["7", "8"]  # not job 9, which started here since
+    assert (jobs[0].uid, jobs[0].restarts, jobs[0].requeue, jobs[0].processes) == (1001, 2, True, ())
+    assert jobs[1] is later  # still here: as listed now, its processes to wait for
+
+    other = Store(tmp_path / "other")  # an agent whose incident was over by its next start
+    responder(Catalog(), other, firing=False)._keep("cut", {"event": event.to_dict(), "names": ["requeue"],
+                                                            "next": 0, "jobs": []})
+    assert responder(Catalog(), other, firing=False).resume() == []  # nothing is called for any more
+    assert len(seen) == 1
 
 
 def test_unknown_action_name_is_a_config_error() -> None:

@@ -442,6 +442,43 @@ def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: An
         slurm.resume_node()
 
 
+def test_a_requeue_cut_short_by_a_restart_of_the_agent_is_done_by_the_next_start(
+        slurm: SlurmCluster, kmsg: Any, tmp_path: Path, engines: list[Engine]) -> None:
+    """`systemctl restart trainguard` while the XID's requeue waits for the ranks to save: they save and exit, the
+    job ends, and without the next start taking up the list nobody would requeue it."""
+    checks = {"xid": {"actions": {"critical": ["signal", "drain", "requeue"], "resolved": ["resume"]}}}
+    actions = {"requeue": {"wait_exit": "60s", "timeout": "90s"}}
+    first = engine_for(slurm, tmp_path, checks, actions)
+    first.store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())  # only this test's records count
+    # saves for 4 s once signalled, then ends (the requeue waits up to its wait_exit for that)
+    job_id = slurm.submit("trap 'sleep 4; exit 0' USR1; sleep 300 & wait", "--requeue", name="tg-requeue-cut")
+    slurm.wait_state(job_id, ("RUNNING",))
+    wait_until(lambda: getattr(job_here(slurm, job_id), "processes", None), 10, what="pids of the job")
+    first.start()
+    try:
+        bus = unique_bus()
+        kmsg.write(xid79(bus))
+
+        def done(engine: Engine) -> list[tuple[str, str]]:
+            return [(a["action"], a["outcome"]) for i in engine.tracker.incidents() if i.subject == f"pci:{bus}"
+                    for a in i.actions]
+
+        wait_until(lambda: done(first) == [("signal", "ok"), ("drain", "ok")], 10, what="signal and drain done")
+        first.stop(grace=0.2)  # the requeue, waiting for the job to save, is cut short
+        slurm.wait_state(job_id, ("COMPLETED",), timeout=30)  # saved and ended while the agent was down
+
+        second = engine_for(slurm, tmp_path, checks, actions)  # the same state dir: the next start
+        engines.append(second)
+        second.start()
+        wait_until(lambda: len(done(second)) == 3, 30, what="the requeue taken up")
+        assert done(second) == [("signal", "ok"), ("drain", "ok"), ("requeue", "ok")]
+        requeued = slurm.job(job_id)
+        assert requeued.get("Restarts") == "1" and requeued["JobState"] == "PENDING", requeued
+    finally:
+        sh("scancel", job_id)
+        slurm.resume_node()
+
+
 def test_liveness_asks_accounting_for_jobs_the_controller_forgot(slurm: SlurmCluster, tmp_path: Path,
                                                                  engines: list[Engine]) -> None:
     # Last in this module: restarting the controller with a clean state drops every job it knew.

@@ -87,6 +87,7 @@ class DrainAction(Action):
     """Drains the node, unless trainguard already holds `max_drained` nodes of its partitions drained."""
 
     needs_jobs = False
+    resumes = True  # a node drained already is drained again, no more
     Settings = DrainSettings
     settings: DrainSettings
 
@@ -168,6 +169,7 @@ class RequeueAction(Action):
 
     Settings = RequeueSettings
     settings: RequeueSettings
+    resumes = True  # it reads the job's record first: a job requeued already is not requeued again
 
     def plan(self, ctx: ActionContext) -> str:
         return "requeue " + (", ".join(j.label() for j in slurm_jobs(ctx)) or "no SLURM job")

@@ -129,7 +129,8 @@ class Engine:
         self.notifiers = dict(notifiers)
         self.tracker = IncidentTracker(self.store, self.node, clock)
         self.dispatcher = Dispatcher(self.store, self.notifiers, clock, annotator=self._actions_taken)
-        self.responder = Responder(config, registry, self.catalog, self.tracker, clock, forget=self._forget)
+        self.responder = Responder(config, registry, self.catalog, self.tracker, clock, forget=self._forget,
+                                   state=self.store)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
         self._started = clock()
@@ -390,6 +391,7 @@ class Engine:
             self._emit(self.tracker.resolve_unconfigured(self.checks, self.dispatcher.route))
         except Exception:
             log.exception("resolving incidents of checks no longer configured failed")
+        self.responder.resume()  # what a stop or a crash cut short (a requeue waiting for the ranks)
         self.tick()
         self._schedule = Schedule({n: (c.settings.interval, c.settings.jitter) for n, c in self.checks.items()},
                                   self.run_check, self.tick)
@@ -403,8 +405,8 @@ class Engine:
                                              notifiers=",".join(self.notifiers) or "-"))
 
     def stop(self, grace: float = ACTIONS_GRACE_S) -> None:
-        """Stop; actions under way get `grace` seconds to finish (their incidents are saved as fired: cut short,
-        what they were to do never happens)."""
+        """Stop; actions under way get `grace` seconds to finish. A list cut short is taken up at the next start
+        where its actions are safe to repeat (trainguard.pipeline.responder)."""
         if self.stop_event.is_set():
             return
         self.stop_event.set()

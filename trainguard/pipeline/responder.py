@@ -3,13 +3,21 @@
 Each action runs in its own daemon thread with a timeout, logs an audit line, and its outcome is
 recorded on the incident. An action runs at most once per incident unless it sets `repeat`.
 Actions of one incident run in the order configured (save before drain before requeue).
+
+A list under way is kept in the state database until it is done. A stop (`systemctl restart`, an upgrade) or a crash
+in the middle of one (a `requeue` waits minutes for the ranks to save) would otherwise leave undone what the fault
+called for: the ranks save and exit, and a job nobody requeues leaves the queue. At the next start, the rest of each
+such list runs again where the actions are safe to repeat (`Action.resumes`: `drain`, `requeue`, which reads the
+job's record first), on the jobs it was about; the others are recorded on the incident as interrupted.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +26,7 @@ from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Status
+from trainguard.core.state import KeyValue
 from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
@@ -29,6 +38,27 @@ log = logging.getLogger("trainguard.actions")
 
 
 RECORD_WAIT_S = 5.0  # how long an action waits for a job's record from slurmctld (usually about a second)
+LISTS_KEY = "responder.lists"  # the action lists under way: what a stop or a crash cut short is taken up at start
+
+
+def _brief(job: Job) -> dict[str, Any]:
+    """What a list taken up after a restart needs of a job that may have ended meanwhile (its ranks saved and exited
+    while the agent was down): the `requeue` reads the job's record by id, with its owner's uid, and skips a job whose
+    life moved on."""
+    return {"key": job.key, "source": job.source, "name": job.name, "job_id": job.job_id, "uid": job.uid,
+            "user": job.user, "restarts": job.restarts, "requeue": job.requeue}
+
+
+def _from_brief(data: Any) -> Job | None:
+    try:
+        return Job(key=str(data["key"]), source=str(data["source"]), name=str(data["name"]), state="UNKNOWN",
+                   job_id=str(data["job_id"]) if data.get("job_id") is not None else None,
+                   uid=int(data["uid"]) if data.get("uid") is not None else None,
+                   user=str(data["user"]) if data.get("user") is not None else None,
+                   restarts=int(data["restarts"]) if data.get("restarts") is not None else None,
+                   requeue=bool(data.get("requeue", True)))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WAIT_S) -> tuple[Job, ...]:
@@ -54,7 +84,7 @@ def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WA
 class Responder:
     def __init__(self, config: Config, registry: Registry, catalog: JobCatalog | None, tracker: IncidentTracker,
                  clock: Callable[[], float] = time.time,
-                 forget: Callable[[str, str], None] | None = None) -> None:
+                 forget: Callable[[str, str], None] | None = None, state: KeyValue | None = None) -> None:
         self.actions: dict[str, Action] = {
             name: registry.action_class(config.kind_of_action(name))(name, settings)
             for name, settings in config.actions.items()}
@@ -72,6 +102,9 @@ class Responder:
         # Actions that refused to act (the drain circuit breaker), by incident: an open fault nobody acted on.
         self._refused: dict[tuple[str, str], dict[str, Any]] = {}
         self._refused_lock = threading.Lock()
+        self.state = state  # where the lists under way are kept (None: not kept, as in tests of one action)
+        self._lists: dict[str, dict[str, Any]] = {}  # list id -> its event, actions, jobs and the next action's index
+        self._lists_lock = threading.Lock()
 
     def refused(self) -> list[dict[str, Any]]:
         """What actions refused to do and why, while the incidents they answered last."""
@@ -107,8 +140,8 @@ class Responder:
 
     def finish(self, timeout: float) -> tuple[int, list[str]]:
         """At shutdown: wait up to `timeout` s for the actions still running, and start no more. A fault that fired
-        a second before `systemctl stop` has its incident saved as fired, so the next start does not act again: an
-        action cut short here (a drain, a requeue) would never happen. How many were running, and the threads
+        a second before `systemctl stop` has its incident saved as fired, so the next start does not fire it again;
+        a list cut short here stays kept, and `resume()` takes it up there. How many were running, and the threads
         (`actions-<incident>`) still running at the end."""
         deadline = time.monotonic() + timeout
         with self._threads_lock:
@@ -126,25 +159,108 @@ class Responder:
         wait = any(self.actions[name].needs_record for name in names if name in self.actions)
         return event_jobs(self.catalog, event, RECORD_WAIT_S if wait else 0.0)
 
-    def _run_all(self, event: Event, names: list[str]) -> None:
+    def _run_all(self, event: Event, names: list[str], earlier: tuple[Job, ...] | None = None) -> None:
+        """Run `names` for `event`. `earlier`: the jobs a list cut short by a stop was about (taken up at start)."""
         try:
             jobs = self.jobs_for(event, names)
         except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
             log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
             jobs = ()
+        if earlier is not None:
+            # Only the jobs the fault was about (a job that started here since is none of its business), as listed
+            # now where they still run here, else as they were (ended while the agent was down).
+            listed = {j.key: j for j in jobs}
+            jobs = tuple(listed.get(j.key, j) for j in earlier)
         others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                        if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports)
+        list_id = f"{event.incident_id}-{uuid.uuid4().hex[:8]}"
+        self._keep(list_id, {"event": event.to_dict(), "names": names, "next": 0, "jobs": [_brief(j) for j in jobs]})
         try:
-            self._run_list(ctx, names)
+            self._run_list(ctx, names, list_id)
         finally:
             ctx.done()
+            self._keep(list_id, None)
 
-    def _run_list(self, ctx: ActionContext, names: list[str]) -> None:
+    def _keep(self, list_id: str, entry: dict[str, Any] | None) -> None:
+        """Save the lists under way with `list_id`'s entry set (None: the list is done). Never raises: a state
+        database that cannot be written costs the taking up after a stop, not the actions."""
+        if self.state is None:
+            return
+        with self._lists_lock:
+            if entry is None:
+                self._lists.pop(list_id, None)
+            else:
+                self._lists[list_id] = entry
+            try:
+                self.state.put(LISTS_KEY, json.dumps(self._lists))
+            except Exception as exc:  # noqa: BLE001 - the store may be closing (a list cut short at shutdown)
+                log.warning("saving the action lists under way failed", extra=kv(list=list_id, error=exc))
+
+    def _advance(self, list_id: str, done: int) -> None:
+        with self._lists_lock:
+            entry = self._lists.get(list_id)
+        if entry is not None:
+            self._keep(list_id, {**entry, "next": done})
+
+    def resume(self) -> list[threading.Thread]:
+        """At start: take up the lists a stop or a crash cut short, for incidents still firing. The actions safe to
+        repeat run again from the one cut short on; the others are recorded on the incident as interrupted."""
+        if self.state is None:
+            return []
+        try:
+            saved = json.loads(self.state.get(LISTS_KEY) or "{}")
+            self.state.put(LISTS_KEY, "{}")
+        except Exception as exc:  # noqa: BLE001 - unreadable state: nothing to take up, the agent starts anyway
+            log.error("reading the action lists cut short failed", extra=kv(error=exc))
+            return []
+        firing = {i.id for i in self.tracker.incidents() if i.firing}
+        threads = []
+        for entry in saved.values() if isinstance(saved, dict) else ():
+            try:
+                event = Event.from_dict(entry["event"])
+                left = [str(n) for n in entry["names"][int(entry["next"]):]]
+                jobs = tuple(j for j in map(_from_brief, entry.get("jobs") or ()) if j is not None)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.error("an action list cut short could not be read; not taken up", extra=kv(error=exc))
+                continue
+            if event.incident_id not in firing:  # resolved, or gone: nothing is called for any more
+                log.info("action list cut short; its incident is over, not taken up", extra=kv(
+                    incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(left)))
+                continue
+            again = [n for n in left if n in self.actions and self.actions[n].resumes]
+            for name in [n for n in left if n not in again]:
+                detail = ("cut short by the agent's stop or crash; not run again at start (not safe to repeat)"
+                          if name in self.actions else "cut short by the agent's stop or crash; no longer configured")
+                log.error("action", extra=kv(action=name, outcome="interrupted", incident=event.incident_id,
+                                             check=event.check, subject=event.subject, detail=detail))
+                try:
+                    self.tracker.record_action(event.check, event.subject, {
+                        "action": name, "at": self.clock(), "outcome": "interrupted", "detail": detail},
+                        event.incident_id)
+                except Exception as exc:  # noqa: BLE001 - the audit line said it
+                    log.error("recording the action's outcome failed", extra=kv(action=name, error=exc))
+            if not again:
+                continue
+            log.warning("action list cut short by a stop; taken up", extra=kv(
+                incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(again),
+                jobs=",".join(j.job_id or j.key for j in jobs) or None))
+            thread = threading.Thread(target=self._run_all, args=(event, again, jobs),
+                                      name=f"actions-{event.incident_id}", daemon=True)
+            with self._threads_lock:
+                if self._closing:
+                    return threads
+                self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+                thread.start()
+            threads.append(thread)
+        return threads
+
+    def _run_list(self, ctx: ActionContext, names: list[str], list_id: str = "") -> None:
         event = ctx.event
-        for name in names:
+        for index, name in enumerate(names):
             action = self.actions[name]
             record = self.run_one(action, ctx)
+            self._advance(list_id, index + 1)
             try:
                 self.tracker.record_action(event.check, event.subject, record, event.incident_id)
             except Exception as exc:  # noqa: BLE001 - the audit line said it; the next actions still run
