@@ -324,7 +324,8 @@ def test_actions_run_once_per_incident_with_audit_and_dry_run(tmp_path: Path,
 def test_an_action_in_flight_at_shutdown_finishes_before_the_agent_stops(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A fault that fires a second before `systemctl stop`: its incident is saved as fired, so the next start does
-    not act again; the drain or requeue under way must finish now (within the grace), or be logged as cut short."""
+    not fire it again; the drain or requeue under way must finish now (within the grace), or be logged as cut short
+    (and taken up at the next start: the test after this one)."""
     marker = tmp_path / "ran"
 
     def engine_with(command: str) -> Engine:
