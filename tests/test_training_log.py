@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -249,8 +250,56 @@ def test_positions_saved_per_path_by_an_earlier_version_are_read_on(tmp_path: Pa
         f.write(lines("step 2 loss=1.1"))
     [result] = check(tmp_path, marker, store).run()
     assert result.status is Status.OK  # the OOM before the saved position is not read again
-    assert state.load_json("logscan.positions") == {"process:trainer": {str(log): [
-        tail.position.dev, tail.position.ino, log.stat().st_size, 0, tail.position.head]}}
+    assert state.load_json("logscan.positions") == {
+        "process:trainer": {str(log): [tail.position.dev, tail.position.ino, log.stat().st_size, 0,
+                                       tail.position.head]},
+        str(log): tail.position.to_list()}  # kept while a job here names the log: another may not have read it yet
+
+
+def test_an_earlier_versions_position_waits_for_a_job_that_did_not_read_in_the_first_round(tmp_path: Path) -> None:
+    """After the upgrade the job's record is on its way (or its source failed): its logs are not read in the first
+    round, and the earlier version's position must still be there in the next, or the log is read from its start
+    and what was dealt with before the upgrade fires again."""
+    log = tmp_path / "slurm-5.out"
+    log.write_bytes(lines("step 1 loss=1.2", OOM_H100))
+    tail = LogTail(str(log), ROOT)
+    assert b"".join(tail.read()) and tail.position is not None
+    store = Store(tmp_path / "state")
+    ScopedState(store, "check/logs").save_json("logscan.positions", {str(log): tail.position.to_list()})
+    job = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+              log_paths=(str(log),), extra={"incomplete": "asking slurmctld", "record_pending": True})
+
+    def logs_check() -> TrainingLogCheck:  # each round as after a restart of the agent: state from the store
+        made = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+            "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
+            state=ScopedState(store, "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+        made.view = lambda: JobView((job,))  # type: ignore[method-assign]
+        return made
+
+    assert logs_check().run() == []  # not read: its life is on its way
+    job = replace(job, restarts=0, start_time=time.time() - 3600, extra={})
+    [result] = logs_check().run()
+    assert result.status is Status.OK, result.summary  # read on from the earlier version's position
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_job_new_to_the_node_waits_for_its_record_before_its_first_read(tmp_path: Path, restarts: int) -> None:
+    """Its record says which life it is in: a later one's appended log is read from the end of the earlier lives'
+    lines, the first life's from its start."""
+    log = tmp_path / "slurm-5.out"
+    log.write_bytes(lines("step 10 loss=1.2", OOM_H100))
+    earlier = time.time() - 60
+    os.utime(log, (earlier, earlier))
+    job = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+              log_paths=(str(log),), extra={"incomplete": "asking slurmctld", "record_pending": True})
+    logs = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
+        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    logs.view = lambda: JobView((job,))  # type: ignore[method-assign]
+    assert logs.run() == []
+    job = replace(job, restarts=restarts, start_time=time.time() - 1, extra={})
+    [result] = logs.run()
+    assert result.status is (Status.CRITICAL if restarts == 0 else Status.OK), result.summary
 
 
 def test_a_crash_on_one_rank_leads_over_the_others_timeouts(tmp_path: Path, trainer: tuple[str, Path]) -> None:

@@ -221,8 +221,11 @@ class TrainingLogCheck(JobCheck):
             for key in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
                 del self._positions[key]
                 self._steps.pop(key, None)
-        self._earlier.clear()  # every job here had its round to take its log's earlier position
-        saved: dict[str, dict[str, list[int | str]]] = {}
+            for path in set(self._earlier) - {path for _, path in paths}:  # kept while a job here names the log
+                del self._earlier[path]
+        # per job: {job key: {path: position}}; beside them, a position saved by a version before that (a path, never
+        # a job key, and a list), kept until no job here names its log
+        saved: dict[str, Any] = {path: pos.to_list() for path, pos in self._earlier.items()}
         for (key, path), pos in self._positions.items():
             saved.setdefault(key, {})[path] = pos.to_list()
         self.save_state(POSITIONS_KEY, saved)
@@ -236,7 +239,10 @@ class TrainingLogCheck(JobCheck):
         earlier one left; a job back on this node whose record has not come yet (its life unknown) waits for it
         (a second, usually), unless the controller is not answering: then it is read as the life last known."""
         if job.restarts is None:
-            return job.key not in self._lives or stale
+            # A job new to this node is read at once, unless its record is on its way (a second, usually): it may be
+            # a requeued job's later life, whose appended log holds the earlier lives' lines (read() reads those
+            # from the end only once the life is known)
+            return (job.key not in self._lives and not job.extra.get("record_pending")) or stale
         before = self._lives.get(job.key)
         self._lives[job.key] = job.restarts
         if before is not None and before != job.restarts:
