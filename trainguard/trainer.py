@@ -184,7 +184,7 @@ class Trainer:
         if answering and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0" and self._asked():
             path = self.switch_dir / self.saved_name
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:  # renamed into place: the agent, which removed the last one before its request, never sees half
+            try:  # renamed into place: a new inode the agent tells from the last report, and never seen half written
                 tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
                 os.replace(tmp, path)
             except OSError:  # the report only shortens the agent's wait: training goes on without it

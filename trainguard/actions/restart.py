@@ -36,12 +36,13 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, Report, each_job, slurm_jobs
-from trainguard.actions.savereport import SaveReport, ask_save
+from trainguard.actions.savereport import REQUEST_WAIT, SaveReport, ask_save
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch, job_owner, remove_switch, switch_stats
@@ -50,6 +51,7 @@ from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmError
+from trainguard.node.access import Identity
 from trainguard.node.procfs import ProcFS
 
 LOOP_VAR = "TRAINGUARD_RESTARTS"  # set by the trainer helper's relaunch loop for the command it runs
@@ -266,38 +268,30 @@ class RestartAction(Action):
         refs = [r for pids in looped.values() for r in map(ProcessRef.of, pids) if r is not None]
         identity, gid = job_owner(job)
         name = request_name(job_id)
-        # One report per job on this agent: a save signal's list about the same fault (the lost GPU's `xid` while
-        # its CUDA error in the log restarts) may already wait on it, and a report rank 0 wrote for it answers this
-        # request too.
-        made: list[SaveReport] = []
-
-        def make() -> SaveReport:
-            made.append(SaveReport(job.switch_dir or "", job_id, identity))
-            return made[0]
-
-        joined = ctx.reports.join(job_id, ctx.actions, make)
-        ack: Report = joined if joined is not None else make()
-        if made:
-            made[0].mark()
-        # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
-        request = create_switch(job.switch_dir, name, identity, gid, {
-            **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
-            "incident": ctx.event.incident_id, "check": ctx.event.check, "reason": one_line(ctx.event.summary, 200)})
-        started = time.monotonic()
-        steps = sorted(looped, key=int)
+        ack, own, done_with = self._report(job, ctx, identity)
         try:
-            gone = [step for step in steps if not ctx.slurm.signal_step(job_id, step, s.signal)]
-        except SlurmError as exc:
-            # Left in place, the request would restart the job the next time its srun ends, even at the end of training
-            remove_switch(job.switch_dir, name, identity)
-            raise ActionError(f"restart {job_id}: {exc} (the request is withdrawn)") from None
+            if own is not None:
+                own.mark()
+            # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
+            request = create_switch(job.switch_dir, name, identity, gid, {
+                **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
+                "incident": ctx.event.incident_id, "check": ctx.event.check,
+                "reason": one_line(ctx.event.summary, 200)})
+            if own is not None:
+                own.watch()  # before the signal: a save signal's list that joins it meanwhile need not wait
+            started = time.monotonic()
+            steps = sorted(looped, key=int)
+            try:
+                gone = [step for step in steps if not ctx.slurm.signal_step(job_id, step, s.signal)]
+            except SlurmError as exc:
+                # Left in place, the request would restart the job the next time its srun ends, even at the end of
+                # training
+                remove_switch(job.switch_dir, name, identity)
+                raise ActionError(f"restart {job_id}: {exc} (the request is withdrawn)") from None
 
-        def until() -> float:  # wait_exit, cut to after_save once the ranks report their checkpoint written
-            return deadline if ack.at is None else min(deadline, ack.at + s.after_save)
+            def until() -> float:  # wait_exit, cut to after_save once the ranks report their checkpoint written
+                return deadline if ack.at is None else min(deadline, ack.at + s.after_save)
 
-        if made:
-            made[0].watch()
-        try:
             while any(r.matches() for r in refs) and time.monotonic() < until():
                 time.sleep(POLL)
             left = self._running(ctx, job_id, set(steps))
@@ -308,10 +302,7 @@ class RestartAction(Action):
         except SlurmError as exc:
             raise RestartUnderwayError(f"restart {job_id}: {request} written, SIG{s.signal} sent, then: {exc}") from None
         finally:
-            if joined is None:
-                ack.close()
-            elif made:  # a list that joined it meanwhile holds it on; it is closed when the last one is done
-                ctx.reports.leave(job_id, ctx.actions)
+            done_with()
         took = time.monotonic() - started
         ended = ", ".join(f"{job_id}.{step}" for step in steps)
         how = (f"cancelled {', '.join(f'{job_id}.{c}' for c in cancelled)} still running after {took:.1f}s"
@@ -327,6 +318,33 @@ class RestartAction(Action):
                               f"started within {RELAUNCH_WAIT:g}s: its relaunch loop is over (the request is withdrawn)")
         where = f" without {leave['leave']}" if leave else ""
         return f"restart of {job_id}{where} requested ({request}); SIG{s.signal} to step {ended}: {how}"
+
+    @staticmethod
+    def _report(job: Job, ctx: ActionContext, identity: Identity) -> tuple[Report, SaveReport | None,
+                                                                             Callable[[], None]]:
+        """The ranks' report this restart waits for, the one it marks and watches itself (None: a save signal's,
+        joined), and what to call once done with it.
+
+        One report per job on this agent: a save signal's list about the same fault (the lost GPU's `xid` while its
+        CUDA error in the log restarts) may already wait on it, and the checkpoint rank 0 writes for that answers this
+        request too. Joined once its request is written (its mark is then before this request: rank 0's answer to
+        either is not taken for an earlier one); one whose request failed has no thread to see any answer, and this
+        restart watches its own."""
+        assert job.job_id
+        job_id = job.job_id
+        made: list[SaveReport] = []
+
+        def make() -> SaveReport:
+            made.append(SaveReport(job.switch_dir or "", job_id, identity))
+            return made[-1]
+
+        joined = ctx.reports.join(job_id, ctx.actions, make)
+        if made and joined is made[0]:  # this restart's: a list that joins it holds it on after this one is done
+            return made[0], made[0], lambda: ctx.reports.leave(job_id, ctx.actions)
+        if isinstance(joined, SaveReport) and joined.requested.wait(REQUEST_WAIT) and not joined.note:
+            return joined, None, lambda: None  # the lists holding it close it
+        own = SaveReport(job.switch_dir or "", job_id, identity)  # private to this restart
+        return own, own, own.close
 
     @staticmethod
     def _launched_here(job_id: str, ctx: ActionContext,

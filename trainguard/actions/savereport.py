@@ -8,13 +8,13 @@ there as it decided to stop: `restart.<job id>` (a restart in place) or `signall
 and by `restart`'s requeue fallback, just before the save signal). From the report on, the waiting action gives the
 ranks `after_save` and goes on.
 
-No clocks are compared: the request and the report are written on different nodes. Before it writes its request
-the agent notes which report is there (inode and change time: rank 0 renames each report into place), and only
-another one answers this request. Nothing is removed then: two agents asking at once (a fault seen on two nodes) never
-remove the answer the other waits for. Every look at the user's switch
-dir runs in a thread of the report's own: a switch dir on a file system that hangs holds up a signal by
-REQUEST_WAIT at most, and never a cancel or a requeue, which read `at` only. A user who forges a report only has
-their own job ended sooner; any error reads as no report, and `wait_exit` holds.
+No clocks are compared: the request and the report are written on different nodes. Before it writes its request the
+agent notes which report is there (inode and change time: rank 0 renames each report into place), and only another
+one answers this request. The agent never removes a report: two agents asking at once (a fault seen on two nodes)
+each see the one answer; the relaunch loop removes it when it returns. Every look at the user's switch dir runs in a
+thread of the report's own: a switch dir on a file system that hangs holds up a signal by REQUEST_WAIT at most, and
+never a cancel or a requeue, which read `at` only. A user who forges a report only has their own job ended sooner;
+any error reads as no report, and `wait_exit` holds.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class SaveReport:
     def _run(self) -> None:
         request = signalled_name(self.job_id)
         deadline = time.monotonic() + KEEP
-        mine: dict[str, int] = {}  # name -> inode of the request written and the report seen: only those are removed
+        mine: dict[str, int] = {}  # name -> inode of the request written: only that is removed
         try:
             if self._request is not None:
                 if self._stop.is_set() or not self._write(request, mine):
@@ -105,14 +105,14 @@ class SaveReport:
                     continue
                 if st is not None and (st.st_ino, st.st_ctime_ns) != self._earlier:
                     self.at = time.monotonic()
-                    mine[self.name] = st.st_ino
                     return
         finally:
             self.requested.set()
             if request in mine:
-                # The request and its answer served this fault: gone once its lists are done (or nobody answered), so
-                # that the user's switch dir keeps nothing of a fault. By inode: a later fault's request and report,
-                # written meanwhile by another list or another node's agent, are not this one's to remove.
+                # The request served this fault: gone once its lists are done (or nobody answered). By inode: a later
+                # fault's request, written meanwhile by another list or another node's agent, is not this one's to
+                # remove. The report stays: another node's agent may not have seen it yet (NFS caches lookups for
+                # tens of seconds), and a later request notes it as earlier; the relaunch loop removes it.
                 self._stop.wait(max(0.0, deadline - time.monotonic()))
                 assert self.identity is not None
                 for name, ino in mine.items():
@@ -152,7 +152,8 @@ class SaveReport:
         """For the action's audit line: when the report came (after `what`, at monotonic `since`), or why none was
         read."""
         if self.at is not None:
-            return f" ({self.name} {max(0.0, self.at - since):.1f}s after {what}: the checkpoint was written)"
+            when = f"{self.at - since:.1f}s after" if self.at >= since else f"{since - self.at:.1f}s before"
+            return f" ({self.name} {when} {what}: the checkpoint was written)"
         return self.note or " (no report from rank 0 of the checkpoint written)"
 
 
