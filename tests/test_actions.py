@@ -27,6 +27,7 @@ from trainguard.actions.exec import ExecAction, ExecSettings
 from trainguard.actions.signal import SignalAction, SignalSettings, signal_process
 from trainguard.actions.switch import create_switch
 from trainguard.agent.configfile import ConfigError, parse_config
+from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
 from trainguard.install import Installer
@@ -37,7 +38,7 @@ from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.access import Identity
 from trainguard.pipeline.engine import Engine, OperatorError
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker, Operator
-from trainguard.pipeline.responder import Responder, _brief, event_jobs
+from trainguard.pipeline.responder import RESUME_WITHIN_S, Responder, _brief, event_jobs
 from trainguard.pipeline.store import Store
 from trainguard.registry import Registry
 from trainguard.trainer import Trainer
@@ -372,74 +373,106 @@ def test_an_action_in_flight_at_shutdown_finishes_before_the_agent_stops(
     assert any(r.getMessage() == "recording the action's outcome failed" for r in caplog.records)
 
 
+class _Recorded(ExecAction):
+    """An action that says it ran (`ran`), and waits on `hold` when asked to (a requeue waiting for the ranks)."""
+
+    ran: list[str]
+    hold: threading.Event | None = None
+
+    def run(self, ctx: ActionContext) -> str:
+        self.ran.append(self.name)
+        if self.hold is not None and self.ran.count(self.name) == 1:
+            self.hold.wait(30)
+        return "done"
+
+
+def _engine_with(tmp_path: Path, ran: list[str], critical: list[str], hold: str = "",
+                 release: threading.Event | None = None) -> Engine:
+    """An engine whose disk check fires at once with `critical` bound (stand-ins for signal, requeue and an exec
+    hook; the `requeue` resumes), on a state dir that outlives it; `hold` names the action that waits on `release`."""
+    raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+           "actions": {name: {"type": "exec", "command": ["true"], "timeout": "60s"}
+                       for name in ("signal", "requeue", "notify")},
+           "checks": {"disk": {"paths": ["/"], "free_critical": "100%", "actions": {"critical": critical}}}}
+    built = Engine(parse_config(raw, "t.toml"), store=Store(tmp_path / "state"))
+    for name in ("signal", "requeue", "notify"):
+        kind = type(name, (_Recorded,), {"ran": ran, "hold": release if name == hold else None,
+                                         "resumes": name == "requeue", "__qualname__": "_Recorded"})
+        built.responder.actions[name] = kind(name, ExecSettings(command=["true"], timeout=60))
+    return built
+
+
+def _cut(tmp_path: Path, ran: list[str], critical: list[str], hold: str, release: threading.Event) -> None:
+    """Fire, wait until `hold` is under way, and stop the agent: the list is cut short there."""
+    first = _engine_with(tmp_path, ran, critical, hold, release)
+    first.run_round()
+    wait_until(lambda: hold in ran, 10, what=f"{hold} under way")
+    first.stop(grace=0.2)
+
+
 def test_a_list_cut_short_by_a_stop_is_taken_up_at_the_next_start(tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """`systemctl restart` while a requeue waits minutes for the ranks to save: the ranks save and exit, and a job
-    nobody requeues leaves the queue. The next start takes the list up from the action cut short, where the actions
-    are safe to repeat; the others are recorded on the incident as interrupted, and nothing runs twice."""
+    """`systemctl restart` while a requeue waits minutes for the ranks to save: they save and exit, and a job nobody
+    requeues leaves the queue. The next start takes the list up at the action cut short (a requeue: safe to repeat)
+    and goes on with those after it, which never began; what ran before is not run again."""
     ran: list[str] = []
-    hold = threading.Event()  # the first agent's requeue waits on it until the test ends (the process "died")
-
-    class Signal(ExecAction):
-        def run(self, ctx: ActionContext) -> str:
-            ran.append(self.name)
-            return "signalled"
-
-    class Requeue(Signal):
-        resumes = True
-
-        def run(self, ctx: ActionContext) -> str:
-            ran.append(self.name)
-            if ctx.event.details.get("hold", True) and not ran.count(self.name) > 1:
-                hold.wait(30)
-            return "requeued"
-
-    def engine() -> Engine:
-        raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
-               "actions": {name: {"type": "exec", "command": ["true"], "timeout": "60s"}
-                           for name in ("signal", "requeue", "notify")},
-               "checks": {"disk": {"paths": ["/"], "free_critical": "100%",
-                                   "actions": {"critical": ["signal", "requeue", "notify"]}}}}
-        built = Engine(parse_config(raw, "t.toml"), store=Store(tmp_path / "state"))
-        for name, cls in (("signal", Signal), ("requeue", Requeue), ("notify", Signal)):
-            built.responder.actions[name] = cls(name, ExecSettings(command=["true"], timeout=60))
-        return built
-
+    release = threading.Event()  # the first agent's requeue waits on it until the test ends (the process "died")
     try:
-        first = engine()
-        first.run_round()
-        wait_until(lambda: ran == ["signal", "requeue"], 10, what="the requeue under way")
-        first.stop(grace=0.2)  # cut short
-        [incident] = first.tracker.incidents()
-        assert [(a["action"], a["outcome"]) for a in incident.actions] == [("signal", "ok")]
-
-        second = engine()
+        _cut(tmp_path, ran, ["signal", "requeue", "notify"], "requeue", release)
+        assert ran == ["signal", "requeue"]
+        second = _engine_with(tmp_path, ran, ["signal", "requeue", "notify"])
         with caplog.at_level("INFO"):
             second.start()
-            wait_until(lambda: len(ran) == 3, 10, what="the requeue taken up")
+            wait_until(lambda: len(ran) == 4, 10, what="the list taken up")
             for thread in second.responder.threads:
                 thread.join(10)
             second.stop()
-        assert ran == ["signal", "requeue", "requeue"]  # neither the signal again nor what came after the cut
+        assert ran == ["signal", "requeue", "requeue", "notify"]
         [incident] = second.tracker.incidents()
         assert [(a["action"], a["outcome"]) for a in incident.actions] == [
-            ("signal", "ok"), ("notify", "interrupted"), ("requeue", "ok")]
-        assert "not safe to repeat" in incident.actions[1]["detail"]
-        [taken] = [r for r in caplog.records if r.getMessage() == "action list cut short by a stop; taken up"]
-        assert taken.__dict__["kv"]["actions"] == "requeue"
+            ("signal", "ok"), ("requeue", "ok"), ("notify", "ok")]
+        [taken] = [r for r in caplog.records
+                   if r.getMessage() == "action list cut short by the agent's stop or crash; taken up"]
+        assert taken.__dict__["kv"]["actions"] == "requeue,notify"
 
-        third = engine()  # taken up once: nothing is left to take up
+        third = _engine_with(tmp_path, ran, ["signal", "requeue", "notify"])  # taken up once: nothing is left
         third.start()
         third.stop()
-        assert ran == ["signal", "requeue", "requeue"]
+        assert len(ran) == 4
     finally:
-        hold.set()
+        release.set()
+
+
+@pytest.mark.parametrize("case", ["cut_signal", "unbound", "too_old"])
+def test_a_list_cut_short_is_not_taken_up_where_that_is_not_safe(tmp_path: Path, case: str) -> None:
+    """A signal cut short may or may not have been sent: it is not sent twice, and the requeue after it does not run
+    (it would end the job unsaved). An action the operator took out of the check's binding before the restart, or a
+    list cut longer ago than RESUME_WITHIN_S (the agent was down, not restarted), is not taken up either. Each
+    is recorded on the incident as interrupted."""
+    ran: list[str] = []
+    release = threading.Event()
+    try:
+        held = "signal" if case == "cut_signal" else "requeue"
+        _cut(tmp_path, ran, ["signal", "requeue"], held, release)
+        second = _engine_with(tmp_path, ran, ["signal"] if case == "unbound" else ["signal", "requeue"])
+        if case == "too_old":
+            second.responder.clock = lambda: time.time() + RESUME_WITHIN_S + 60
+        second.start()
+        time.sleep(0.5)
+        second.stop()
+        assert ran == ["signal"] if case == "cut_signal" else ran == ["signal", "requeue"]
+        [incident] = second.tracker.incidents()
+        [interrupted] = [a for a in incident.actions if a["outcome"] == "interrupted"]
+        assert interrupted["action"] == held, incident.actions
+    finally:
+        release.set()
 
 
 def test_a_list_taken_up_acts_on_the_jobs_it_was_about(tmp_path: Path) -> None:
-    """On the jobs the cut list was about: as listed now where they still run here, as they were where they ended
-    meanwhile (the requeue reads the record by id), and never on a job that started here since. An incident that
-    is over by the next start is not taken up."""
+    """On the jobs the cut list was about: as listed now where the same life still runs here (its processes to wait
+    for), as they were where they ended meanwhile or live a later life (the requeue reads the record by id and leaves
+    a job whose life moved on alone), and never on a job that started here since. An incident that is over by the
+    next start is not taken up."""
     seen: list[tuple[Job, ...]] = []
 
     class Requeue(ExecAction):
@@ -467,30 +500,32 @@ def test_a_list_taken_up_acts_on_the_jobs_it_was_about(tmp_path: Path) -> None:
         built.actions["requeue"] = Requeue("requeue", ExecSettings(command=["true"]))
         return built
 
+    bindings = {"xid": ActionBinding(critical=["requeue"])}
     ended = Job(key="slurm:7", source="slurm", name="t", state="RUNNING", job_id="7", uid=1001, user="u",
                 on_this_node=True, restarts=2, requeue=True)
-    running = replace(ended, key="slurm:8", job_id="8")
+    running, relived = replace(ended, key="slurm:8", job_id="8"), replace(ended, key="slurm:10", job_id="10")
     store = Store(tmp_path / "state")
-    first = responder(Catalog(ended, running), store)
+    first = responder(Catalog(ended, running, relived), store)
     [incident] = first.tracker.incidents()
     event = Event(EventKind.FIRED, incident.id, "xid", incident.subject, Status.CRITICAL, "XID 79", "node1",
                   time.time(), time.time())
-    first._keep("cut", {"event": event.to_dict(), "names": ["requeue"], "next": 0,
-                        "jobs": [_brief(ended), _brief(running)]})  # as a list cut short leaves it
+    cut = {"event": event.to_dict(), "names": ["requeue"], "next": 0, "started": True, "at": time.time(),
+           "kinds": {"requeue": "Requeue"}, "jobs": [_brief(ended), _brief(running), _brief(relived)]}
+    first._keep("cut", cut)  # as a list cut short leaves it
     later = replace(running, processes=(ProcessRef(1, 2.0),))
     newcomer = replace(ended, key="slurm:9", job_id="9")
-    second = responder(Catalog(later, newcomer), store)
-    [thread] = second.resume()
+    second = responder(Catalog(later, newcomer, replace(relived, restarts=3, processes=later.processes)), store)
+    [thread] = second.resume(bindings)
     thread.join(10)
     [jobs] = seen
-    assert [j.job_id for j in jobs] == ["7", "8"]  # not job 9, which started here since
+    assert [j.job_id for j in jobs] == ["7", "8", "10"]  # not job 9, which started here since
     assert (jobs[0].uid, jobs[0].restarts, jobs[0].requeue, jobs[0].processes) == (1001, 2, True, ())
-    assert jobs[1] is later  # still here: as listed now, its processes to wait for
+    assert jobs[1] == later  # the same life, still here: its processes to wait for
+    assert (jobs[2].restarts, jobs[2].processes) == (2, ())  # its next life runs here: the record says so
 
     other = Store(tmp_path / "other")  # an agent whose incident was over by its next start
-    responder(Catalog(), other, firing=False)._keep("cut", {"event": event.to_dict(), "names": ["requeue"],
-                                                            "next": 0, "jobs": []})
-    assert responder(Catalog(), other, firing=False).resume() == []  # nothing is called for any more
+    responder(Catalog(), other, firing=False)._keep("cut", cut)
+    assert responder(Catalog(), other, firing=False).resume(bindings) == []  # nothing is called for any more
     assert len(seen) == 1
 
 

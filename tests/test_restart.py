@@ -857,6 +857,16 @@ def test_a_requeue_that_requeued_nothing_fails_and_one_job_failing_never_keeps_a
                                  time.time))
 
 
+def test_a_job_cancelled_while_the_requeue_waited_is_not_requeued(tmp_path: Path) -> None:
+    """Its user (or an operator) ended it meanwhile: `scontrol requeue` would start it again against their call."""
+    slurm = StubSlurm({}, [])
+    slurm.record = RUNNING_RECORD.replace("JobState=RUNNING", "JobState=CANCELLED", 1)
+    action = RequeueAction("requeue", RequeueSettings(wait_exit=0, timeout=5))
+    job = replace(_job(tmp_path), restarts=0)
+    detail = action.run(ActionContext(_event(), (job,), "n1", slurm, time.time))  # type: ignore[arg-type]
+    assert detail == "5 not requeued: cancelled meanwhile" and not slurm.calls, detail
+
+
 def test_reports_are_shared_by_lists_and_closed_by_the_last_one_done() -> None:
     class Probe:
         at = None

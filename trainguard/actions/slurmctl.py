@@ -211,7 +211,8 @@ class RequeueAction(Action):
     def _requeue(job: Job, ctx: ActionContext) -> str:
         """`scontrol requeue`, unless the job left the life this event was about: another incident about the same
         fault (a lost GPU is `xid` and `gpu`), or another node's agent, requeued it first, and its next life may
-        already be running elsewhere (one REQUEST_JOB_INFO_SINGLE per requeue; not answering: requeued anyway)."""
+        already be running elsewhere; or it was cancelled meanwhile (one REQUEST_JOB_INFO_SINGLE per requeue; not
+        answering: requeued anyway)."""
         assert job.job_id
         try:
             now = parse_job_record(ctx.slurm.show_job(job.job_id) or "", job.uid)
@@ -220,6 +221,8 @@ class RequeueAction(Action):
         if now is not None and (now.state in BACK_IN_QUEUE or (
                 job.restarts is not None and now.restarts is not None and now.restarts > job.restarts)):
             return f"{job.job_id} not requeued: requeued already ({now.state}, Restarts={now.restarts})"
+        if now is not None and now.state == "CANCELLED":  # its user or an operator ended it meanwhile: their call
+            return f"{job.job_id} not requeued: cancelled meanwhile"
         _slurm("requeue", ctx.slurm.requeue, job.job_id)
         return f"requeued {job.job_id}"
 

@@ -391,7 +391,8 @@ class Engine:
             self._emit(self.tracker.resolve_unconfigured(self.checks, self.dispatcher.route))
         except Exception:
             log.exception("resolving incidents of checks no longer configured failed")
-        self.responder.resume()  # what a stop or a crash cut short (a requeue waiting for the ranks)
+        # what a stop or a crash cut short (a requeue waiting for the ranks)
+        self.responder.resume({name: check.settings.actions for name, check in self.checks.items()})
         self.tick()
         self._schedule = Schedule({n: (c.settings.interval, c.settings.jitter) for n, c in self.checks.items()},
                                   self.run_check, self.tick)

@@ -18,7 +18,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, Reports
@@ -39,6 +40,10 @@ log = logging.getLogger("trainguard.actions")
 
 RECORD_WAIT_S = 5.0  # how long an action waits for a job's record from slurmctld (usually about a second)
 LISTS_KEY = "responder.lists"  # the action lists under way: what a stop or a crash cut short is taken up at start
+# A list cut longer ago than this is not taken up: the agent was down for maintenance, not restarted, and what its
+# jobs did meanwhile (finished, cancelled) is better judged by a person. slurmctld forgets a finished job after
+# MinJobAge (300 s by default) anyway, and a requeue after that fails.
+RESUME_WITHIN_S = 600.0
 
 
 def _brief(job: Job) -> dict[str, Any]:
@@ -47,6 +52,21 @@ def _brief(job: Job) -> dict[str, Any]:
     life moved on."""
     return {"key": job.key, "source": job.source, "name": job.name, "job_id": job.job_id, "uid": job.uid,
             "user": job.user, "restarts": job.restarts, "requeue": job.requeue}
+
+
+def _same_lives(earlier: tuple[Job, ...], listed: tuple[Job, ...]) -> tuple[Job, ...]:
+    """The jobs a list cut short was about: only those (a job that started here since is none of its business), as
+    listed now where the same life still runs here (its processes to wait for), else as they were: ended while the
+    agent was down, or in a later life (the requeue reads the record and leaves a job whose life moved on alone)."""
+    now = {j.key: j for j in listed}
+    out = []
+    for job in earlier:
+        here = now.get(job.key)
+        if here is not None and (job.restarts is None or here.restarts in (None, job.restarts)):
+            out.append(replace(here, restarts=job.restarts if job.restarts is not None else here.restarts))
+        else:
+            out.append(job)
+    return tuple(out)
 
 
 def _from_brief(data: Any) -> Job | None:
@@ -167,15 +187,14 @@ class Responder:
             log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
             jobs = ()
         if earlier is not None:
-            # Only the jobs the fault was about (a job that started here since is none of its business), as listed
-            # now where they still run here, else as they were (ended while the agent was down).
-            listed = {j.key: j for j in jobs}
-            jobs = tuple(listed.get(j.key, j) for j in earlier)
+            jobs = _same_lives(earlier, jobs)
         others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                        if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports)
         list_id = f"{event.incident_id}-{uuid.uuid4().hex[:8]}"
-        self._keep(list_id, {"event": event.to_dict(), "names": names, "next": 0, "jobs": [_brief(j) for j in jobs]})
+        self._keep(list_id, {"event": event.to_dict(), "names": names, "next": 0, "started": False,
+                             "kinds": {n: type(self.actions[n]).__name__ for n in names},
+                             "at": self.clock(), "jobs": [_brief(j) for j in jobs]})
         try:
             self._run_list(ctx, names, list_id)
         finally:
@@ -197,15 +216,20 @@ class Responder:
             except Exception as exc:  # noqa: BLE001 - the store may be closing (a list cut short at shutdown)
                 log.warning("saving the action lists under way failed", extra=kv(list=list_id, error=exc))
 
-    def _advance(self, list_id: str, done: int) -> None:
+    def _progress(self, list_id: str, index: int, started: bool) -> None:
+        """The list is at `names[index]`: `started` (under way), or not yet begun."""
         with self._lists_lock:
             entry = self._lists.get(list_id)
         if entry is not None:
-            self._keep(list_id, {**entry, "next": done})
+            self._keep(list_id, {**entry, "next": index, "started": started, "at": self.clock()})
 
-    def resume(self) -> list[threading.Thread]:
-        """At start: take up the lists a stop or a crash cut short, for incidents still firing. The actions safe to
-        repeat run again from the one cut short on; the others are recorded on the incident as interrupted."""
+    def resume(self, bindings: Mapping[str, ActionBinding]) -> list[threading.Thread]:
+        """At start: take up the lists a stop or a crash cut short within RESUME_WITHIN_S, for incidents still firing
+        (as saved: the checks have not run yet), with the actions their check is still bound to, as the same kind. The
+        action cut short runs again if it is safe to repeat (`Action.resumes`), and the list goes on after it (those
+        never began); one that is not safe to repeat is recorded on the incident as interrupted, and the list ends
+        there (a requeue after a signal that may never have been sent would end the job unsaved). `bindings`: each
+        configured check's actions."""
         if self.state is None:
             return []
         try:
@@ -219,30 +243,32 @@ class Responder:
         for entry in saved.values() if isinstance(saved, dict) else ():
             try:
                 event = Event.from_dict(entry["event"])
-                left = [str(n) for n in entry["names"][int(entry["next"]):]]
+                names = [str(n) for n in entry["names"]]
+                at, index, started = float(entry["at"]), int(entry["next"]), bool(entry["started"])
+                kinds = {str(k): str(v) for k, v in dict(entry["kinds"]).items()}
                 jobs = tuple(j for j in map(_from_brief, entry.get("jobs") or ()) if j is not None)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 log.error("an action list cut short could not be read; not taken up", extra=kv(error=exc))
                 continue
+            left = names[index:]
+            where = kv(incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(left))
             if event.incident_id not in firing:  # resolved, or gone: nothing is called for any more
-                log.info("action list cut short; its incident is over, not taken up", extra=kv(
-                    incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(left)))
+                log.info("action list cut short; its incident is over, not taken up", extra=where)
                 continue
-            again = [n for n in left if n in self.actions and self.actions[n].resumes]
-            for name in [n for n in left if n not in again]:
-                detail = ("cut short by the agent's stop or crash; not run again at start (not safe to repeat)"
-                          if name in self.actions else "cut short by the agent's stop or crash; no longer configured")
-                log.error("action", extra=kv(action=name, outcome="interrupted", incident=event.incident_id,
-                                             check=event.check, subject=event.subject, detail=detail))
-                try:
-                    self.tracker.record_action(event.check, event.subject, {
-                        "action": name, "at": self.clock(), "outcome": "interrupted", "detail": detail},
-                        event.incident_id)
-                except Exception as exc:  # noqa: BLE001 - the audit line said it
-                    log.error("recording the action's outcome failed", extra=kv(action=name, error=exc))
-            if not again:
+            binding = bindings.get(event.check)
+            bound = set(binding.for_status(event.status)) if binding is not None else set()
+            again = [n for n in left if n in bound and n in self.actions and kinds.get(n) == type(self.actions[n]).__name__]
+            if again[:1] != left[:1] or self.clock() - at > RESUME_WITHIN_S:
+                log.error("action list cut short; not taken up: its first action is no longer bound as it was, or it "
+                          f"was cut more than {RESUME_WITHIN_S:g}s ago", extra=where)
+                self._interrupted(event, left[0], "cut short by the agent's stop or crash; not taken up at start "
+                                  "(no longer bound as it was, or too long ago)")
                 continue
-            log.warning("action list cut short by a stop; taken up", extra=kv(
+            if started and not self.actions[again[0]].resumes:
+                self._interrupted(event, again[0], "cut short by the agent's stop or crash; not run again at start "
+                                  "(not safe to repeat), nor the actions after it")
+                continue
+            log.warning("action list cut short by the agent's stop or crash; taken up", extra=kv(
                 incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(again),
                 jobs=",".join(j.job_id or j.key for j in jobs) or None))
             thread = threading.Thread(target=self._run_all, args=(event, again, jobs),
@@ -255,12 +281,22 @@ class Responder:
             threads.append(thread)
         return threads
 
+    def _interrupted(self, event: Event, name: str, detail: str) -> None:
+        log.error("action", extra=kv(action=name, outcome="interrupted", incident=event.incident_id,
+                                     check=event.check, subject=event.subject, detail=detail))
+        try:
+            self.tracker.record_action(event.check, event.subject, {
+                "action": name, "at": self.clock(), "outcome": "interrupted", "detail": detail}, event.incident_id)
+        except Exception as exc:  # noqa: BLE001 - the audit line said it
+            log.error("recording the action's outcome failed", extra=kv(action=name, error=exc))
+
     def _run_list(self, ctx: ActionContext, names: list[str], list_id: str = "") -> None:
         event = ctx.event
         for index, name in enumerate(names):
             action = self.actions[name]
+            self._progress(list_id, index, True)
             record = self.run_one(action, ctx)
-            self._advance(list_id, index + 1)
+            self._progress(list_id, index + 1, False)
             try:
                 self.tracker.record_action(event.check, event.subject, record, event.incident_id)
             except Exception as exc:  # noqa: BLE001 - the audit line said it; the next actions still run
