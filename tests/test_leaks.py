@@ -83,6 +83,35 @@ def test_leaking_trainer_in_a_cgroup_is_saved_before_the_oom_killer(
         engine.stop()
 
 
+def test_a_leak_under_a_limit_the_jobs_first_process_is_not_under_is_seen(
+        tmp_path: Path, memory_cgroup: Callable[[int], MemoryCgroup],
+        children: list[subprocess.Popen[str]]) -> None:
+    """On the node that runs a SLURM job's batch script, the job's first process is that script, outside the ranks'
+    step cgroup (or under no limit at all): the rank that leaks must be judged against the limit it is held to, not
+    the host's memory the script sees."""
+    marker = f"launcher-{uuid.uuid4().hex[:8]}"
+    inside = memory_cgroup(400 * MiB)
+    toy = inside([sys.executable, str(REPO / "examples/train_toy.py"), "--steps", "100000", "--step-time", "0.1",
+                  "--fault", "leak", "--fault-at", "10", "--leak-mb-per-step", "3", "--ckpt-dir",
+                  str(tmp_path / "ckpt")])
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[2:]))",
+                                 marker, *toy], stdout=subprocess.PIPE, text=True)
+    children.append(launcher)
+    assert launcher.stdout is not None and launcher.stdout.readline().startswith("training start")
+    assert memory_limit(launcher.pid) is None  # the job's first process: no limit over it
+    engine = leak_engine(tmp_path, marker)
+    engine.start()
+    try:
+        wait_until(lambda: [i for i in engine.tracker.incidents() if i.check == "leak" and i.firing], 40,
+                   what="the leak seen before the OOM killer")
+        [incident] = [i for i in engine.tracker.incidents() if i.check == "leak"]
+        assert incident.status is Status.CRITICAL and "is reached in ~" in incident.summary, incident.summary
+        assert "memory.limit_in_bytes" in incident.summary or "memory.max" in incident.summary, incident.summary
+        assert incident.details["processes"] == 1  # the rank, under the limit: the launcher is judged apart
+    finally:
+        engine.stop()
+
+
 def test_large_steady_process_is_no_leak(tmp_path: Path, children: list[subprocess.Popen[str]]) -> None:
     marker = f"steady-{uuid.uuid4().hex[:8]}"
     big = subprocess.Popen([sys.executable, "-c", "import sys, time\nblock = bytearray(b'x') * (300 * 2**20)\n"

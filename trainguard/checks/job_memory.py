@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -76,21 +77,38 @@ class JobMemory:
         return self.cgroup.describe() if self.cgroup else "host memory"
 
 
-def gather(job: Job, table: ProcessTable, pss: bool = False, proc: ProcFS | None = None) -> JobMemory | None:
-    """The job's memory from the shared snapshot (RSS), or PSS read per process (smaps_rollup: costlier)."""
+def gather(job: Job, table: ProcessTable, pss: bool = False, proc: ProcFS | None = None) -> list[JobMemory]:
+    """The job's memory from the shared snapshot (RSS), or PSS read per process (smaps_rollup: costlier), one figure
+    per limit its processes are held to. The OOM killer acts per cgroup: the batch script in one, each step's ranks in
+    another (SLURM can limit a step on its own), so each is judged against its own limit; processes under none are
+    judged against the host's memory. Empty when the job has no process here."""
     pids = job_pids(job, table)
     if not pids:
-        return None
-    used = table.rss(pids)
-    if pss:
-        used = 0
-        for pid in pids:
-            try:
-                used += psutil.Process(pid).memory_full_info().pss
-            except psutil.Error:
-                continue
+        return []
+    proc = proc or ProcFS()
+    by_cgroup: dict[str | None, list[int]] = {}  # /proc/PID/cgroup text -> pids: one limit lookup per cgroup
+    for pid in pids:
+        by_cgroup.setdefault(proc.cgroup(pid), []).append(pid)
+    groups: dict[Path | None, tuple[CgroupMemory | None, list[int]]] = {}
+    for text, members in by_cgroup.items():
+        limit = memory_limit(members[0], proc) if text is not None else None
+        where = limit.path if limit is not None else None
+        groups[where] = (limit, groups.get(where, (limit, []))[1] + members)
     vm = psutil.virtual_memory()
-    return JobMemory(used, len(pids), memory_limit(pids[0], proc), vm.total, vm.available)
+    return [JobMemory(_used(members, table, pss), len(members), limit, vm.total, vm.available)
+            for limit, members in groups.values()]
+
+
+def _used(pids: list[int], table: ProcessTable, pss: bool) -> int:
+    if not pss:
+        return table.rss(pids)
+    used = 0
+    for pid in pids:
+        try:
+            used += psutil.Process(pid).memory_full_info().pss
+        except psutil.Error:
+            continue
+    return used
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,11 @@ class Verdict:
     status: Status
     forecast: Forecast | None
     reason: str
+
+
+def _eta(v: Verdict) -> float:
+    eta = v.forecast.seconds_to_limit if v.forecast is not None else None
+    return eta if eta is not None else float("inf")
 
 
 def evaluate(m: JobMemory, forecast: Forecast | None, s: JobMemorySettings) -> Verdict:
@@ -135,7 +158,7 @@ class JobMemoryCheck(JobCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self._windows: dict[str, SeriesWindow] = {}
+        self._windows: dict[tuple[str, str], SeriesWindow] = {}  # (job, its limit's cgroup or "") -> series
 
     def run(self) -> Sequence[Result]:
         view = self.view()
@@ -144,23 +167,26 @@ class JobMemoryCheck(JobCheck):
         seen = set()
         table = self.context.processes.get()
         for job in self.jobs_here(view, self.settings.names):
-            m = gather(job, table, self.settings.pss, self.context.proc)
-            if m is None:
-                continue
-            seen.add(job.key)
-            window = self._windows.setdefault(job.key, SeriesWindow(self.settings.window, 3, self.settings.min_span))
-            window.add(now, m.tracked)
-            forecast = window.forecast_growth_into(m.headroom)
-            verdict = evaluate(m, forecast, self.settings)
-            results.append(self._result(job, m, verdict))
-        for key in set(self._windows) - seen:  # the job ended: its series with it
+            judged = []
+            for m in gather(job, table, self.settings.pss, self.context.proc):
+                key = (job.key, str(m.cgroup.path) if m.cgroup else "")  # a series per limit
+                seen.add(key)
+                window = self._windows.setdefault(key, SeriesWindow(self.settings.window, 3, self.settings.min_span))
+                window.add(now, m.tracked)
+                verdict = evaluate(m, window.forecast_growth_into(m.headroom), self.settings)
+                judged.append((m, verdict))
+            if judged:  # the limit nearest to an OOM kill speaks for the job
+                m, verdict = max(judged, key=lambda mv: (mv[1].status.severity, -_eta(mv[1]), -mv[0].headroom))
+                results.append(self._result(job, m, verdict))
+        for key in set(self._windows) - seen:  # the job (or its processes under that limit) ended: the series too
             del self._windows[key]
         return results
 
     def clear(self, subject: str, at: float) -> None:
         """The job's processes started afresh (restarted in place) or the operator says the cause is fixed: the
-        growth of the processes gone is not the new ones', so the series starts again."""
-        self._windows.pop(subject, None)
+        growth of the processes gone is not the new ones', so the series start again."""
+        for key in [k for k in self._windows if k[0] == subject]:
+            del self._windows[key]
 
     def _result(self, job: Job, m: JobMemory, v: Verdict) -> Result:
         labels = {"job_id": job.job_id or job.name, "name": job.name}
