@@ -442,39 +442,56 @@ def test_xid79_signals_the_job_and_drains_the_node(slurm: SlurmCluster, kmsg: An
         slurm.resume_node()
 
 
-def test_a_requeue_cut_short_by_a_restart_of_the_agent_is_done_by_the_next_start(
-        slurm: SlurmCluster, kmsg: Any, tmp_path: Path, engines: list[Engine]) -> None:
-    """`systemctl restart trainguard` while the XID's requeue waits for the ranks to save: they save and exit, the
-    job ends, and without the next start taking up the list nobody would requeue it."""
-    checks = {"xid": {"actions": {"critical": ["signal", "drain", "requeue"], "resolved": ["resume"]}}}
-    actions = {"requeue": {"wait_exit": "60s", "timeout": "90s"}}
-    first = engine_for(slurm, tmp_path, checks, actions)
-    first.store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())  # only this test's records count
+def test_a_requeue_cut_short_by_a_crash_of_the_agent_is_done_by_the_next_start(
+        slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The agent is killed (the watchdog, the OOM killer) while its requeue waits for the ranks to save: they save
+    and exit, the job ends, and without the next start taking up the list nobody would requeue it. Real agents,
+    started as `trainguard run`; the fault is a disk check that is always CRITICAL, bound as a lost GPU is."""
+    state = tmp_path / "state"
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f"""
+[agent]
+state_dir = "{state}"
+node_name = "{slurm.node}"
+listen = ""
+[jobs]
+sources = ["slurm"]
+refresh = "1s"
+slurm_timeout = "10s"
+[checks.disk]
+paths = ["/"]
+free_critical = "100%"
+interval = "1s"
+jitter = "0s"
+[checks.disk.actions]
+critical = ["signal", "drain", "requeue"]
+[actions.requeue]
+type = "requeue"
+wait_exit = "60s"
+timeout = "90s"
+""")
     # saves for 4 s once signalled, then ends (the requeue waits up to its wait_exit for that)
     job_id = slurm.submit("trap 'sleep 4; exit 0' USR1; sleep 300 & wait", "--requeue", name="tg-requeue-cut")
     slurm.wait_state(job_id, ("RUNNING",))
     wait_until(lambda: getattr(job_here(slurm, job_id), "processes", None), 10, what="pids of the job")
-    first.start()
+    first = AgentProcess(config, tmp_path / "first.log").start()
+    second = AgentProcess(config, tmp_path / "second.log")
     try:
-        bus = unique_bus()
-        kmsg.write(xid79(bus))
+        first.wait_for("action=drain outcome=ok", timeout=30)
+        first.signal(signal.SIGKILL)  # the requeue, waiting for the job to save, dies with it
+        first.wait()
+        assert "action=requeue" not in first.output()
+        slurm.wait_state(job_id, ("COMPLETED",), timeout=30)  # saved and ended while no agent ran
 
-        def done(engine: Engine) -> list[tuple[str, str]]:
-            return [(a["action"], a["outcome"]) for i in engine.tracker.incidents() if i.subject == f"pci:{bus}"
-                    for a in i.actions]
-
-        wait_until(lambda: done(first) == [("signal", "ok"), ("drain", "ok")], 10, what="signal and drain done")
-        first.stop(grace=0.2)  # the requeue, waiting for the job to save, is cut short
-        slurm.wait_state(job_id, ("COMPLETED",), timeout=30)  # saved and ended while the agent was down
-
-        second = engine_for(slurm, tmp_path, checks, actions)  # the same state dir: the next start
-        engines.append(second)
         second.start()
-        wait_until(lambda: len(done(second)) == 3, 30, what="the requeue taken up")
-        assert done(second) == [("signal", "ok"), ("drain", "ok"), ("requeue", "ok")]
+        second.wait_for("action list cut short by the agent's stop or crash; taken up", timeout=30)
+        second.wait_for("action=requeue outcome=ok", timeout=30)
+        assert "action=signal" not in second.output() and "action=drain" not in second.output()
         requeued = slurm.job(job_id)
         assert requeued.get("Restarts") == "1" and requeued["JobState"] == "PENDING", requeued
     finally:
+        first.stop()
+        second.stop()
         sh("scancel", job_id)
         slurm.resume_node()
 
