@@ -523,6 +523,10 @@ def test_a_list_taken_up_acts_on_the_jobs_it_was_about(tmp_path: Path) -> None:
     assert jobs[1] == later  # the same life, still here: its processes to wait for
     assert (jobs[2].restarts, jobs[2].processes) == (2, ())  # its next life runs here: the record says so
 
+    done = {**cut, "next": 1, "started": False}  # every action had returned; only the list's removal was cut
+    second._keep("cut", done)
+    assert responder(Catalog(), store).resume(bindings) == []
+
     other = Store(tmp_path / "other")  # an agent whose incident was over by its next start
     responder(Catalog(), other, firing=False)._keep("cut", cut)
     assert responder(Catalog(), other, firing=False).resume(bindings) == []  # nothing is called for any more

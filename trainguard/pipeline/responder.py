@@ -7,8 +7,10 @@ Actions of one incident run in the order configured (save before drain before re
 A list under way is kept in the state database until it is done. A stop (`systemctl restart`, an upgrade) or a crash
 in the middle of one (a `requeue` waits minutes for the ranks to save) would otherwise leave undone what the fault
 called for: the ranks save and exit, and a job nobody requeues leaves the queue. At the next start, the rest of each
-such list runs again where the actions are safe to repeat (`Action.resumes`: `drain`, `requeue`, which reads the
-job's record first), on the jobs it was about; the others are recorded on the incident as interrupted.
+such list is taken up (within RESUME_WITHIN_S, for incidents still firing, as still bound) from the action that was
+under way if it is safe to repeat (`Action.resumes`: `drain`, `requeue`, which reads the job's record first), on the
+jobs it was about; an action under way that is not safe to repeat is recorded on the incident as interrupted, and the
+list ends there.
 """
 
 from __future__ import annotations
@@ -251,6 +253,8 @@ class Responder:
                 log.error("an action list cut short could not be read; not taken up", extra=kv(error=exc))
                 continue
             left = names[index:]
+            if not left:  # every action had returned: only the list's removal was cut
+                continue
             where = kv(incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(left))
             if event.incident_id not in firing:  # resolved, or gone: nothing is called for any more
                 log.info("action list cut short; its incident is over, not taken up", extra=where)
@@ -261,8 +265,8 @@ class Responder:
             if again[:1] != left[:1] or self.clock() - at > RESUME_WITHIN_S:
                 log.error("action list cut short; not taken up: its first action is no longer bound as it was, or it "
                           f"was cut more than {RESUME_WITHIN_S:g}s ago", extra=where)
-                self._interrupted(event, left[0], "cut short by the agent's stop or crash; not taken up at start "
-                                  "(no longer bound as it was, or too long ago)")
+                self._interrupted(event, left[0], ("cut short" if started else "not begun") + " at the agent's stop "
+                                  "or crash; not taken up at start (no longer bound as it was, or too long ago)")
                 continue
             if started and not self.actions[again[0]].resumes:
                 self._interrupted(event, again[0], "cut short by the agent's stop or crash; not run again at start "
