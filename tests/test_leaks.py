@@ -14,11 +14,13 @@ import pytest
 
 from tests.conftest import REPO, MemoryCgroup, wait_until
 from trainguard.agent.configfile import parse_config
-from trainguard.checks.job_memory import JobMemory, JobMemorySettings, evaluate
+from trainguard.checks.job_memory import JobMemory, JobMemorySettings, evaluate, gather
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status
+from trainguard.jobs.model import Job, ProcessRef
 from trainguard.node.cgroup import CgroupMemory, memory_limit
 from trainguard.node.procfs import ProcFS
+from trainguard.node.proctable import ProcessTable, ProcInfo
 from trainguard.pipeline.engine import Engine
 
 MiB = 2**20
@@ -107,7 +109,7 @@ def test_a_leak_under_a_limit_the_jobs_first_process_is_not_under_is_seen(
         [incident] = [i for i in engine.tracker.incidents() if i.check == "leak"]
         assert incident.status is Status.CRITICAL and "is reached in ~" in incident.summary, incident.summary
         assert "memory.limit_in_bytes" in incident.summary or "memory.max" in incident.summary, incident.summary
-        assert incident.details["processes"] == 1  # the rank, under the limit: the launcher is judged apart
+        assert incident.details["processes"] == 2  # the job's whole tree here; judged by the rank's limit
     finally:
         engine.stop()
 
@@ -165,3 +167,53 @@ def test_cgroup_limit_is_the_tightest_on_the_path(tmp_path: Path, version: int) 
     (job / limit_file).write_text("max\n" if version == 2 else "9223372036854771712\n")
     (job.parent / limit_file).write_text("max\n" if version == 2 else "9223372036854771712\n")
     assert memory_limit(777, ProcFS(proc)) is None  # unlimited all the way up
+
+
+def _slurm_v2(tmp_path: Path) -> tuple[Path, Path]:
+    """A fake cgroup v2 tree as SLURM's task/cgroup lays it out (the job and each step limited alike), and /proc."""
+    root, proc = tmp_path / "cgroup", tmp_path / "proc"
+    job = root / "system.slice" / "slurmstepd.scope" / "job_7"
+    for step, usage in (("step_batch", GiB), ("step_0", 8 * GiB)):
+        (job / step / "user").mkdir(parents=True)
+        (job / step / "memory.max").write_text(f"{10 * GiB}\n")
+        (job / step / "memory.current").write_text(f"{usage}\n")
+    (job / "memory.max").write_text(f"{10 * GiB}\n")
+    (job / "memory.current").write_text(f"{int(9.5 * GiB)}\n")  # its steps' together
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text(f"30 1 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n")
+    return job, proc
+
+
+def test_the_limit_nearest_to_an_oom_kill_is_the_one_with_the_least_headroom(tmp_path: Path) -> None:
+    """The job cgroup and its steps carry the same limit: the job's usage is its steps' together, so the job's limit is
+    the one the OOM killer reaches first (2 GiB to the step's own 0.5 GiB more)."""
+    job, proc = _slurm_v2(tmp_path)
+    (proc / "801").mkdir()
+    (proc / "801" / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_7/step_0/user\n")
+    found = memory_limit(801, ProcFS(proc))
+    assert found is not None and (found.path, found.limit, found.headroom) == (job, 10 * GiB, GiB // 2)
+
+
+def test_a_jobs_processes_are_judged_by_limit_and_a_process_gone_is_left_out(tmp_path: Path) -> None:
+    """The batch script (step_batch) and the ranks (step_0) are held to one limit, the job's: one group. A launcher
+    outside any cgroup limit is a group of its own (the host's memory). A process that exited after the snapshot (its
+    cgroup unreadable) is in no group: it must not make a job under cgroup limits answer for the host's memory."""
+    job, proc = _slurm_v2(tmp_path)
+    cgroups = {800: "0::/system.slice/slurmstepd.scope/job_7/step_batch/user\n",
+               801: "0::/system.slice/slurmstepd.scope/job_7/step_0/user\n",
+               802: "0::/system.slice/slurmstepd.scope/job_7/step_0/user\n",
+               803: "0::/user.slice\n"}
+    for pid, text in cgroups.items():
+        (proc / str(pid)).mkdir()
+        (proc / str(pid) / "cgroup").write_text(text)
+    table = ProcessTable({pid: ProcInfo(pid, ppid, 100.0, rss, "x") for pid, ppid, rss in (
+        (799, 1, MiB), (800, 799, 2 * MiB), (801, 800, 3 * GiB), (802, 800, 3 * GiB), (803, 799, MiB),
+        (804, 799, 50 * GiB))})  # 804: gone by the time its cgroup is read
+    top = Job(key="slurm:7", source="slurm", name="t", state="RUNNING", job_id="7",
+              processes=(ProcessRef(799, 100.0),))
+    groups = {m.cgroup.path if m.cgroup else None: (m.processes, m.used) for m in gather(top, table, proc=ProcFS(proc))}
+    assert groups == {job: (3, 2 * MiB + 6 * GiB), None: (1, MiB)}  # 799 and 804: no /proc entry, left out
+    (proc / "799").mkdir()
+    (proc / "799" / "cgroup").write_text(cgroups[803])
+    groups = {m.cgroup.path if m.cgroup else None: (m.processes, m.used) for m in gather(top, table, proc=ProcFS(proc))}
+    assert groups == {job: (3, 2 * MiB + 6 * GiB), None: (2, 2 * MiB)}  # the launcher and 803: the host's memory

@@ -8,8 +8,9 @@ The default CRITICAL response is the save-and-exit request, before the OOM kille
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size_limit
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_pids
-from trainguard.node.cgroup import CgroupMemory, memory_limit
+from trainguard.node.cgroup import CgroupMemory, memory_key, memory_limit_of
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessTable
 
@@ -79,19 +80,23 @@ class JobMemory:
 
 def gather(job: Job, table: ProcessTable, pss: bool = False, proc: ProcFS | None = None) -> list[JobMemory]:
     """The job's memory from the shared snapshot (RSS), or PSS read per process (smaps_rollup: costlier), one figure
-    per limit its processes are held to. The OOM killer acts per cgroup: the batch script in one, each step's ranks in
-    another (SLURM can limit a step on its own), so each is judged against its own limit; processes under none are
-    judged against the host's memory. Empty when the job has no process here."""
+    per limit its processes are held to. The OOM killer acts per cgroup: a launcher outside the ranks' cgroup, or
+    steps limited apart from each other, are each judged against their own limit; processes under none are judged
+    against the host's memory. A process gone since the snapshot (its cgroup unreadable) is left out. Empty when
+    the job has no process here."""
     pids = job_pids(job, table)
     if not pids:
         return []
     proc = proc or ProcFS()
-    by_cgroup: dict[str | None, list[int]] = {}  # /proc/PID/cgroup text -> pids: one limit lookup per cgroup
+    mountinfo = proc.mountinfo() or ""
+    by_key: dict[tuple[str | None, str | None], tuple[str, list[int]]] = {}  # memory paths -> (cgroup text, pids)
     for pid in pids:
-        by_cgroup.setdefault(proc.cgroup(pid), []).append(pid)
-    groups: dict[Path | None, tuple[CgroupMemory | None, list[int]]] = {}
-    for text, members in by_cgroup.items():
-        limit = memory_limit(members[0], proc) if text is not None else None
+        text = proc.cgroup(pid)
+        if text is not None:
+            by_key.setdefault(memory_key(text), (text, []))[1].append(pid)
+    groups: dict[Path | None, tuple[CgroupMemory | None, list[int]]] = {}  # one per limit: a job's steps may share it
+    for text, members in by_key.values():
+        limit = memory_limit_of(text, mountinfo) if mountinfo else None
         where = limit.path if limit is not None else None
         groups[where] = (limit, groups.get(where, (limit, []))[1] + members)
     vm = psutil.virtual_memory()
@@ -116,18 +121,24 @@ class Verdict:
     status: Status
     forecast: Forecast | None
     reason: str
+    floor: bool = False  # the headroom left is below the floor
 
 
-def _eta(v: Verdict) -> float:
-    eta = v.forecast.seconds_to_limit if v.forecast is not None else None
-    return eta if eta is not None else float("inf")
+def _nearest_kill(judged: tuple[JobMemory, Verdict]) -> tuple[int, bool, float, int]:
+    """Which of a job's limits speaks: the worst status; then one below its floor; then the sooner forecast (of a
+    WARNING or CRITICAL: a trend too slow to alert on would make the figures shown jump between limits); then the
+    least headroom."""
+    m, v = judged
+    eta = v.forecast.seconds_to_limit if v.forecast is not None and v.status is not Status.OK else None
+    return v.status.severity, v.floor, -(eta if eta is not None else math.inf), -m.headroom
 
 
 def evaluate(m: JobMemory, forecast: Forecast | None, s: JobMemorySettings) -> Verdict:
     status, floor = Floors(None, s.floor).evaluate(m.headroom, m.limit)
     if floor is not None:
         return Verdict(status, forecast, f"only {format_bytes(m.headroom)} left under the {m.limit_text()} "
-                                         f"({format_bytes(m.limit)}), below the {floor.describe(in_bytes=True)} floor")
+                                         f"({format_bytes(m.limit)}), below the {floor.describe(in_bytes=True)} floor",
+                       floor=True)
     if forecast is None or forecast.seconds_to_limit is None:
         return Verdict(Status.OK, forecast, "")
     eta = forecast.seconds_to_limit
@@ -175,9 +186,10 @@ class JobMemoryCheck(JobCheck):
                 window.add(now, m.tracked)
                 verdict = evaluate(m, window.forecast_growth_into(m.headroom), self.settings)
                 judged.append((m, verdict))
-            if judged:  # the limit nearest to an OOM kill speaks for the job
-                m, verdict = max(judged, key=lambda mv: (mv[1].status.severity, -_eta(mv[1]), -mv[0].headroom))
-                results.append(self._result(job, m, verdict))
+            if judged:  # the limit nearest to an OOM kill speaks for the job, with the job's totals
+                m, verdict = max(judged, key=_nearest_kill)
+                used, processes = sum(g.used for g, _ in judged), sum(g.processes for g, _ in judged)
+                results.append(self._result(job, replace(m, used=used, processes=processes), verdict))
         for key in set(self._windows) - seen:  # the job (or its processes under that limit) ended: the series too
             del self._windows[key]
         return results
