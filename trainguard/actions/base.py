@@ -133,9 +133,9 @@ class Action(ABC):
     # It needs what only the controller's record of a SLURM job says (its switch dir, its nodes): a job listed before
     # that record came is waited for (trainguard.pipeline.responder.event_jobs).
     needs_record: ClassVar[bool] = False
-    # Safe to run again when a stop or a crash of the agent cut it short (or the list before it): taken up at the
-    # next start (trainguard.pipeline.responder). Not a signal (delivered, or the ranks would get it twice), nor a
-    # restart (the relaunch loop may have started the job again already).
+    # Safe to run again when a stop or a crash of the agent cut it short while under way: its list is taken up from
+    # it at the next start (trainguard.pipeline.responder). Not a signal (delivered, or the ranks would get it twice),
+    # nor a restart (the relaunch loop may have started the job again already).
     resumes: ClassVar[bool] = False
 
     def __init__(self, name: str, settings: ActionSettings) -> None:

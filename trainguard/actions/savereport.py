@@ -72,7 +72,7 @@ class SaveReport:
         self._earlier = (st.st_ino, st.st_ctime_ns) if st is not None else None
 
     def watch(self) -> None:
-        """After the signal (the report there marked, then the request written by the caller, `restart`): look for the
+        """Once the caller (`restart`) marked the report there and wrote its request, before its signal: look for the
         report every POLL until it is there or close() is called. The relaunch loop removes the files."""
         self.requested.set()  # the request is written: a save signal that joins this report need not wait for it
         if not self.note:
