@@ -332,19 +332,13 @@ class RestartAction(Action):
         restart watches its own."""
         assert job.job_id
         job_id = job.job_id
-        made: list[SaveReport] = []
-
-        def make() -> SaveReport:
-            made.append(SaveReport(job.switch_dir or "", job_id, identity))
-            return made[-1]
-
-        joined = ctx.reports.join(job_id, ctx.actions, make)
-        if made and joined is made[0]:  # this restart's: a list that joins it holds it on after this one is done
-            return made[0], made[0], lambda: ctx.reports.leave(job_id, ctx.actions)
+        own = SaveReport(job.switch_dir or "", job_id, identity)  # no thread until watched
+        joined = ctx.reports.join(job_id, ctx.actions, lambda: own)
+        if joined is own:  # this restart's: a list that joins it holds it on after this one is done
+            return own, own, lambda: ctx.reports.leave(job_id, ctx.actions)
         if isinstance(joined, SaveReport) and joined.requested.wait(REQUEST_WAIT) and not joined.note:
             return joined, None, lambda: None  # the lists holding it close it
-        own = SaveReport(job.switch_dir or "", job_id, identity)  # private to this restart
-        return own, own, own.close
+        return own, own, own.close  # private to this restart
 
     @staticmethod
     def _launched_here(job_id: str, ctx: ActionContext,
