@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pydantic import Field
@@ -274,7 +275,7 @@ class TrainingLogCheck(JobCheck):
         key = (job.key, path)
         position = self._positions.get(key)
         if position is None and (earlier := self._earlier.get(path)) is not None:
-            position = Position.from_list(earlier.to_list())  # a copy: each job moves on from it alone
+            position = replace(earlier)  # a copy: each job moves on from it alone
         older = None
         if job.restarts and job.start_time:
             # A node meeting a requeued job for the first time (the requeue placed it here): an appended log
