@@ -178,6 +178,49 @@ def test_a_requeued_job_starts_a_new_life_in_its_logs(multinode: MultiNodeCluste
         multinode.run("scancel", job_id, check=False)
 
 
+@pytest.mark.slow
+def test_a_node_meeting_a_requeued_job_first_does_not_read_its_earlier_lives_lines(
+        multinode: MultiNodeCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--open-mode=append` and a requeue onto another node: the job's first life logs an OOM on n1; its next life runs
+    on n2, whose agent never saw the first, and prints at once. n2's agent hears of the job from its SLURM source and
+    looks at the log within seconds of the start: it reads the new life's lines, not the OOM. Its log check runs every
+    10 minutes here: only the source's news can make it look (and read) in time."""
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    workdir = multinode.workdir()
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    script = (f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then echo "{oom}"; '
+              'else echo "life $SLURM_RESTART_COUNT: step 0 loss=2.3"; fi; exec sleep 120')
+    job_id = multinode.submit(script, "-N", "1", "-w", "n1", "--requeue", "--open-mode=append", workdir=workdir,
+                              name="tg-elsewhere")
+    raw = {"agent": {"state_dir": str(tmp_path / "n2"), "node_name": "n2", "listen": ""},
+           "jobs": {"sources": ["slurm"], "slurm_node": "n2", "slurm_timeout": "10s", "refresh": 0},
+           "checks": {"logs": {"type": "training_log", "interval": "600s", "jitter": "0s"}},
+           "notifiers": {"console": {}}, "actions": {}}
+    engine = Engine(parse_config(raw, "n2.toml"))
+    key = f"slurm:{job_id}"
+
+    def read() -> object:
+        last = engine.snapshot().checks["logs"].last
+        return next((r for r in (last.results if last else ()) if r.subject == key), None)
+
+    try:
+        wait_until(lambda: multinode.job(job_id).get("JobState") == "RUNNING", 30, what="the first life running")
+        out = Path(multinode.job(job_id)["StdOut"])
+        wait_until(lambda: out.exists() and "CUDA out of memory" in out.read_text(), 20, what="the first life's OOM")
+        engine.start()  # its first round: no job on n2
+        multinode.run("scontrol", "requeue", job_id)
+        wait_until(lambda: multinode.job(job_id).get("JobState") == "PENDING", 30, what="the job back in the queue")
+        multinode.run("scontrol", "update", f"JobId={job_id}", "NodeList=n2")  # the requeue places it elsewhere
+        wait_until(lambda: (multinode.job(job_id).get("JobState"), multinode.job(job_id).get("Restarts")) == (
+            "RUNNING", "1"), 60, what="the next life running on n2")
+        result = wait_until(read, 30, what="n2's agent reading the new life's log")
+        assert result.status is Status.OK, result.summary  # type: ignore[attr-defined]
+        assert "life 1: step 0" in out.read_text() and "CUDA out of memory" in out.read_text()
+    finally:
+        engine.stop()
+        multinode.run("scancel", job_id, check=False)
+
+
 RANK_SCRIPT = """#!/bin/bash
 # One rank of a job restarted in place: it logs its start, and saves and exits on SIGUSR1, except rank 1 of step 1,
 # which is hung (a rank stuck in a collective never gets to its signal handler).

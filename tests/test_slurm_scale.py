@@ -30,6 +30,7 @@ from trainguard.core.model import Status
 from trainguard.core.state import scoped_key
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.model import Job
+from trainguard.jobs.prolog import write_record
 from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.jobs.slurmsource import LINGER_S, STARTING_S, WATCH_S, SlurmSource
@@ -286,6 +287,57 @@ def test_a_job_the_watcher_saw_is_starting_until_its_directory_goes(
         assert "4242003" not in listed()
     finally:
         source.close()
+
+
+@pytest.mark.parametrize("real_cgroup", [2], indirect=True, ids=["v2"])
+def test_the_source_tells_its_listeners_of_a_job_starting_here(
+        real_cgroup: tuple[Path, subprocess.Popen[bytes], str], tmp_path: Path) -> None:
+    """The log check must look at a job's logs before it writes: the catalog tells it when the watcher finds a job,
+    when a prolog record is written, and when a job's first fetch is over."""
+    task, _, node = real_cgroup
+    job_dir = next(p for p in task.parents if p.name == "job_4242001").with_name("job_4242002")
+    records = tmp_path / "records"
+    scontrol = tmp_path / "scontrol"  # answers at once, so no fetch is retried (a retry would be news too)
+    scontrol.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
+    scontrol.chmod(0o755)
+    catalog = JobCatalog(JobsSettings(sources=["slurm"], slurm_node=node, prolog_dir=str(records),
+                                      slurm_bin_dir=str(tmp_path)), node)
+    news: list[float] = []
+
+    def failing() -> None:
+        raise RuntimeError("a listener that fails")
+
+    catalog.listen(failing)  # the others are told all the same, and the watcher goes on
+    stop = catalog.listen(lambda: news.append(time.monotonic()))
+    try:
+        write_record(str(records), {"SLURM_JOB_ID": "4242009"}, ended=False)  # before the watcher: not news
+        assert sorted(j.job_id for j in catalog.view().jobs) == ["4242001", "4242009"]  # starts the watcher
+        wait_until(lambda: len(news) >= 2, 5, what="the first fetches over")  # 4242001's and 4242009's
+        time.sleep(4 * WATCH_S)
+        base = len(news)
+        assert base == 2
+        (job_dir / "step_0").mkdir(parents=True)
+        wait_until(lambda: len(news) >= base + 2, 5, what="news of the job found, then of its first fetch")
+        time.sleep(4 * WATCH_S)
+        assert len(news) == base + 2
+        write_record(str(records), {"SLURM_JOB_ID": "4242003"}, ended=False)
+        wait_until(lambda: len(news) > base + 2, 5, what="news of the prolog record")
+        time.sleep(4 * WATCH_S)
+        assert len(news) == base + 3  # the record's job is news to the next listing, not to the watcher
+        stop()
+        time.sleep(4 * WATCH_S)
+        base = len(news)
+        job_dir.with_name("job_4242004").joinpath("step_0").mkdir(parents=True)
+        wait_until(lambda: "4242004" in {j.job_id for j in catalog.view().jobs}, 5, what="the job listed")
+        time.sleep(4 * WATCH_S)
+        assert len(news) == base  # stopped: told no more
+    finally:
+        catalog.close()
+        for name in ("job_4242002", "job_4242004"):
+            step = job_dir.with_name(name) / "step_0"
+            if step.is_dir():
+                step.rmdir()
+                step.parent.rmdir()
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from trainguard.checks import training_log
 from trainguard.checks.base import CheckContext
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
@@ -25,7 +26,7 @@ from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.logscan.context import pick_gpu
 from trainguard.logscan.diagnose import diagnose_cuda
-from trainguard.logscan.reader import LogTail
+from trainguard.logscan.reader import LogTail, look
 from trainguard.logscan.signatures import BUILTIN, Scanner
 from trainguard.node.access import Identity
 from trainguard.pipeline.store import Store
@@ -206,33 +207,167 @@ def test_two_jobs_naming_one_log_each_read_all_of_it(tmp_path: Path, trainer: tu
         proc.wait()
 
 
-@pytest.mark.parametrize("written_in_this_life", [False, True])
+def logs_check_of(tmp_path: Path, job: list[Job], store: Store | None = None) -> TrainingLogCheck:
+    """The log check over one SLURM job (`job[0]`, which a test may replace between runs)."""
+    made = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
+        state=ScopedState(store or Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    made.view = lambda: JobView((job[0],))  # type: ignore[method-assign]
+    return made
+
+
+@pytest.mark.parametrize(("written_in_this_life", "looked_late"), [(False, False), (True, False), (True, True)])
 def test_a_node_meeting_a_requeued_job_skips_an_appended_log_its_earlier_lives_wrote(
-        tmp_path: Path, written_in_this_life: bool) -> None:
+        tmp_path: Path, written_in_this_life: bool, looked_late: bool) -> None:
     """The requeue placed the job's next life on a node that never ran it. Its StdOut is appended to
-    (`--open-mode=append`): the earlier life's OOM, dealt with by that life's requeue, is not this life's. A log
-    this life wrote to already is read from its start, as before (the earlier lines cannot be told apart)."""
+    (`--open-mode=append`): the earlier life's OOM, dealt with by that life's requeue, is not this life's. Looked at
+    within EARLY_S of the life's start (the source's news wakes the check), the log is read from where it ended then,
+    even if the life wrote a line before the look (that line is the cost); looked at later, a log this life wrote to
+    is read from its start (the earlier lines cannot be told apart)."""
     log = tmp_path / "slurm-5.out"
     log.write_bytes(lines("step 10 loss=1.2", OOM_H100))
     earlier = time.time() - 60
     os.utime(log, (earlier, earlier))  # the first life ended a minute ago
-    start = time.time() - 1
+    start = time.time() - (30 if looked_late else 1)
     if written_in_this_life:
         with log.open("ab") as f:
             f.write(lines("step 0 loss=2.3"))
-    job = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
-              restarts=1, start_time=start, log_paths=(str(log),))
-    logs = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
-        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
-        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
-    logs.view = lambda: JobView((job,))  # type: ignore[method-assign]
+    job = [Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+               restarts=1, start_time=start, log_paths=(str(log),))]
+    logs = logs_check_of(tmp_path, job)
     [result] = logs.run()
-    assert result.status is (Status.CRITICAL if written_in_this_life else Status.OK), result.summary
+    assert result.status is (Status.CRITICAL if looked_late else Status.OK), result.summary
     with log.open("ab") as f:  # what this life writes from now on is read in either case
         f.write(lines("step 1 loss=nan", "step 2 loss=nan", "step 3 loss=nan", "step 4 loss=nan", "step 5 loss=nan"))
     [result] = logs.run()
     assert "nan_loss" in [f["signature"] for f in result.details["findings"]], result.details
-    assert ("cuda_oom" in [f["signature"] for f in result.details["findings"]]) is written_in_this_life
+    assert ("cuda_oom" in [f["signature"] for f in result.details["findings"]]) is looked_late
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_log_looked_at_before_the_job_wrote_is_read_from_there(tmp_path: Path, restarts: int) -> None:
+    """The node hears of the job (its prolog, its first process) before its record says which life it is in: where
+    its logs end is noted then. A log another job (or an earlier life) appended to is read from there once the
+    record came, whatever the job wrote meanwhile: its own lines are read, the other's are not."""
+    log = tmp_path / "train.log"  # `--output=train.log --open-mode=append`, as the job before it had
+    log.write_bytes(lines("step 10 loss=1.2", OOM_H100))
+    earlier = time.time() - 60
+    os.utime(log, (earlier, earlier))
+    job = [Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+               log_paths=(str(log),), extra={"incomplete": "asking slurmctld", "record_pending": True})]
+    logs = logs_check_of(tmp_path, job)
+    assert logs.run() == []  # not read: its life is on its way; but looked at
+    with log.open("ab") as f:  # the job starts writing: three NaN losses in a row (nan_limit), the first in two writes
+        f.write(b"step 0 loss=2.3\nstep 1 lo")
+    with log.open("ab") as f:
+        f.write(lines("ss=nan", "step 2 loss=nan", "step 3 loss=nan"))
+    job[0] = replace(job[0], restarts=restarts, start_time=time.time() - 30, extra={})  # started before the look
+    [result] = logs.run()
+    signatures = [f["signature"] for f in result.details["findings"]]
+    assert "cuda_oom" not in signatures, result.details
+    assert result.status is Status.CRITICAL, result.summary  # three in a row (nan_limit): every line of its own read
+
+    # A log recreated since the look (SLURM's default open mode truncates it) is this job's alone: read from its start
+    fresh = tmp_path / "fresh.log"
+    fresh.write_bytes(lines("step 10 loss=1.2", "the job before it"))
+    os.utime(fresh, (earlier, earlier))
+    job[0] = replace(job[0], key="slurm:6", job_id="6", restarts=None, start_time=None, log_paths=(str(fresh),),
+                     extra={"incomplete": "asking slurmctld", "record_pending": True})
+    assert logs.run() == []
+    fresh.unlink()
+    fresh.write_bytes(lines("step 0 loss=2.3", OOM_H100))
+    job[0] = replace(job[0], restarts=restarts, start_time=time.time() - 30, extra={})
+    [result] = logs.run()
+    assert [f["signature"] for f in result.details["findings"]] == ["cuda_oom"], result.details
+
+
+def test_a_later_lifes_own_log_made_after_the_start_is_read_whole(tmp_path: Path) -> None:
+    """The early look reads on from where a later life's StdOut ended, even if the life wrote there first; a log of
+    the check's own templates that the life made (`rank0.log`, after its start) is all the life's own."""
+    out = tmp_path / "slurm-5.out"
+    out.write_bytes(lines("step 10 loss=1.2"))
+    own = tmp_path / "rank0.log"
+    own.write_bytes(lines("step 0 loss=2.3", OOM_H100))
+    job = [Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+               restarts=1, start_time=time.time() - 1, log_paths=(str(out),))]
+    logs = TrainingLogCheck("logs", TrainingLogSettings(logs=[str(own)]), CheckContext(
+        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
+        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    logs.view = lambda: JobView((job[0],))  # type: ignore[method-assign]
+    [result] = logs.run()
+    assert [(f["signature"], f["path"]) for f in result.details["findings"]] == [("cuda_oom", str(own))], result.details
+
+
+def test_a_log_that_fails_to_be_looked_at_blinds_no_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's `--output` on a file system that answers EIO: that job's log is read (or fails) on its own; the
+    check goes on for the others."""
+    bad, good = tmp_path / "bad.out", tmp_path / "good.out"
+    bad.write_bytes(lines("step 0 loss=2.3"))
+    good.write_bytes(lines("step 0 loss=2.3", OOM_H100))
+    real = training_log.look
+
+    def failing(identity: Identity, path: str) -> object:
+        if path == str(bad):
+            raise OSError(5, "Input/output error", path)
+        return real(identity, path)
+
+    monkeypatch.setattr(training_log, "look", failing)
+    jobs = tuple(Job(key=f"slurm:{n}", source="slurm", name="t", state="RUNNING", job_id=str(n), uid=0,
+                     on_this_node=True, restarts=0, start_time=time.time() - 1, log_paths=(str(path),))
+                 for n, path in ((5, bad), (6, good)))
+    logs = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
+        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    logs.view = lambda: JobView(jobs)  # type: ignore[method-assign]
+    results = {r.subject: r for r in logs.run()}
+    assert results["slurm:5"].status is Status.OK and results["slurm:6"].status is Status.CRITICAL
+
+
+def test_a_log_looked_at_late_and_not_written_since_the_start_is_read_from_its_end(tmp_path: Path) -> None:
+    """A first life whose log another job appended to and that has written nothing yet: read from its end."""
+    log = tmp_path / "train.log"
+    log.write_bytes(lines("step 10 loss=1.2", OOM_H100))
+    earlier = time.time() - 60
+    os.utime(log, (earlier, earlier))
+    job = [Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+               restarts=0, start_time=time.time() - 30, log_paths=(str(log),))]
+    logs = logs_check_of(tmp_path, job)
+    assert logs.run()[0].status is Status.OK
+    with log.open("ab") as f:
+        f.write(lines("step 0 loss=2.3", OOM_H100))
+    assert [f["signature"] for f in logs.run()[0].details["findings"]] == ["cuda_oom"]
+
+
+def test_a_tail_begins_where_it_was_looked_at_while_the_file_is_the_same(tmp_path: Path) -> None:
+    log = tmp_path / "a.log"
+    log.write_bytes(b"the job before\nthis job's fir")
+    seen = look(ROOT, str(log))
+    assert seen is not None and seen.size == log.stat().st_size and not seen.ends_line()
+    assert look(ROOT, str(tmp_path / "missing.log")) is None
+    with log.open("ab") as f:
+        f.write(b"st line\nthis job's second line\n")
+    # looked at mid-line in the reader's own write (`cut`): the rest of that line is not read, as after a line cut at
+    # max_line; not the reader's own: what follows the look is a line
+    assert b"".join(LogTail(str(log), ROOT, begin=seen, cut=True).read()) == b"this job's second line\n"
+    assert b"".join(LogTail(str(log), ROOT, begin=seen).read()) == b"st line\nthis job's second line\n"
+    # rewritten in place (same inode, longer than the look, other first bytes): this file is read from its start
+    log.write_bytes(b"a new file, longer than the one looked at\n")
+    assert b"".join(LogTail(str(log), ROOT, begin=seen).read()) == b"a new file, longer than the one looked at\n"
+    # shorter than the look: read from its start as well
+    log.write_bytes(b"short\n")
+    assert b"".join(LogTail(str(log), ROOT, begin=seen).read()) == b"short\n"
+    # truncated in place and written again with the same first bytes (the same banner), past where the look ended
+    log.write_bytes(b"banner\nthe life before: CUDA error\n")
+    seen = look(ROOT, str(log))
+    assert seen is not None and seen.ends_line()
+    log.write_bytes(b"banner\nthis life, its own lines\n")
+    assert b"".join(LogTail(str(log), ROOT, begin=seen).read()) == b"banner\nthis life, its own lines\n"
+    # looked at where a line ended: what follows is read whole, whether or not `cut`
+    log.write_bytes(b"banner\nthe life before: CUDA error\n")
+    seen = look(ROOT, str(log))
+    with log.open("ab") as f:
+        f.write(b"this life\n")
+    assert seen is not None and b"".join(LogTail(str(log), ROOT, begin=seen, cut=True).read()) == b"this life\n"
 
 
 def test_positions_saved_per_path_by_an_earlier_version_are_read_on(tmp_path: Path,
@@ -288,16 +423,14 @@ def test_a_job_new_to_the_node_waits_for_its_record_before_its_first_read(tmp_pa
     lines, the first life's from its start."""
     log = tmp_path / "slurm-5.out"
     log.write_bytes(lines("step 10 loss=1.2", OOM_H100))
-    earlier = time.time() - 60
-    os.utime(log, (earlier, earlier))
-    job = Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
-              log_paths=(str(log),), extra={"incomplete": "asking slurmctld", "record_pending": True})
-    logs = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
-        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
-        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
-    logs.view = lambda: JobView((job,))  # type: ignore[method-assign]
+    if restarts:  # the earlier life's lines, a minute old; the first life's were written as it started
+        earlier = time.time() - 60
+        os.utime(log, (earlier, earlier))
+    job = [Job(key="slurm:5", source="slurm", name="t", state="RUNNING", job_id="5", uid=0, on_this_node=True,
+               log_paths=(str(log),), extra={"incomplete": "asking slurmctld", "record_pending": True})]
+    logs = logs_check_of(tmp_path, job)
     assert logs.run() == []
-    job = replace(job, restarts=restarts, start_time=time.time() - 1, extra={})
+    job[0] = replace(job[0], restarts=restarts, start_time=time.time() - 1, extra={})
     [result] = logs.run()
     assert result.status is (Status.CRITICAL if restarts == 0 else Status.OK), result.summary
 

@@ -7,15 +7,25 @@ diagnosis and the lever to pull.
 A requeued SLURM job keeps its id; its restart count (`Restarts=`) is its life. Findings are kept per life: when
 the count changes, what the earlier life left (findings, NaN streaks, collectives) is dropped, and its logs are read
 on from where the reader stood: the end of what the earlier life wrote when it was read to the end (appended logs,
-`--open-mode=append`), the start of a StdOut the new life truncated or recreated. A node meeting the job first in a
-later life reads an appended log last written before that life's start from its end. A heartbeat older than the new
+`--open-mode=append`), the start of a StdOut the new life truncated or recreated. A heartbeat older than the new
 life's start is the earlier life's and is not read.
+
+A node meeting a SLURM job first (it just started here, or was requeued onto this node) looks at where each of its
+logs ends as soon as it knows the log's path (the SLURM source's news wakes the check: the prolog's record, which
+names StdOut/StdErr before the job's first process; else the controller's record, a second or so after it), and a
+log not written since the job's start is read from there: what it holds is another job's or an earlier life's
+(appended: `--open-mode=append`, or a fixed `--output`). A later life's StdOut or StdErr looked at within EARLY_S of
+its start is read from there even if the life wrote to it before the look: an appended one holds the earlier lives'
+lines before them, which were dealt with then, and nothing in the file tells them apart. The cost is what the life
+wrote before the look (a job that crashes then still has its final exception read at its end: `_exit`). A log that
+was not there at the look, or was truncated or rewritten since, is read from its start; one looked at later than
+that, from its start too (earlier lives' lines included).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,7 +54,7 @@ from trainguard.logscan.launcher import BLOCK, root_cause
 from trainguard.logscan.lines import plain, timestamp, unwrap
 from trainguard.logscan.nccl import diagnose_nccl_error
 from trainguard.logscan.oom import IMPOSSIBLE, GpuContext, classify, explain, parse_oom
-from trainguard.logscan.reader import LogTail, Position
+from trainguard.logscan.reader import LogTail, Look, Position, look
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
 from trainguard.node.access import Identity, stat_as
 from trainguard.node.flight import Stall, analyze
@@ -53,8 +63,12 @@ log = logging.getLogger("trainguard.checks.training_log")
 
 POSITIONS_KEY = "logscan.positions"
 # The controller's StartTime (whole seconds) against a file's mtime (the file server's clock): a log last written
-# this much before a requeued life's start is the earlier lives'. A requeue takes longer than this between lives.
+# this much before a job's start is another job's, or its earlier lives'. A requeue takes longer than this between
+# lives.
 CLOCK_SKEW = 2.0
+# A later life's StdOut and StdErr looked at this soon after its start are read from where they ended then (see
+# above): without the prolog hook the look comes a second or so after the life's first process.
+EARLY_S = 5.0
 FINDINGS_KEY = "logscan.findings"
 COLLECTIVES_KEY = "logscan.collectives"
 LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
@@ -183,6 +197,19 @@ class TrainingLogCheck(JobCheck):
         self._nan_streaks: dict[str, dict[str, int]] = {}  # job -> "path|rank" (or "heartbeat") -> NaNs in a row
         self._beat_steps: dict[str, int] = {}  # job -> heartbeat step last looked at
         self._lives: dict[str, int] = {k: v for k, v in self.load_state(LIVES_KEY).items() if isinstance(v, int)}
+        # (job, log) -> where the log ended when the job was first heard of here (None: no such file), and when;
+        # kept until the log's first read found it
+        self._first: dict[tuple[str, str], tuple[Look | None, float]] = {}
+        self._unlisten: Callable[[], None] | None = None
+
+    def start(self, wake: Callable[[], None]) -> None:
+        """Run at once when a job starts here, to look at its logs before it writes (`_look`)."""
+        if self.context.jobs is not None:
+            self._unlisten = self.context.jobs.listen(wake)
+
+    def stop(self) -> None:
+        if self._unlisten is not None:
+            self._unlisten()
 
     def run(self) -> Sequence[Result]:
         view = self.view()
@@ -197,6 +224,7 @@ class TrainingLogCheck(JobCheck):
             paths.update((job.key, path) for path in logs)
             if job.state == "REQUEUED":  # its life here ended; what its log says now is its next life's, elsewhere
                 continue
+            self._look(job, logs)
             if not self._life(job, bool(view.stale.get(job.source))):
                 continue
             try:
@@ -222,6 +250,8 @@ class TrainingLogCheck(JobCheck):
             for key in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
                 del self._positions[key]
                 self._steps.pop(key, None)
+            for key in set(self._first) - paths:
+                del self._first[key]
             for path in set(self._earlier) - {path for _, path in paths}:  # kept while a job here names the log
                 del self._earlier[path]
         # per job: {job key: {path: position}}; beside them, a position saved by a version before that (a path, never
@@ -270,26 +300,47 @@ class TrainingLogCheck(JobCheck):
         self._nan_streaks.get(key, {}).clear()
         return dropped
 
+    def _look(self, job: Job, logs: Sequence[str]) -> None:
+        """Note where a SLURM job's logs end when this node first hears of the job (its life known or on its way),
+        before it has written much: what lies before is another job's or an earlier life's (`_read`)."""
+        if job.restarts is None and not job.extra.get("record_pending"):
+            return  # not a SLURM job whose start this node knows: read whole, as before
+        now = self.context.clock()
+        for path in logs:
+            key = (job.key, path)
+            if key not in self._positions and key not in self._first and path not in self._earlier:
+                try:
+                    self._first[key] = (look(self.identity(job), path), now)
+                except OSError as exc:  # its read says so (UNKNOWN for this job); without a look it is read whole
+                    log.debug("log not looked at", extra=kv(job=job.key, log=path, error=exc))
+
     def _read(self, job: Job, path: str) -> bool:
         """Read on in one of the job's logs; whether the relaunch loop said there that it started the job again."""
         key = (job.key, path)
         position = self._positions.get(key)
         if position is None and (earlier := self._earlier.get(path)) is not None:
             position = replace(earlier)  # a copy: each job moves on from it alone
-        older = None
-        if job.restarts and job.start_time:
-            # A node meeting a requeued job for the first time (the requeue placed it here): an appended log
-            # (`--open-mode=append`) last written before this life began holds only earlier lives' lines, whose
-            # errors were dealt with then; it is read from its end. One this life wrote to is read from its start,
-            # earlier lines included.
+        older = begin = None
+        cut = False
+        seen, looked = self._first.get(key, (None, 0.0))
+        if position is None and job.restarts is not None and job.start_time:
+            # The first read of a log of a SLURM job new to this node: lines written before the job started are
+            # another job's, or an earlier life's (`--open-mode=append`), dealt with then. A log not written since
+            # the start when looked at is read from there (one looked at later, from its end); a later life's StdOut
+            # or StdErr looked at soon after its start, from there too (the module's docstring). Else from its start.
             older = job.start_time - CLOCK_SKEW
-        tail = LogTail(path, self.identity(job), position, int(self.settings.max_line), older)
+            if seen is not None and seen.mtime < older:
+                begin = seen
+            elif seen is not None and job.restarts and path in job.log_paths and looked - job.start_time <= EARLY_S:
+                begin, cut = seen, True  # the life may have written there before the look: its line's rest is not read
+        tail = LogTail(path, self.identity(job), position, int(self.settings.max_line), older, begin, cut)
         streaks = self._nan_streaks.setdefault(job.key, {})
         try:
             return self._scan(job, path, tail, streaks)
         finally:  # the reader moved past each chunk before handing it over: what failed is not read again
             if tail.position is not None:
                 self._positions[key] = tail.position
+                self._first.pop(key, None)
 
     def _after_restart(self, key: str, restarted: list[str], several: bool) -> None:
         """The loop's line was read in `restarted` this round. Lines of the job's other logs read this round have no

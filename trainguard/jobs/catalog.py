@@ -29,7 +29,8 @@ class JobSource(Protocol):
     """A job source: one module in trainguard/jobs and one line in the registry's JOB_SOURCES. Built with the
     `[jobs]` settings, this node's name, the shared SLURM client and the shared process snapshot; `jobs()` raises
     SlurmError or OSError on failure. Optional: `changed()` (a cheap probe: would a listing now differ?),
-    `stale()` (why what it lists may be out of date), `refresh(job_id)`, `close()`."""
+    `stale()` (why what it lists may be out of date), `refresh(job_id)`, `listen(callback)` (news of a job starting
+    here, between listings), `close()`."""
 
     def jobs(self) -> Sequence[Job]: ...
 
@@ -127,6 +128,17 @@ class JobCatalog:
         ask = getattr(source, "refresh", None)
         if ask is not None and job.job_id:
             ask(job.job_id, max_age)
+
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Have `callback` called (from a source's thread; it must return at once) when a source has news of a job
+        starting on this node, between listings. Returns what stops it."""
+        stops = [listen(callback) for source in self._sources.values()
+                 if (listen := getattr(source, "listen", None)) is not None]
+
+        def stop() -> None:
+            for one in stops:
+                one()
+        return stop
 
     def settle(self, timeout: float, listed: bool = False) -> None:
         """List the jobs (unless the caller just took a fresh listing: `listed`), then wait (`timeout` at most) for

@@ -15,6 +15,10 @@ living less than a listing period (an array task that honours the stop switch be
 and its record fetched. One whose steps are gone is no longer running at once, and is forgotten `LINGER_S` later
 (its final state stays visible that long, for the checks that report how a job ended). While the controller does not
 answer, the jobs stay known from the node and `stale()` says so.
+
+Whoever must look at a job as soon as it starts (the log check notes where a job's logs end before it writes)
+`listen`s: it is told when the watcher finds a job new to this node, when a prolog record is written, and when a job's
+first record comes back.
 """
 
 from __future__ import annotations
@@ -145,6 +149,7 @@ class SlurmSource:
         self._spool_seen: int | None = None
         self._stale: str | None = None
         self._discovery = _Discovery()
+        self._listeners: tuple[Callable[[], None], ...] = ()  # replaced whole under the lock; read without it
         self._discover(force=True)
 
     # discovery ------------------------------------------------------------------------------------------------
@@ -216,7 +221,13 @@ class SlurmSource:
         (name, array, workdir) even if it has ended by the next listing. The spool dir is listed only when its
         mtime changed; a cgroup tree has no such stamp and is listed each time (one directory per user on v1)."""
         stamp: object = None
+        hooks: object = self.records.signature() if self.records else None
         while not self._stop.wait(WATCH_S):
+            if self.records and self._listeners:  # a prolog wrote (a job about to start here): one stat
+                now_hooks = self.records.signature()
+                if now_hooks != hooks:
+                    hooks = now_hooks
+                    self._announce("prolog record")
             d = self._discovery
             if d.spool is not None and not d.roots:
                 now_stamp = _mtime(d.spool)
@@ -229,6 +240,7 @@ class SlurmSource:
                 log.warning("job directory watch failed", extra=kv(error=exc))
                 continue
             now = self.clock()
+            new = False
             with self._lock:
                 self._leftovers.intersection_update(found)  # gone and back (a requeue): a job again
                 for job_id, uid in found.items():
@@ -237,6 +249,27 @@ class SlurmSource:
                     self._jobs[job_id] = _Local(job_id, now, uid=uid, stepped=True, glimpsed=True)
                     self._schedule(job_id, "first", now)
                     self._dirty = True
+                    new = True
+            if new:
+                self._announce("job found")
+
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (from this source's threads: it must return at once) when there is news of a job starting
+        here: found between listings, its prolog record written, its first record back. Returns what stops it."""
+        with self._lock:
+            self._listeners = (*self._listeners, callback)
+
+        def stop() -> None:
+            with self._lock:
+                self._listeners = tuple(c for c in self._listeners if c is not callback)
+        return stop
+
+    def _announce(self, what: str) -> None:
+        for callback in self._listeners:
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - a listener's failure never stops the watcher or the fetches
+                log.warning("job listener failed", extra=kv(news=what, error=exc))
 
     # the listing -----------------------------------------------------------------------------------------------
     def jobs(self) -> Sequence[Job]:
@@ -424,6 +457,8 @@ class SlurmSource:
             finally:
                 with self._lock:
                     local.fetching = False
+            if due.kind == "first":  # answered or failed: a check waiting for the job's life reads it now
+                self._announce("first record")
 
     def _fetch(self, due: _Due, uid: int | None) -> None:
         text, error, pending = None, None, None

@@ -37,17 +37,62 @@ class Position:
                    str(data[4]) if len(data) > 4 else "")
 
 
+@dataclass(frozen=True)
+class Look:
+    """Where a file ended when looked at (`look`), to begin reading there later if it is still that file: the same
+    inode, at least as long, with the same first bytes and the same bytes before `size` (a file truncated in place
+    and written again, as SLURM's default open mode does, has other bytes there; the same bytes are the same lines)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime: float  # when it was last written, as the look found it
+    head: str  # hex of its first bytes (up to HEAD)
+    before: str  # hex of the bytes before `size` (up to HEAD)
+
+    def ends_line(self) -> bool:
+        return not self.before or self.before.endswith("0a")
+
+
+def look(identity: Identity, path: str) -> Look | None:
+    """Where the regular file at `path` ends now; None when there is no such file the job's user may read. Raises
+    OSError only for a failing read."""
+    try:
+        fd = open_as(identity, path)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        before = max(0, st.st_size - HEAD)
+        return Look(st.st_dev, st.st_ino, st.st_size, st.st_mtime, os.pread(fd, HEAD, 0).hex(),
+                    os.pread(fd, st.st_size - before, before).hex())
+    finally:
+        os.close(fd)
+
+
+def _still(fd: int, st: os.stat_result, head: str, seen: Look) -> bool:
+    """Whether the file open as `fd` is still the one `seen` looked at, grown or not."""
+    if (seen.dev, seen.ino) != (st.st_dev, st.st_ino) or seen.size > st.st_size or not head.startswith(seen.head):
+        return False
+    before = max(0, seen.size - HEAD)
+    return os.pread(fd, seen.size - before, before).hex() == seen.before
+
+
 class LogTail:
     def __init__(self, path: str, identity: Identity, position: Position | None = None, max_line: int = MAX_LINE,
-                 older: float | None = None) -> None:
+                 older: float | None = None, begin: Look | None = None, cut: bool = False) -> None:
         """`identity`: the job's user, whose authority the log is read with (a path the user names is only read
-        if they could read it themselves). `older`: with no position, a file last written before this time (epoch
-        seconds) is read from its end, not its start: what it holds was written before the reader's interest."""
+        if they could read it themselves). With no position: where `begin` looked, if it is still that file, is
+        where reading starts (`cut`: a line unfinished there is the reader's own, whose rest is not read, as after
+        a line cut at max_line; else what follows is a line of its own); else a file last written before `older`
+        (epoch seconds) is read from its end; else from its start."""
         self.path = path
         self.identity = identity
         self.position = position
         self.max_line = max_line
         self.older = older
+        self.begin = begin
+        self.cut = cut
 
     def read(self, limit: int = 64 << 20) -> Iterator[bytes]:
         """Appended complete lines (newline-terminated), in chunks, up to `limit` bytes per call (the rest next time)."""
@@ -59,7 +104,9 @@ class LogTail:
             st = os.fstat(fd)
             pos = self.position
             head = os.pread(fd, HEAD, 0).hex()
-            if pos is None and self.older is not None and st.st_mtime < self.older:
+            if pos is None and self.begin is not None and _still(fd, st, head, self.begin):
+                pos = Position(st.st_dev, st.st_ino, self.begin.size, skipping=self.cut and not self.begin.ends_line())
+            elif pos is None and self.older is not None and st.st_mtime < self.older:
                 pos = Position(st.st_dev, st.st_ino, st.st_size)
             elif pos is None or (pos.dev, pos.ino) != (st.st_dev, st.st_ino) or not head.startswith(pos.head):
                 pos = Position(st.st_dev, st.st_ino, 0)
