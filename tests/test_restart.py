@@ -26,13 +26,18 @@ from trainguard.actions.savereport import SaveReport
 from trainguard.actions.signal import SignalAction, SignalSettings
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
 from trainguard.agent.configfile import parse_config
+from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
-from trainguard.core.model import Status
+from trainguard.core.model import Result, Status
+from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmClient, SlurmError, parse_listpids_steps, parse_steps
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.responder import Responder, _brief
 from trainguard.pipeline.store import Store
+from trainguard.registry import Registry
 from trainguard.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -671,6 +676,82 @@ def test_a_requeue_after_the_save_signal_waits_for_rank_0s_report_not_for_a_rank
                         requeued), requeued
     wait_until(lambda: sorted(p.name for p in sw.iterdir()) == ["saved.5"], 10,
                what="the request removed (the report stays: another node's agent may not have seen it yet)")
+
+
+@pytest.mark.parametrize("case", ["kept", "earlier-version", "not-taken-up"])
+def test_a_requeue_taken_up_after_a_crash_reads_the_report_the_dead_agent_asked_for(
+        tmp_path: Path, ranks: Callable[..., int], case: str) -> None:
+    """The agent dies while its requeue waits for a rank that never exits (a lost GPU), and rank 0 reports its
+    checkpoint while no agent runs. The next start takes the list up (trainguard.pipeline.responder): its requeue reads
+    that report, since the list kept what the signal asked for (the report noted before the request, the request), and
+    waits `after_save`, not its whole `wait_exit` a second time; the dead agent's request is removed once the list is
+    done. A list kept by a version before that (no reports kept) waits `wait_exit`, as it did. A list not taken up
+    (here: `requeue` no longer bound) still has the dead agent's request removed."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "saved.5").write_text("{}")  # an earlier fault's report: never read as this one (rank 0's replaces it)
+    hung = ProcessRef.of(ranks())
+    assert hung is not None
+    job = replace(_job(tmp_path), processes=(hung,), on_this_node=True)  # as the catalog lists it after the restart
+    slurm = StubSlurm({}, [])
+    store = Store(tmp_path / "state")
+    tracker = IncidentTracker(store, "n1", time.time)
+    tracker.observe("xid", [Result("xid", "pci:0000:3b:00", Status.CRITICAL, "XID 79", {})], IncidentPolicy(), True,
+                    lambda event: ())
+    [incident] = tracker.incidents()
+    event = Event(EventKind.FIRED, incident.id, "xid", incident.subject, Status.CRITICAL, "XID 79", "n1", time.time(),
+                  time.time())
+    wait_exit = 3 if case == "earlier-version" else 10
+    dead = ActionContext(event, (job,), "n1", slurm, time.time)  # type: ignore[arg-type]
+    try:
+        with _rank0(sw) as saver:
+            SignalAction("signal", SignalSettings()).run(dead)  # asks for the report; then the agent dies
+            asked = dead.reports.get("5")
+            assert asked is not None and asked.requested.wait(10)  # type: ignore[attr-defined]
+            reports = Responder._reports_asked(dead)
+            request = (sw / "signalled.5").stat()
+            assert reports["5"]["request"] == [request.st_ino, request.st_ctime_ns], reports
+            assert saver.wait(10) == 0  # rank 0 saved and reported while no agent ran
+
+        class Catalog:
+            node = "n1"
+
+            def __init__(self) -> None:
+                self.slurm = slurm
+
+            def view(self, max_age: float | None = None, fresh: bool = False) -> JobView:
+                return JobView((job,))
+
+        config = parse_config({"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []}},
+                              "t.toml")
+        responder = Responder(config, Registry(), Catalog(), tracker, state=store)  # type: ignore[arg-type]
+        responder.actions["requeue"] = RequeueAction("requeue", RequeueSettings(wait_exit=wait_exit, timeout=20,
+                                                                                after_save=0.3))
+        responder._keep("cut", {"event": event.to_dict(), "names": ["requeue"], "next": 0, "started": True,
+                                "at": time.time(), "kinds": {"requeue": "RequeueAction"}, "jobs": [_brief(job)],
+                                **({"reports": reports} if case != "earlier-version" else {})})
+        started = time.monotonic()
+        bound = ActionBinding(critical=[] if case == "not-taken-up" else ["requeue"])
+        for thread in responder.resume({"xid": bound}):
+            thread.join(30)
+        took = time.monotonic() - started
+        # the dead agent's request: removed by the list that took it up once done, or at once for a list not taken up,
+        # as the dead agent would have; a list kept by an earlier version knows nothing of it
+        wait_until(lambda: (sw / "signalled.5").exists() is (case == "earlier-version"), 10,
+                   what="the request removed, or left")
+    finally:
+        dead.done()  # (the dead agent's own report thread: it would have removed the request itself)
+    if case == "not-taken-up":
+        assert slurm.calls == [("signal", "5", "USR1", "full")]
+        return
+    [requeued] = [a for a in tracker.incidents()[0].actions if a["action"] == "requeue"]
+    assert slurm.calls[-1] == ("requeue", "5") and requeued["outcome"] == "ok"
+    if case == "kept":
+        assert took < 5, (took, requeued)  # wait_exit is 10 s
+        assert re.fullmatch(r"requeued 5 \(saved\.5 \d+\.\ds (after|before) the wait began, looked for again after "
+                            r"the agent's restart: the checkpoint was written\)", requeued["detail"]), requeued
+    else:
+        assert took >= wait_exit and requeued["detail"] == "requeued 5", (took, requeued)
 
 
 def test_without_a_switch_dir_the_requeue_waits_out_wait_exit_and_says_why(tmp_path: Path,

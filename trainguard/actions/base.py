@@ -75,6 +75,11 @@ class Reports:
             held = self._reports.get(job_id)
         return held[0] if held else None
 
+    def held_by(self, user: ActionList) -> dict[str, Report]:
+        """The reports `user`'s list asked for or joined, by job id."""
+        with self._lock:
+            return {job_id: report for job_id, (report, users) in self._reports.items() if user in users}
+
     def leave(self, job_id: str, user: ActionList) -> None:
         """`user`'s list is done with this job's report (a `restart` that made it): closed unless another holds it."""
         with self._lock:

@@ -15,13 +15,18 @@ each see the one answer; the relaunch loop removes it when it returns. Every loo
 thread of the report's own: a switch dir on a file system that hangs holds up a signal by REQUEST_WAIT at most, and
 never a cancel or a requeue, which read `at` only. A user who forges a report only has their own job ended sooner;
 any error reads as no report, and `wait_exit` holds.
+
+A list cut short by the agent's stop or crash while its `requeue` waited is taken up at the next start
+(trainguard.pipeline.responder): what it needs to watch the report again (`kept()`: the switch dir, the owner, the
+report noted before the request, the request's inode) is kept with the list, and `resumed()` watches again from there,
+so a rank on a lost GPU does not cost the job the whole `wait_exit` a second time.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import partial
 
 from trainguard.actions.base import ActionContext, ActionError, Report
@@ -58,7 +63,36 @@ class SaveReport:
         self.requested = threading.Event()  # ask(): the request is written, or will not be
         self._stop = threading.Event()
         self._request: tuple[int, dict[str, object]] | None = None  # ask(): the owner's uid and the request
+        self._uid: int | None = None  # the owner (ask(), resumed()): what a list taken up after a stop needs
+        self._mine: dict[str, tuple[int, int]] = {}  # name -> (inode, ctime) of the request written: only that is removed
+        self._taken_up = False  # resumed(): watched again after the agent's restart
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def resumed(cls, kept: Mapping[str, object], watch: bool = True) -> SaveReport:
+        """The report a list cut short by a stop or a crash asked for (`kept()`, saved with the list), watched again:
+        only a report other than the one noted before the request answers it, and the request (still in the switch dir:
+        the agent that wrote it died) is removed when this list is done, as the agent that wrote it would, if it is
+        still that file. Not `watch`: the request is only removed. Raises ValueError for a `kept` that is not one."""
+        earlier, request = _pair(kept.get("earlier")), _pair(kept.get("request"))
+        report = cls(str(kept["switch_dir"]), str(kept["job_id"]), None)
+        report._uid = int(str(kept["uid"]))
+        report._earlier, report._taken_up = earlier, True
+        if request is not None:
+            report._mine[signalled_name(report.job_id)] = request
+        if not watch:
+            report._stop.set()
+        report._start()
+        return report
+
+    def kept(self) -> dict[str, object] | None:
+        """What `resumed()` needs, once the request was written; None before, or when none was."""
+        if self._uid is None or not self._mine:
+            return None
+        request = self._mine.get(signalled_name(self.job_id))
+        return {"switch_dir": self.switch_dir, "job_id": self.job_id, "uid": self._uid,
+                "earlier": list(self._earlier) if self._earlier is not None else None,
+                "request": list(request) if request is not None else None}
 
     def mark(self) -> None:
         """Before the request: note the report there now. A rank reports only once a request is there, so what is
@@ -83,6 +117,7 @@ class SaveReport:
         set then), look for the report, and once closed remove both; all in the thread (the user lookup too: NSS may
         be slow, and the signal waits REQUEST_WAIT at most)."""
         self._request = (uid, request)
+        self._uid = uid
         self._start()
 
     def _start(self) -> None:
@@ -92,11 +127,20 @@ class SaveReport:
     def _run(self) -> None:
         request = signalled_name(self.job_id)
         deadline = time.monotonic() + KEEP
-        mine: dict[str, int] = {}  # name -> inode of the request written: only that is removed
+        mine = self._mine
         try:
             if self._request is not None:
                 if self._stop.is_set() or not self._write(request, mine):
                     return
+            elif self.identity is None and self._uid is not None:  # resumed(): the owner, looked up here (NSS)
+                try:
+                    self.identity, _ = uid_owner(self._uid)
+                except Exception as exc:  # noqa: BLE001 - no report read, and wait_exit holds
+                    self.note = f" (no report read: {type(exc).__name__}: {exc})"
+                    mine.clear()  # not removed either: whose authority to do it with is unknown
+                    return
+                finally:
+                    self.requested.set()
             while not self._stop.wait(POLL) and time.monotonic() < deadline:
                 assert self.identity is not None
                 try:
@@ -109,16 +153,17 @@ class SaveReport:
         finally:
             self.requested.set()
             if request in mine:
-                # The request served this fault: gone once its lists are done (or nobody answered). By inode: a later
-                # fault's request, written meanwhile by another list or another node's agent, is not this one's to
-                # remove. The report stays: another node's agent may not have seen it yet (NFS caches lookups for
-                # tens of seconds), and a later request notes it as earlier; the relaunch loop removes it.
+                # The request served this fault: gone once its lists are done (or nobody answered). By inode and
+                # change time: a later fault's request, written meanwhile by another list or another node's agent, is
+                # not this one's to remove. The report stays: another node's agent may not have seen it yet (NFS
+                # caches lookups for tens of seconds), and a later request notes it as earlier; the relaunch loop
+                # removes it.
                 self._stop.wait(max(0.0, deadline - time.monotonic()))
                 assert self.identity is not None
-                for name, ino in mine.items():
-                    remove_switch(self.switch_dir, name, self.identity, ino)
+                for name, (ino, ctime_ns) in mine.items():
+                    remove_switch(self.switch_dir, name, self.identity, ino, ctime_ns)
 
-    def _write(self, request: str, mine: dict[str, int]) -> bool:
+    def _write(self, request: str, mine: dict[str, tuple[int, int]]) -> bool:
         """The owner, the report there marked, the request written: whether it was (else `note` says why)."""
         assert self._request is not None
         uid, payload = self._request
@@ -131,6 +176,8 @@ class SaveReport:
             # heartbeat): none is made for it
             create_switch(self.switch_dir, request, self.identity, gid, payload, create=False)
             st = switch_stats(self.switch_dir, [request], self.identity).get(request)
+            if st is not None:  # before `requested`: the list keeps it (kept()) once its signal is over
+                mine[request] = (st.st_ino, st.st_ctime_ns)
         except ActionError as exc:
             self.note = f" (no report asked: {exc})"
             return False
@@ -139,8 +186,6 @@ class SaveReport:
             return False
         finally:
             self.requested.set()
-        if st is not None:
-            mine[request] = st.st_ino
         return True
 
     def close(self) -> None:
@@ -153,8 +198,18 @@ class SaveReport:
         read."""
         if self.at is not None:
             when = f"{self.at - since:.1f}s after" if self.at >= since else f"{since - self.at:.1f}s before"
-            return f" ({self.name} {when} {what}: the checkpoint was written)"
+            again = ", looked for again after the agent's restart" if self._taken_up else ""
+            return f" ({self.name} {when} {what}{again}: the checkpoint was written)"
         return self.note or " (no report from rank 0 of the checkpoint written)"
+
+
+def _pair(value: object) -> tuple[int, int] | None:
+    """(inode, ctime) as kept: a list of two integers, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"not an (inode, change time) pair: {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def _asked(switch_dir: str, job_id: str, uid: int, request: dict[str, object]) -> Report:

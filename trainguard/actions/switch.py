@@ -131,17 +131,20 @@ def create_switch(directory: str, name: str, identity: Identity, gid: int, paylo
         os.close(dfd)
 
 
-def remove_switch(directory: str, name: str, identity: Identity, ino: int | None = None) -> bool:
+def remove_switch(directory: str, name: str, identity: Identity, ino: int | None = None,
+                  ctime_ns: int | None = None) -> bool:
     """Withdraw a switch file the agent made (an action that failed after writing it): unlinked through the switch
-    dir opened as in create_switch, only while it is a regular file (unlink never follows a link) and, given `ino`,
-    still that file (not one written in its place since). False when it is gone or cannot be removed."""
+    dir opened as in create_switch, only while it is a regular file (unlink never follows a link) and, given `ino`
+    (and `ctime_ns`), still that file (not one written in its place since, which may have its inode number once the
+    file system reused it). False when it is gone or cannot be removed."""
     try:
         dfd = _open_switch_dir(directory, identity, create=False)
     except ActionError:
         return False
     try:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino) or (
+                ctime_ns is not None and st.st_ctime_ns != ctime_ns):
             return False
         os.unlink(name, dir_fd=dfd)
         return True

@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, Reports
+from trainguard.actions.savereport import SaveReport
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
@@ -69,6 +70,19 @@ def _same_lives(earlier: tuple[Job, ...], listed: tuple[Job, ...]) -> tuple[Job,
         else:
             out.append(job)
     return tuple(out)
+
+
+def _withdraw(event: Event, reports: Mapping[str, Any]) -> None:
+    """A list cut short that is not taken up: the requests for the ranks' reports its signal wrote are removed (if
+    they are still those files), as the agent that wrote them would have once the list was done."""
+    for job_id, kept in reports.items():
+        try:
+            if not isinstance(kept, dict):
+                raise ValueError(f"not a report of job {job_id}")
+            SaveReport.resumed(kept, watch=False)
+        except Exception as exc:  # noqa: BLE001 - a request left behind costs nothing but a file
+            log.error("a report's request left by the stop could not be removed", extra=kv(
+                incident=event.incident_id, job=job_id, error=exc))
 
 
 def _from_brief(data: Any) -> Job | None:
@@ -181,8 +195,10 @@ class Responder:
         wait = any(self.actions[name].needs_record for name in names if name in self.actions)
         return event_jobs(self.catalog, event, RECORD_WAIT_S if wait else 0.0)
 
-    def _run_all(self, event: Event, names: list[str], earlier: tuple[Job, ...] | None = None) -> None:
-        """Run `names` for `event`. `earlier`: the jobs a list cut short by a stop was about (taken up at start)."""
+    def _run_all(self, event: Event, names: list[str], earlier: tuple[Job, ...] | None = None,
+                 reports: Mapping[str, Any] | None = None) -> None:
+        """Run `names` for `event`. `earlier`: the jobs a list cut short by a stop was about (taken up at start);
+        `reports`: the ranks' reports its save signal asked for, by job id, watched again (SaveReport.kept)."""
         try:
             jobs = self.jobs_for(event, names)
         except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
@@ -194,10 +210,12 @@ class Responder:
                        if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports)
         list_id = f"{event.incident_id}-{uuid.uuid4().hex[:8]}"
-        self._keep(list_id, {"event": event.to_dict(), "names": names, "next": 0, "started": False,
-                             "kinds": {n: type(self.actions[n]).__name__ for n in names},
-                             "at": self.clock(), "jobs": [_brief(j) for j in jobs]})
         try:
+            self._watch_again(ctx, reports or {})
+            self._keep(list_id, {"event": event.to_dict(), "names": names, "next": 0, "started": False,
+                                 "kinds": {n: type(self.actions[n]).__name__ for n in names},
+                                 "at": self.clock(), "jobs": [_brief(j) for j in jobs],
+                                 "reports": self._reports_asked(ctx)})
             self._run_list(ctx, names, list_id)
         finally:
             ctx.done()
@@ -218,12 +236,45 @@ class Responder:
             except Exception as exc:  # noqa: BLE001 - the store may be closing (a list cut short at shutdown)
                 log.warning("saving the action lists under way failed", extra=kv(list=list_id, error=exc))
 
-    def _progress(self, list_id: str, index: int, started: bool) -> None:
-        """The list is at `names[index]`: `started` (under way), or not yet begun."""
+    def _progress(self, list_id: str, index: int, started: bool, reports: dict[str, Any] | None = None) -> None:
+        """The list is at `names[index]`: `started` (under way), or not yet begun; `reports`: the ranks' reports it
+        holds now (_reports_asked)."""
         with self._lists_lock:
             entry = self._lists.get(list_id)
         if entry is not None:
-            self._keep(list_id, {**entry, "next": index, "started": started, "at": self.clock()})
+            more = {"reports": reports} if reports is not None else {}
+            self._keep(list_id, {**entry, "next": index, "started": started, "at": self.clock(), **more})
+
+    @staticmethod
+    def _reports_asked(ctx: ActionContext) -> dict[str, Any]:
+        """What a list taken up after a stop needs to watch the ranks' reports this list holds (its save signal
+        asked for them, or joined another list's), by job id. Before and after each action: a request written slowly
+        (NSS, NFS) after its signal returned is kept before the requeue's wait."""
+        out = {}
+        for job_id, report in ctx.reports.held_by(ctx.actions).items():
+            kept = report.kept() if isinstance(report, SaveReport) else None
+            if kept is not None:
+                out[job_id] = kept
+        return out
+
+    @staticmethod
+    def _watch_again(ctx: ActionContext, reports: Mapping[str, Any]) -> None:
+        """A list taken up after a stop: the reports it held are watched again for its jobs whose same life still
+        runs here (the requeue it takes up then gives the ranks `after_save` from rank 0's report, not its whole
+        `wait_exit` for a rank that never exits). For the others (ended meanwhile, or in a later life) the dead agent's
+        request is only removed."""
+        here = {j.job_id for j in ctx.jobs if j.job_id and j.processes}
+        for job_id, kept in reports.items():
+            try:
+                if not isinstance(kept, dict) or str(kept["job_id"]) != job_id:
+                    raise ValueError(f"not a report of job {job_id}")
+                if job_id in here:
+                    ctx.reports.join(job_id, ctx.actions, lambda kept=kept: SaveReport.resumed(kept))
+                else:
+                    SaveReport.resumed(kept, watch=False)
+            except Exception as exc:  # noqa: BLE001 - the list goes on: its requeue waits wait_exit, as before
+                log.error("a report asked for before the stop could not be watched again", extra=kv(
+                    incident=ctx.event.incident_id, job=job_id, error=exc))
 
     def resume(self, bindings: Mapping[str, ActionBinding]) -> list[threading.Thread]:
         """At start: take up the lists a stop or a crash cut short within RESUME_WITHIN_S, for incidents still firing
@@ -256,8 +307,11 @@ class Responder:
             if not left:  # every action had returned: only the list's removal was cut
                 continue
             where = kv(incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(left))
+            reports = entry.get("reports")  # none before this version, or nothing asked
+            reports = reports if isinstance(reports, dict) else {}
             if event.incident_id not in firing:  # resolved, or gone: nothing is called for any more
                 log.info("action list cut short; its incident is over, not taken up", extra=where)
+                _withdraw(event, reports)
                 continue
             binding = bindings.get(event.check)
             bound = set(binding.for_status(event.status)) if binding is not None else set()
@@ -267,15 +321,17 @@ class Responder:
                           f"was cut more than {RESUME_WITHIN_S:g}s ago", extra=where)
                 self._interrupted(event, left[0], ("cut short" if started else "not begun") + " at the agent's stop "
                                   "or crash; not taken up at start (no longer bound as it was, or too long ago)")
+                _withdraw(event, reports)
                 continue
             if started and not self.actions[again[0]].resumes:
                 self._interrupted(event, again[0], "cut short by the agent's stop or crash; not run again at start "
                                   "(not safe to repeat), nor the actions after it")
+                _withdraw(event, reports)
                 continue
             log.warning("action list cut short by the agent's stop or crash; taken up", extra=kv(
                 incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(again),
                 jobs=",".join(j.job_id or j.key for j in jobs) or None))
-            thread = threading.Thread(target=self._run_all, args=(event, again, jobs),
+            thread = threading.Thread(target=self._run_all, args=(event, again, jobs, reports),
                                       name=f"actions-{event.incident_id}", daemon=True)
             with self._threads_lock:
                 if self._closing:
@@ -298,9 +354,9 @@ class Responder:
         event = ctx.event
         for index, name in enumerate(names):
             action = self.actions[name]
-            self._progress(list_id, index, True)
+            self._progress(list_id, index, True, self._reports_asked(ctx))
             record = self.run_one(action, ctx)
-            self._progress(list_id, index + 1, False)
+            self._progress(list_id, index + 1, False, self._reports_asked(ctx))
             try:
                 self.tracker.record_action(event.check, event.subject, record, event.incident_id)
             except Exception as exc:  # noqa: BLE001 - the audit line said it; the next actions still run
