@@ -18,8 +18,8 @@ any error reads as no report, and `wait_exit` holds.
 
 A list cut short by the agent's stop or crash while its `requeue` waited is taken up at the next start
 (trainguard.pipeline.responder): what it needs to watch the report again (`kept()`: the switch dir, the owner, the
-report noted before the request, the request's inode) is kept with the list, and `resumed()` watches again from there,
-so a rank on a lost GPU does not cost the job the whole `wait_exit` a second time.
+report noted before the request, the request's inode and change time) is kept with the list, and `resumed()` watches
+again from there, so a rank on a lost GPU does not cost the job the whole `wait_exit` a second time.
 """
 
 from __future__ import annotations
