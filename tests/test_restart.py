@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
+from trainguard.actions import savereport
 from trainguard.actions.base import ActionContext, ActionError, ActionList, Reports
 from trainguard.actions.restart import RestartAction, RestartSettings
 from trainguard.actions.savereport import SaveReport
@@ -32,6 +33,7 @@ from trainguard.core.model import Result, Status
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmClient, SlurmError, parse_listpids_steps, parse_steps
+from trainguard.node.access import Identity
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
@@ -890,6 +892,28 @@ def test_a_closed_report_removes_only_the_request_it_wrote(tmp_path: Path) -> No
     wait_until(lambda: mine.at is not None, 5, what="the report seen")
     mine.close()
     assert sorted(p.name for p in sw.iterdir()) == ["saved.5"]
+
+
+def test_a_request_replaced_before_it_was_looked_at_is_not_taken_for_ours(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another node's agent renames its own request into place between this agent's rename and its look: the file
+    there is not this agent's (another inode), so it is neither kept for a list taken up after a crash nor removed."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    real = savereport.switch_stats
+
+    def replaced_first(directory: str, names: list[str], identity: Identity) -> dict[str, os.stat_result]:
+        if "signalled.5" in names:
+            _fresh(sw / "signalled.5")
+        return real(directory, names, identity)
+
+    monkeypatch.setattr(savereport, "switch_stats", replaced_first)
+    report = SaveReport(str(sw), "5", None)
+    report.ask(os.getuid(), {"requested_by": "trainguard"})
+    assert report.requested.wait(5) and not report.note
+    assert report.kept() is None
+    report.close()
+    assert (sw / "signalled.5").exists()
 
 
 def test_two_agents_asking_at_once_never_take_the_report_from_each_other(tmp_path: Path) -> None:

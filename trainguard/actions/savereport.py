@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from functools import partial
 
 from trainguard.actions.base import ActionContext, ActionError, Report
-from trainguard.actions.switch import create_switch, remove_switch, switch_stats, uid_owner
+from trainguard.actions.switch import create_switch_file, remove_switch, switch_stats, uid_owner
 from trainguard.core.text import one_line
 from trainguard.jobs.model import Job
 from trainguard.node.access import Identity
@@ -174,9 +174,12 @@ class SaveReport:
                 return False
             # a job with no switch dir yet runs no trainer helper that could answer (the helper makes it at its first
             # heartbeat): none is made for it
-            create_switch(self.switch_dir, request, self.identity, gid, payload, create=False)
+            _, ino = create_switch_file(self.switch_dir, request, self.identity, gid, payload, create=False)
             st = switch_stats(self.switch_dir, [request], self.identity).get(request)
-            if st is not None:  # before `requested`: the list keeps it (kept()) once its signal is over
+            # Ours only with our inode (another node's agent may have renamed its request into place since): its
+            # change time too, once the rename is done. Before `requested`: the list keeps it (kept()) once its
+            # signal is over.
+            if st is not None and st.st_ino == ino:
                 mine[request] = (st.st_ino, st.st_ctime_ns)
         except ActionError as exc:
             self.note = f" (no report asked: {exc})"

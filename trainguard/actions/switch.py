@@ -97,6 +97,13 @@ def _create_dir(pfd: int, name: str, path: str, identity: Identity) -> int:
 
 def create_switch(directory: str, name: str, identity: Identity, gid: int, payload: dict[str, object],
                   create: bool = True) -> str:
+    return create_switch_file(directory, name, identity, gid, payload, create)[0]
+
+
+def create_switch_file(directory: str, name: str, identity: Identity, gid: int, payload: dict[str, object],
+                       create: bool = True) -> tuple[str, int]:
+    """create_switch, and the inode of the file it wrote: what is at `name` later is the agent's only with that
+    inode (another writer may rename a file of its own into place at any time)."""
     dfd = _open_switch_dir(directory, identity, create=create)
     where = f"{directory.rstrip('/')}/{name}"
     tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}"
@@ -117,13 +124,14 @@ def create_switch(directory: str, name: str, identity: Identity, gid: int, paylo
             try:
                 os.fchown(fd, identity.uid, gid)
                 os.write(fd, (json.dumps(payload) + "\n").encode())
+                ino = os.fstat(fd).st_ino
             finally:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             made = False
         except OSError as exc:
             raise ActionError(f"cannot create {where}: {exc.strerror or exc}") from None
-        return where
+        return where, ino
     finally:
         if made:  # nothing of ours is left in the user's directory
             with contextlib.suppress(OSError):
