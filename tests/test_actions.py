@@ -38,7 +38,7 @@ from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.access import Identity
 from trainguard.pipeline.engine import Engine, OperatorError
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker, Operator
-from trainguard.pipeline.responder import RESUME_WITHIN_S, Responder, _brief, event_jobs
+from trainguard.pipeline.responder import LISTS_KEY, RESUME_WITHIN_S, Responder, _brief, event_jobs
 from trainguard.pipeline.store import Store
 from trainguard.registry import Registry
 from trainguard.trainer import Trainer
@@ -531,6 +531,31 @@ def test_a_list_taken_up_acts_on_the_jobs_it_was_about(tmp_path: Path) -> None:
     responder(Catalog(), other, firing=False)._keep("cut", cut)
     assert responder(Catalog(), other, firing=False).resume(bindings) == []  # nothing is called for any more
     assert len(seen) == 1
+
+    # Cut before its jobs were listed (a restart waits up to RECORD_WAIT_S for a job's record first): the list is
+    # kept from its start with no jobs named, and the next start lists them itself.
+    gate = threading.Event()
+
+    class Waiting(Catalog):
+        def view(self, max_age: float | None = None, fresh: bool = False) -> JobView:
+            gate.wait(10)
+            return super().view(max_age, fresh)
+
+    third = Store(tmp_path / "third")
+    cutting = responder(Waiting(later), third)
+    [cut_incident] = cutting.tracker.incidents()
+    cut_event = replace(event, incident_id=cut_incident.id)
+    runner = threading.Thread(target=cutting._run_all, args=(cut_event, ["requeue"]), daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: [e["jobs"] for e in json.loads(third.get(LISTS_KEY) or "{}").values()] == [None], 5,
+                   what="the list kept while its jobs are listed")
+        [thread] = responder(Catalog(later, newcomer), third).resume(bindings)
+        thread.join(10)
+        assert seen[-1] == (later, newcomer)  # listed now, as the cut list would have
+    finally:
+        gate.set()
+        runner.join(10)
 
 
 def test_unknown_action_name_is_a_config_error() -> None:

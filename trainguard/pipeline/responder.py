@@ -199,26 +199,31 @@ class Responder:
                  reports: Mapping[str, Any] | None = None) -> None:
         """Run `names` for `event`. `earlier`: the jobs a list cut short by a stop was about (taken up at start);
         `reports`: the ranks' reports its save signal asked for, by job id, watched again (SaveReport.kept)."""
-        try:
-            jobs = self.jobs_for(event, names)
-        except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
-            log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
-            jobs = ()
-        if earlier is not None:
-            jobs = _same_lives(earlier, jobs)
-        others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
-                       if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
-        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports)
         list_id = f"{event.incident_id}-{uuid.uuid4().hex[:8]}"
+        # Kept before its jobs are listed (a restart's record wait takes up to RECORD_WAIT_S): a crash meanwhile
+        # leaves the list with no jobs named, and the next start lists them itself.
+        entry = {"event": event.to_dict(), "names": names, "next": 0, "started": False,
+                 "kinds": {n: type(self.actions[n]).__name__ for n in names}, "at": self.clock(),
+                 "jobs": [_brief(j) for j in earlier] if earlier is not None else None, "reports": dict(reports or {})}
+        self._keep(list_id, entry)
+        ctx = None
         try:
+            try:
+                jobs = self.jobs_for(event, names)
+            except Exception as exc:  # noqa: BLE001 - still run node-level actions without jobs
+                log.error("looking up jobs for actions failed", extra=kv(incident=event.incident_id, error=exc))
+                jobs = ()
+            if earlier is not None:
+                jobs = _same_lives(earlier, jobs)
+            others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
+                           if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
+            ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports)
             self._watch_again(ctx, reports or {})
-            self._keep(list_id, {"event": event.to_dict(), "names": names, "next": 0, "started": False,
-                                 "kinds": {n: type(self.actions[n]).__name__ for n in names},
-                                 "at": self.clock(), "jobs": [_brief(j) for j in jobs],
-                                 "reports": self._reports_asked(ctx)})
+            self._keep(list_id, {**entry, "jobs": [_brief(j) for j in jobs], "reports": self._reports_asked(ctx)})
             self._run_list(ctx, names, list_id)
         finally:
-            ctx.done()
+            if ctx is not None:
+                ctx.done()
             self._keep(list_id, None)
 
     def _keep(self, list_id: str, entry: dict[str, Any] | None) -> None:
@@ -299,7 +304,8 @@ class Responder:
                 names = [str(n) for n in entry["names"]]
                 at, index, started = float(entry["at"]), int(entry["next"]), bool(entry["started"])
                 kinds = {str(k): str(v) for k, v in dict(entry["kinds"]).items()}
-                jobs = tuple(j for j in map(_from_brief, entry.get("jobs") or ()) if j is not None)
+                briefs = entry.get("jobs")  # None: cut before its jobs were listed; they are listed now
+                jobs = None if briefs is None else tuple(j for j in map(_from_brief, briefs) if j is not None)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 log.error("an action list cut short could not be read; not taken up", extra=kv(error=exc))
                 continue
@@ -330,7 +336,7 @@ class Responder:
                 continue
             log.warning("action list cut short by the agent's stop or crash; taken up", extra=kv(
                 incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(again),
-                jobs=",".join(j.job_id or j.key for j in jobs) or None))
+                jobs=",".join(j.job_id or j.key for j in jobs or ()) or None))
             thread = threading.Thread(target=self._run_all, args=(event, again, jobs, reports),
                                       name=f"actions-{event.incident_id}", daemon=True)
             with self._threads_lock:
