@@ -31,6 +31,11 @@ def test_sigkill_mid_incident_and_restart_loses_and_duplicates_no_alert(stack: S
     stack.wait_mark("slack", "queued alert delivered by the restarted agent", lambda: stack.slack_posts(str(mnt)), 15)
     stack.wait_mark("email", "queued alert delivered by the restarted agent", lambda: stack.emails(str(mnt)), 15)
     stack.wait_mark("alertmanager", "alert active", lambda: stack.alerts(str(mnt)), 15)
+    # Killed once the agent recorded the deliveries (its outbox empty, read every 5 s): delivery is at least once, and
+    # an agent killed between a peer's accepting a message and its own record of it sends the message again at its
+    # next start (this test killed it 12 ms after the email arrived, once, on a loaded machine)
+    stack.wait_mark("test", "deliveries recorded by the agent", lambda: all(
+        stack.metric("trainguard_notifications_queued", channel=c) == 0 for c in ("slack", "email", "alertmanager")), 15)
     second.signal(signal.SIGKILL)
     second.wait()
     stack.timeline.mark("test", "agent SIGKILLed again, after delivering")
