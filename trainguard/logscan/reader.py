@@ -63,19 +63,23 @@ def look(identity: Identity, path: str) -> Look | None:
         return None
     try:
         st = os.fstat(fd)
-        before = max(0, st.st_size - HEAD)
         return Look(st.st_dev, st.st_ino, st.st_size, st.st_mtime, os.pread(fd, HEAD, 0).hex(),
-                    os.pread(fd, st.st_size - before, before).hex())
+                    _before(fd, st.st_size))
     finally:
         os.close(fd)
+
+
+def _before(fd: int, size: int) -> str:
+    """Hex of the bytes before offset `size` (up to HEAD) of the file open as `fd`."""
+    start = max(0, size - HEAD)
+    return os.pread(fd, size - start, start).hex()
 
 
 def _still(fd: int, st: os.stat_result, head: str, seen: Look) -> bool:
     """Whether the file open as `fd` is still the one `seen` looked at, grown or not."""
     if (seen.dev, seen.ino) != (st.st_dev, st.st_ino) or seen.size > st.st_size or not head.startswith(seen.head):
         return False
-    before = max(0, seen.size - HEAD)
-    return os.pread(fd, seen.size - before, before).hex() == seen.before
+    return _before(fd, seen.size) == seen.before
 
 
 class LogTail:

@@ -72,14 +72,20 @@ def _same_lives(earlier: tuple[Job, ...], listed: tuple[Job, ...]) -> tuple[Job,
     return tuple(out)
 
 
+def _kept_report(job_id: str, kept: object) -> dict[str, Any]:
+    """A report as a list kept it (SaveReport.kept), checked to be job `job_id`'s; ValueError else."""
+    if not isinstance(kept, dict) or str(kept.get("job_id")) != job_id:
+        raise ValueError(f"not a report of job {job_id}")
+    return kept
+
+
 def _withdraw(event: Event, reports: Mapping[str, Any]) -> None:
-    """A list cut short that is not taken up: the requests for the ranks' reports its signal wrote are removed (if
-    they are still those files), as the agent that wrote them would have once the list was done."""
+    """A list cut short that is not taken up, or its jobs no longer here: the requests for the ranks' reports its
+    signal wrote are removed (if they are still those files), as the agent that wrote them would have once the list
+    was done."""
     for job_id, kept in reports.items():
         try:
-            if not isinstance(kept, dict):
-                raise ValueError(f"not a report of job {job_id}")
-            SaveReport.resumed(kept, watch=False)
+            SaveReport.resumed(_kept_report(job_id, kept), watch=False)
         except Exception as exc:  # noqa: BLE001 - a request left behind costs nothing but a file
             log.error("a report's request left by the stop could not be removed", extra=kv(
                 incident=event.incident_id, job=job_id, error=exc))
@@ -269,14 +275,13 @@ class Responder:
         `wait_exit` for a rank that never exits). For the others (ended meanwhile, or in a later life) the dead agent's
         request is only removed."""
         here = {j.job_id for j in ctx.jobs if j.job_id and j.processes}
+        _withdraw(ctx.event, {job_id: kept for job_id, kept in reports.items() if job_id not in here})
         for job_id, kept in reports.items():
+            if job_id not in here:
+                continue
             try:
-                if not isinstance(kept, dict) or str(kept["job_id"]) != job_id:
-                    raise ValueError(f"not a report of job {job_id}")
-                if job_id in here:
-                    ctx.reports.join(job_id, ctx.actions, lambda kept=kept: SaveReport.resumed(kept))
-                else:
-                    SaveReport.resumed(kept, watch=False)
+                report = _kept_report(job_id, kept)
+                ctx.reports.join(job_id, ctx.actions, lambda report=report: SaveReport.resumed(report))
             except Exception as exc:  # noqa: BLE001 - the list goes on: its requeue waits wait_exit, as before
                 log.error("a report asked for before the stop could not be watched again", extra=kv(
                     incident=ctx.event.incident_id, job=job_id, error=exc))
