@@ -6,6 +6,7 @@ Under CI=true a test whose real component or privilege is missing fails; elsewhe
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -28,6 +29,17 @@ from trainguard.node.stacks import find_py_spy
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(autouse=True)
+def _root_logger() -> Iterator[None]:
+    """A test that runs the CLI in-process points the root handler at the test's captured stderr, closed when the
+    test ends; later tests' threads then log into a closed file. Each test gets the root logger back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def require(condition: bool, reason: str) -> None:

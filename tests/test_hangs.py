@@ -63,7 +63,11 @@ def test_hung_trainer_fires_at_its_deadline_with_its_stack(tmp_path: Path, child
         incident = wait_until(lambda: hung(engine), 15, what="hang incident")
         assert isinstance(incident, Incident) and incident.status is Status.CRITICAL
         deadline = log.stat().st_mtime + 2.0
-        assert incident.fired_at is not None and incident.fired_at - deadline < 1.0, incident.fired_at - deadline
+        # the run that found it started at the deadline (its timer), not at the next 30 s interval; the stack dump
+        # after the decision (py-spy, about a second on a busy 2-core machine) is not part of "on time"
+        firing = engine.snapshot().checks["hang"].last
+        assert firing is not None and 0.0 <= firing.started - deadline < 1.0, (firing, deadline)
+        assert firing.results and firing.results[0].status is Status.CRITICAL
         assert "process job trainer: no progress for" in incident.summary
         assert f"last: log {log}" in incident.summary
         assert f"pid {proc.pid}: stuck_in_allreduce (train_toy.py:" in incident.summary, incident.summary
