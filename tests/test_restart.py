@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import wait_until
 from trainguard.actions import savereport
 from trainguard.actions.base import ActionContext, ActionError, ActionList, Reports
-from trainguard.actions.restart import RestartAction, RestartSettings
+from trainguard.actions.restart import RestartAction, RestartSettings, request_name
 from trainguard.actions.savereport import SaveReport
 from trainguard.actions.signal import SignalAction, SignalSettings
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
@@ -1038,6 +1038,24 @@ def test_a_failed_signal_withdraws_the_request(tmp_path: Path, ranks: Callable[.
     assert list((tmp_path / "sw").iterdir()) == []
     assert reports.get("5") is None  # its report let go at once, not held unwatched until the list is done
     ctx.done()
+
+
+def test_a_withdrawn_request_removes_only_the_file_the_agent_wrote(tmp_path: Path,
+                                                                   ranks: Callable[..., int]) -> None:
+    """Between the request and its withdrawal the job's user (or its loop) may put a file of its own at that name:
+    the agent takes back what it wrote, never what it finds there."""
+    class Replacing(StubSlurm):
+        def signal_step(self, job_id: str, step: str, signal_name: str) -> bool:
+            mine = tmp_path / "sw" / request_name("5")
+            theirs = mine.with_name("theirs")
+            theirs.write_text('{"by": "the user"}\n')
+            os.rename(theirs, mine)  # a new inode at the request's name, of the same owner
+            return super().signal_step(job_id, step, signal_name)
+
+    slurm = Replacing({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"], fail_signal=True)
+    with pytest.raises(ActionError, match=r"\(the request is withdrawn\)"):
+        _run(slurm, _job(tmp_path))
+    assert (tmp_path / "sw" / request_name("5")).read_text() == '{"by": "the user"}\n'
 
 
 def test_a_restart_joining_a_signals_report_that_asked_nothing_watches_its_own(
