@@ -52,3 +52,25 @@ def test_window_survives_a_restart_through_its_json() -> None:
     assert again.increase(("mlx5_0", 1, "link_downed"), now=20) == 2
     again.load_json({"bad": "not a list", "x/1/y": [1, [["t", 1]]]}, decode=lambda t: t)  # garbage is skipped
     assert again.last("bad") is None
+
+
+def test_the_window_version_moves_only_when_what_it_saves_changes() -> None:
+    w = CounterWindow(window=100)
+    v = w.version
+    w.update("c", 7, now=0)
+    assert w.version > v  # a new counter
+    v = w.version
+    w.update("c", 7, now=10)
+    w.increase("c", now=10)
+    assert w.version == v and w.to_json() == {"c": [7, []]}  # the same reading: nothing to save
+    w.update("c", 9, now=20)
+    assert w.version > v  # grew
+    v = w.version
+    w.increase("c", now=200)
+    assert w.version > v and w.to_json() == {"c": [9, []]}  # the increase left the window
+    v = w.version
+    w.update("c", 0, now=210)
+    assert w.version > v  # a reset to zero counts nothing, but the reading changed
+    v = w.version
+    w.keep([])
+    assert w.version > v and w.to_json() == {}  # the counter went away

@@ -66,6 +66,33 @@ def test_nvlink_healthy_then_a_link_down_against_what_the_gpu_had(tmp_path: Path
     assert samples == {"trainguard_gpu_nvlink_links_up": 16, "trainguard_gpu_nvlink_links_expected": 18}
 
 
+def test_nvlink_saves_its_counters_only_when_they_moved(tmp_path: Path) -> None:
+    """432 counters of an HGX board, nearly all still: a run that read no change writes no state, and the change
+    that is saved is what a restarted agent starts from."""
+    fake, clock, store = FakeNvml(hgx(1)), Clock(), Store(tmp_path)
+    writes: list[str] = []
+    put = store.put
+    store.put = lambda key, value: (writes.append(key), put(key, value))[1]  # type: ignore[method-assign]
+    check = NvlinkCheck("nvlink", NvlinkSettings(error_window="1h"), context(fake, clock, store, "nvlink"))
+    check.run()
+    assert sorted(writes) == ["check/nvlink/nvlink.counters", "check/nvlink/nvlink.max_up"]
+    writes.clear()
+    for _ in range(3):
+        clock.now += 30
+        check.run()
+    assert writes == []
+    fake.gpus[0].nvlink_errors = {(5, NVML_NVLINK_ERROR_DL_RECOVERY): 2}
+    clock.now += 30
+    check.run()
+    assert writes == ["check/nvlink/nvlink.counters"]
+    again = NvlinkCheck("nvlink", NvlinkSettings(error_window="1h"), context(fake, clock, store, "nvlink"))
+    fake.gpus[0].nvlink_errors = {(5, NVML_NVLINK_ERROR_DL_RECOVERY): 4}
+    clock.now += 30
+    [result] = again.run()
+    assert result.details["errors_in_window"] == {"5/recovery": 4}  # +2 before the restart, +2 after
+    store.close()
+
+
 def test_nvlink_configured_count() -> None:
     fake = FakeNvml(hgx(1))
     fake.gpus[0].nvlinks = [True] * 12  # an A100 board: 12 links, but 18 configured

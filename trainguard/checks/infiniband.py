@@ -111,6 +111,7 @@ class InfinibandCheck(Check):
         super().__init__(name, settings, context)
         self.window = CounterWindow(max(self.settings.error_window, self.settings.link_downed_for))
         self.window.load_json(self.load_state(COUNTERS_KEY))
+        self.saved = self.window.version  # the window's version last saved
         self.known: dict[str, dict[str, Any]] = {k: v for k, v in self.load_state(PORTS_KEY).items()
                                                  if isinstance(v, dict)}
         self.counters = ("link_downed", *self.settings.error_limits)
@@ -131,7 +132,9 @@ class InfinibandCheck(Check):
                                        {"port": key, "present": False}))
         results.append(self._count(ports, self._required(seen_up | {p.key for p in ports if p.up})))
         self.window.keep(f"{p.key}/{c}" for p in ports for c in p.counters)
-        self.save_state(COUNTERS_KEY, self.window.to_json())
+        if self.window.version != self.saved:
+            self.save_state(COUNTERS_KEY, self.window.to_json())
+            self.saved = self.window.version
         self.save_state(PORTS_KEY, self.known)
         return results
 

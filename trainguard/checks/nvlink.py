@@ -82,6 +82,7 @@ class NvlinkCheck(NvmlCheck):
         super().__init__(name, settings, context)
         self.window = CounterWindow(self.settings.error_window)
         self.window.load_json(self.load_state(COUNTERS_KEY), decode=_decode_key)
+        self.saved = self.window.version  # the window's version last saved
         self.seen: dict[str, int] = {k: int(v) for k, v in self.load_state(SEEN_KEY).items() if str(v).isdigit()}
 
     def run(self) -> Sequence[Result]:
@@ -91,7 +92,9 @@ class NvlinkCheck(NvmlCheck):
         now = self.context.clock()
         results = [self.unanswered(r) or self._one(r, now) for r in readings]
         self.window.keep(k for r in readings for x in r.value or () for k in ((r.gpu.uuid, x.link, c) for c in x.errors))
-        self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key))
+        if self.window.version != self.saved:
+            self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key))
+            self.saved = self.window.version
         self.save_state(SEEN_KEY, self.seen)
         return results
 

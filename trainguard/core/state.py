@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -33,6 +34,10 @@ class ScopedState:
         self.store = store
         self.scope = scope
         self.legacy = legacy
+        # What this scope last wrote under each key: a value saved again unchanged (most checks save every run; most
+        # runs change nothing) costs no write. Only this scope writes its keys.
+        self._written: dict[str, str] = {}
+        self._lock = threading.Lock()  # a listener's write and a run's never leave _written unlike the store
 
     def get(self, key: str) -> str | None:
         if self.store is None:
@@ -43,8 +48,14 @@ class ScopedState:
         return value
 
     def put(self, key: str, value: str) -> None:
-        if self.store is not None:
+        if self.store is None:
+            return
+        with self._lock:
+            if self._written.get(key) == value:
+                return
+            self._written.pop(key, None)  # unknown until the write returns (it may raise)
             self.store.put(scoped_key(self.scope, key), value)
+            self._written[key] = value
 
     def load_json(self, key: str) -> dict[str, Any]:
         """A JSON object saved under `key`; {} when absent or unreadable."""
