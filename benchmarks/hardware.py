@@ -3,8 +3,9 @@ pcie, gpu_config and fabric checks add per GPU per round, next to the gpu check'
 
 The InfiniBand tree is the real one in tests/data (an H100 host: 8 NDR HCAs and a RoCE bond) plus copies of one HCA,
 so the tree has `--hcas` ports. The GPUs are the tests' scripted NVML as an HGX H100 board (18 NVLinks each), or with
-`--nvml real` this node's driver. Each figure is the median of `--runs` runs after two warm-up runs: wall time and
-CPU time of one run.
+`--nvml real` this node's driver. Each check keeps its state in a state store, as in the agent (the counter windows
+saved when they moved). Each figure is the median of `--runs` runs after two warm-up runs: wall time and CPU time of
+one run.
 
     python -m benchmarks.hardware --runs 200
 """
@@ -12,6 +13,7 @@ CPU time of one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import statistics
 import sys
@@ -29,7 +31,9 @@ from trainguard.checks.gpu_config import GpuConfigCheck, GpuConfigSettings
 from trainguard.checks.infiniband import InfinibandCheck, InfinibandSettings
 from trainguard.checks.nvlink import NvlinkCheck, NvlinkSettings
 from trainguard.checks.pcie import PcieCheck, PcieSettings
+from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import Nvml
+from trainguard.pipeline.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"
@@ -73,7 +77,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="trainguard-hw-") as tmp:
         root = ib_tree(Path(tmp) / "infiniband", args.hcas)
-        ctx = CheckContext("bench", Path(tmp))
+        store = Store(Path(tmp) / "state")
+        ctx = CheckContext("bench", Path(tmp), state=ScopedState(store, "check/infiniband"))
         ib = InfinibandCheck("infiniband", InfinibandSettings(sysfs_root=str(root)), ctx)
         ports = len([r for r in ib.run() if "/" in r.subject])
         ib_wall, ib_cpu = timed(ib.run, args.runs)
@@ -99,11 +104,17 @@ def main() -> int:
             nvml = Nvml(fake)
             gpus_in.append(len(nvml.gpus()))
             context = CheckContext("bench", Path(tmp), nvml=nvml)
+
+            def own(name: str, context: CheckContext = context, column: int = column) -> CheckContext:
+                """Each check its own keys, as the engine gives them."""
+                return dataclasses.replace(context, state=ScopedState(store, f"check/{name}-{column}"))
+
             checks: list[Check] = [
-                GpuCheck("gpu", GpuSettings(), context), NvlinkCheck("nvlink", NvlinkSettings(), context),
-                PcieCheck("pcie", PcieSettings(), context), GpuConfigCheck("gpu_config", GpuConfigSettings(), context),
+                GpuCheck("gpu", GpuSettings(), own("gpu")), NvlinkCheck("nvlink", NvlinkSettings(), own("nvlink")),
+                PcieCheck("pcie", PcieSettings(), own("pcie")),
+                GpuConfigCheck("gpu_config", GpuConfigSettings(), own("gpu_config")),
                 FabricCheck("fabric", FabricSettings(fabric_manager_log="", pci_root=str(Path(tmp) / "no-pci")),
-                            context)]
+                            own("fabric"))]
             for check in checks:
                 try:
                     check.run()
@@ -128,6 +139,7 @@ def main() -> int:
               + f" | **{1000 * added[last] / per_gpu:.3f} ms** |")
         for name, why in idle_because.items():
             print(f"\n{name}: idle ({why}), not timed")
+        store.close()
     return 0
 
 
