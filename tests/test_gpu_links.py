@@ -90,6 +90,31 @@ def test_nvlink_saves_its_counters_only_when_they_moved(tmp_path: Path) -> None:
     clock.now += 30
     [result] = again.run()
     assert result.details["errors_in_window"] == {"5/recovery": 4}  # +2 before the restart, +2 after
+    writes.clear()
+    clock.now += 3700
+    again.run()
+    assert writes == ["check/nvlink/nvlink.counters"]  # nothing read changed, but the increases left the window
+    store.close()
+
+
+def test_nvlink_saves_again_after_a_failed_save(tmp_path: Path) -> None:
+    fake, clock, store = FakeNvml(hgx(1)), Clock(), Store(tmp_path)
+    failing = [True]
+    put = store.put
+
+    def flaky(key: str, value: str) -> None:
+        if failing[0] and key.endswith("counters"):
+            raise OSError(5, "Input/output error")
+        put(key, value)
+
+    store.put = flaky  # type: ignore[method-assign]
+    check = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, clock, store, "nvlink"))
+    check.run()  # the save fails (logged); the run's results still count
+    assert ScopedState(store, "check/nvlink").load_json("nvlink.counters") == {}
+    failing[0] = False
+    clock.now += 30
+    check.run()  # nothing read changed since, but what was never saved is saved now
+    assert len(ScopedState(store, "check/nvlink").load_json("nvlink.counters")) == 18 * 4
     store.close()
 
 

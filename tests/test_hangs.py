@@ -68,6 +68,7 @@ def test_hung_trainer_fires_at_its_deadline_with_its_stack(tmp_path: Path, child
         firing = engine.snapshot().checks["hang"].last
         assert firing is not None and 0.0 <= firing.started - deadline < 1.0, (firing, deadline)
         assert firing.results and firing.results[0].status is Status.CRITICAL
+        assert incident.fired_at is not None and incident.fired_at - deadline < 10.0  # the dump's own timeout bounds it
         assert "process job trainer: no progress for" in incident.summary
         assert f"last: log {log}" in incident.summary
         assert f"pid {proc.pid}: stuck_in_allreduce (train_toy.py:" in incident.summary, incident.summary

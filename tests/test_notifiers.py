@@ -139,8 +139,8 @@ def test_burst_of_50_events_is_one_message(tmp_path: Path, receiver: Receiver) -
 
 def test_outage_then_recovery_delivers_all_in_order_without_duplicates(tmp_path: Path, receiver: Receiver) -> None:
     store = Store(tmp_path)
-    dispatcher = Dispatcher(store, {"slack": slack(receiver.url, group_window="0s", retry_max="2s")})
-    receiver.outage_until = time.monotonic() + 12  # 503s while three incidents fire, long enough for backoff's cap
+    dispatcher = Dispatcher(store, {"slack": slack(receiver.url, group_window="0s", retry_max="4s")})
+    receiver.outage_until = time.monotonic() + 12  # 503s while three incidents fire: retries at about 2, 6 and 10 s
     dispatcher.start()
     try:
         for i in range(3):

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import wait_until
-from trainguard.actions import savereport
 from trainguard.actions.base import ActionContext, ActionError, ActionList, Reports
 from trainguard.actions.restart import RestartAction, RestartSettings, request_name
 from trainguard.actions.savereport import SaveReport
@@ -33,7 +33,6 @@ from trainguard.core.model import Result, Status
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.slurm import SlurmClient, SlurmError, parse_listpids_steps, parse_steps
-from trainguard.node.access import Identity
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
@@ -900,14 +899,14 @@ def test_a_request_replaced_before_it_was_looked_at_is_not_taken_for_ours(tmp_pa
     there is not this agent's (another inode), so it is neither kept for a list taken up after a crash nor removed."""
     sw = tmp_path / "sw"
     sw.mkdir()
-    real = savereport.switch_stats
+    real = os.rename
 
-    def replaced_first(directory: str, names: list[str], identity: Identity) -> dict[str, os.stat_result]:
-        if "signalled.5" in names:
+    def then_replaced(src: Any, dst: Any, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
+        real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        if dst == "signalled.5" and dst_dir_fd is not None:  # the agent's rename, through the switch dir's fd
             _fresh(sw / "signalled.5")
-        return real(directory, names, identity)
 
-    monkeypatch.setattr(savereport, "switch_stats", replaced_first)
+    monkeypatch.setattr(os, "rename", then_replaced)
     report = SaveReport(str(sw), "5", None)
     report.ask(os.getuid(), {"requested_by": "trainguard"})
     assert report.requested.wait(5) and not report.note

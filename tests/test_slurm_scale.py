@@ -344,8 +344,8 @@ def test_the_source_tells_its_listeners_of_a_job_starting_here(
 def test_held_jobs_in_the_controller_do_not_change_what_the_agent_asks(
         slurm: SlurmCluster, tmp_path: Path, agent_process: object) -> None:
     """The installed config, the real agent, a minute at a time: its REQUEST_JOB_INFO* RPCs (sdiag) are the same
-    with 4,000 held jobs of another user in the controller as with none: at most 2 a minute (a half minute with none,
-    the baseline; a whole minute with the 4,000)."""
+    with 4,000 held jobs of another user in the controller as with none: at most 2 (a half minute with none, the
+    baseline; a whole minute with the 4,000)."""
     config = tmp_path / "trainguard.toml"
     default = (REPO / "trainguard" / "default.toml").read_text()
     config.write_text(default.replace("[agent]\n", f'[agent]\nnode_name = "{slurm.node}"\nstate_dir = "{tmp_path}/state"'
@@ -369,7 +369,7 @@ def test_held_jobs_in_the_controller_do_not_change_what_the_agent_asks(
     finally:
         subprocess.run(["scancel", "-u", OTHER_USER], capture_output=True, timeout=60)
         slurm.restart_ctld_forgetting_jobs()  # 4,000 cancelled records would linger MinJobAge for the next tests
-    assert empty <= 1 and full <= 2, (empty, full)
+    assert empty <= 2 and full <= 2, (empty, full)
     assert agent.proc.poll() is None  # type: ignore[attr-defined]
 
 

@@ -12,6 +12,7 @@ class CountingStore:
         self.data: dict[str, str] = {}
         self.puts = 0
         self.fail = False
+        self.generation = 0
 
     def get(self, key: str) -> str | None:
         return self.data.get(key)
@@ -48,3 +49,14 @@ def test_a_failed_write_is_tried_again_with_the_same_value() -> None:
     state.save_json("positions", {"x": 1})
     assert store.data == {"check/xid/cursor": "2", "check/xid/positions": '{"x": 1}'}
     assert store.puts == 5
+
+
+def test_a_store_that_started_over_is_written_again() -> None:
+    """A store whose copy into memory failed holds less than this scope wrote: unchanged values are written again."""
+    store = CountingStore()
+    state = ScopedState(store, "check/nvlink")
+    state.save_json("counters", {"a": 1})
+    store.data.clear()
+    store.generation += 1
+    assert state.save_json("counters", {"a": 1})
+    assert store.data == {"check/nvlink/counters": '{"a": 1}'} and store.puts == 2

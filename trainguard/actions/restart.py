@@ -237,11 +237,11 @@ class RestartAction(Action):
         # agents acting at once, at least the later one counts both nodes.
         allocation = _hosts(job.node_list)
         no_spare = self._cannot_leave(job, ctx.node, ranks, allocation)
-        record, record_ino = "", 0
+        record, record_ino, record_ctime = "", 0, None
         if not no_spare:
             life = self._life(ranks)  # as the loop reads it: the ranks' environment is the batch script's
             try:
-                _, record_ino = self._record_left(job, ctx, life)
+                _, record_ino, record_ctime = self._record_left(job, ctx, life)
                 record = left_name(job_id, life, ctx.node)
                 present = switch_stats(job.switch_dir, [left_name(job_id, life, n) for n in allocation], identity)
             except ActionError as exc:
@@ -257,7 +257,7 @@ class RestartAction(Action):
             # neither restarted nor requeued: the job goes on as it was, and a later restart of it (a NaN) must not
             # leave a node its step may need (a job without a spare would end). A restart under way keeps it.
             if record and not isinstance(exc, RestartUnderwayError):
-                remove_switch(job.switch_dir, record, identity, record_ino)
+                remove_switch(job.switch_dir, record, identity, record_ino, record_ctime)
             raise
 
     def _request(self, job: Job, ctx: ActionContext, looped: dict[str, list[int]], leave: dict[str, str],
@@ -273,7 +273,7 @@ class RestartAction(Action):
             if own is not None:
                 own.mark()
             # the node to leave first and the reason cut to what the loop shows: the loop reads the file's first 64 KiB
-            request, ino = create_switch_file(job.switch_dir, name, identity, gid, {
+            request, ino, ctime_ns = create_switch_file(job.switch_dir, name, identity, gid, {
                 **leave, "requested_by": "trainguard", "job_id": job_id, "at": ctx.clock(),
                 "incident": ctx.event.incident_id, "check": ctx.event.check,
                 "reason": one_line(ctx.event.summary, 200)})
@@ -286,7 +286,7 @@ class RestartAction(Action):
             except SlurmError as exc:
                 # Left in place, the request would restart the job the next time its srun ends, even at the end of
                 # training
-                remove_switch(job.switch_dir, name, identity, ino)  # ours only: not one the loop or user wrote since
+                remove_switch(job.switch_dir, name, identity, ino, ctime_ns)  # ours: not one written there since
                 raise ActionError(f"restart {job_id}: {exc} (the request is withdrawn)") from None
 
             def until() -> float:  # wait_exit, cut to after_save once the ranks report their checkpoint written
@@ -313,7 +313,7 @@ class RestartAction(Action):
             how += f" ({', '.join(f'{job_id}.{g}' for g in gone)} no longer listed when signalled)"
         if len(gone) == len(steps) and not self._relaunched(ctx, job_id, set(steps)):
             # Every step had ended before the signal: a loop whose srun failed has returned, and nothing restarts
-            remove_switch(job.switch_dir, name, identity, ino)
+            remove_switch(job.switch_dir, name, identity, ino, ctime_ns)
             raise ActionError(f"restart {job_id}: its steps {ended} had ended before the signal and no new step "
                               f"started within {RELAUNCH_WAIT:g}s: its relaunch loop is over (the request is withdrawn)")
         where = f" without {leave['leave']}" if leave else ""
@@ -414,9 +414,9 @@ class RestartAction(Action):
         return ""
 
     @staticmethod
-    def _record_left(job: Job, ctx: ActionContext, life: int) -> tuple[str, int]:
+    def _record_left(job: Job, ctx: ActionContext, life: int) -> tuple[str, int, int | None]:
         """Record this node as left by the job's life `life` (`left.<job>.<life>.<node>` in its switch dir, as its
-        user): where, and the inode written (a withdrawal removes that file only)."""
+        user): where, and the inode and change time written (a withdrawal removes that file only)."""
         assert job.job_id and job.switch_dir
         identity, gid = job_owner(job)
         return create_switch_file(job.switch_dir, left_name(job.job_id, life, ctx.node), identity, gid, {

@@ -174,13 +174,11 @@ class SaveReport:
                 return False
             # a job with no switch dir yet runs no trainer helper that could answer (the helper makes it at its first
             # heartbeat): none is made for it
-            _, ino = create_switch_file(self.switch_dir, request, self.identity, gid, payload, create=False)
-            st = switch_stats(self.switch_dir, [request], self.identity).get(request)
-            # Ours only with our inode (another node's agent may have renamed its request into place since): its
-            # change time too, once the rename is done. Before `requested`: the list keeps it (kept()) once its
-            # signal is over.
-            if st is not None and st.st_ino == ino:
-                mine[request] = (st.st_ino, st.st_ctime_ns)
+            _, ino, ctime_ns = create_switch_file(self.switch_dir, request, self.identity, gid, payload, create=False)
+            # Ours only with our inode and change time (another node's agent may have renamed its request into place
+            # since). Before `requested`: the list keeps it (kept()) once its signal is over.
+            if ctime_ns is not None:
+                mine[request] = (ino, ctime_ns)
         except ActionError as exc:
             self.note = f" (no report asked: {exc})"
             return False

@@ -101,9 +101,11 @@ def create_switch(directory: str, name: str, identity: Identity, gid: int, paylo
 
 
 def create_switch_file(directory: str, name: str, identity: Identity, gid: int, payload: dict[str, object],
-                       create: bool = True) -> tuple[str, int]:
-    """create_switch, and the inode of the file it wrote: what is at `name` later is the agent's only with that
-    inode (another writer may rename a file of its own into place at any time)."""
+                       create: bool = True) -> tuple[str, int, int | None]:
+    """create_switch, and the inode of the file it wrote with its change time once in place (None when another
+    writer's file was already renamed over it): what is at `name` later is the agent's only with that inode and
+    change time (another writer may rename a file of its own into place at any time, and a file system may give a
+    freed inode number to the next file)."""
     dfd = _open_switch_dir(directory, identity, create=create)
     where = f"{directory.rstrip('/')}/{name}"
     tmp = f".{name}.{os.getpid()}.{time.monotonic_ns()}"
@@ -131,7 +133,11 @@ def create_switch_file(directory: str, name: str, identity: Identity, gid: int, 
             made = False
         except OSError as exc:
             raise ActionError(f"cannot create {where}: {exc.strerror or exc}") from None
-        return where, ino
+        try:  # the rename changed its ctime: the pair is known only now
+            placed = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            placed = None
+        return where, ino, placed.st_ctime_ns if placed is not None and placed.st_ino == ino else None
     finally:
         if made:  # nothing of ours is left in the user's directory
             with contextlib.suppress(OSError):

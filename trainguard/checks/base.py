@@ -146,9 +146,10 @@ class Check(ABC):
         """A JSON object this check saved (counters, positions); {} when absent or unreadable."""
         return self.context.state.load_json(key)
 
-    def save_state(self, key: str, data: Mapping[str, Any]) -> None:
-        """Save what `load_state` reads back; a failure is logged, never raised: state is only a head start."""
-        self.context.state.save_json(key, data)
+    def save_state(self, key: str, data: Mapping[str, Any]) -> bool:
+        """Save what `load_state` reads back; whether it is saved. A failure is logged, never raised: state is only a
+        head start."""
+        return self.context.state.save_json(key, data)
 
     def result(
         self,

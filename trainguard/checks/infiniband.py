@@ -132,8 +132,7 @@ class InfinibandCheck(Check):
                                        {"port": key, "present": False}))
         results.append(self._count(ports, self._required(seen_up | {p.key for p in ports if p.up})))
         self.window.keep(f"{p.key}/{c}" for p in ports for c in p.counters)
-        if self.window.version != self.saved:
-            self.save_state(COUNTERS_KEY, self.window.to_json())
+        if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json()):
             self.saved = self.window.version
         self.save_state(PORTS_KEY, self.known)
         return results

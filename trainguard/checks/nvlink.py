@@ -92,8 +92,7 @@ class NvlinkCheck(NvmlCheck):
         now = self.context.clock()
         results = [self.unanswered(r) or self._one(r, now) for r in readings]
         self.window.keep(k for r in readings for x in r.value or () for k in ((r.gpu.uuid, x.link, c) for c in x.errors))
-        if self.window.version != self.saved:
-            self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key))
+        if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key)):
             self.saved = self.window.version
         self.save_state(SEEN_KEY, self.seen)
         return results

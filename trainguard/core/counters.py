@@ -33,7 +33,7 @@ def saturated(value: int, bits: int | None) -> bool:
 
 
 # Slots, and no deque until a counter first grows: an NVLink node keeps one series per GPU, link and counter
-# (8 x 18 x 3 on an HGX board), nearly all of which never grow, and an empty deque alone costs 600 bytes.
+# (8 x 18 x 4 on an HGX board), nearly all of which never grow, and an empty deque alone costs 600 bytes.
 _NONE: tuple[tuple[float, int], ...] = ()
 
 
@@ -52,7 +52,7 @@ class CounterWindow:
         self.max_events = max_events
         self._series: dict[Hashable, _Series] = {}
         # Bumped by every change to what to_json returns: a check saves its window only when it moved (nearly every
-        # run of an NVLink node reads 432 counters that never grow; encoding them all every run was the nvlink
+        # run of an NVLink node reads 576 counters that never grow; encoding them all every run was the nvlink
         # check's largest cost).
         self.version = 0
 

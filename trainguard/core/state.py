@@ -37,6 +37,7 @@ class ScopedState:
         # What this scope last wrote under each key: a value saved again unchanged (most checks save every run; most
         # runs change nothing) costs no write. Only this scope writes its keys.
         self._written: dict[str, str] = {}
+        self._generation = 0  # the store's, when _written was last true of it
         self._lock = threading.Lock()  # a listener's write and a run's never leave _written unlike the store
 
     def get(self, key: str) -> str | None:
@@ -50,7 +51,13 @@ class ScopedState:
     def put(self, key: str, value: str) -> None:
         if self.store is None:
             return
+        # A store that started over without what it held (store.py: its copy into memory failed) moves its
+        # generation: what this scope wrote before is written again.
+        generation = getattr(self.store, "generation", 0)
         with self._lock:
+            if generation != self._generation:
+                self._written.clear()
+                self._generation = generation
             if self._written.get(key) == value:
                 return
             self._written.pop(key, None)  # unknown until the write returns (it may raise)
@@ -65,9 +72,12 @@ class ScopedState:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def save_json(self, key: str, data: Mapping[str, Any]) -> None:
-        """Save what `load_json` reads back; a failure is logged, never raised: state is only a head start."""
+    def save_json(self, key: str, data: Mapping[str, Any]) -> bool:
+        """Save what `load_json` reads back; whether it is saved. A failure is logged, never raised: state is only a
+        head start (a caller that saves only what changed saves again after a failure)."""
         try:
             self.put(key, json.dumps(data))
         except Exception as exc:  # noqa: BLE001 - the store may be closing or broken; the run's results still count
             log.warning("saving state failed", extra=kv(scope=self.scope, key=key, error=exc))
+            return False
+        return True

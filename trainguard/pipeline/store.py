@@ -74,6 +74,7 @@ class Store:
         self.path = state_dir / self.FILENAME if state_dir is not None else None
         self.persistent = False
         self.degraded: str | None = None  # why the state is only in memory although it should be on disk
+        self.generation = 0  # moved when the store starts over without what it held (ScopedState writes it again)
         self._conn = self._open()
 
     # opening ---------------------------------------------------------------------------------------------------
@@ -232,6 +233,7 @@ class Store:
             except sqlite3.Error as exc:
                 log.error("copying the state into memory failed; continuing with what is in memory",
                           extra=kv(error=exc))
+                self.generation += 1
             self._conn.close()
             self._conn = mem
             self._set_degraded(reason)
