@@ -157,6 +157,28 @@ def test_wedged_check_times_out_and_never_blocks_others_or_shutdown(tmp_path: Pa
     assert not engine.healthy()
 
 
+def test_a_blocked_lane_is_reported_by_the_tick_and_a_stalled_ingest_piles_nothing_up(tmp_path: Path,
+                                                                                      running: list[Any]) -> None:
+    """The check runs on its lane, which stays blocked: the tick reports the timeout about a second after the
+    deadline, then a skipped run per tick, on a worker of their own. While that worker's ingest is stalled (the
+    check's ingest lock held, as a stalled state file would), at most one report waits: five seconds of ticks add
+    one skipped run, not five."""
+    engine = make_engine(tmp_path, {"wedged": {"interval": "0.2s", "timeout": "0.5s", "jitter": 0}})
+    running.append(engine)
+    t0 = time.monotonic()
+    engine.start()
+    wait_until(lambda: engine.snapshot().checks["wedged"].timeouts == 1, 5, 0.05, what="the timeout report")
+    assert time.monotonic() - t0 < 0.5 + 1.5  # the deadline, then at most a tick (and a loaded machine's slack)
+    wait_until(lambda: engine.snapshot().checks["wedged"].skipped >= 1, 5, 0.05, what="a skipped run")
+    with engine._ingest_locks["wedged"]:
+        before = engine.snapshot().checks["wedged"].skipped
+        time.sleep(5.2)
+    wait_until(lambda: engine.snapshot().checks["wedged"].skipped > before, 5, 0.05, what="the waiting report")
+    time.sleep(0.3)
+    assert engine.snapshot().checks["wedged"].skipped - before <= 2  # the one that waited (and a tick's since)
+    assert engine.snapshot().checks["wedged"].runs < 25  # not a report per due point of the blocked lane
+
+
 def test_incident_flow_to_notifier(tmp_path: Path, running: list[Any]) -> None:
     engine = make_engine(tmp_path, {"flaky": {"fire_after_runs": 2}})
     running.append(engine)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from trainguard.checks.base import Check, CheckContext, CheckIdle, CheckSettings
 from trainguard.core.model import Result, Status
-from trainguard.pipeline.runner import CheckRunner
+from trainguard.pipeline.runner import CheckRunner, RunReport
 
 CTX = CheckContext("node1", Path("/tmp"))
 
@@ -137,3 +138,47 @@ def test_idle_is_its_own_outcome_logged_once_per_change(caplog: pytest.LogCaptur
     lines = [(r.getMessage(), r.__dict__["kv"]) for r in caplog.records]
     assert lines == [("check idle: what it watches is absent here", {"check": "hw", "reason": "no such hardware here"}),
                      ("check active: what it watches is present again", {"check": "hw"})]
+
+
+def test_a_run_on_its_lane_is_reported_timed_out_once_then_skipped_and_its_late_results_dropped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The agent's runs happen on the check's lane (`run_here`): the tick asks `overdue` for the timeout report of a
+    run past its deadline; while the run stays blocked, each run that comes due gets a skipped report (`blocked`);
+    what the run returns once it is released is dropped: the timeout said what there is to say about that run."""
+    check = Blocking(timeout=0.3)
+    runner = CheckRunner(check)
+    returned: list[RunReport | None] = []
+    lane = threading.Thread(target=lambda: returned.append(runner.run_here()), name="run-blocking", daemon=True)
+    lane.start()
+    wait_until(lambda: check.calls == 1, 5, 0.01, what="the run to begin")
+    assert runner.overdue() is None  # not yet past its deadline
+    assert runner.blocked() is None  # a run merely still going is not a skipped one
+    time.sleep(0.35)
+    with caplog.at_level(logging.INFO, logger="trainguard.runner"):
+        timeout = runner.overdue()
+        assert timeout is not None and timeout.outcome == "timeout"
+        assert timeout.results[0].summary == "timed out after 0.3s" and timeout.results[0].status is Status.UNKNOWN
+        assert runner.overdue() is None  # once per run
+        skipped = runner.blocked()
+        assert skipped is not None and skipped.outcome == "skipped"
+        assert "previous run still blocked" in skipped.results[0].summary
+        assert runner.run_once().outcome == "skipped"  # a one-shot run meanwhile is skipped as well
+        assert check.calls == 1
+        check.release.set()
+        lane.join(5)
+        assert returned == [None]  # the late results are dropped
+        assert runner.blocked() is None  # ... and the check runs again
+        again = runner.run_here()
+    assert again is not None and again.outcome == "ok" and again.results[0].summary == "fine"
+    assert check.calls == 2
+    assert any(r.getMessage() == "blocked check run returned" for r in caplog.records)
+
+
+def test_a_run_on_its_lane_happens_on_the_callers_thread() -> None:
+    check = Where()
+    runner = CheckRunner(check)
+    for _ in range(3):
+        report = runner.run_here()
+        assert report is not None and report.outcome == "ok"
+    assert set(check.threads) == {threading.current_thread()}  # no hand-off to a second thread
+    assert runner.overdue(time.monotonic() + 3600) is None  # nothing going: nothing overdue

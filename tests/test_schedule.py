@@ -166,3 +166,53 @@ def test_a_run_that_raises_is_logged_and_leaves_no_pending_run_behind(caplog: py
         finally:
             schedule.stop()
     assert any("check run failed" in r.getMessage() and "store closed" in (r.exc_text or "") for r in caplog.records)
+
+
+def test_each_check_runs_on_a_lane_of_its_own_and_a_blocked_lane_holds_no_other() -> None:
+    """One thread per check, which runs the check itself: a run is one wake-up, not a hand-off between threads."""
+    threads: dict[str, set[str]] = {"fast": set(), "stuck": set()}
+    runs: Counter[str] = Counter()
+    release = threading.Event()
+
+    def run(name: str) -> None:
+        threads[name].add(threading.current_thread().name)
+        runs[name] += 1
+        if name == "stuck":
+            release.wait(5)
+
+    schedule = Schedule({"fast": (0.05, 0.0), "stuck": (0.05, 0.0)}, run, lambda: None)
+    schedule.start()
+    try:
+        time.sleep(0.5)
+        assert threads == {"fast": {"run-fast"}, "stuck": {"run-stuck"}}  # every run of a check on its one lane
+        assert runs["stuck"] == 1 and runs["fast"] >= 4  # the other lane keeps its cadence
+    finally:
+        release.set()
+        schedule.stop()
+
+
+def test_a_run_due_while_the_previous_one_is_going_is_told_to_late_from_the_tick() -> None:
+    """`late(name)` is how a blocked check's skipped runs get reported: the tick sees the due points passing while
+    the lane is still in its run (a lane in a run cannot see them itself)."""
+    release = threading.Event()
+    runs: list[float] = []
+    late: list[str] = []
+
+    def run(name: str) -> None:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            release.wait(5)
+
+    schedule = Schedule({"nfs": (0.2, 0.0)}, run, lambda: None, late.append)
+    schedule.start()
+    try:
+        wait_until(lambda: len(late) >= 2, 5, 0.05, what="two ticks seeing a due point pass during the run")
+        assert len(runs) == 1 and set(late) == {"nfs"}
+        release.set()
+        wait_until(lambda: len(runs) >= 2, 5, 0.02, what="the runs after the blocked one")
+        count = len(late)
+        time.sleep(TICK_S + 0.2)
+        assert len(late) == count  # runs on time again: nothing late
+    finally:
+        release.set()
+        schedule.stop()

@@ -1,10 +1,10 @@
 """Worker: a daemon thread that runs the calls handed to it one at a time, kept between calls and ended when idle.
 
-Each check run used to start two threads (the schedule's and the runner's), about 0.2 ms of CPU per run: a check
-every 2 s paid more for its threads than for its work. A worker is started on the first call, waits for the next
-one, and ends after `keep` seconds without a call or at `close()`. A call that blocks forever (a dead NFS mount)
-holds its worker, as it held its thread: the caller sees the call not done and does not hand that worker another
-(the runner skips runs while one is blocked).
+Used where a caller hands work over and goes on: a one-shot check run (`CheckRunner.run_once`, which waits for it
+with the check's timeout) and the engine's reports of runs blocked past their timeout. A worker is started on the
+first call, waits for the next one, and ends after `keep` seconds without a call or at `close()`. A call that
+blocks forever (a dead NFS mount) holds its worker, as it held its thread: the caller sees the call not done and
+does not hand that worker another (the runner skips runs while one is blocked).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.worker")
 
-# Longer than the intervals of the frequent checks (job_switch 2 s, job_timelimit 10 s, training_log 15 s), which
-# are most runs; a check every minute starts a thread per run, as all did before, and a stopped engine's threads
-# (tests make hundreds) are gone within seconds even where nobody calls close().
+# Long enough that calls in quick succession (a round's, tests') share the thread; short enough that a stopped
+# engine's threads (tests make hundreds) are gone 20 s later even where nobody calls close().
 KEEP_S = 20.0
 
 

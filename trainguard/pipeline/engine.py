@@ -16,6 +16,7 @@ from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
 from trainguard.core.state import ScopedState
+from trainguard.core.worker import Worker
 from trainguard.gpu.faults import XidLedger
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
@@ -139,7 +140,12 @@ class Engine:
         self._agent: dict[str, float] = {}
         self._usage_at = -math.inf  # when the tick last read them (never yet)
         self._schedule: Schedule | None = None
-        self._run_locks = {name: threading.Lock() for name in self.checks}
+        self._run_locks = {name: threading.Lock() for name in self.checks}  # one run of a check at a time
+        # One ingest of a check's report at a time, in the order of the runs: a run's own, or one the tick reports
+        # for a run blocked past its timeout (on `_late`, a worker of its own, as the lane is still blocked)
+        self._ingest_locks = {name: threading.Lock() for name in self.checks}
+        self._late = Worker("late-runs")
+        self._late_pending: set[str] = set()  # checks with a late report waiting for `_late`
 
     @staticmethod
     def _build_check(registry: Registry, kind: str, name: str, settings: CheckSettings,
@@ -167,7 +173,8 @@ class Engine:
                 reports[name] = self.runners[name].run_once(self.stop_event)
                 if ingest:
                     try:
-                        self.ingest(reports[name])
+                        with self._ingest_locks[name]:
+                            self.ingest(reports[name])
                     except Exception:
                         log.exception("ingesting check results failed", extra=kv(check=name))
 
@@ -190,15 +197,83 @@ class Engine:
         return {"actions_taken": actions} if actions else {}
 
     def run_check(self, name: str) -> None:
-        """The scheduled job: never raises, whatever the check or the store does."""
+        """Run a check once and ingest what it found, on a thread of the check's own and within its timeout (the
+        caller waits at most that long): never raises, whatever the check or the store does."""
         if self.stop_event.is_set():
             return
-        with self._run_locks[name]:  # scheduled and triggered runs of one check never overlap
+        with self._run_locks[name]:  # runs of one check never overlap
             try:
-                self.ingest(self.runners[name].run_once(self.stop_event))
+                report = self.runners[name].run_once(self.stop_event)
+                with self._ingest_locks[name]:
+                    self.ingest(report)
             except Exception:
                 if not self.stop_event.is_set():  # during shutdown the store may already be closed
                     log.exception("ingesting check results failed", extra=kv(check=name))
+
+    def _run_scheduled(self, name: str) -> None:
+        """A scheduled or triggered run, on the check's lane: the check runs on this thread, and a run past its
+        timeout is reported by the tick (`_supervise`), what it returns late dropped. Never raises."""
+        if self.stop_event.is_set():
+            return
+        with self._run_locks[name]:
+            try:
+                report = self.runners[name].run_here()
+                if report is not None:
+                    with self._ingest_locks[name]:
+                        self.ingest(report)
+            except Exception:
+                if not self.stop_event.is_set():
+                    log.exception("ingesting check results failed", extra=kv(check=name))
+
+    def _supervise(self) -> None:
+        """Each tick: the timeout report of each lane's run past its deadline (once per run)."""
+        now = time.monotonic()
+        for runner in self.runners.values():
+            report = runner.overdue(now)
+            if report is not None:
+                self._report_late(report)
+
+    def _skipped(self, name: str) -> None:
+        """A run came due while the check's lane was still in its previous run: reported when that run is blocked
+        past its timeout (a run merely still going is not)."""
+        report = self.runners[name].blocked()
+        if report is not None:
+            self._report_late(report)
+
+    def _report_late(self, report: RunReport) -> None:
+        name = report.check
+        with self._lock:
+            # One report per check waits at most: an ingest blocked (a stalled state file) piles nothing up behind
+            # it; the skipped runs meanwhile go unreported, as a blocked lane's would. A timeout report always goes.
+            if name in self._late_pending and report.outcome != "timeout":
+                return
+            self._late_pending.add(name)
+
+        def ingest() -> None:
+            try:
+                with self._ingest_locks[name]:
+                    with self._lock:
+                        last = self._states[name].last
+                    if last is not None and last.started > report.started:
+                        return  # the blocked run returned and the next one was ingested first: this one is stale
+                    self.ingest(report)
+            except Exception:
+                if not self.stop_event.is_set():
+                    log.exception("ingesting check results failed", extra=kv(check=name))
+            finally:
+                with self._lock:
+                    self._late_pending.discard(name)
+
+        try:
+            self._late.submit(ingest)
+        except RuntimeError as exc:  # no thread to be had (a pids limit): the next tick's report is tried
+            with self._lock:
+                self._late_pending.discard(name)
+            log.error("late check report not ingested", extra=kv(check=name, outcome=report.outcome, error=exc))
+
+    def _on_tick(self) -> None:
+        self.tick()
+        self._supervise()
 
     def trigger(self, name: str) -> None:
         """Run a check now, from an event-driven check's watcher."""
@@ -395,7 +470,7 @@ class Engine:
         self.responder.resume({name: check.settings.actions for name, check in self.checks.items()})
         self.tick()
         self._schedule = Schedule({n: (c.settings.interval, c.settings.jitter) for n, c in self.checks.items()},
-                                  self.run_check, self.tick)
+                                  self._run_scheduled, self._on_tick, self._skipped)
         for name, check in self.checks.items():
             try:
                 check.start(lambda name=name: self.trigger(name))
@@ -415,11 +490,13 @@ class Engine:
             self._schedule.stop()
         for runner in self.runners.values():
             runner.close()
+        self._late.close()
         t0 = time.monotonic()
         deadline = t0 + grace
-        # A run past ingest's stop test still starts the actions of what it fires: wait for it (each run lock, once
-        # free, says so), so that `finish` sees them. A run blocked past the deadline is left; its actions with it.
-        for name, lock in self._run_locks.items():
+        # An ingest past its stop test still starts the actions of what it fires: wait for it (each ingest lock, once
+        # free, says so), so that `finish` sees them. A check still in its run is not waited for: what it returns
+        # is dropped. An ingest blocked past the deadline is left; its actions with it.
+        for name, lock in self._ingest_locks.items():
             if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 lock.release()
             else:

@@ -1,14 +1,22 @@
 """Runs one check with a time budget and turns every failure into data.
 
-A run happens on the check's own daemon thread (a Worker, kept between runs): a check blocked forever inside the
-kernel (statvfs on a dead NFS mount) costs that parked thread, never the scheduler, the HTTP endpoint or shutdown. While
-that thread is still blocked, further runs of the check are skipped and reported as such. A check whose hardware is
-absent raises CheckIdle: the run is `idle` (no result, so no incident), logged once when the check turns idle.
+Two ways to run, one outcome. The agent's scheduled runs happen on the check's own lane thread (`run_here`): the run
+is registered with its deadline, and the schedule's tick, which wakes each second anyway, asks `overdue()` for the
+timeout report of a run past it; the lane stays blocked with the check. One-shot runs (`run_once`: `trainguard
+check`, a round) hand the run to the check's own daemon thread (a Worker, kept between runs) and wait for it with
+the time budget. Either way a check blocked forever inside the kernel (statvfs on a dead NFS mount) costs its parked
+thread, never the scheduler, the HTTP endpoint or shutdown; while it is blocked, further runs of the check are
+skipped and reported as such, and the blocked run's late results are dropped. A check whose hardware is absent
+raises CheckIdle: the run is `idle` (no result, so no incident), logged once when the check turns idle.
+
+Why the lane runs the check itself: handing each run to a second thread and waiting for it woke three threads per
+run; on a virtual machine each wake-up costs about 0.1 ms of CPU, which for a check every 2 s was more than its work.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +49,9 @@ class RunReport:
 
 
 class _Attempt:
-    def __init__(self) -> None:
+    def __init__(self, started: float = 0.0, t0: float = 0.0, deadline: float = math.inf) -> None:
+        self.started, self.t0, self.deadline = started, t0, deadline  # wall clock; monotonic start and deadline
+        self.timed_out = False  # reported as a timeout (by `overdue`): its own results are dropped
         self.done = threading.Event()
         self.results: list[Result] = []
         self.error: BaseException | None = None
@@ -55,6 +65,7 @@ class CheckRunner:
         self._clock = clock
         self._lock = threading.Lock()
         self._stuck: tuple[_Attempt, float] | None = None
+        self._current: _Attempt | None = None  # the run going on the lane (run_here), for `overdue`
         self._idle: str | None = None  # the reason while idle: logged on the change, not every run
         self._worker = Worker(f"check-{check.name}")  # runs the check; a blocked run holds it (skipped meanwhile)
 
@@ -66,19 +77,64 @@ class CheckRunner:
         result = Result(self.check.name, self.check.name, Status.UNKNOWN, summary, {"outcome": outcome})
         return RunReport(self.check.name, started, duration, outcome, (result,))
 
+    def _blocked(self, started: float) -> RunReport | None:
+        """The skipped report while an earlier run is still blocked past its timeout (called with the lock held)."""
+        if self._stuck is None:
+            return None
+        attempt, since = self._stuck
+        if not attempt.done.is_set():
+            return self._failure(started, 0.0, "skipped", f"timed out after {self.check.settings.timeout:g}s; "
+                                 f"previous run still blocked for {format_duration(started - since)}, run skipped")
+        log.info("blocked check run returned", extra=kv(check=self.check.name, blocked_s=round(started - since, 1)))
+        self._stuck = None
+        return None
+
+    def blocked(self) -> RunReport | None:
+        """A run that came due while the check's previous run is blocked past its timeout: its skipped report, or
+        None when no run is blocked (a run merely still going is not reported)."""
+        with self._lock:
+            return self._blocked(self._clock())
+
+    def run_here(self) -> RunReport | None:
+        """Run the check on this thread (its lane). None when the run went past its deadline: `overdue` reported it
+        then, and what the run returned late is dropped."""
+        started = self._clock()
+        with self._lock:
+            skipped = self._blocked(started)
+            if skipped is not None:
+                return skipped
+            t0 = time.monotonic()
+            attempt = self._current = _Attempt(started, t0, t0 + self.check.settings.timeout)
+        try:
+            self._execute(attempt)
+        finally:  # a BaseException from the check's code (SystemExit) leaves no run registered as going
+            with self._lock:
+                self._current = None
+        if attempt.timed_out:  # set under the lock, before `_current` was cleared: no run can set it now
+            return None
+        return self._report(attempt, started, time.monotonic() - t0)
+
+    def overdue(self, now: float | None = None) -> RunReport | None:
+        """The timeout report of the lane's run once it is past its deadline (`now`, monotonic), given once per run.
+        The run is then blocked: later runs are skipped until it returns."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            attempt = self._current
+            if attempt is None or attempt.timed_out or attempt.done.is_set() or now < attempt.deadline:
+                return None
+            attempt.timed_out = True
+            self._stuck = (attempt, attempt.started)
+        timeout = self.check.settings.timeout
+        log.warning("check timed out", extra=kv(check=self.check.name, timeout_s=timeout))
+        return self._failure(attempt.started, now - attempt.t0, "timeout", f"timed out after {timeout:g}s")
+
     def run_once(self, stop: threading.Event | None = None) -> RunReport:
         started = self._clock()
         timeout = self.check.settings.timeout
         with self._lock:
-            if self._stuck is not None:
-                attempt, since = self._stuck
-                if not attempt.done.is_set():
-                    return self._failure(started, 0.0, "skipped",
-                                         f"timed out after {timeout:g}s; previous run still blocked "
-                                         f"for {format_duration(started - since)}, run skipped")
-                log.info("blocked check run returned", extra=kv(check=self.check.name,
-                                                               blocked_s=round(started - since, 1)))
-                self._stuck = None
+            skipped = self._blocked(started)
+            if skipped is not None:
+                return skipped
             attempt = _Attempt()
         t0 = time.monotonic()
         self._worker.submit(lambda: self._execute(attempt))
@@ -95,6 +151,9 @@ class CheckRunner:
                 return self._failure(started, duration, "skipped", "agent shutting down")
             log.warning("check timed out", extra=kv(check=self.check.name, timeout_s=timeout))
             return self._failure(started, duration, "timeout", f"timed out after {timeout:g}s")
+        return self._report(attempt, started, duration)
+
+    def _report(self, attempt: _Attempt, started: float, duration: float) -> RunReport:
         if attempt.error is None:
             self._note_idle(attempt.idle)
         if attempt.idle is not None:
