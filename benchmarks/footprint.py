@@ -4,7 +4,9 @@ The agent runs the config `trainguard install` writes plus the gpu_memory check 
 the tests), with 10 process jobs whose logs it watches and 4 tmpfs mounts in the disk check; the checks keep their
 default intervals. node_exporter runs with its default collectors. Both are scraped every 15 s, as Prometheus
 would, for the whole run; RSS is sampled every 5 s and CPU is the processes' own CPU time over the run. At the end
-each endpoint gets a burst of back-to-back scrapes for the latency table. Needs root (tmpfs mounts).
+each endpoint gets a burst of back-to-back scrapes for the latency table. Wake-ups are the threads' context
+switches over the run, read every 5 s (a thread that lived less than that between two reads is not counted). Needs
+root (tmpfs mounts).
 
     sudo python -m benchmarks.footprint --minutes 10
 """
@@ -53,6 +55,18 @@ def wait_ready(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
             return
         time.sleep(0.2)
     raise SystemExit(f"{what} did not answer on :{port}")
+
+
+def switches(pid: int) -> dict[int, int]:
+    """Each thread's context switches so far (voluntary and not): about its wake-ups, which on a virtual machine are
+    much of an idle daemon's CPU."""
+    counts: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                lines = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+                counts[int(tid)] = sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
+    return counts
 
 
 def cpu_seconds(p: psutil.Process) -> float:
@@ -130,6 +144,9 @@ def main() -> int:
             rss: dict[str, list[int]] = {k: [] for k in who}
             lat: dict[str, list[float]] = {k: [] for k in who}
             cpu0 = {k: cpu_seconds(p) for k, (p, _) in who.items()}
+            # per thread: its count at the start (0 for threads started since) and at its latest sample
+            first = {k: switches(p.pid) for k, (p, _) in who.items()}
+            latest = {k: dict(v) for k, v in first.items()}
             t0 = time.monotonic()
             next_scrape = t0
             while time.monotonic() - t0 < args.minutes * 60:
@@ -140,9 +157,13 @@ def main() -> int:
                     next_scrape += args.scrape_every
                 for k, (p, _) in who.items():
                     rss[k].append(p.memory_info().rss)
+                    for tid, count in switches(p.pid).items():
+                        first[k].setdefault(tid, 0)
+                        latest[k][tid] = count
                 time.sleep(5)
             wall = time.monotonic() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, (p, _) in who.items()}
+            wakes = {k: sum(latest[k][t] - first[k][t] for t in latest[k]) for k in who}
             burst: dict[str, list[float]] = {k: [] for k in who}
             for _ in range(args.burst):
                 for k, (_, port) in who.items():
@@ -158,11 +179,11 @@ def main() -> int:
 
     mib = 2**20
     print(heading(f"Footprint over {wall / 60:.0f} min, scraped every {args.scrape_every:g}s"))
-    print("| process | RSS mean | RSS max | CPU (of one core) | scrapes | /metrics size |")
-    print("|---|---|---|---|---|---|")
+    print("| process | RSS mean | RSS max | CPU (of one core) | wake-ups a minute | scrapes | /metrics size |")
+    print("|---|---|---|---|---|---|---|")
     for k in who:
         print(f"| {k} | {statistics.mean(rss[k]) / mib:.1f} MiB | {max(rss[k]) / mib:.1f} MiB | "
-              f"{100 * cpu[k] / wall:.3f}% | {len(lat[k])} | {sizes[k] / 1024:.0f} KiB |")
+              f"{100 * cpu[k] / wall:.3f}% | {60 * wakes[k] / wall:.0f} | {len(lat[k])} | {sizes[k] / 1024:.0f} KiB |")
     print(f"\ntrainguard: {args.gpus} simulated GPUs, {args.logs} watched logs, {args.mounts} tmpfs mounts, default checks "
           "and intervals, plus gpu_memory.\n")
     print(heading(f"/metrics latency, {args.burst} back-to-back scrapes each"))

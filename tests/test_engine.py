@@ -18,6 +18,8 @@ from trainguard.core.events import Event
 from trainguard.core.model import Metric, Result, Status
 from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
 from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.incidents import Operator
+from trainguard.pipeline.runner import RunReport
 from trainguard.pipeline.store import Store
 from trainguard.registry import CHECKS, NOTIFIERS, Registry
 
@@ -177,6 +179,42 @@ def test_a_blocked_lane_is_reported_by_the_tick_and_a_stalled_ingest_piles_nothi
     time.sleep(0.3)
     assert engine.snapshot().checks["wedged"].skipped - before <= 2  # the one that waited (and a tick's since)
     assert engine.snapshot().checks["wedged"].runs < 25  # not a report per due point of the blocked lane
+
+
+def test_an_operators_clear_does_not_wait_on_a_lane_blocked_past_its_timeout(tmp_path: Path,
+                                                                            running: list[Any]) -> None:
+    """A clear waits for a check's run (it must not change the history under it), but a run blocked in the kernel
+    holds its lane for ever: the clear waits the check's timeout and the tick's second, then goes on beside it."""
+    engine = make_engine(tmp_path, {"wedged": {"interval": "1s", "timeout": "0.5s", "jitter": 0}})
+    running.append(engine)
+    engine.start()
+    wait_until(lambda: engine.snapshot().checks["wedged"].timeouts == 1, 5, 0.05, what="the timeout report")
+    wait_until(lambda: any(i.check == "wedged" for i in engine.tracker.incidents()), 5, 0.05, what="its incident")
+    t0 = time.monotonic()
+    events = engine.clear("wedged/wedged", Operator("root", 0, "remounted"))
+    assert time.monotonic() - t0 < 0.5 + 1.0 + 1.0
+    assert [e.kind.value for e in events] == ["resolved"]
+
+
+def test_a_late_report_older_than_the_latest_run_is_counted_but_changes_no_result(tmp_path: Path) -> None:
+    """A timeout report waits on its worker while the blocked run returns and the next run is ingested: it still
+    counts as a timeout, but its UNKNOWN must not follow (and undo) what that later run found."""
+    engine = make_engine(tmp_path, {"flaky": {}})
+    newer = RunReport("flaky", time.time(), 0.01, "ok", (), seq=5)
+    engine.ingest(newer)
+    older = RunReport("flaky", time.time() - 10, 0.5, "timeout",
+                      (Result("flaky", "flaky", Status.UNKNOWN, "timed out after 0.5s"),), seq=3)
+    engine._report_late(older)
+    wait_until(lambda: engine.snapshot().checks["flaky"].timeouts == 1, 5, 0.02, what="the late report")
+    state = engine.snapshot().checks["flaky"]
+    assert state.last is newer and state.runs == 2
+    assert not engine.tracker.incidents()  # no UNKNOWN incident from the older run
+    engine._report_late(RunReport("flaky", time.time(), 0.5, "timeout",
+                                  (Result("flaky", "flaky", Status.UNKNOWN, "timed out after 0.5s"),), seq=6))
+    wait_until(lambda: engine.snapshot().checks["flaky"].timeouts == 2, 5, 0.02, what="the newer late report")
+    assert engine.snapshot().checks["flaky"].last.seq == 6  # type: ignore[union-attr]
+    assert [i.status for i in engine.tracker.incidents()] == [Status.UNKNOWN]
+    engine.stop()
 
 
 def test_incident_flow_to_notifier(tmp_path: Path, running: list[Any]) -> None:

@@ -182,3 +182,20 @@ def test_a_run_on_its_lane_happens_on_the_callers_thread() -> None:
         assert report is not None and report.outcome == "ok"
     assert set(check.threads) == {threading.current_thread()}  # no hand-off to a second thread
     assert runner.overdue(time.monotonic() + 3600) is None  # nothing going: nothing overdue
+
+
+class Exiting(Check):
+    """Check code that calls sys.exit: a failure of the check, not a run that found nothing."""
+
+    def run(self) -> Sequence[Result]:
+        raise SystemExit(3)
+
+
+def test_a_system_exit_from_a_checks_code_is_its_failure_on_either_path() -> None:
+    runner = CheckRunner(Exiting("exiting", CheckSettings(), CTX))
+    for report in (runner.run_once(), runner.run_here()):
+        assert report is not None and report.outcome == "error"
+        assert report.results[0].summary == "check failed: SystemExit: 3"
+        assert not report.complete  # it resolves nothing
+    first, then = runner.run_once(), runner.run_here()
+    assert then is not None and then.seq > first.seq  # later runs, higher numbers

@@ -369,15 +369,16 @@ def test_frozen_agent_is_restarted_by_the_watchdog(service: Service) -> None:
 
 
 def test_wedged_engine_is_restarted_by_the_watchdog(service: Service) -> None:
-    """Only the scheduler's thread stops: the process lives and answers HTTP, but the engine makes no progress."""
+    """Only the scheduler's tick thread stops: the process lives, answers HTTP and runs its checks, but the engine's
+    tick (its liveness, and what reports runs past their timeout) makes no progress."""
     c = service.c
     pid = service.main_pid()
     restarts = int(service.show("NRestarts")["NRestarts"])
     c.run(["systemd-run", "--unit=tg-wedge", "--collect", NODE_PYTHON, "/mnt/helpers/stop_thread.py", str(pid),
-           "schedule", f"{VENV}/bin/py-spy"])
+           "tick", f"{VENV}/bin/py-spy"])
     try:
         wait_until(lambda: "stopped thread" in c.run(["journalctl", "--no-pager", "-o", "cat", "-u", "tg-wedge"]).stdout,
-                   15, 0.2, what="the scheduler thread stopped")
+                   15, 0.2, what="the tick thread stopped")
         wait_until(lambda: service.get("/healthz") == (503, "engine not making progress\n"), 15, 0.3,
                    what="/healthz reporting the wedge")
         assert service.main_pid() == pid  # alive and serving, yet wedged

@@ -99,8 +99,11 @@ def test_the_trainer_exits_cleanly_with_a_checkpoint_before_its_time_limit(stack
 
 
 def test_the_kill_switch_stops_the_job_with_a_checkpoint_and_holds_the_array(stack: Stack) -> None:
-    stack.start_agent(stack.config({"stop": {"type": "job_switch", "switch": "stop", **FAST,
-                                             "actions": {"warning": ["hold-array"]}}}))
+    # The trainer sees the switch itself and ends within a few tenths of a second, and SLURM may start the next task
+    # half a second later: a check every second (this file's FAST) loses that race when the touch falls just after
+    # one of its runs (11:48 on 2026-11-28: found 0.62 s after the touch, task 1 already started).
+    stack.start_agent(stack.config({"stop": {"type": "job_switch", "switch": "stop", "interval": "0.2s",
+                                             "jitter": "0s", "actions": {"warning": ["hold-array"]}}}))
     workdir = stack.slurm.workdir()
     array = stack.submit(stack.toy(workdir), "--array=0-3%1", workdir=workdir, name="e2e-switch")
     task0 = f"{array}_0"

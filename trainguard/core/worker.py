@@ -3,8 +3,9 @@
 Used where a caller hands work over and goes on: a one-shot check run (`CheckRunner.run_once`, which waits for it
 with the check's timeout) and the engine's reports of runs blocked past their timeout. A worker is started on the
 first call, waits for the next one, and ends after `keep` seconds without a call or at `close()`. A call that
-blocks forever (a dead NFS mount) holds its worker, as it held its thread: the caller sees the call not done and
-does not hand that worker another (the runner skips runs while one is blocked).
+blocks forever (a dead NFS mount) holds its worker, as it held its thread: the callers see the call not done and
+do not hand that worker another (the runner skips runs while one is blocked; the engine keeps one late report per
+check waiting at most).
 """
 
 from __future__ import annotations

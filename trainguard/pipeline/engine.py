@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,6 +71,7 @@ class CheckState:
     errors: int = 0
     skipped: int = 0
     idle: int = 0
+    seq: int = 0  # the runner's number of the latest run ingested (RunReport.seq)
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ class Engine:
         # One ingest of a check's report at a time, in the order of the runs: a run's own, or one the tick reports
         # for a run blocked past its timeout (on `_late`, a worker of its own, as the lane is still blocked)
         self._ingest_locks = {name: threading.Lock() for name in self.checks}
-        self._late = Worker("late-runs")
+        self._late = {name: Worker(f"late-{name}") for name in self.checks}  # a thread only while it has work
         self._late_pending: set[str] = set()  # checks with a late report waiting for `_late`
 
     @staticmethod
@@ -241,11 +243,15 @@ class Engine:
             self._report_late(report)
 
     def _report_late(self, report: RunReport) -> None:
+        """Ingest a timeout or skipped report of a blocked lane on the check's own `late-NAME` worker (the lane
+        is blocked; the tick must not wait on the store)."""
         name = report.check
         with self._lock:
-            # One report per check waits at most: an ingest blocked (a stalled state file) piles nothing up behind
-            # it; the skipped runs meanwhile go unreported, as a blocked lane's would. A timeout report always goes.
-            if name in self._late_pending and report.outcome != "timeout":
+            # One report per check waits at most: an ingest stalled (a stalled state file) piles nothing up behind
+            # it; what comes meanwhile goes unreported, as a blocked run's next runs would.
+            if name in self._late_pending:
+                log.debug("late check report dropped: one is still waiting", extra=kv(check=name,
+                                                                                      outcome=report.outcome))
                 return
             self._late_pending.add(name)
 
@@ -253,10 +259,11 @@ class Engine:
             try:
                 with self._ingest_locks[name]:
                     with self._lock:
-                        last = self._states[name].last
-                    if last is not None and last.started > report.started:
-                        return  # the blocked run returned and the next one was ingested first: this one is stale
-                    self.ingest(report)
+                        stale = report.seq < self._states[name].seq
+                        if stale:  # the blocked run returned and a later run was ingested first: counted, but
+                            self._count(report)  # its UNKNOWN must not follow what that later run found
+                    if not stale:
+                        self.ingest(report)
             except Exception:
                 if not self.stop_event.is_set():
                     log.exception("ingesting check results failed", extra=kv(check=name))
@@ -265,15 +272,17 @@ class Engine:
                     self._late_pending.discard(name)
 
         try:
-            self._late.submit(ingest)
+            self._late[name].submit(ingest)
         except RuntimeError as exc:  # no thread to be had (a pids limit): the next tick's report is tried
             with self._lock:
                 self._late_pending.discard(name)
             log.error("late check report not ingested", extra=kv(check=name, outcome=report.outcome, error=exc))
 
     def _on_tick(self) -> None:
-        self.tick()
-        self._supervise()
+        try:
+            self.tick()
+        finally:  # a failed tick still looks for runs past their timeout
+            self._supervise()
 
     def trigger(self, name: str) -> None:
         """Run a check now, from an event-driven check's watcher."""
@@ -285,18 +294,24 @@ class Engine:
             return
         check = self.checks[report.check]
         with self._lock:
-            state = self._states[report.check]
+            state = self._count(report)
             state.last = report
-            state.runs += 1
-            state.timeouts += report.outcome == "timeout"
-            state.errors += report.outcome == "error"
-            state.skipped += report.outcome == "skipped"
-            state.idle += report.outcome == "idle"
+            state.seq = max(state.seq, report.seq)
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
         results, withheld = self._spoken(check, self._placed(report))
         self._emit(self.tracker.observe(report.check, results, policy, report.complete, self.dispatcher.route,
                                         withheld))
+
+    def _count(self, report: RunReport) -> CheckState:
+        """Count a run in its check's state (called with the lock held)."""
+        state = self._states[report.check]
+        state.runs += 1
+        state.timeouts += report.outcome == "timeout"
+        state.errors += report.outcome == "error"
+        state.skipped += report.outcome == "skipped"
+        state.idle += report.outcome == "idle"
+        return state
 
     def _placed(self, report: RunReport) -> tuple[Result, ...]:
         """The results with where they belong in the fleet, for grouping and inhibition across nodes: the check's
@@ -404,9 +419,9 @@ class Engine:
         runs again at once (what is still wrong fires as a new incident)."""
         check, subject = self._target(target, need_subject=True)
         assert subject is not None
-        # Never while the check runs (it would change the history under the run); and the resolution's actions
-        # start under the lock, where a stop waits for them.
-        with self._run_locks[check]:
+        # Never while the check runs (it would change the history under the run), unless that run is blocked past
+        # its timeout; and the resolution's actions start under the ingest lock, where a stop waits for them.
+        with self._between_runs(check), self._ingest_locks[check]:
             self._refuse_if_stopping()  # again: a stop may have begun while it waited for the run
             self.checks[check].clear(subject, self.clock())
             events = self.tracker.clear(check, subject, who, self.dispatcher.route)
@@ -414,15 +429,30 @@ class Engine:
         self.trigger(check)
         return events
 
+    @contextlib.contextmanager
+    def _between_runs(self, check: str) -> Iterator[None]:
+        """The check's run lock, waited for as long as a run may take (its timeout, and the tick's second to say
+        so): a run blocked in the kernel holds its lane for ever, and an operator's clear or an action's forget
+        must not wait for it."""
+        lock = self._run_locks[check]
+        got = lock.acquire(timeout=self.checks[check].settings.timeout + 1.0)
+        if not got:
+            log.warning("check run still going past its timeout; going on beside it", extra=kv(check=check))
+        try:
+            yield
+        finally:
+            if got:
+                lock.release()
+
     def _forget(self, check: str, subject: str) -> None:
         """An action restarted the job in place: the check forgets the subject's history (as an operator's clear
         does), and the incident stays until the check's next results say it is over."""
         if check in self.checks:
-            with self._run_locks[check]:
+            with self._between_runs(check):
                 self.checks[check].clear(subject, self.clock())
 
     def tick(self) -> None:
-        """Liveness of the scheduler itself, plus the slow-changing parts of the snapshot."""
+        """Liveness of the scheduler (its tick thread), plus the slow-changing parts of the snapshot."""
         self._last_tick = now = time.monotonic()
         if now - self._usage_at >= USAGE_EVERY_S:
             self._usage_at = now
@@ -441,7 +471,7 @@ class Engine:
             log.warning("ending silences failed", extra=kv(error=exc))
 
     def healthy(self, max_age_s: float = 10.0) -> bool:
-        """False when the scheduler stopped making progress: the systemd watchdog then restarts us."""
+        """False when the scheduler's tick stopped making progress: the systemd watchdog then restarts us."""
         return not self.stop_event.is_set() and time.monotonic() - self._last_tick < max_age_s
 
     @property
@@ -490,7 +520,8 @@ class Engine:
             self._schedule.stop()
         for runner in self.runners.values():
             runner.close()
-        self._late.close()
+        for worker in self._late.values():
+            worker.close()
         t0 = time.monotonic()
         deadline = t0 + grace
         # An ingest past its stop test still starts the actions of what it fires: wait for it (each ingest lock, once

@@ -40,6 +40,7 @@ class RunReport:
     results: tuple[Result, ...]
     idle_reason: str | None = None  # why an idle run had nothing to watch
     partial: str | None = None  # why a run saw only part of what it watches (PartialView)
+    seq: int = 0  # the runner's count of runs when this one began: later runs have higher (0: not from a runner)
 
     @property
     def complete(self) -> bool:
@@ -49,7 +50,8 @@ class RunReport:
 
 
 class _Attempt:
-    def __init__(self, started: float = 0.0, t0: float = 0.0, deadline: float = math.inf) -> None:
+    def __init__(self, seq: int, started: float = 0.0, t0: float = 0.0, deadline: float = math.inf) -> None:
+        self.seq = seq
         self.started, self.t0, self.deadline = started, t0, deadline  # wall clock; monotonic start and deadline
         self.timed_out = False  # reported as a timeout (by `overdue`): its own results are dropped
         self.done = threading.Event()
@@ -66,6 +68,7 @@ class CheckRunner:
         self._lock = threading.Lock()
         self._stuck: tuple[_Attempt, float] | None = None
         self._current: _Attempt | None = None  # the run going on the lane (run_here), for `overdue`
+        self._seq = 0  # runs and skipped runs so far: orders their reports
         self._idle: str | None = None  # the reason while idle: logged on the change, not every run
         self._worker = Worker(f"check-{check.name}")  # runs the check; a blocked run holds it (skipped meanwhile)
 
@@ -73,9 +76,14 @@ class CheckRunner:
         """The check's thread ends once its run is done (the agent is stopping)."""
         self._worker.close()
 
-    def _failure(self, started: float, duration: float, outcome: str, summary: str) -> RunReport:
+    def _next(self) -> int:
+        """The next run's number (called with the lock held)."""
+        self._seq += 1
+        return self._seq
+
+    def _failure(self, started: float, duration: float, outcome: str, summary: str, seq: int) -> RunReport:
         result = Result(self.check.name, self.check.name, Status.UNKNOWN, summary, {"outcome": outcome})
-        return RunReport(self.check.name, started, duration, outcome, (result,))
+        return RunReport(self.check.name, started, duration, outcome, (result,), seq=seq)
 
     def _blocked(self, started: float) -> RunReport | None:
         """The skipped report while an earlier run is still blocked past its timeout (called with the lock held)."""
@@ -84,7 +92,8 @@ class CheckRunner:
         attempt, since = self._stuck
         if not attempt.done.is_set():
             return self._failure(started, 0.0, "skipped", f"timed out after {self.check.settings.timeout:g}s; "
-                                 f"previous run still blocked for {format_duration(started - since)}, run skipped")
+                                 f"previous run still blocked for {format_duration(started - since)}, run skipped",
+                                 self._next())
         log.info("blocked check run returned", extra=kv(check=self.check.name, blocked_s=round(started - since, 1)))
         self._stuck = None
         return None
@@ -104,7 +113,7 @@ class CheckRunner:
             if skipped is not None:
                 return skipped
             t0 = time.monotonic()
-            attempt = self._current = _Attempt(started, t0, t0 + self.check.settings.timeout)
+            attempt = self._current = _Attempt(self._next(), started, t0, t0 + self.check.settings.timeout)
         try:
             self._execute(attempt)
         finally:  # a BaseException from the check's code (SystemExit) leaves no run registered as going
@@ -126,7 +135,8 @@ class CheckRunner:
             self._stuck = (attempt, attempt.started)
         timeout = self.check.settings.timeout
         log.warning("check timed out", extra=kv(check=self.check.name, timeout_s=timeout))
-        return self._failure(attempt.started, now - attempt.t0, "timeout", f"timed out after {timeout:g}s")
+        return self._failure(attempt.started, now - attempt.t0, "timeout", f"timed out after {timeout:g}s",
+                             attempt.seq)
 
     def run_once(self, stop: threading.Event | None = None) -> RunReport:
         started = self._clock()
@@ -135,7 +145,7 @@ class CheckRunner:
             skipped = self._blocked(started)
             if skipped is not None:
                 return skipped
-            attempt = _Attempt()
+            attempt = _Attempt(self._next())
         t0 = time.monotonic()
         self._worker.submit(lambda: self._execute(attempt))
         deadline = t0 + timeout
@@ -148,21 +158,22 @@ class CheckRunner:
             with self._lock:
                 self._stuck = (attempt, started)
             if stop is not None and stop.is_set():
-                return self._failure(started, duration, "skipped", "agent shutting down")
+                return self._failure(started, duration, "skipped", "agent shutting down", attempt.seq)
             log.warning("check timed out", extra=kv(check=self.check.name, timeout_s=timeout))
-            return self._failure(started, duration, "timeout", f"timed out after {timeout:g}s")
+            return self._failure(started, duration, "timeout", f"timed out after {timeout:g}s", attempt.seq)
         return self._report(attempt, started, duration)
 
     def _report(self, attempt: _Attempt, started: float, duration: float) -> RunReport:
         if attempt.error is None:
             self._note_idle(attempt.idle)
         if attempt.idle is not None:
-            return RunReport(self.check.name, started, duration, "idle", (), attempt.idle)
+            return RunReport(self.check.name, started, duration, "idle", (), attempt.idle, seq=attempt.seq)
         if attempt.error is not None:
             err = attempt.error
             log.error("check failed", extra=kv(check=self.check.name, error=f"{type(err).__name__}: {err}"))
-            return self._failure(started, duration, "error", f"check failed: {type(err).__name__}: {err}")
-        return RunReport(self.check.name, started, duration, "ok", tuple(attempt.results), partial=attempt.partial)
+            return self._failure(started, duration, "error", f"check failed: {type(err).__name__}: {err}", attempt.seq)
+        return RunReport(self.check.name, started, duration, "ok", tuple(attempt.results), partial=attempt.partial,
+                         seq=attempt.seq)
 
     def _note_idle(self, reason: str | None) -> None:
         """One log line when the check turns idle (at start on a node without its hardware), one when it wakes."""
@@ -184,7 +195,8 @@ class CheckRunner:
             attempt.partial = returned.reason if isinstance(returned, PartialView) else None
         except CheckIdle as idle:
             attempt.idle = idle.reason
-        except Exception as exc:  # noqa: BLE001 - the runner alone turns a check's failure into data
+        except BaseException as exc:  # noqa: BLE001 - the runner alone turns a check's failure into data; a
+            # SystemExit from a check's code too (as nothing caught, it read as a run that found nothing: resolved)
             attempt.error = exc
         finally:
             attempt.done.set()
