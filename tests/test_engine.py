@@ -87,7 +87,23 @@ class Slow(Check):
         return [self.result(f"seen-by-run-{mine}", Status.WARNING, f"run {mine}")]
 
 
-REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky, "vanishing": Vanishing, "slow": Slow},
+class Held(Check):
+    """Its first run blocks until the test opens the gate; every run after reports OK. Notes what it is told to
+    forget."""
+
+    gate = threading.Event()
+    cleared: list[str] = []
+
+    def run(self) -> Sequence[Result]:
+        self.gate.wait(30)
+        return [self.result("held", Status.OK, "fine")]
+
+    def clear(self, subject: str, at: float) -> None:
+        Held.cleared.append(subject)
+
+
+REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky, "vanishing": Vanishing, "slow": Slow,
+                            "held": Held},
                     notifiers={**NOTIFIERS, "recording": Recording})
 
 
@@ -184,16 +200,25 @@ def test_a_blocked_lane_is_reported_by_the_tick_and_a_stalled_ingest_piles_nothi
 def test_an_operators_clear_does_not_wait_on_a_lane_blocked_past_its_timeout(tmp_path: Path,
                                                                             running: list[Any]) -> None:
     """A clear waits for a check's run (it must not change the history under it), but a run blocked in the kernel
-    holds its lane for ever: the clear waits the check's timeout and the tick's second, then goes on beside it."""
-    engine = make_engine(tmp_path, {"wedged": {"interval": "1s", "timeout": "0.5s", "jitter": 0}})
+    holds its lane for ever: the clear waits the check's timeout and the tick's second, resolves the incident, and
+    the check forgets the subject's history before its next run; what the blocked run returns is dropped."""
+    engine = make_engine(tmp_path, {"held": {"interval": "1s", "timeout": "0.5s", "jitter": 0}})
     running.append(engine)
+    Held.gate.clear()
+    Held.cleared.clear()
     engine.start()
-    wait_until(lambda: engine.snapshot().checks["wedged"].timeouts == 1, 5, 0.05, what="the timeout report")
-    wait_until(lambda: any(i.check == "wedged" for i in engine.tracker.incidents()), 5, 0.05, what="its incident")
+    wait_until(lambda: engine.snapshot().checks["held"].timeouts == 1, 5, 0.05, what="the timeout report")
+    wait_until(lambda: any(i.check == "held" for i in engine.tracker.incidents()), 5, 0.05, what="its incident")
     t0 = time.monotonic()
-    events = engine.clear("wedged/wedged", Operator("root", 0, "remounted"))
+    events = engine.clear("held/held", Operator("root", 0, "remounted"))
     assert time.monotonic() - t0 < 0.5 + 1.0 + 1.0
     assert [e.kind.value for e in events] == ["resolved"]
+    assert Held.cleared == []  # not under the blocked run
+    Held.gate.set()  # the run returns: its results (the history the clear ended) are dropped
+    wait_until(lambda: Held.cleared == ["held"], 5, 0.05, what="the history forgotten before the next run")
+    wait_until(lambda: (engine.snapshot().checks["held"].last or RunReport("", 0, 0, "", ())).outcome == "ok", 5, 0.05,
+               what="a run after the clear")
+    assert not any(i.check == "held" and i.firing for i in engine.tracker.incidents())
 
 
 def test_a_late_report_older_than_the_latest_run_is_counted_but_changes_no_result(tmp_path: Path) -> None:

@@ -144,10 +144,12 @@ class Engine:
         self._schedule: Schedule | None = None
         self._run_locks = {name: threading.Lock() for name in self.checks}  # one run of a check at a time
         # One ingest of a check's report at a time, in the order of the runs: a run's own, or one the tick reports
-        # for a run blocked past its timeout (on `_late`, a worker of its own, as the lane is still blocked)
+        # for a run blocked past its timeout (on the check's `late-NAME` worker, as its lane is still blocked)
         self._ingest_locks = {name: threading.Lock() for name in self.checks}
         self._late = {name: Worker(f"late-{name}") for name in self.checks}  # a thread only while it has work
         self._late_pending: set[str] = set()  # checks with a late report waiting for `_late`
+        # subjects whose history a check forgets before its next run (asked while a run was blocked past its timeout)
+        self._forgotten: dict[str, list[tuple[str, float]]] = {name: [] for name in self.checks}
 
     @staticmethod
     def _build_check(registry: Registry, kind: str, name: str, settings: CheckSettings,
@@ -219,6 +221,7 @@ class Engine:
             return
         with self._run_locks[name]:
             try:
+                self._forget_deferred(name)
                 report = self.runners[name].run_here()
                 if report is not None:
                     with self._ingest_locks[name]:
@@ -248,10 +251,12 @@ class Engine:
         name = report.check
         with self._lock:
             # One report per check waits at most: an ingest stalled (a stalled state file) piles nothing up behind
-            # it; what comes meanwhile goes unreported, as a blocked run's next runs would.
+            # it. What comes meanwhile is counted (a timeout stays a timeout in the metrics), not ingested: the one
+            # waiting says the same, that the check's runs do not come back.
             if name in self._late_pending:
-                log.debug("late check report dropped: one is still waiting", extra=kv(check=name,
-                                                                                      outcome=report.outcome))
+                self._count(report)
+                log.debug("late check report counted only: one is still waiting",
+                          extra=kv(check=name, outcome=report.outcome))
                 return
             self._late_pending.add(name)
 
@@ -273,9 +278,10 @@ class Engine:
 
         try:
             self._late[name].submit(ingest)
-        except RuntimeError as exc:  # no thread to be had (a pids limit): the next tick's report is tried
+        except RuntimeError as exc:  # no thread to be had (a pids limit): counted; the next report is tried
             with self._lock:
                 self._late_pending.discard(name)
+                self._count(report)
             log.error("late check report not ingested", extra=kv(check=name, outcome=report.outcome, error=exc))
 
     def _on_tick(self) -> None:
@@ -419,37 +425,57 @@ class Engine:
         runs again at once (what is still wrong fires as a new incident)."""
         check, subject = self._target(target, need_subject=True)
         assert subject is not None
-        # Never while the check runs (it would change the history under the run), unless that run is blocked past
-        # its timeout; and the resolution's actions start under the ingest lock, where a stop waits for them.
-        with self._between_runs(check), self._ingest_locks[check]:
+        # Never while the check runs (it would change the history under the run); and the resolution's actions
+        # start under the ingest lock, where a stop waits for them.
+        with self._between_runs(check) as between, self._ingest_locks[check]:
             self._refuse_if_stopping()  # again: a stop may have begun while it waited for the run
-            self.checks[check].clear(subject, self.clock())
+            self._clear_history(check, subject, between)
             events = self.tracker.clear(check, subject, who, self.dispatcher.route)
             self._emit(events)
         self.trigger(check)
         return events
 
     @contextlib.contextmanager
-    def _between_runs(self, check: str) -> Iterator[None]:
+    def _between_runs(self, check: str) -> Iterator[bool]:
         """The check's run lock, waited for as long as a run may take (its timeout, and the tick's second to say
-        so): a run blocked in the kernel holds its lane for ever, and an operator's clear or an action's forget
-        must not wait for it."""
+        so): True once held. A run blocked in the kernel holds its lane for ever, and an operator's clear (the
+        client waits 30 s) or an action's forget must not wait for it: False then."""
         lock = self._run_locks[check]
         got = lock.acquire(timeout=self.checks[check].settings.timeout + 1.0)
-        if not got:
-            log.warning("check run still going past its timeout; going on beside it", extra=kv(check=check))
         try:
-            yield
+            yield got
         finally:
             if got:
                 lock.release()
+
+    def _clear_history(self, check: str, subject: str, between: bool) -> None:
+        """The check forgets the subject's history: now, between its runs; or, while its run is blocked past its
+        timeout, before its next run. That blocked run is then reported timed out (if the tick has not yet), so what
+        it returns, history the clear was to end, is dropped."""
+        if between:
+            self.checks[check].clear(subject, self.clock())
+            return
+        report = self.runners[check].overdue()
+        if report is not None:
+            self._report_late(report)
+        with self._lock:
+            self._forgotten[check].append((subject, self.clock()))
+        log.warning("check run still going past its timeout; the subject's history is forgotten before its next run",
+                    extra=kv(check=check, subject=subject))
+
+    def _forget_deferred(self, check: str) -> None:
+        """Before a run (with its run lock): what a clear or a forget asked while the previous run was blocked."""
+        with self._lock:
+            pending, self._forgotten[check] = self._forgotten[check], []
+        for subject, when in pending:
+            self.checks[check].clear(subject, when)
 
     def _forget(self, check: str, subject: str) -> None:
         """An action restarted the job in place: the check forgets the subject's history (as an operator's clear
         does), and the incident stays until the check's next results say it is over."""
         if check in self.checks:
-            with self._between_runs(check):
-                self.checks[check].clear(subject, self.clock())
+            with self._between_runs(check) as between:
+                self._clear_history(check, subject, between)
 
     def tick(self) -> None:
         """Liveness of the scheduler (its tick thread), plus the slow-changing parts of the snapshot."""
@@ -531,8 +557,8 @@ class Engine:
             if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 lock.release()
             else:
-                log.warning("check run still under way at shutdown; actions it starts are not waited for",
-                            extra=kv(check=name))
+                log.warning("check results or an operator's clear still under way at shutdown; actions they start "
+                            "are not waited for", extra=kv(check=name))
         running, cut = self.responder.finish(max(0.0, deadline - time.monotonic()))
         waited = round(time.monotonic() - t0, 3)
         if cut:

@@ -134,7 +134,7 @@ class Responder:
         self.slurm = catalog.slurm if catalog else SlurmClient(config.jobs.slurm_timeout, config.jobs.slurm_bin_dir)
         self.node = catalog.node if catalog else (config.jobs.slurm_node or config.agent.node_name)
         self.slurmd = config.jobs.slurm_node
-        self.forget = forget  # (check, subject): the check forgets the subject's history (the engine's, under its lock)
+        self.forget = forget  # (check, subject): the check forgets the subject's history (the engine's, between runs)
         self.reports = Reports()  # the ranks' reports asked for by a save signal, shared by the lists about a job
         self.tracker = tracker
         self.clock = clock
