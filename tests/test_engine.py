@@ -175,14 +175,22 @@ def test_wedged_check_times_out_and_never_blocks_others_or_shutdown(tmp_path: Pa
     assert not engine.healthy()
 
 
-def test_a_blocked_lane_is_reported_by_the_tick_and_a_stalled_ingest_piles_nothing_up(tmp_path: Path,
-                                                                                      running: list[Any]) -> None:
+def test_a_blocked_lane_is_reported_by_the_tick_and_a_stalled_ingest_piles_nothing_up(
+        tmp_path: Path, running: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The check runs on its lane, which stays blocked: the tick reports the timeout about a second after the
-    deadline, then a skipped run per tick, on a worker of their own. While that worker's ingest is stalled (the
-    check's ingest lock held, as a stalled state file would), at most one report waits: five seconds of ticks add
-    one skipped run, not five."""
+    deadline, then a skipped run per tick, on a worker of the check's. While that worker's ingest is stalled (the
+    check's ingest lock held, as a stalled state file would), at most one report waits: the skipped runs of five
+    seconds of ticks are counted, and one is ingested once the stall ends, not five."""
     engine = make_engine(tmp_path, {"wedged": {"interval": "0.2s", "timeout": "0.5s", "jitter": 0}})
     running.append(engine)
+    ingested: list[float] = []
+    observe = engine.tracker.observe
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        ingested.append(time.monotonic())
+        return observe(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tracker, "observe", spy)
     t0 = time.monotonic()
     engine.start()
     wait_until(lambda: engine.snapshot().checks["wedged"].timeouts == 1, 5, 0.05, what="the timeout report")
@@ -191,9 +199,10 @@ def test_a_blocked_lane_is_reported_by_the_tick_and_a_stalled_ingest_piles_nothi
     with engine._ingest_locks["wedged"]:
         before = engine.snapshot().checks["wedged"].skipped
         time.sleep(5.2)
-    wait_until(lambda: engine.snapshot().checks["wedged"].skipped > before, 5, 0.05, what="the waiting report")
-    time.sleep(0.3)
-    assert engine.snapshot().checks["wedged"].skipped - before <= 2  # the one that waited (and a tick's since)
+        released = time.monotonic()
+    time.sleep(0.5)
+    assert engine.snapshot().checks["wedged"].skipped - before >= 3  # counted while the ingest was stalled
+    assert 1 <= len([t for t in ingested if t >= released]) <= 2  # the one that waited (and a tick's since)
     assert engine.snapshot().checks["wedged"].runs < 25  # not a report per due point of the blocked lane
 
 
