@@ -100,6 +100,8 @@ class Held(Check):
 
     def clear(self, subject: str, at: float) -> None:
         Held.cleared.append(subject)
+        if subject == "bad":
+            raise OSError("state file unreadable")
 
 
 REGISTRY = Registry(checks={**CHECKS, "wedged": Wedged, "flaky": Flaky, "vanishing": Vanishing, "slow": Slow,
@@ -225,9 +227,22 @@ def test_an_operators_clear_does_not_wait_on_a_lane_blocked_past_its_timeout(tmp
     assert Held.cleared == []  # not under the blocked run
     Held.gate.set()  # the run returns: its results (the history the clear ended) are dropped
     wait_until(lambda: Held.cleared == ["held"], 5, 0.05, what="the history forgotten before the next run")
+    assert not engine._forgotten["held"]  # applied once
     wait_until(lambda: (engine.snapshot().checks["held"].last or RunReport("", 0, 0, "", ())).outcome == "ok", 5, 0.05,
                what="a run after the clear")
     assert not any(i.check == "held" and i.firing for i in engine.tracker.incidents())
+
+
+def test_a_deferred_forget_that_fails_leaves_the_others_forgotten(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    engine = make_engine(tmp_path, {"held": {}})
+    Held.cleared.clear()
+    engine._forgotten["held"] += [("bad", 1.0), ("good", 2.0)]
+    with caplog.at_level("ERROR", logger="trainguard.engine"):
+        engine._forget_deferred("held")
+    assert Held.cleared == ["bad", "good"]  # both were asked; the first raised
+    assert any(r.getMessage() == "check could not forget a subject" for r in caplog.records)
+    assert not engine._forgotten["held"]
 
 
 def test_a_late_report_older_than_the_latest_run_is_counted_but_changes_no_result(tmp_path: Path) -> None:

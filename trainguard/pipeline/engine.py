@@ -468,7 +468,10 @@ class Engine:
         with self._lock:
             pending, self._forgotten[check] = self._forgotten[check], []
         for subject, when in pending:
-            self.checks[check].clear(subject, when)
+            try:
+                self.checks[check].clear(subject, when)
+            except Exception as exc:  # noqa: BLE001 - one subject's failure leaves the others forgotten, the run goes on
+                log.error("check could not forget a subject", extra=kv(check=check, subject=subject, error=exc))
 
     def _forget(self, check: str, subject: str) -> None:
         """An action restarted the job in place: the check forgets the subject's history (as an operator's clear
