@@ -98,6 +98,8 @@ def run_daemon(config: Config) -> int:
     pinger.start()
     log.info("ready", extra=kv(checks=len(engine.configured), pending=",".join(pending) or None,
                                watchdog_s=systemd.watchdog_s))
+    if not pending:  # each check's lane ran it before READY (fast checks do): the first round is done already
+        log.info("first round done", extra=kv(checks=len(engine.configured)))
     # Once the first round is done the main thread only waits for a signal: no wake-up a second for nothing.
     while not stop.is_set():
         if select.select([wake_r], [], [], 1.0 if pending else None)[0]:
