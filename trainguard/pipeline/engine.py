@@ -176,11 +176,7 @@ class Engine:
             with self._run_locks[name]:
                 reports[name] = self.runners[name].run_once(self.stop_event)
                 if ingest:
-                    try:
-                        with self._ingest_locks[name]:
-                            self.ingest(reports[name])
-                    except Exception:
-                        log.exception("ingesting check results failed", extra=kv(check=name))
+                    self._ingest_in_order(reports[name])
 
         threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in self.runners]
         for t in threads:
@@ -208,11 +204,11 @@ class Engine:
         with self._run_locks[name]:  # runs of one check never overlap
             try:
                 report = self.runners[name].run_once(self.stop_event)
-                with self._ingest_locks[name]:
-                    self.ingest(report)
-            except Exception:
-                if not self.stop_event.is_set():  # during shutdown the store may already be closed
+            except Exception:  # no thread to be had for the run (a pids limit)
+                if not self.stop_event.is_set():
                     log.exception("ingesting check results failed", extra=kv(check=name))
+                return
+            self._ingest_in_order(report)
 
     def _run_scheduled(self, name: str) -> None:
         """A scheduled or triggered run, on the check's lane: the check runs on this thread, and a run past its
@@ -220,15 +216,27 @@ class Engine:
         if self.stop_event.is_set():
             return
         with self._run_locks[name]:
-            try:
-                self._forget_deferred(name)
-                report = self.runners[name].run_here()
-                if report is not None:
-                    with self._ingest_locks[name]:
-                        self.ingest(report)
-            except Exception:
-                if not self.stop_event.is_set():
-                    log.exception("ingesting check results failed", extra=kv(check=name))
+            self._forget_deferred(name)
+            report = self.runners[name].run_here()
+            if report is not None:
+                self._ingest_in_order(report)
+
+    def _ingest_in_order(self, report: RunReport, late: bool = False) -> None:
+        """Ingest under the check's ingest lock, so a check's reports go in one at a time; never raises. A `late`
+        report (the tick's, for a blocked lane) older than the latest one ingested is counted only: the blocked run
+        returned and a later run was ingested first, and its UNKNOWN must not follow what that run found."""
+        name = report.check
+        try:
+            with self._ingest_locks[name]:
+                if late:
+                    with self._lock:
+                        if report.seq < self._states[name].seq:
+                            self._count(report)
+                            return
+                self.ingest(report)
+        except Exception:
+            if not self.stop_event.is_set():  # during shutdown the store may already be closed
+                log.exception("ingesting check results failed", extra=kv(check=name))
 
     def _supervise(self) -> None:
         """Each tick: the timeout report of each lane's run past its deadline (once per run)."""
@@ -262,16 +270,7 @@ class Engine:
 
         def ingest() -> None:
             try:
-                with self._ingest_locks[name]:
-                    with self._lock:
-                        stale = report.seq < self._states[name].seq
-                        if stale:  # the blocked run returned and a later run was ingested first: counted, but
-                            self._count(report)  # its UNKNOWN must not follow what that later run found
-                    if not stale:
-                        self.ingest(report)
-            except Exception:
-                if not self.stop_event.is_set():
-                    log.exception("ingesting check results failed", extra=kv(check=name))
+                self._ingest_in_order(report, late=True)
             finally:
                 with self._lock:
                     self._late_pending.discard(name)
