@@ -131,15 +131,13 @@ class Schedule:
 
     def _look_at(self, lane: _Lane, now: float) -> None:
         with lane.cond:
-            if lane.thread is None:
-                start = True
-            elif lane.busy and now >= lane.due:
-                start = False
+            missing = lane.thread is None
+            late = not missing and lane.busy and now >= lane.due
+            if late:
                 lane.skip_past(now)
-            else:
-                return
-        if start:
+        if missing:
             self._start_lane(lane)
+        if not late:
             return
         log.debug("check run skipped: its previous run is still going", extra=kv(check=lane.name))
         if self._late is not None:
