@@ -11,16 +11,15 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainguard import __version__
-from trainguard.agent.configfile import ConfigError, load_config
+from trainguard import PLAIN_SETTINGS_ENV, __version__
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import Status, worst
 from trainguard.core.units import parse_duration
-from trainguard.pipeline.config import Config, default_state_dir
 
-if TYPE_CHECKING:  # imported where used: one-shot commands start faster
+if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `run` holds no pydantic (main)
     from trainguard.core.model import Result
     from trainguard.notifiers.base import NotifierSettings
+    from trainguard.pipeline.config import Config
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
@@ -124,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Config:
+    from trainguard.core.settings import PLAIN
+    from trainguard.pipeline.config import default_state_dir
+
     # One-shot commands print results on stdout; their logs only matter when something is wrong.
     setup_logging(args.log_level or ("info" if args.command == "run" else "warning"))
     if args.command == "run":
@@ -131,7 +133,14 @@ def _load(args: argparse.Namespace) -> Config:
             default_state_dir().mkdir(parents=True, exist_ok=True, mode=0o750)
         except OSError:
             pass  # a configured state_dir may be elsewhere; the store reports real problems
-    config = load_config(args.config)
+    if PLAIN:
+        from trainguard.agent.plainconfig import load_plain_config
+
+        config = load_plain_config(args.config, args.log_level or "info")
+    else:
+        from trainguard.agent.configfile import load_config
+
+        config = load_config(args.config)
     if args.command == "run" and not args.log_level:
         setup_logging(config.agent.log_level)
     return config
@@ -419,6 +428,12 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "run" and "trainguard.core.settings" not in sys.modules:
+        # The agent's own process holds its settings as plain classes, validated by a child (see
+        # trainguard.core.settings): the mode is fixed at that module's import, and only for this process.
+        os.environ[PLAIN_SETTINGS_ENV] = "1"
+        import trainguard.core.settings  # noqa: F401
+    os.environ.pop(PLAIN_SETTINGS_ENV, None)  # never inherited: not by the child, an action's command or a hook
     if args.command in ("slurm-prolog", "slurm-epilog"):
         from trainguard.jobs.prolog import run_hook
 
@@ -430,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(markdown() if args.command == "config-reference" else metrics_markdown(), end="")
         return 0
+    from trainguard.pipeline.config import ConfigError
+
     try:
         config = _load(args)
     except ConfigError as exc:

@@ -8,10 +8,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from pydantic import Field
-
 from trainguard.core.events import Event
-from trainguard.core.settings import Duration, SettingsModel
+from trainguard.core.settings import Duration, Field, SettingsModel
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 
-from pydantic import Field
-
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
+from trainguard.core.settings import Field
 from trainguard.core.text import one_line
 
 

@@ -39,14 +39,12 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, field_validator
-
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, Report, each_job, slurm_jobs
 from trainguard.actions.savereport import REQUEST_WAIT, SaveReport, ask_save
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
 from trainguard.actions.switch import create_switch_file, job_owner, remove_switch, switch_stats
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.core.text import one_line
 from trainguard.jobs.hostlist import expand
 from trainguard.jobs.model import Job, ProcessRef

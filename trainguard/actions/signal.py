@@ -8,12 +8,10 @@ import signal
 import threading
 from typing import Literal
 
-from pydantic import Field, field_validator
-
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job
 from trainguard.actions.savereport import ask_save
 from trainguard.core.logs import kv
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.jobs.model import Job, ProcessRef
 
 log = logging.getLogger("trainguard.actions.signal")

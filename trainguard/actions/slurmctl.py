@@ -8,10 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from pydantic import Field, field_validator, model_validator
-
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, ActionSettings, slurm_jobs
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, field_validator, model_validator
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmError, parse_job_record

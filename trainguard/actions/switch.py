@@ -21,9 +21,8 @@ import time
 from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import Field
-
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
+from trainguard.core.settings import Field
 from trainguard.jobs.model import Job
 from trainguard.node.access import AccessDeniedError, Identity, resolve
 

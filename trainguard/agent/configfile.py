@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +21,16 @@ from trainguard.core.logs import kv
 from trainguard.core.settings import is_secret, read_small_file
 from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
-from trainguard.pipeline.config import AgentSettings, Config
+from trainguard.pipeline.config import (
+    AgentSettings,
+    Config,
+    ConfigError,
+    resolve_config_path,
+)
 from trainguard.pipeline.selfcheck import NAME as SELF_NAME
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.config")
-
-DEFAULT_CONFIG_PATH = Path("/etc/trainguard/trainguard.toml")
-CONFIG_ENV = "TRAINGUARD_CONFIG"
-
-
-class ConfigError(Exception):
-    """One or more problems in a config file, each naming the file and key path."""
-
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.source = source
-        self.problems = problems
-        super().__init__("\n".join(f"config error in {source}: {p}" for p in problems))
 
 
 def _format_validation_error(prefix: str, exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
@@ -118,15 +111,6 @@ def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_
     return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source), jobs=jobs, actions=actions)
 
 
-def resolve_config_path(cli_path: str | None) -> tuple[Path, bool]:
-    """The path to read and whether the user named it (a named file that is missing is an error)."""
-    if cli_path:
-        return Path(cli_path), True
-    if os.environ.get(CONFIG_ENV):
-        return Path(os.environ[CONFIG_ENV]), True
-    return DEFAULT_CONFIG_PATH, False
-
-
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; more is not one
 
 
@@ -138,10 +122,11 @@ def read_config_file(path: Path) -> bytes:
         raise ConfigError(str(path), [f"cannot read file: {exc.strerror or exc}"]) from None
 
 
-def load_config(cli_path: str | None = None, registry: Registry = DEFAULT_REGISTRY) -> Config:
+def load_config(cli_path: str | None = None, registry: Registry = DEFAULT_REGISTRY,
+                nvml_probe: Callable[[], str | None] | None = None) -> Config:
     path, explicit = resolve_config_path(cli_path)
     if not path.exists() and not explicit:
-        return default_config(registry)
+        return default_config(registry, nvml_probe)
     data = read_config_file(path)
     try:
         raw = tomllib.loads(data.decode("utf-8"))
@@ -181,9 +166,9 @@ def warn_inline_secrets(path: Path, raw: dict[str, Any], registry: Registry = DE
     return inline
 
 
-def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
+def default_config(registry: Registry = DEFAULT_REGISTRY, nvml_probe: Callable[[], str | None] | None = None) -> Config:
     """Useful on any Linux machine: root fs and state dir, host memory, InfiniBand ports (idle without them), GPUs
-    when NVML loads, console."""
+    when NVML loads (`nvml_probe`: why not, None when it does; default: load it here), console."""
     agent = AgentSettings()
     # The daemon creates the state dir before it loads the config; a one-shot `check` may run without it.
     paths = ["/"] + ([str(agent.state_dir)] if agent.state_dir.is_dir() else [])
@@ -196,9 +181,11 @@ def default_config(registry: Registry = DEFAULT_REGISTRY) -> Config:
         "notifiers": {"console": {}},
     }
     if "gpu" in registry.checks:
-        from trainguard.gpu import nvml
+        if nvml_probe is None:
+            from trainguard.gpu import nvml
 
-        reason = nvml.probe()
+            nvml_probe = nvml.probe
+        reason = nvml_probe()
         if reason is None:
             raw["checks"].update({kind: {} for kind in ("gpu", "nvlink", "pcie", "gpu_config", "fabric")
                                   if kind in registry.checks})

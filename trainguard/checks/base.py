@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, PositiveInt, field_validator
-
 from trainguard.core.model import Metric, Result, Sample, Status
-from trainguard.core.settings import Duration, SettingsModel
+from trainguard.core.settings import Duration, Field, PositiveInt, SettingsModel, field_validator
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError, Reading

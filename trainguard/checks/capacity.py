@@ -9,12 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field
-
 from trainguard.checks.base import CheckSettings
 from trainguard.core.forecast import Forecast, SeriesWindow
 from trainguard.core.model import Metric, Sample, Status, worst
-from trainguard.core.settings import CountLimit, Duration, SizeLimit
+from trainguard.core.settings import CountLimit, Duration, Field, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_count_limit, parse_size_limit
 

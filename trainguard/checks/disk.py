@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from pydantic import Field, field_validator, model_validator
-
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage, summarize, time_to_full
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration, Regex
+from trainguard.core.settings import Duration, Field, Regex, field_validator, model_validator
 from trainguard.core.units import format_duration
 from trainguard.node.mounts import (
     PSEUDO_FSTYPES,

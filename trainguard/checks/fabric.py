@@ -13,11 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, NonNegativeInt
-
 from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, NvmlCheck
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, NonNegativeInt
 from trainguard.core.text import linear
 from trainguard.core.units import format_duration
 from trainguard.gpu.nvml import FABRIC_STATES, Fabric, NvmlUnavailableError, Reading

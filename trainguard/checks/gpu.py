@@ -5,11 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from pydantic import Field
-
 from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, NvmlCheck
 from trainguard.core.model import Metric, Result, Status, worst
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field
 from trainguard.core.units import format_bytes, format_duration
 from trainguard.gpu.health import unreachable
 from trainguard.gpu.nvml import CLOCK_EVENTS, GpuState, NvmlUnavailableError

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import Field
-
 from trainguard.checks.base import CheckSettings, NvmlCheck
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field
 from trainguard.gpu.nvml import GpuConfig, Reading
 
 _GPU = ("gpu", "uuid")

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings, NvmlCheck
 from trainguard.core.forecast import Forecast, SeriesWindow
 from trainguard.core.model import Metric, Result, Status, worst
-from trainguard.core.settings import Duration, Size, SizeLimit, StatusName
+from trainguard.core.settings import Duration, Field, Size, SizeLimit, StatusName
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size
 from trainguard.gpu.health import unreachable

@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from pydantic import Field
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field
 from trainguard.core.text import one_line
 from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration

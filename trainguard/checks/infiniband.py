@@ -14,12 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, NonNegativeInt, PositiveFloat
-
 from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckIdle, CheckSettings
 from trainguard.core.counters import CounterWindow, saturated
 from trainguard.core.model import Metric, Result, Sample, Status, worst
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, NonNegativeInt, PositiveFloat
 from trainguard.core.units import format_duration
 from trainguard.node.sysfs import IbPort, infiniband_ports
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import Field, field_validator
-
 from trainguard.checks.base import CheckSettings, JobCheck
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.core.units import format_duration
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmError

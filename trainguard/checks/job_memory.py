@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from pydantic import Field
 
 from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, JobCheck
 from trainguard.core.forecast import Forecast, SeriesWindow
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration, SizeLimit
+from trainguard.core.settings import Duration, Field, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, format_duration, parse_size_limit
 from trainguard.jobs.model import Job

@@ -12,11 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
-
 from trainguard.checks.base import CheckSettings, JobCheck
 from trainguard.core.model import Result, Status
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import STOP_DIR

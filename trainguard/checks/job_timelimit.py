@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from pydantic import Field
-
 from trainguard.checks.base import CheckSettings, JobCheck
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field
 from trainguard.core.units import format_duration
 
 TIME_LEFT = Metric("trainguard_job_time_left_seconds", "Seconds until the job's time limit.", ("job_id",))

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from pydantic import Field
 
 from trainguard.checks.base import Check, CheckSettings
 from trainguard.core.model import Metric, Result, Status, worst
-from trainguard.core.settings import SizeLimit
+from trainguard.core.settings import Field, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, parse_size_limit
 from trainguard.node.proctable import ProcessTable

@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import Field, NonNegativeInt
-
 from trainguard.checks.base import CheckContext, CheckSettings, NvmlCheck
 from trainguard.core.counters import CounterWindow
 from trainguard.core.model import Metric, Result, Sample, Status, worst
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, NonNegativeInt
 from trainguard.core.units import format_duration
 from trainguard.gpu.nvml import PcieLink, Reading
 

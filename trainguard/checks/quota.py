@@ -12,12 +12,10 @@ import pwd
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
-
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage, Verdict, summarize, time_to_full
 from trainguard.core.model import Metric, Result, Status, worst
-from trainguard.core.settings import Duration, Size
+from trainguard.core.settings import Duration, Field, Size, model_validator
 from trainguard.core.text import linear
 from trainguard.core.units import format_duration
 from trainguard.quota.parsers import QuotaUsage

@@ -29,12 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pydantic import Field
-
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
-from trainguard.core.settings import Duration, Size
+from trainguard.core.settings import Duration, Field, Size
 from trainguard.core.text import linear, one_line
 from trainguard.core.units import parse_size
 from trainguard.jobs.model import Job

@@ -23,13 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pydantic import Field, model_validator
-
 from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings, PartialView
 from trainguard.core.files import read_small, replace_file
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status, worst
-from trainguard.core.settings import Duration, StatusName
+from trainguard.core.settings import Duration, Field, StatusName, model_validator
 from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry
 from trainguard.gpu.health import gpu_faults

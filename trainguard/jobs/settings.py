@@ -5,9 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
-
-from trainguard.core.settings import Duration, Regex, SettingsModel
+from trainguard.core.settings import Duration, Field, Regex, SettingsModel, field_validator, model_validator
 from trainguard.registry import JOB_SOURCES
 
 # Beside the config: root-owned and persistent (a stop holds across agent restarts and reboots until removed), and

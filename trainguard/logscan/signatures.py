@@ -11,10 +11,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import ahocorasick_rs
-from pydantic import Field
 
 from trainguard.core.model import Status
-from trainguard.core.settings import Regex, SettingsModel, StatusName
+from trainguard.core.settings import Field, Regex, SettingsModel, StatusName
 from trainguard.core.text import Pattern, linear
 from trainguard.logscan import launcher, nccl
 from trainguard.logscan.lines import plain

@@ -13,11 +13,9 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from pydantic import Field
-
 from trainguard.core.events import Event, EventKind, jobs_of
 from trainguard.core.logs import kv
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import actions_done, event_line

@@ -6,11 +6,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from pydantic import Field
-
 from trainguard.core.events import Event, EventKind, job_of
 from trainguard.core.model import Status
-from trainguard.core.settings import Duration, SettingsModel, StatusName
+from trainguard.core.settings import Duration, Field, SettingsModel, StatusName
 
 
 class NotifierSettings(SettingsModel):

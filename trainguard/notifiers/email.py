@@ -11,10 +11,8 @@ from email.utils import formatdate, make_msgid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
-
 from trainguard.core.events import Event
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, SecretStr, model_validator
 from trainguard.core.text import one_line, printable
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.text import actions_done, event_line, headline

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import Field, SecretStr
-
 from trainguard.core.events import Event, EventKind, job_of
 from trainguard.core.model import Status, worst
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, SecretStr
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import actions_done, event_line, headline

@@ -7,10 +7,8 @@ import hmac
 import json
 from collections.abc import Sequence
 
-from pydantic import Field, SecretStr
-
 from trainguard.core.events import Event
-from trainguard.core.settings import Duration
+from trainguard.core.settings import Duration, Field, SecretStr
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
 from trainguard.notifiers.text import headline

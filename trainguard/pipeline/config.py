@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
-
 from trainguard.actions.base import ActionSettings
 from trainguard.checks.base import CheckSettings
-from trainguard.core.settings import SettingsModel
+from trainguard.core.settings import Field, SettingsModel, field_validator
 from trainguard.core.text import linear
 from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurmnode import cluster_name
@@ -31,6 +29,28 @@ def default_state_dir() -> Path:
 
 
 _LISTEN = linear(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*):(?P<port>\d{1,5})$")
+
+
+DEFAULT_CONFIG_PATH = Path("/etc/trainguard/trainguard.toml")
+CONFIG_ENV = "TRAINGUARD_CONFIG"
+
+
+def resolve_config_path(cli_path: str | None) -> tuple[Path, bool]:
+    """The path to read and whether the user named it (a named file that is missing is an error)."""
+    if cli_path:
+        return Path(cli_path), True
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV]), True
+    return DEFAULT_CONFIG_PATH, False
+
+
+class ConfigError(Exception):
+    """One or more problems in a config file, each naming the file and key path."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(f"config error in {source}: {p}" for p in problems))
 
 
 class AgentSettings(SettingsModel):
