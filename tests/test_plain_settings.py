@@ -18,11 +18,18 @@ import requests
 
 from tests.conftest import REPO, AgentProcess, free_port
 from tests.helpers.settings_tree import built, tree
+from trainguard import PLAIN_SETTINGS_ENV
+from trainguard.agent import plainconfig
 from trainguard.agent.configfile import load_config
-from trainguard.agent.plainconfig import _Unpickler
-from trainguard.core.settings import Built, PlainSettings, Secret, _plain_field
+from trainguard.agent.plainconfig import ValidatorError, _Unpickler, load_plain_config
+from trainguard.core.model import Status
+from trainguard.core.settings import Built, Member, PlainSettings, Secret, SecretStr, _plain_field
+from trainguard.core.state import scoped_key
+from trainguard.core.units import Limit
 from trainguard.install import DEFAULT_CONFIG
+from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
 from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.store import Store
 
 RICH = """
 [agent]
@@ -161,7 +168,15 @@ def test_a_running_agent_maps_no_pydantic(tmp_path: Path, agent_process: Callabl
     process whose memory holds no pydantic (its core library never mapped)."""
     port = free_port()
     config = tmp_path / "trainguard.toml"
-    config.write_text(with_agent(DEFAULT_CONFIG.read_text(), f'state_dir = "{tmp_path}/state"\nlisten = "127.0.0.1:{port}"'))
+    # Not a node of the test cluster, and the kernel log read from its end: other tests' XIDs are not its news, and
+    # its drain action must not drain the test node.
+    config.write_text(with_agent(DEFAULT_CONFIG.read_text(), f'state_dir = "{tmp_path}/state"\n'
+                                 f'listen = "127.0.0.1:{port}"\nnode_name = "tg-plain"')
+                      .replace("[jobs]\n", "[jobs]\nsources = ['process']\n", 1))
+    (tmp_path / "state").mkdir()
+    store = Store(tmp_path / "state")
+    store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())
+    store.close()
     agent = agent_process(config, module="tests.helpers.fake_gpu_agent")
     agent.wait_for("first round done", timeout=60)
     assert agent.proc is not None
@@ -196,18 +211,82 @@ def test_plain_settings_take_defaults_copy_mutables_and_stay_frozen() -> None:
     with pytest.raises(TypeError, match=r"unknown field.*colour"):
         Example(required="x", colour="red")
     assert "s3cret" not in repr(Secret("s3cret")) and Secret("s3cret").get_secret_value() == "s3cret"
+    # as pydantic's SecretStr: an empty one is false (an empty webhook `secret` signs nothing)
+    assert not Secret("") and bool(Secret("k")) and bool(SecretStr("")) is False
 
 
-def test_what_the_child_sends_builds_only_trainguards_classes() -> None:
+def test_what_the_child_sends_builds_only_trainguards_value_types() -> None:
     class Evil:
         def __reduce__(self) -> tuple[Any, ...]:
             return (os.system, ("true",))
 
-    payload = pickle.dumps(("ok", {"agent": Built("trainguard.pipeline.config", "AgentSettings", {"x": Evil()})}))
+    def load(payload: bytes) -> Any:
+        return _Unpickler(io.BytesIO(payload)).load()
+
     with pytest.raises(pickle.UnpicklingError, match="system"):
-        _Unpickler(io.BytesIO(payload)).load()
-    fine = pickle.dumps(("ok", Built("trainguard.checks.disk", "DiskSettings", {"paths": [Path("/")]})))
-    assert _Unpickler(io.BytesIO(fine)).load()[1].fields == {"paths": [Path("/")]}
+        load(pickle.dumps(("ok", {"agent": Built("trainguard.pipeline.config", "AgentSettings", {"x": Evil()})})))
+    # protocol 4's dotted names reach any global of an allowed module: os.getcwd through pathlib
+    dotted = (b"\x80\x04\x8c\x07pathlib\x94\x8c\tos.getcwd\x94\x93\x94)R\x94.")
+    with pytest.raises(pickle.UnpicklingError, match=r"pathlib\.os\.getcwd"):
+        load(dotted)
+    with pytest.raises(pickle.UnpicklingError, match="Engine"):  # a class of ours, but no value type
+        load(pickle.dumps(Engine))
+    # getattr(cls, name) is how some Pythons pickle an enum member (3.11.2); it would reach any attribute
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.getattr"):
+        load(b"\x80\x04\x8c\x08builtins\x94\x8c\x07getattr\x94\x93\x94.")
+    fine = load(pickle.dumps(("ok", Built("trainguard.checks.disk", "DiskSettings", {
+        "paths": [Path("/")], "free": Limit(5.0, percent=True),
+        "status": Member("trainguard.core.model", "Status", "WARNING"),
+        "k": Secret("x"), "s": frozenset({1})}))))
+    assert fine[1].fields == {"paths": [Path("/")], "free": Limit(5.0, percent=True),
+                              "status": Member("trainguard.core.model", "Status", "WARNING"), "k": Secret("x"),
+                              "s": frozenset({1})}
+    assert plainconfig._rebuild(fine[1].fields["status"]) is Status.WARNING
+
+
+@pytest.mark.parametrize(("executable", "expected"), [
+    ("/bin/false", "exited with status 1"),
+    ("/bin/echo", "cannot read what the process validating"),
+    ("/nonexistent/python", "cannot start /nonexistent/python"),
+])
+def test_a_validator_that_gives_no_answer_is_not_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                executable: str, expected: str) -> None:
+    config = tmp_path / "trainguard.toml"
+    config.write_text("[checks.memory]\n")
+    monkeypatch.setattr(plainconfig.sys, "executable", executable)
+    with pytest.raises(ValidatorError, match=expected) as info:
+        load_plain_config(str(config), "warning")
+    assert str(config) in str(info.value)
+
+
+RUN_PROBE = """
+import json, os, sys, types
+from trainguard import cli
+def run_daemon(config):  # in place of the daemon: what `run` hands it, and in what process
+    from trainguard.core.settings import PLAIN
+    print(json.dumps({"plain": PLAIN, "switch": os.environ.get("TRAINGUARD_PLAIN_SETTINGS"),
+                      "pydantic": "pydantic" in sys.modules, "checks": sorted(config.checks)}))
+    return 0
+sys.modules["trainguard.agent.daemon"] = types.SimpleNamespace(run_daemon=run_daemon)
+sys.exit(cli.main(["run", "--config", sys.argv[1]]))
+"""
+
+
+def test_the_mode_switch_is_runs_own_and_reaches_no_other_process(tmp_path: Path) -> None:
+    """Set only while `run` imports its settings: the agent's process then holds plain settings and no switch that
+    a command it runs (an exec action) would inherit; a stray one does not make `validate` validate nothing."""
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\n[checks.memory]\n')
+    env = {**os.environ, "STATE_DIRECTORY": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", RUN_PROBE, str(config)], capture_output=True, text=True,
+                         timeout=60, cwd=REPO, env=env)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {"plain": True, "switch": None, "pydantic": False, "checks": ["memory"]}
+
+    config.write_text("[checks.disk]\ninterval = '10x'\n")
+    stray = subprocess.run([sys.executable, "-m", "trainguard", "validate", "--config", str(config)],
+                           capture_output=True, text=True, timeout=60, cwd=REPO, env={**env, PLAIN_SETTINGS_ENV: "1"})
+    assert stray.returncode == 2 and "checks.disk.interval: invalid duration '10x'" in stray.stderr
 
 
 def test_only_the_validating_modules_import_pydantic() -> None:

@@ -134,9 +134,12 @@ def _load(args: argparse.Namespace) -> Config:
         except OSError:
             pass  # a configured state_dir may be elsewhere; the store reports real problems
     if PLAIN:
-        from trainguard.agent.plainconfig import load_plain_config
+        from trainguard.agent.plainconfig import ValidatorError, load_plain_config
 
-        config = load_plain_config(args.config, args.log_level or "info")
+        try:
+            config = load_plain_config(args.config, args.log_level or "info")
+        except ValidatorError as exc:  # not the config's fault: exit 1 (restarted), not 2 (fix the config)
+            raise SystemExit(f"trainguard: {exc}") from None
     else:
         from trainguard.agent.configfile import load_config
 

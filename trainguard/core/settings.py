@@ -38,6 +38,15 @@ class Built(NamedTuple):
     fields: dict[str, Any]
 
 
+class Member(NamedTuple):
+    """An enum member on its way from the child, by name (the pickle of an enum member is a call of `getattr` on
+    some Pythons, which the agent's unpickler does not make)."""
+
+    module: str
+    qualname: str
+    name: str
+
+
 class Secret:
     """A validated secret in the agent: never printed, compared by value."""
 
@@ -54,6 +63,9 @@ class Secret:
 
     def __str__(self) -> str:
         return "**********"
+
+    def __len__(self) -> int:  # as pydantic's: an empty secret is false (a webhook then signs nothing)
+        return len(self._value)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Secret) and other._value == self._value
@@ -252,6 +264,6 @@ else:
 
 
 # What the settings modules take from here, in either mode.
-__all__ = ["PLAIN", "Built", "CountLimit", "Duration", "Field", "NonNegativeInt", "PlainSettings", "PositiveFloat",
-           "PositiveInt", "Regex", "Secret", "SecretStr", "SettingsModel", "Size", "SizeLimit", "StatusName",
+__all__ = ["PLAIN", "Built", "CountLimit", "Duration", "Field", "Member", "NonNegativeInt", "PlainSettings",
+           "PositiveFloat", "PositiveInt", "Regex", "Secret", "SecretStr", "SettingsModel", "Size", "SizeLimit", "StatusName",
            "field_validator", "is_secret", "model_validator", "read_small_file"]
