@@ -3,6 +3,7 @@ loaded machine)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter
@@ -10,7 +11,7 @@ from collections import Counter
 import pytest
 
 from tests.conftest import wait_until
-from trainguard.pipeline.schedule import TICK_S, Schedule, next_grid
+from trainguard.pipeline.schedule import TICK_S, Schedule, next_grid, phase
 
 
 def test_the_grid_point_after_a_late_run_is_one_run_not_the_missed_ones() -> None:
@@ -216,3 +217,26 @@ def test_a_run_due_while_the_previous_one_is_going_is_told_to_late_from_the_tick
     finally:
         release.set()
         schedule.stop()
+
+
+def test_checks_of_commensurate_intervals_never_come_due_together() -> None:
+    """After the first round (all at once), each check's grid is set apart by a fraction of a second: a 1 s, a 2 s and
+    a 3 s check do not start their runs at the same instants, and each still runs once an interval."""
+    starts: dict[str, list[float]] = {"one": [], "two": [], "three": []}
+    t0 = time.monotonic()
+    schedule = Schedule({"one": (1.0, 0.0), "two": (2.0, 0.0), "three": (3.0, 0.0)},
+                        lambda name: starts[name].append(time.monotonic() - t0), lambda: None)
+    schedule.start()
+    try:
+        time.sleep(6.5)
+    finally:
+        schedule.stop()
+    assert all(times[0] < 0.3 for times in starts.values())  # the first round: at once
+    later = sorted((t, name) for name, times in starts.items() for t in times[1:])
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(later) if a[1] != b[1]]
+    assert min(gaps) > 0.1, later  # golden-ratio offsets: 0, 0.618, 0.236 s: 0.236 apart at the least
+    for name, interval in (("one", 1.0), ("two", 2.0), ("three", 3.0)):
+        steps = [b - a for a, b in itertools.pairwise(starts[name][1:])]
+        assert steps and all(abs(step - interval) < 0.15 for step in steps), (name, starts[name])
+    assert [phase(i, 30.0) for i in range(3)] == pytest.approx([0.0, 0.618, 0.236], abs=1e-3)
+    assert phase(1, 0.1) == pytest.approx(0.0618, abs=1e-4)  # within a sub-second interval
