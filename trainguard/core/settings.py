@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import inspect
 import os
 import stat
 import types
@@ -107,7 +108,7 @@ class PlainSettings:
         super().__init_subclass__(**kwargs)
         fields: dict[str, _PlainField] = {}
         for klass in reversed(cls.__mro__):
-            for name, annotation in vars(klass).get("__annotations__", {}).items():
+            for name, annotation in inspect.get_annotations(klass).items():  # the class's own, as written
                 if name.startswith("_") or name == "model_config" or "ClassVar" in str(annotation):
                     continue
                 value = vars(klass).get(name, _MISSING)
