@@ -92,7 +92,14 @@ def test_catalog_sees_jobs_on_this_node(slurm: SlurmCluster) -> None:
     name = f"tg catalog ünï {uuid.uuid4().hex[:6]}"
     job_id = slurm.submit("sleep 120", name=name)
     slurm.wait_state(job_id, ("RUNNING",))
-    job = find_job(slurm, job_id)
+    # A fresh catalog settles once the record's first fetch came back or failed; a fetch that failed once (a busy
+    # controller) is retried, and the name comes with the record then.
+    def with_record() -> Job | None:
+        listed = job_here(slurm, job_id)
+        return listed if listed is not None and listed.name else None
+
+    job = wait_until(with_record, 30, what=f"job {job_id} listed with its record")
+    assert isinstance(job, Job)
     assert job.name == name and job.user == JOB_USER and job.on_this_node and job.running
     assert job.stdout and Path(job.stdout).exists()
     wait_until(lambda: getattr(job_here(slurm, job_id), "processes", None), 10, what="pids of the job")
