@@ -146,36 +146,10 @@ class PlainSettings:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
 
-if PLAIN:
-    Field = _plain_field
-    field_validator = model_validator = _plain_validator
-    SecretStr = Secret
-    NonNegativeInt = PositiveInt = int
-    PositiveFloat = float
-else:
-    from pydantic import (
-        AfterValidator,
-        BaseModel,
-        BeforeValidator,
-        ConfigDict,
-        Field,
-        NonNegativeInt,
-        PlainSerializer,
-        PlainValidator,
-        PositiveFloat,
-        PositiveInt,
-        SecretStr,
-        field_validator,
-        model_validator,
-    )
-
-
-
 def _check_regex(value: str) -> str:
     """Config patterns match text jobs control (command lines, log lines): RE2 syntax, linear time."""
     linear(value)  # ValueError naming the pattern and RE2's reason
     return value
-
 
 
 def _parse_status(value: object) -> Status:
@@ -184,7 +158,6 @@ def _parse_status(value: object) -> Status:
     if isinstance(value, str):
         return Status.parse(value)
     raise ValueError(f"invalid status {value!r}: expected one of ok, unknown, warning, critical")
-
 
 
 def read_small_file(path: Path, limit: int = 1 << 20) -> bytes:
@@ -210,6 +183,11 @@ def is_secret(annotation: Any) -> bool:
 
 
 if PLAIN:
+    Field = _plain_field
+    field_validator = model_validator = _plain_validator
+    SecretStr = Secret
+    NonNegativeInt = PositiveInt = int
+    PositiveFloat = float
     Duration = float
     Size = int
     SizeLimit = CountLimit = Limit
@@ -221,6 +199,22 @@ if PLAIN:
 
 else:
     from typing import Annotated
+
+    from pydantic import (
+        AfterValidator,
+        BaseModel,
+        BeforeValidator,
+        ConfigDict,
+        Field,
+        NonNegativeInt,
+        PlainSerializer,
+        PlainValidator,
+        PositiveFloat,
+        PositiveInt,
+        SecretStr,
+        field_validator,
+        model_validator,
+    )
 
     Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda s: f"{s:g}s", return_type=str)]
     Size = Annotated[int, BeforeValidator(parse_size)]
