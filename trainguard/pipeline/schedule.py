@@ -49,14 +49,14 @@ class _Lane:
     def __init__(self, name: str, interval: float, jitter: float, now: float, offset: float = 0.0) -> None:
         self.name, self.interval, self.jitter, self.offset = name, interval, jitter, offset
         self.cond = threading.Condition()
-        self.due = now  # the next scheduled run: at once, then on the grid
-        self.grid = now  # start + offset + k * interval (set by begin); jitter moves a run, never the grid
+        self.begin(now)  # due, grid
         self.triggered = False  # one more run asked for (at most one waits, however many events)
         self.busy = False  # in a run
         self.thread: threading.Thread | None = None
 
     def begin(self, now: float) -> None:
-        """The first run at once; the next at `offset` after it, then every interval."""
+        """The first run at once (`due`, the next scheduled run); the next at `offset` after it, then every interval
+        (the grid, start + offset + k * interval; jitter moves a run, never the grid)."""
         self.due = now
         self.grid = now + self.offset - self.interval  # whose next point after now is now + offset (or + interval)
 
