@@ -17,6 +17,7 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Mapping
 from enum import Enum
 from importlib import import_module
 from pathlib import Path, PurePath
@@ -132,7 +133,7 @@ def _plain(value: Any) -> Any:
         return Secret(value.get_secret_value())
     if isinstance(value, Enum):
         return Member(type(value).__module__, type(value).__qualname__, value.name)
-    if type(value) is dict:
+    if isinstance(value, Mapping):  # Config's tables, as a dict
         return {k: _plain(v) for k, v in value.items()}
     if type(value) in (list, tuple, set, frozenset):
         return type(value)(_plain(v) for v in value)
@@ -160,9 +161,7 @@ def child(argv: list[str]) -> int:
     except ConfigError as exc:
         answer: tuple[Any, ...] = ("error", exc.source, exc.problems)
     else:
-        answer = ("ok", {"agent": _plain(config.agent), "checks": _plain(dict(config.checks)),
-                         "notifiers": _plain(dict(config.notifiers)), "source": config.source,
-                         "jobs": _plain(config.jobs), "actions": _plain(dict(config.actions))})
+        answer = ("ok", {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)})
     with out:
         out.write(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
     return 0
