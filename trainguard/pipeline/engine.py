@@ -206,7 +206,7 @@ class Engine:
                 report = self.runners[name].run_once(self.stop_event)
             except Exception:  # no thread to be had for the run (a pids limit)
                 if not self.stop_event.is_set():
-                    log.exception("ingesting check results failed", extra=kv(check=name))
+                    log.exception("check run failed", extra=kv(check=name))
                 return
             self._ingest_in_order(report)
 
