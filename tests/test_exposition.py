@@ -116,9 +116,18 @@ def test_a_check_run_is_rendered_once_while_it_is_the_latest_and_the_first_check
     snap = replace(snap, checks={**checks, "disk_b": _run("disk_b", 2.0, PATH(9, {"path": "/b", "kind": "fs"}))})
     second = scrape()
     assert rendered[2:] == ["disk_b"]  # disk_a's run is still the latest: its text is kept
-    assert second == render(collect(snap, lambda _name, report: real(report)))  # the same as rendered afresh
+    afresh = len(rendered)
+    assert second == render(collect(snap))  # the same as rendered afresh
+    del rendered[afresh:]
     assert parsed(second)["trainguard_test_free_bytes"][2] == [({"path": "/", "kind": "fs"}, 1.0),
                                                                ({"path": "/b", "kind": "fs"}, 9.0)]
 
-    snap = replace(snap, checks={"disk_b": snap.checks["disk_b"]})  # disk_a gone (a reload): its series too
+    snap = replace(snap, checks={"disk_b": replace(snap.checks["disk_b"], runs=1)})  # disk_a gone (a reload): its
+    # series too; disk_b's state copied afresh, as every snapshot does, and nothing ran: nothing rendered
     assert "trainguard_test_events{" not in scrape().decode() and rendered[3:] == []
+
+    snap = replace(snap, checks={"disk_b": replace(snap.checks["disk_b"], runs=2, errors=1)})  # a failed run: the
+    # latest run's samples stay, its counts change
+    text = scrape().decode()
+    assert 'trainguard_check_runs_total{check="disk_b",outcome="error"} 1.0' in text and rendered[3:] == ["disk_b"]
+    assert text == render(collect(snap)).decode()

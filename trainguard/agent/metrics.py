@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from trainguard import __version__
 from trainguard.core.events import jobs_of
 from trainguard.core.model import Metric, Sample, Status
-from trainguard.pipeline.engine import Snapshot
+from trainguard.pipeline.engine import CheckState, Snapshot
 from trainguard.pipeline.runner import RunReport
 from trainguard.pipeline.selfcheck import AgentCheck
 
@@ -153,29 +153,58 @@ def run_series(report: RunReport) -> dict[Metric, list[Series]]:
     return {m: list(_series(m, keyed)) for m, keyed in samples.items()}
 
 
+CHECK_METRICS = (CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS, CHECK_TIMEOUTS)
+
+
+def check_series(name: str, st: CheckState) -> dict[Metric, list[Series]]:
+    """The agent's own series of one check (its runs, the latest run's status per subject), rendered, then those of
+    its latest run. Built from label values directly: a scrape renders every check's, and samples made one by one
+    were half its time."""
+    check = (name,)
+    ok = st.runs - st.timeouts - st.errors - st.skipped - st.idle
+    own: dict[Metric, list[tuple[tuple[str, ...], float]]] = {
+        CHECK_RUNS: [((name, outcome), count) for outcome, count in (
+            ("ok", ok), ("idle", st.idle), ("error", st.errors), ("timeout", st.timeouts), ("skipped", st.skipped))],
+        CHECK_TIMEOUTS: [(check, st.timeouts)]}
+    last = st.last
+    if last is not None:
+        own[CHECK_STATUS] = [((name, result.subject, st.kind), int(result.status)) for result in last.results]
+        own[CHECK_DURATION] = [(check, last.duration)]
+        own[CHECK_LAST_RUN] = [(check, last.started)]
+        own[CHECK_SUCCESS] = [(check, 1 if last.complete else 0)]
+        own[CHECK_IDLE] = [(check, 1 if last.outcome == "idle" else 0)]
+    out = {m: list(_series(m, keyed)) for m, keyed in own.items()}
+    if last is not None:
+        out.update(run_series(last))
+    return out
+
+
 class Exposition:
-    """What GET /metrics answers: the snapshot taken at the moment of the scrape, rendered. A check run's results
-    never change, so the samples of each check's latest run are rendered once and kept while that run is the latest:
-    a scrape renders what changed since the one before (a check that runs every minute, scraped every 15 s, is
-    rendered once in four), and holds the text of the latest runs only."""
+    """What GET /metrics answers: the snapshot taken at the moment of the scrape, rendered. A check's series change
+    only when it runs, so each check's are rendered once and kept while its state is the same: a scrape renders what
+    changed since the one before (a check that runs every minute, scraped every 15 s, is rendered once in four), and
+    holds the text of the latest runs only."""
 
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
         self._lock = threading.Lock()  # one scrape at a time renders (the endpoint serves one; a test may call twice)
-        self._runs: dict[str, tuple[RunReport, RunSeries]] = {}
+        self._checks: dict[str, tuple[RunReport | None, tuple[object, ...], RunSeries]] = {}
 
     def __call__(self) -> bytes:
         snap = self._snapshot()
         with self._lock:
-            kept: dict[str, tuple[RunReport, RunSeries]] = {}
+            kept: dict[str, tuple[RunReport | None, tuple[object, ...], RunSeries]] = {}
 
-            def series(name: str, report: RunReport) -> RunSeries:
-                last = self._runs.get(name)
-                kept[name] = last if last is not None and last[0] is report else (report, run_series(report))
-                return kept[name][1]
+            def series(name: str, st: CheckState) -> RunSeries:
+                # `st` is the snapshot's copy; its latest run is the same object for as long as it is the latest
+                counts = (st.kind, st.runs, st.timeouts, st.errors, st.skipped, st.idle)
+                last = self._checks.get(name)
+                kept[name] = last if last is not None and last[0] is st.last and last[1] == counts else \
+                    (st.last, counts, check_series(name, st))
+                return kept[name][2]
 
             body = render(collect(snap, series))
-            self._runs = kept  # checks gone from the snapshot are dropped with their text
+            self._checks = kept  # checks gone from the snapshot are dropped with their text
             return body
 
 
@@ -184,33 +213,16 @@ def exposition(snapshot: Callable[[], Snapshot]) -> Callable[[], bytes]:
 
 
 def collect(snap: Snapshot,
-            series: Callable[[str, RunReport], RunSeries] = lambda _name, report: run_series(report),
+            series: Callable[[str, CheckState], RunSeries] | None = None,
             ) -> Iterator[Family | Rendered]:
     """Every family of the agent's /metrics: its own, then those the checks declared, from one snapshot (`series`:
-    the rendered samples of a check's latest run)."""
+    the rendered series of one check, `check_series`'s)."""
     yield family(BUILD_INFO, [BUILD_INFO(1, {"version": __version__, "node": snap.node})])
-    agent: dict[Metric, list[Sample]] = {m: [] for m in (CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN,
-                                                          CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS, CHECK_TIMEOUTS)}
-    by_metric: dict[Metric, list[Series]] = {}
+    by_metric: dict[Metric, list[Series]] = {m: [] for m in CHECK_METRICS}
     for name, st in sorted(snap.checks.items()):
-        check = {"check": name}
-        agent[CHECK_TIMEOUTS].append(CHECK_TIMEOUTS(st.timeouts, check))
-        ok = st.runs - st.timeouts - st.errors - st.skipped - st.idle
-        for outcome, count in (("ok", ok), ("idle", st.idle), ("error", st.errors), ("timeout", st.timeouts),
-                               ("skipped", st.skipped)):
-            agent[CHECK_RUNS].append(CHECK_RUNS(count, {**check, "outcome": outcome}))
-        if st.last is None:
-            continue
-        agent[CHECK_DURATION].append(CHECK_DURATION(st.last.duration, check))
-        agent[CHECK_LAST_RUN].append(CHECK_LAST_RUN(st.last.started, check))
-        agent[CHECK_SUCCESS].append(CHECK_SUCCESS(1 if st.last.complete else 0, check))
-        agent[CHECK_IDLE].append(CHECK_IDLE(1 if st.last.outcome == "idle" else 0, check))
-        for result in st.last.results:
-            agent[CHECK_STATUS].append(CHECK_STATUS(int(result.status), {**check, "subject": result.subject,
-                                                                         "type": st.kind}))
-        for metric, lines in series(name, st.last).items():  # checks in name order: the first of a series wins
+        for metric, lines in (series or check_series)(name, st).items():  # checks in name order: the first of a series wins
             by_metric.setdefault(metric, []).extend(lines)
-    yield from (family(m, samples) for m, samples in agent.items())
+    yield from (Rendered(m, tuple(by_metric.pop(m))) for m in CHECK_METRICS)
     yield family(INCIDENTS_FIRING, [INCIDENTS_FIRING(snap.firing.get(sev, 0), {"severity": sev.label})
                                     for sev in (Status.UNKNOWN, Status.WARNING, Status.CRITICAL)])
     yield from incident_families(snap)
