@@ -70,22 +70,55 @@ def test_a_run_still_going_skips_the_runs_due_meanwhile() -> None:
     assert starts[2] - starts[1] >= 0.05  # no burst of the missed runs once it ended
 
 
-def test_the_tick_comes_every_second_outlives_its_failures_and_stops_with_the_schedule() -> None:
+def test_the_tick_comes_every_tick_s_outlives_its_failures_and_stops_with_the_schedule() -> None:
     ticks: list[float] = []
 
     def tick() -> None:
         ticks.append(time.monotonic())
         raise RuntimeError("outbox unreadable")
 
-    schedule = Schedule({}, lambda name: None, tick)
+    schedule = Schedule({}, lambda name: None, tick, tick_s=0.3)
     schedule.start()
     wait_until(lambda: len(ticks) >= 3, 5, 0.05, what="three ticks")
     schedule.stop()
-    time.sleep(TICK_S + 0.3)
+    time.sleep(0.6)
     stopped_at = len(ticks)
-    time.sleep(TICK_S + 0.3)
+    time.sleep(0.6)
     assert len(ticks) == stopped_at
-    assert 0.5 <= ticks[2] - ticks[1] <= 1.8
+    assert 0.25 <= ticks[2] - ticks[1] <= 1.0
+    assert TICK_S == 5.0  # the agent's: liveness, allowed 10 s by Engine.healthy
+
+
+def test_the_tick_comes_sooner_when_its_work_or_a_run_asks() -> None:
+    """A run's deadline is told to `wake_at` as the run starts, and the tick's work returns the soonest deadline it
+    still waits for: a timeout is reported at its deadline, not up to a tick later. Between them the tick sleeps its
+    whole `tick_s` (the idle agent's wake-ups)."""
+    ticks: list[float] = []
+    asked: list[float] = []
+
+    def tick() -> float | None:
+        ticks.append(time.monotonic())
+        return asked.pop() if asked else None
+
+    schedule = Schedule({}, lambda name: None, tick, tick_s=30.0)
+    schedule.start()
+    try:
+        wait_until(lambda: len(ticks) >= 1, 5, 0.02, what="the first tick, at start")
+        time.sleep(0.3)
+        assert len(ticks) == 1  # nothing asked: the next tick is 30 s away
+        t = time.monotonic()
+        schedule.wake_at(t + 0.2)
+        schedule.wake_at(t + 60)  # later than the tick already planned: changes nothing
+        wait_until(lambda: len(ticks) >= 2, 5, 0.02, what="the tick a run's deadline asked for")
+        assert ticks[1] - t >= 0.19
+        asked.append(time.monotonic() + 0.2)  # the work of the next tick asks for one more
+        schedule.wake_at(time.monotonic())
+        wait_until(lambda: len(ticks) >= 4, 5, 0.02, what="the tick the tick's own work asked for")
+        assert ticks[3] - ticks[2] >= 0.19
+        time.sleep(0.3)
+        assert len(ticks) == 4
+    finally:
+        schedule.stop()
 
 
 def test_a_flood_of_triggers_is_at_most_one_waiting_run_per_check() -> None:
@@ -204,7 +237,7 @@ def test_a_run_due_while_the_previous_one_is_going_is_told_to_late_from_the_tick
         if len(runs) == 1:
             release.wait(5)
 
-    schedule = Schedule({"nfs": (0.2, 0.0)}, run, lambda: None, late.append)
+    schedule = Schedule({"nfs": (0.2, 0.0)}, run, lambda: None, late.append, tick_s=0.5)
     schedule.start()
     try:
         wait_until(lambda: len(late) >= 2, 5, 0.05, what="two ticks seeing a due point pass during the run")
@@ -212,7 +245,7 @@ def test_a_run_due_while_the_previous_one_is_going_is_told_to_late_from_the_tick
         release.set()
         wait_until(lambda: len(runs) >= 2, 5, 0.02, what="the runs after the blocked one")
         count = len(late)
-        time.sleep(TICK_S + 0.2)
+        time.sleep(0.7)
         assert len(late) == count  # runs on time again: nothing late
     finally:
         release.set()

@@ -37,9 +37,11 @@ from trainguard.registry import DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.engine")
 
-# The tick comes each second (liveness); the queue lengths and the agent's own usage it also reads are shown on a
-# 15 s scrape: read every few ticks, not each.
+# The queue lengths and the agent's own usage the tick also reads are shown on a 15 s scrape: read every 5 s, not at
+# the ticks that come sooner for a run's deadline (trainguard.pipeline.schedule). The ticks are TICK_S apart, give
+# or take a scheduling delay: half a second of slack keeps a tick from missing its turn by a microsecond.
 USAGE_EVERY_S = 5.0
+USAGE_SLACK_S = 0.5
 # The unit's TimeoutStopSec is 15 s: the daemon's servers and the actions under way share 10 of them; the rest of
 # shutdown (the kernel log reader's stop and the channels' last deliveries, 2 s at most each; the store's
 # checkpoint) has the remainder before systemd's SIGKILL.
@@ -123,7 +125,7 @@ class Engine:
             # and actions that refused to act (the responder is built below, with the checks)
             refused = lambda: self.responder.refused()  # noqa: E731, PLW0108
             self.checks[SELF_NAME] = AgentCheck(shared, self.store, config.warnings(), refused=refused)
-        self.runners = {name: CheckRunner(check, clock) for name, check in self.checks.items()}
+        self.runners = {name: CheckRunner(check, clock, self._wake_at) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
                                          c.settings.interval) for name, c in self.checks.items()}
         if notifiers is None:
@@ -238,13 +240,22 @@ class Engine:
             if not self.stop_event.is_set():  # during shutdown the store may already be closed
                 log.exception("ingesting check results failed", extra=kv(check=name))
 
-    def _supervise(self) -> None:
-        """Each tick: the timeout report of each lane's run past its deadline (once per run)."""
+    def _supervise(self) -> float:
+        """Each tick: the timeout report of each lane's run past its deadline (once per run). Returns the soonest
+        deadline of the runs still going (monotonic; infinity for none): the tick comes again by then."""
         now = time.monotonic()
+        soonest = math.inf
         for runner in self.runners.values():
             report = runner.overdue(now)
             if report is not None:
                 self._report_late(report)
+            soonest = min(soonest, runner.deadline())
+        return soonest
+
+    def _wake_at(self, deadline: float) -> None:
+        """A scheduled run started: the tick comes by its deadline."""
+        if self._schedule is not None:
+            self._schedule.wake_at(deadline)
 
     def _skipped(self, name: str) -> None:
         """A run came due while the check's lane was still in its previous run: reported when that run is blocked
@@ -283,11 +294,12 @@ class Engine:
                 self._count(report)
             log.error("late check report not ingested", extra=kv(check=name, outcome=report.outcome, error=exc))
 
-    def _on_tick(self) -> None:
+    def _on_tick(self) -> float:
         try:
             self.tick()
-        finally:  # a failed tick still looks for runs past their timeout
-            self._supervise()
+        except Exception:  # a failed tick still looks for runs past their timeout
+            log.exception("tick failed")
+        return self._supervise()
 
     def trigger(self, name: str) -> None:
         """Run a check now, from an event-driven check's watcher."""
@@ -436,8 +448,8 @@ class Engine:
 
     @contextlib.contextmanager
     def _between_runs(self, check: str) -> Iterator[bool]:
-        """The check's run lock, waited for as long as a run may take (its timeout, and the tick's second to say
-        so): True once held. A run blocked in the kernel holds its lane for ever, and an operator's clear (the
+        """The check's run lock, waited for as long as a run may take (its timeout, and a second for the run to
+        return): True once held. A run blocked in the kernel holds its lane for ever, and an operator's clear (the
         client waits 30 s) or an action's forget must not wait for it: False then."""
         lock = self._run_locks[check]
         got = lock.acquire(timeout=self.checks[check].settings.timeout + 1.0)
@@ -482,7 +494,7 @@ class Engine:
     def tick(self) -> None:
         """Liveness of the scheduler (its tick thread), plus the slow-changing parts of the snapshot."""
         self._last_tick = now = time.monotonic()
-        if now - self._usage_at >= USAGE_EVERY_S:
+        if now - self._usage_at >= USAGE_EVERY_S - USAGE_SLACK_S:
             self._usage_at = now
             try:
                 outbox = self.store.outbox_stats()

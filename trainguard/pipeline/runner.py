@@ -1,8 +1,8 @@
 """Runs one check with a time budget and turns every failure into data.
 
 Two ways to run, one outcome. The agent's scheduled runs happen on the check's own lane thread (`run_here`): the run
-is registered with its deadline, and the schedule's tick, which wakes each second anyway, asks `overdue()` for the
-timeout report of a run past it; the lane stays blocked with the check. One-shot runs (`run_once`: `trainguard
+is registered with its deadline (told to `on_deadline`: the schedule's tick comes by then), and the tick asks
+`overdue()` for the timeout report of a run past it; the lane stays blocked with the check. One-shot runs (`run_once`: `trainguard
 check`, a round) hand the run to the check's own daemon thread (a Worker, kept between runs) and wait for it with
 the time budget. Either way a check blocked forever inside the kernel (statvfs on a dead NFS mount) costs its parked
 thread, never the scheduler, the HTTP endpoint or shutdown; while it is blocked, further runs of the check are
@@ -62,9 +62,11 @@ class _Attempt:
 
 
 class CheckRunner:
-    def __init__(self, check: Check, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, check: Check, clock: Callable[[], float] = time.time,
+                 on_deadline: Callable[[float], None] | None = None) -> None:
         self.check = check
         self._clock = clock
+        self._on_deadline = on_deadline  # told each scheduled run's deadline (monotonic) as the run starts
         self._lock = threading.Lock()
         self._stuck: tuple[_Attempt, float] | None = None
         self._current: _Attempt | None = None  # the run going on the lane (run_here), for `overdue`
@@ -115,6 +117,8 @@ class CheckRunner:
             t0 = time.monotonic()
             attempt = self._current = _Attempt(self._next(), started, t0, t0 + self.check.settings.timeout)
         try:
+            if self._on_deadline is not None:
+                self._on_deadline(attempt.deadline)
             self._execute(attempt)
         finally:  # a BaseException from the check's code (SystemExit) leaves no run registered as going
             with self._lock:
@@ -122,6 +126,14 @@ class CheckRunner:
         if attempt.timed_out:  # set under the lock, before `_current` was cleared: no run can set it now
             return None
         return self._report(attempt, started, time.monotonic() - t0)
+
+    def deadline(self) -> float:
+        """The deadline (monotonic) of the lane's run going and not yet reported as a timeout; infinity if none."""
+        with self._lock:
+            attempt = self._current
+            if attempt is None or attempt.timed_out or attempt.done.is_set():
+                return math.inf
+            return attempt.deadline
 
     def overdue(self, now: float | None = None) -> RunReport | None:
         """The timeout report of the lane's run once it is past its deadline (`now`, monotonic), given once per run.

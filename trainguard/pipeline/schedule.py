@@ -1,7 +1,7 @@
 """When checks run: each check every `interval` seconds (its first run at start, then on a fixed grid from there, set
 apart from the other checks' grids by a fraction of a second (`phase`), each run delayed by up to `jitter`), one run
 of a check at a time (a run still going when the next is due skips that one; runs missed during a stall are one run,
-not a burst), a one-second tick that proves the agent still makes progress, and triggered runs for event-driven checks.
+not a burst), a tick that proves the agent still makes progress, and triggered runs for event-driven checks.
 
 Each check has a lane: a daemon thread of its own (`run-NAME`) that sleeps until its check is due or triggered and
 runs it itself, so a check stuck in the kernel (a dead NFS mount) holds its own lane and never the others or the
@@ -26,7 +26,12 @@ from trainguard.core.logs import kv
 
 log = logging.getLogger("trainguard.schedule")
 
-TICK_S = 1.0
+# The longest the tick sleeps. It wakes sooner when asked (`wake_at`: a run's deadline, a blocked lane's due point),
+# so a timeout is reported at its deadline, not at the next tick; and every TICK_S for the rest: the liveness that
+# `Engine.healthy` allows 10 s for, the agent's usage, silences ending, a lane's thread started again. At 1 s the
+# tick was a third of an idle agent's wake-ups.
+TICK_S = 5.0
+LATE_EVERY_S = 1.0
 
 
 def next_grid(grid: float, now: float, interval: float) -> float:
@@ -68,20 +73,26 @@ class _Lane:
 
 class Schedule:
     def __init__(self, intervals: Mapping[str, tuple[float, float]], run: Callable[[str], None],
-                 tick: Callable[[], None], late: Callable[[str], None] | None = None) -> None:
+                 tick: Callable[[], float | None], late: Callable[[str], None] | None = None,
+                 tick_s: float = TICK_S) -> None:
         """`intervals`: check name -> (interval, jitter) in seconds; `run(name)` runs one check and never raises;
-        `late(name)`: a run of the check came due while its previous run was still going (that run is skipped)."""
+        `tick()`: the tick's work, returning the monotonic time it wants the next tick by (None: no sooner than
+        `tick_s`); `late(name)`: a run of the check came due while its previous run was still going (that run is
+        skipped)."""
         for name, (interval, jitter) in intervals.items():
             if not (MIN_INTERVAL <= interval < math.inf and 0 <= jitter < math.inf):
                 raise ValueError(f"check {name}: interval must be at least {MIN_INTERVAL}s and jitter 0 or more, both "
                                  f"finite (got {interval}, {jitter})")
         self._run = run
         self._tick = tick
+        self._tick_s = tick_s
         self._late = late
         now = time.monotonic()
         self._lanes = {name: _Lane(name, interval, jitter, now, phase(i, interval))
                        for i, (name, (interval, jitter)) in enumerate(intervals.items())}
         self._stopped = threading.Event()
+        self._wake = threading.Condition()
+        self._planned = -math.inf  # when the tick comes next (monotonic); -inf: the first at start
 
     def start(self) -> None:
         now = time.monotonic()
@@ -96,8 +107,9 @@ class Schedule:
         thread = threading.Thread(target=self._keep, args=(lane,), name=f"run-{lane.name}", daemon=True)
         try:
             thread.start()
-        except RuntimeError as exc:  # no thread to be had (a pids limit): the tick tries again each second
-            log.error("check lane not started; retried each second", extra=kv(check=lane.name, error=exc))
+        except RuntimeError as exc:  # no thread to be had (a pids limit): the tick tries again
+            log.error("check lane not started; retried at each tick", extra=kv(check=lane.name, error=exc,
+                                                                              tick_s=self._tick_s))
             return
         with lane.cond:
             lane.thread = thread
@@ -131,34 +143,57 @@ class Schedule:
 
     def _ticker(self) -> None:
         """The tick on a thread of its own, timed by itself: a slow tick (a busy state file) delays no check, and a
-        blocked check delays no tick. It also reports the runs that came due while their lane was still in a run."""
-        next_tick = time.monotonic()
-        while not self._stopped.wait(max(0.0, next_tick - time.monotonic())):
+        blocked check delays no tick. It also reports the runs that came due while their lane was still in a run.
+        It comes every `tick_s`, or sooner at what `tick()` returned, a busy lane's due point or a `wake_at`."""
+        while True:
+            with self._wake:
+                while not self._stopped.is_set() and (now := time.monotonic()) < self._planned:
+                    self._wake.wait(self._planned - now)
+                if self._stopped.is_set():
+                    return
+                self._planned = math.inf  # a `wake_at` during this tick is kept for the next one
             now = time.monotonic()
-            next_tick = max(next_tick + TICK_S, now)
+            soonest = now + self._tick_s
             try:
-                self._tick()
+                wanted = self._tick()
+                if wanted is not None:
+                    soonest = min(soonest, wanted)
             except Exception:  # the tick is the liveness signal: its thread must outlive a failure
                 log.exception("tick failed")
             for lane in self._lanes.values():
-                self._look_at(lane, now)
+                soonest = min(soonest, self._look_at(lane, now))
+            with self._wake:
+                self._planned = min(self._planned, soonest)
 
-    def _look_at(self, lane: _Lane, now: float) -> None:
+    def wake_at(self, when: float) -> None:
+        """Have the tick come by `when` (monotonic) if it would come later: a run's deadline, registered as the run
+        starts. One lock and a comparison; a wake-up only when the deadline is sooner than the next tick."""
+        with self._wake:
+            if when < self._planned:
+                self._planned = when
+                self._wake.notify()
+
+    def _look_at(self, lane: _Lane, now: float) -> float:
+        """A lane's missing thread started again, and a due point that passed during its run told to `late`; the
+        time the tick should look again (the busy lane's next due point), or infinity."""
         with lane.cond:
             missing = lane.thread is None
             late = not missing and lane.busy and now >= lane.due
             if late:
                 lane.skip_past(now)
+            # a busy lane's skipped runs matter only when it is blocked: told at most once a second
+            again = max(lane.due, now + LATE_EVERY_S) if lane.busy else math.inf
         if missing:
             self._start_lane(lane)
         if not late:
-            return
+            return again
         log.debug("check run skipped: its previous run is still going", extra=kv(check=lane.name))
         if self._late is not None:
             try:
                 self._late(lane.name)
             except Exception:
                 log.exception("reporting a skipped run failed", extra=kv(check=lane.name))
+        return again
 
     def trigger(self, name: str) -> None:
         """Run a check now (an event-driven check saw something). At most one run waits per check, so a flood of
@@ -172,6 +207,8 @@ class Schedule:
 
     def stop(self) -> None:
         self._stopped.set()
+        with self._wake:
+            self._wake.notify()
         for lane in self._lanes.values():
             with lane.cond:
                 lane.cond.notify()
