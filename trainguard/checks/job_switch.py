@@ -7,7 +7,7 @@ import grp
 import os
 import pwd
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -38,22 +38,24 @@ class SwitchFile:
     mtime: float
 
 
-def find_switch(job: Job, switch: str, stop_dir: Path, identity: Identity) -> list[SwitchFile]:
+def find_switch(job: Job, switch: str, stop_dir: Path, identity: Callable[[Job], Identity]) -> list[SwitchFile]:
     """The switch files of `job` that exist as regular files: in its switch dir, looked up with the job user's
-    authority (a dir they cannot search holds no request of theirs), and the operator's per-job-name stop file."""
-    candidates: list[tuple[Path, Identity | None]] = []
+    authority (`identity(job)`: a dir they cannot search holds no request of theirs), and the operator's per-job-name
+    stop file. Paths as strings until one is found: the check runs every 2 s for every job, nearly always finding
+    nothing, and building Paths was half of that."""
+    candidates: list[tuple[str, Identity | None]] = []
     if job.switch_dir:
-        candidates.append((Path(job.switch_dir) / switch, identity))
+        candidates.append((os.path.join(job.switch_dir, switch), identity(job)))
     if switch == "stop" and job.name not in ("", ".", "..") and "/" not in job.name:  # a name is not a path
-        candidates.append((stop_dir / job.name, None))  # root's own directory: the agent's authority
+        candidates.append((os.path.join(stop_dir, job.name), None))  # root's own directory: the agent's authority
     found = []
     for path, reader in candidates:
         try:
-            st = stat_as(reader, str(path), follow_symlinks=False) if reader is not None else os.lstat(path)
+            st = stat_as(reader, path, follow_symlinks=False) if reader is not None else os.lstat(path)
         except OSError:  # absent, or the switch dir is gone or not searchable: no request
             continue
         if stat.S_ISREG(st.st_mode):  # as the trainer helper counts them: a link or a FIFO is no switch
-            found.append(SwitchFile(path, st.st_uid, st.st_mtime))
+            found.append(SwitchFile(Path(path), st.st_uid, st.st_mtime))
     return found
 
 
@@ -104,7 +106,7 @@ class SwitchCheck(JobCheck):
         out = self.source_errors(view, ["slurm", "process"])
         seen: set[Path] = set()
         for job in self.candidates(view):
-            for sw in find_switch(job, self.settings.switch, stop_dir, self.identity(job)):
+            for sw in find_switch(job, self.settings.switch, stop_dir, self.identity):
                 if sw.path in seen:  # array tasks share a switch dir: one request, one incident
                     break
                 seen.add(sw.path)

@@ -128,13 +128,16 @@ class ProcFS:
         return sorted(int(pid) for pid in entries if (self.read_text(pid, "comm") or "").rstrip("\n") == comm)
 
 
-def own_usage() -> dict[str, float]:
-    """This process's resident memory, CPU seconds and threads, for the agent's self metrics; {} if unreadable."""
-    import psutil
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
+
+def own_usage() -> dict[str, float]:
+    """This process's resident memory, CPU seconds and threads, for the agent's self metrics; {} if unreadable. One
+    read of /proc/self/stat: psutil's four reads and its objects took half a millisecond, most of the tick's work."""
+    text = ProcFS().read_text("self", "stat")
     try:
-        proc = psutil.Process()
-        times = proc.cpu_times()
-        return {"rss": float(proc.memory_info().rss), "cpu": times.user + times.system, "threads": float(proc.num_threads())}
-    except psutil.Error:
+        fields = (text or "").rsplit(")", 1)[1].split()  # after the command name, which may hold anything
+        times = os.times()
+        return {"rss": float(int(fields[21]) * PAGE_SIZE), "cpu": times.user + times.system, "threads": float(fields[17])}
+    except (IndexError, ValueError):
         return {}
