@@ -63,8 +63,9 @@ def evaluate(index: int, links: Sequence[NvLink], expected: int, source: str, gr
         findings.append((Status.CRITICAL, f"{len(up)} of {expected} NVLinks up ({where}{expected} {source}): "
                                           "collectives lose bandwidth or fail; drain, then reset the GPU"))
     window = format_duration(s.error_window)
+    limit_of = limits(s)
     for (link, counter), increase in sorted(grown.items()):
-        limit = limits(s)[counter]
+        limit = limit_of[counter]
         if increase > limit:
             findings.append((Status.WARNING, f"link {link} {counter.replace('_', ' ')} errors +{increase} in {window} "
                                              f"(limit {limit}): a marginal link; check its cable or connector"))
@@ -113,14 +114,16 @@ class NvlinkCheck(NvmlCheck):
         for link in links:
             for counter, value in link.errors.items():
                 self.window.update((gpu.uuid, link.link, counter), value, now)
-                grown[(link.link, counter)] = self.window.increase((gpu.uuid, link.link, counter), now)
+                increase = self.window.increase((gpu.uuid, link.link, counter), now)
+                if increase:  # nearly every counter never grows: those are no finding and no detail
+                    grown[(link.link, counter)] = increase
                 totals[counter] = totals.get(counter, 0) + value
         samples.extend(LINK_ERRORS(value, {**labels, "counter": counter}) for counter, value in totals.items())
         status, summary = evaluate(gpu.index, links, expected, source, grown, self.settings)
         details: dict[str, Any] = {
             "index": gpu.index, "uuid": gpu.uuid, "bus_id": gpu.bus_id, "links_up": up, "links_expected": expected,
             "expected_source": source, "down": [x.link for x in links if not x.active],
-            "errors_in_window": {f"{link}/{counter}": n for (link, counter), n in grown.items() if n},
+            "errors_in_window": {f"{link}/{counter}": n for (link, counter), n in grown.items()},
             "error_window_s": self.settings.error_window}
         return self.result(gpu.uuid or f"gpu{gpu.index}", status, summary, details, samples)
 

@@ -81,7 +81,7 @@ class CounterWindow:
     def increase(self, key: Hashable, now: float, within: float | None = None) -> int:
         """How much the counter grew within the window (or the last `within` seconds of it)."""
         series = self._series.get(key)
-        if series is None:
+        if series is None or not series.increases:  # never grew (or all of it left the window): the usual case
             return 0
         self._trim(series, now)
         span = self.window if within is None else min(within, self.window)

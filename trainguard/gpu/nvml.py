@@ -220,15 +220,22 @@ class Nvml:
         probe = links is None
         candidates = range(int(getattr(lib, "NVML_NVLINK_MAX_LINKS", 18))) if links is None else links
         enabled = getattr(lib, "NVML_FEATURE_ENABLED", 1)
+        # 18 links x 4 counters a GPU, every run: the names and constants looked up once, the calls made directly
+        counters = [(name, getattr(lib, constant)) for name, constant in NVLINK_COUNTERS.items()]
+        read_counter, error = lib.nvmlDeviceGetNvLinkErrorCounter, lib.NVMLError
         out = []
         for link in candidates:  # a link the GPU lacks answers NotSupported or InvalidArgument
             state = self._optional(partial(lib.nvmlDeviceGetNvLinkState, handle, link), "NVMLError_InvalidArgument")
             if state is None:
                 continue
             errors = {}
-            for name, constant in NVLINK_COUNTERS.items():
-                value = self._optional(partial(lib.nvmlDeviceGetNvLinkErrorCounter, handle, link, getattr(lib, constant)),
-                                       "NVMLError_InvalidArgument")
+            for name, constant in counters:
+                try:
+                    value = read_counter(handle, link, constant)
+                except error as exc:
+                    if self._is(exc, "NVMLError_NotSupported", "NVMLError_InvalidArgument"):
+                        continue
+                    raise
                 if isinstance(value, int) and 0 <= value < 2**63:
                     errors[name] = value
             out.append(NvLink(link, state == enabled, errors))
