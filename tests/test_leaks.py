@@ -218,3 +218,31 @@ def test_a_jobs_processes_are_judged_by_limit_and_a_process_gone_is_left_out(tmp
     (proc / "799" / "cgroup").write_text(cgroups[803])
     groups = {m.cgroup.path if m.cgroup else None: (m.processes, m.used) for m in gather(top, table, proc=ProcFS(proc))}
     assert groups == {job: (3, 2 * MiB + 6 * GiB), None: (2, 2 * MiB)}  # the launcher and 803: the host's memory
+
+
+def test_one_run_reads_the_mounts_and_a_shared_cgroups_limit_once(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten jobs under one cgroup (process jobs under the agent's own slice) read /proc/self/mountinfo and the
+    cgroup's limit files once a run, not once a job; each job still gets the limit over it."""
+    from collections import Counter
+
+    from trainguard.checks import job_memory
+    from trainguard.node import cgroup
+
+    job, proc = _slurm_v2(tmp_path)
+    for pid in (801, 802):
+        (proc / str(pid)).mkdir()
+        (proc / str(pid) / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_7/step_0/user\n")
+    reads: Counter[str] = Counter()
+    mountinfo, memory_limit_of = ProcFS.mountinfo, cgroup.memory_limit_of
+    monkeypatch.setattr(ProcFS, "mountinfo", lambda self: reads.update(["mountinfo"]) or mountinfo(self))
+    monkeypatch.setattr(job_memory, "memory_limit_of", lambda *a: reads.update(["limit"]) or memory_limit_of(*a))
+    table = ProcessTable({pid: ProcInfo(pid, 1, 100.0, GiB, "x") for pid in (801, 802)})
+    jobs = [Job(key=f"process:r{pid}", source="process", name=f"r{pid}", state="RUNNING",
+                processes=(ProcessRef(pid, 100.0),)) for pid in (801, 802)]
+    node = job_memory.NodeReads(ProcFS(proc))
+    found = [gather(j, table, proc=ProcFS(proc), node=node) for j in jobs]
+    assert [[(m.cgroup.path if m.cgroup else None, m.processes) for m in ms] for ms in found] == [[(job, 1)]] * 2
+    assert reads == {"mountinfo": 1, "limit": 1}
+    gather(jobs[0], table, proc=ProcFS(proc))  # without a run's reads: read afresh
+    assert reads == {"mountinfo": 2, "limit": 2}

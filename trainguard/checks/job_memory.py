@@ -77,29 +77,58 @@ class JobMemory:
         return self.cgroup.describe() if self.cgroup else "host memory"
 
 
-def gather(job: Job, table: ProcessTable, pss: bool = False, proc: ProcFS | None = None) -> list[JobMemory]:
+class NodeReads:
+    """What one run reads once for all its jobs, when a job first needs it: the node's mounts, its memory, and the
+    limit over each cgroup seen (ten jobs under one cgroup read /proc/self/mountinfo, /proc/meminfo and the cgroup's
+    files once, not ten times)."""
+
+    def __init__(self, proc: ProcFS) -> None:
+        self._proc = proc
+        self._memory: tuple[int, int] | None = None
+        self._mountinfo: str | None = None
+        self._limits: dict[tuple[str | None, str | None], CgroupMemory | None] = {}
+
+    @property
+    def memory(self) -> tuple[int, int]:
+        """The host's (total, available) memory."""
+        if self._memory is None:
+            vm = psutil.virtual_memory()
+            self._memory = (vm.total, vm.available)
+        return self._memory
+
+    def limit(self, key: tuple[str | None, str | None], cgroup_text: str) -> CgroupMemory | None:
+        """The limit over a process with this /proc/PID/cgroup text (`key`: its `memory_key`)."""
+        if self._mountinfo is None:
+            self._mountinfo = self._proc.mountinfo() or ""
+        if key not in self._limits:
+            self._limits[key] = memory_limit_of(cgroup_text, self._mountinfo) if self._mountinfo else None
+        return self._limits[key]
+
+
+def gather(job: Job, table: ProcessTable, pss: bool = False, proc: ProcFS | None = None,
+           node: NodeReads | None = None) -> list[JobMemory]:
     """The job's memory from the shared snapshot (RSS), or PSS read per process (smaps_rollup: costlier), one figure
     per limit its processes are held to. The OOM killer acts per cgroup: a launcher outside the ranks' cgroup, or
     steps limited apart from each other, are each judged against their own limit; processes under none are judged
     against the host's memory. A process gone since the snapshot (its cgroup unreadable) is left out. Empty when
-    the job has no process here."""
+    the job has no process here. `node`: this run's reads shared with the other jobs (read afresh when None)."""
     pids = job_pids(job, table)
     if not pids:
         return []
     proc = proc or ProcFS()
-    mountinfo = proc.mountinfo() or ""
     by_key: dict[tuple[str | None, str | None], tuple[str, list[int]]] = {}  # memory paths -> (cgroup text, pids)
     for pid in pids:
         text = proc.cgroup(pid)
         if text is not None:
             by_key.setdefault(memory_key(text), (text, []))[1].append(pid)
+    node = node or NodeReads(proc)
     groups: dict[Path | None, tuple[CgroupMemory | None, list[int]]] = {}  # one per limit: a job's steps may share it
-    for text, members in by_key.values():
-        limit = memory_limit_of(text, mountinfo) if mountinfo else None
+    for key, (text, members) in by_key.items():
+        limit = node.limit(key, text)
         where = limit.path if limit is not None else None
         groups[where] = (limit, groups.get(where, (limit, []))[1] + members)
-    vm = psutil.virtual_memory()
-    return [JobMemory(_used(members, table, pss), len(members), limit, vm.total, vm.available)
+    total, available = node.memory
+    return [JobMemory(_used(members, table, pss), len(members), limit, total, available)
             for limit, members in groups.values()]
 
 
@@ -176,9 +205,10 @@ class JobMemoryCheck(JobCheck):
         results = self.source_errors(view)
         seen = set()
         table = self.context.processes.get()
+        node = NodeReads(self.context.proc)
         for job in self.jobs_here(view, self.settings.names):
             judged = []
-            for m in gather(job, table, self.settings.pss, self.context.proc):
+            for m in gather(job, table, self.settings.pss, self.context.proc, node):
                 key = (job.key, str(m.cgroup.path) if m.cgroup else "")  # a series per limit
                 seen.add(key)
                 window = self._windows.setdefault(key, SeriesWindow(self.settings.window, 3, self.settings.min_span))
