@@ -17,6 +17,7 @@ from tests.helpers.fake_nvml import (
     FakeNvml,
     NVMLError_GpuIsLost,
     NVMLError_LibraryNotFound,
+    NVMLError_NotSupported,
     NVMLError_Unknown,
 )
 from tests.test_gpu import Clock
@@ -145,6 +146,31 @@ def test_nvlink_error_rates_over_the_window() -> None:
     clock.now += 3700
     [quiet] = check.run()
     assert quiet.status is Status.OK  # the burst left the window
+
+
+def test_the_gpus_error_total_never_falls_when_a_link_resets_or_a_read_misses_its_counters() -> None:
+    """The per-GPU series is a counter to Prometheus: were it the plain sum, one link reset alone, or counters missing
+    from one read, would make it fall, and rate() would count the other links' whole history as new errors."""
+    fake, clock = FakeNvml(hgx(1)), Clock()
+    check = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, clock))
+    gpu = fake.gpus[0]
+    gpu.nvlink_errors = {(5, NVML_NVLINK_ERROR_DL_CRC_FLIT): 10_000_000, (7, NVML_NVLINK_ERROR_DL_CRC_FLIT): 100}
+
+    def crc_total() -> float:
+        [result] = check.run()
+        clock.now += 60
+        return {s.labels["counter"]: s.value for s in result.samples
+                if s.name == "trainguard_gpu_nvlink_errors_total"}["crc_flit"]
+
+    assert crc_total() == 10_000_100  # NVML's sum at the first read
+    gpu.nvlink_errors[(7, NVML_NVLINK_ERROR_DL_CRC_FLIT)] = 5  # link 7 reset alone, and 5 errors since
+    assert crc_total() == 10_000_105
+    gpu.fail["nvmlDeviceGetNvLinkErrorCounter"] = NVMLError_NotSupported  # one read without counters
+    assert crc_total() == 10_000_105
+    del gpu.fail["nvmlDeviceGetNvLinkErrorCounter"]
+    assert crc_total() == 10_000_105  # counters back: read afresh, their growth counted from here
+    gpu.nvlink_errors[(5, NVML_NVLINK_ERROR_DL_CRC_FLIT)] += 10
+    assert crc_total() == 10_000_115
 
 
 def test_nvlink_idle_where_no_gpu_has_nvlink_or_no_nvml() -> None:

@@ -27,10 +27,13 @@ LINKS_EXPECTED = Metric("trainguard_gpu_nvlink_links_expected",
                         "NVLinks the GPU should have up: configured, or the most it had up on this node.", _GPU)
 # Per GPU, not per link: 18 links x 4 counters x 8 GPUs were 576 series a node (most of /metrics, and 576,000 series
 # in a 1,000-node Prometheus) for what a dashboard sums by GPU anyway; which link grows is in the alert and details.
+# Not the plain sum of NVML's values: a link missing from one read (inactive, NotSupported) or reset alone would make
+# the sum fall, which Prometheus takes for a counter reset, counting the other links' whole history as new errors.
 LINK_ERRORS = Metric("trainguard_gpu_nvlink_errors_total",
-                     "NVLink error counter (replay, recovery, crc_flit, crc_data) summed over the GPU's links, as NVML "
-                     "reports them; the link that grows is named in the check's result.", (*_GPU, "counter"),
-                     counter=True)
+                     "NVLink errors (replay, recovery, crc_flit, crc_data) of all the GPU's links: their sum as NVML "
+                     "reported it when the agent first read the GPU, plus each link's growth since (a link's reset or "
+                     "absence never makes it fall); the link that grows is named in the check's result.",
+                     (*_GPU, "counter"), counter=True)
 METRICS = (LINKS_UP, LINKS_EXPECTED, LINK_ERRORS)
 
 
@@ -86,6 +89,7 @@ class NvlinkCheck(NvmlCheck):
         self.window.load_json(self.load_state(COUNTERS_KEY), decode=_decode_key)
         self.saved = self.window.version  # the window's version last saved
         self.seen: dict[str, int] = {k: int(v) for k, v in self.load_state(SEEN_KEY).items() if str(v).isdigit()}
+        self.totals: dict[str, dict[str, int]] = {}  # uuid -> counter -> what LINK_ERRORS shows
 
     def run(self) -> Sequence[Result]:
         readings = self.present(self.nvml_read(self.nvml.nvlinks))
@@ -94,6 +98,8 @@ class NvlinkCheck(NvmlCheck):
         now = self.context.clock()
         results = [self.unanswered(r) or self._one(r, now) for r in readings]
         self.window.keep(k for r in readings for x in r.value or () for k in ((r.gpu.uuid, x.link, c) for c in x.errors))
+        read = {r.gpu.uuid for r in readings}
+        self.totals = {uuid: t for uuid, t in self.totals.items() if uuid in read}  # a GPU gone: its totals too
         if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key)):
             self.saved = self.window.version
         self.save_state(SEEN_KEY, self.seen)
@@ -110,14 +116,19 @@ class NvlinkCheck(NvmlCheck):
         labels = self.gpu_labels(reading)
         samples: list[Sample] = [LINKS_UP(up, labels), LINKS_EXPECTED(expected, labels)]
         grown: dict[tuple[int, str], int] = {}
-        totals: dict[str, int] = {}
+        sums: dict[str, int] = {}
+        growth: dict[str, int] = {}
         for link in links:
             for counter, value in link.errors.items():
-                self.window.update((gpu.uuid, link.link, counter), value, now)
+                delta = self.window.update((gpu.uuid, link.link, counter), value, now)
                 increase = self.window.increase((gpu.uuid, link.link, counter), now)
                 if increase:  # nearly every counter never grows: those are no finding and no detail
                     grown[(link.link, counter)] = increase
-                totals[counter] = totals.get(counter, 0) + value
+                sums[counter] = sums.get(counter, 0) + value
+                growth[counter] = growth.get(counter, 0) + delta
+        totals = self.totals.setdefault(gpu.uuid, {})
+        for counter, total in sums.items():
+            totals[counter] = totals[counter] + growth[counter] if counter in totals else total
         samples.extend(LINK_ERRORS(value, {**labels, "counter": counter}) for counter, value in totals.items())
         status, summary = evaluate(gpu.index, links, expected, source, grown, self.settings)
         details: dict[str, Any] = {

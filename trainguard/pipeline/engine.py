@@ -29,7 +29,7 @@ from trainguard.pipeline.dispatch import Dispatcher
 from trainguard.pipeline.incidents import Incident, IncidentPolicy, IncidentTracker, Operator, Silence
 from trainguard.pipeline.responder import Responder
 from trainguard.pipeline.runner import CheckRunner, RunReport
-from trainguard.pipeline.schedule import Schedule
+from trainguard.pipeline.schedule import LATE_EVERY_S, TICK_S, Schedule
 from trainguard.pipeline.selfcheck import NAME as SELF_NAME
 from trainguard.pipeline.selfcheck import AgentCheck
 from trainguard.pipeline.store import Store
@@ -242,13 +242,15 @@ class Engine:
 
     def _supervise(self) -> float:
         """Each tick: the timeout report of each lane's run past its deadline (once per run). Returns the soonest
-        deadline of the runs still going (monotonic; infinity for none): the tick comes again by then."""
+        deadline of the runs still going (monotonic; infinity for none), or a second from now after a timeout (the
+        blocked lane's skipped runs are told from then on): the tick comes again by then."""
         now = time.monotonic()
         soonest = math.inf
         for runner in self.runners.values():
             report = runner.overdue(now)
             if report is not None:
                 self._report_late(report)
+                soonest = min(soonest, now + LATE_EVERY_S)
             soonest = min(soonest, runner.deadline())
         return soonest
 
@@ -510,8 +512,9 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - the tick is the liveness signal: it must not die
             log.warning("ending silences failed", extra=kv(error=exc))
 
-    def healthy(self, max_age_s: float = 10.0) -> bool:
-        """False when the scheduler's tick stopped making progress: the systemd watchdog then restarts us."""
+    def healthy(self, max_age_s: float = 3 * TICK_S) -> bool:
+        """False when the scheduler's tick stopped making progress: the systemd watchdog then restarts us. Three
+        ticks' time: the tick comes every TICK_S, and a loaded node may delay one by seconds."""
         return not self.stop_event.is_set() and time.monotonic() - self._last_tick < max_age_s
 
     @property

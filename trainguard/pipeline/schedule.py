@@ -31,7 +31,7 @@ log = logging.getLogger("trainguard.schedule")
 # `Engine.healthy` allows 10 s for, the agent's usage, silences ending, a lane's thread started again. At 1 s the
 # tick was a third of an idle agent's wake-ups.
 TICK_S = 5.0
-LATE_EVERY_S = 1.0
+LATE_EVERY_S = 1.0  # the tick looks at a lane blocked in a run at most this often
 
 
 def next_grid(grid: float, now: float, interval: float) -> float:
@@ -57,6 +57,8 @@ class _Lane:
         self.begin(now)  # due, grid
         self.triggered = False  # one more run asked for (at most one waits, however many events)
         self.busy = False  # in a run
+        self.busy_since = 0.0  # when that run began (monotonic)
+        self.late_at = -math.inf  # when the tick last told `late` about this lane
         self.thread: threading.Thread | None = None
 
     def begin(self, now: float) -> None:
@@ -129,7 +131,7 @@ class Schedule:
                         lane.skip_past(now)  # this run is the one due: the next is the grid point after now
                         break
                     lane.cond.wait(lane.due - now)
-                lane.busy = True
+                lane.busy, lane.busy_since = True, now
             try:
                 self._run(lane.name)
             except BaseException:  # `run` never raises by contract; if it does (even SystemExit from a check's
@@ -154,20 +156,24 @@ class Schedule:
                 self._planned = math.inf  # a `wake_at` during this tick is kept for the next one
             now = time.monotonic()
             soonest = now + self._tick_s
+            # The lanes first: a due point that passed while a run was still within its timeout is told to `late`
+            # before the tick's work marks that run as timed out, so it is not reported as a skipped run.
+            for lane in self._lanes.values():
+                soonest = min(soonest, self._look_at(lane, now))
             try:
                 wanted = self._tick()
                 if wanted is not None:
                     soonest = min(soonest, wanted)
             except Exception:  # the tick is the liveness signal: its thread must outlive a failure
                 log.exception("tick failed")
-            for lane in self._lanes.values():
-                soonest = min(soonest, self._look_at(lane, now))
             with self._wake:
                 self._planned = min(self._planned, soonest)
 
     def wake_at(self, when: float) -> None:
         """Have the tick come by `when` (monotonic) if it would come later: a run's deadline, registered as the run
-        starts. One lock and a comparison; a wake-up only when the deadline is sooner than the next tick."""
+        starts. One lock and a comparison; a wake-up only when the deadline is sooner than the next tick. (Before
+        the first tick nothing is planned: it comes at start, and the tick's work returns the deadlines of the runs
+        going then.)"""
         with self._wake:
             if when < self._planned:
                 self._planned = when
@@ -181,8 +187,12 @@ class Schedule:
             late = not missing and lane.busy and now >= lane.due
             if late:
                 lane.skip_past(now)
-            # a busy lane's skipped runs matter only when it is blocked: told at most once a second
-            again = max(lane.due, now + LATE_EVERY_S) if lane.busy else math.inf
+                lane.late_at = now
+            # A busy lane's skipped runs matter only when it is blocked: the tick comes at its due points (told a
+            # second apart at least) once its run has gone on for a second. Not for an ordinary run the tick happened
+            # to meet: the tick would then come with that check's every run (it is busy again at each due point).
+            blocked = lane.busy and now - lane.busy_since >= LATE_EVERY_S
+            again = max(lane.due, lane.late_at + LATE_EVERY_S) if blocked else math.inf
         if missing:
             self._start_lane(lane)
         if not late:
