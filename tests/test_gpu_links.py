@@ -76,7 +76,7 @@ def test_nvlink_saves_its_counters_only_when_they_moved(tmp_path: Path) -> None:
     store.put = lambda key, value: (writes.append(key), put(key, value))[1]  # type: ignore[method-assign]
     check = NvlinkCheck("nvlink", NvlinkSettings(error_window="1h"), context(fake, clock, store, "nvlink"))
     check.run()
-    assert sorted(writes) == ["check/nvlink/nvlink.counters", "check/nvlink/nvlink.max_up"]
+    assert sorted(writes) == ["check/nvlink/nvlink.counters", "check/nvlink/nvlink.max_up", "check/nvlink/nvlink.totals"]
     writes.clear()
     for _ in range(3):
         clock.now += 30
@@ -85,7 +85,7 @@ def test_nvlink_saves_its_counters_only_when_they_moved(tmp_path: Path) -> None:
     fake.gpus[0].nvlink_errors = {(5, NVML_NVLINK_ERROR_DL_RECOVERY): 2}
     clock.now += 30
     check.run()
-    assert writes == ["check/nvlink/nvlink.counters"]
+    assert writes == ["check/nvlink/nvlink.counters", "check/nvlink/nvlink.totals"]
     again = NvlinkCheck("nvlink", NvlinkSettings(error_window="1h"), context(fake, clock, store, "nvlink"))
     fake.gpus[0].nvlink_errors = {(5, NVML_NVLINK_ERROR_DL_RECOVERY): 4}
     clock.now += 30
@@ -148,11 +148,12 @@ def test_nvlink_error_rates_over_the_window() -> None:
     assert quiet.status is Status.OK  # the burst left the window
 
 
-def test_the_gpus_error_total_never_falls_when_a_link_resets_or_a_read_misses_its_counters() -> None:
+def test_the_gpus_error_total_never_falls_when_a_link_resets_or_a_read_misses_its_counters(tmp_path: Path) -> None:
     """The per-GPU series is a counter to Prometheus: were it the plain sum, one link reset alone, or counters missing
-    from one read, would make it fall, and rate() would count the other links' whole history as new errors."""
-    fake, clock = FakeNvml(hgx(1)), Clock()
-    check = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, clock))
+    from one read, would make it fall, and rate() would count the other links' whole history as new errors. A
+    restarted agent goes on from the total it saved, adding what grew while it was down."""
+    fake, clock, store = FakeNvml(hgx(1)), Clock(), Store(tmp_path)
+    check = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, clock, store, "nvlink"))
     gpu = fake.gpus[0]
     gpu.nvlink_errors = {(5, NVML_NVLINK_ERROR_DL_CRC_FLIT): 10_000_000, (7, NVML_NVLINK_ERROR_DL_CRC_FLIT): 100}
 
@@ -171,6 +172,10 @@ def test_the_gpus_error_total_never_falls_when_a_link_resets_or_a_read_misses_it
     assert crc_total() == 10_000_105  # counters back: read afresh, their growth counted from here
     gpu.nvlink_errors[(5, NVML_NVLINK_ERROR_DL_CRC_FLIT)] += 10
     assert crc_total() == 10_000_115
+    gpu.nvlink_errors[(7, NVML_NVLINK_ERROR_DL_CRC_FLIT)] += 3  # while the agent restarts: NVML's sum is 10_000_018
+    check = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, clock, store, "nvlink"))
+    assert crc_total() == 10_000_118
+    store.close()
 
 
 def test_nvlink_idle_where_no_gpu_has_nvlink_or_no_nvml() -> None:

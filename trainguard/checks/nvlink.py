@@ -20,6 +20,7 @@ from trainguard.gpu.nvml import NVLINK_COUNTERS, NvLink, Reading
 
 SEEN_KEY = "nvlink.max_up"  # uuid -> the most links it had up on this node
 COUNTERS_KEY = "nvlink.counters"
+TOTALS_KEY = "nvlink.totals"  # uuid -> counter -> the per-GPU total shown, carried across restarts
 
 _GPU = ("gpu", "uuid")
 LINKS_UP = Metric("trainguard_gpu_nvlink_links_up", "NVLinks of the GPU that are active.", _GPU)
@@ -29,10 +30,13 @@ LINKS_EXPECTED = Metric("trainguard_gpu_nvlink_links_expected",
 # in a 1,000-node Prometheus) for what a dashboard sums by GPU anyway; which link grows is in the alert and details.
 # Not the plain sum of NVML's values: a link missing from one read (inactive, NotSupported) or reset alone would make
 # the sum fall, which Prometheus takes for a counter reset, counting the other links' whole history as new errors.
+# The total is saved with the counters' last readings, so a restarted agent goes on from it (adding what grew while
+# it was down) instead of starting again from NVML's sum, which is lower after a link's reset.
 LINK_ERRORS = Metric("trainguard_gpu_nvlink_errors_total",
                      "NVLink errors (replay, recovery, crc_flit, crc_data) of all the GPU's links: their sum as NVML "
-                     "reported it when the agent first read the GPU, plus each link's growth since (a link's reset or "
-                     "absence never makes it fall); the link that grows is named in the check's result.",
+                     "reported it when the agent first read the GPU on this node, plus each link's growth since (a "
+                     "link's reset or absence never makes it fall); the link that grows is named in the check's "
+                     "result.",
                      (*_GPU, "counter"), counter=True)
 METRICS = (LINKS_UP, LINKS_EXPECTED, LINK_ERRORS)
 
@@ -89,7 +93,10 @@ class NvlinkCheck(NvmlCheck):
         self.window.load_json(self.load_state(COUNTERS_KEY), decode=_decode_key)
         self.saved = self.window.version  # the window's version last saved
         self.seen: dict[str, int] = {k: int(v) for k, v in self.load_state(SEEN_KEY).items() if str(v).isdigit()}
-        self.totals: dict[str, dict[str, int]] = {}  # uuid -> counter -> what LINK_ERRORS shows
+        self.totals: dict[str, dict[str, int]] = {
+            uuid: {c: v for c, v in counters.items() if c in NVLINK_COUNTERS and type(v) is int and v >= 0}
+            for uuid, counters in self.load_state(TOTALS_KEY).items() if isinstance(counters, dict)}
+        self.saved_totals = {uuid: dict(t) for uuid, t in self.totals.items()}
 
     def run(self) -> Sequence[Result]:
         readings = self.present(self.nvml_read(self.nvml.nvlinks))
@@ -102,6 +109,8 @@ class NvlinkCheck(NvmlCheck):
         self.totals = {uuid: t for uuid, t in self.totals.items() if uuid in read}  # a GPU gone: its totals too
         if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key)):
             self.saved = self.window.version
+        if self.totals != self.saved_totals and self.save_state(TOTALS_KEY, self.totals):
+            self.saved_totals = {uuid: dict(t) for uuid, t in self.totals.items()}
         self.save_state(SEEN_KEY, self.seen)
         return results
 
