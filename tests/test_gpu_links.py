@@ -175,6 +175,11 @@ def test_the_gpus_error_total_never_falls_when_a_link_resets_or_a_read_misses_it
     gpu.nvlink_errors[(7, NVML_NVLINK_ERROR_DL_CRC_FLIT)] += 3  # while the agent restarts: NVML's sum is 10_000_018
     check = NvlinkCheck("nvlink", NvlinkSettings(), context(fake, clock, store, "nvlink"))
     assert crc_total() == 10_000_118
+    gpu.fail["nvmlDeviceGetUUID"] = NVMLError_Unknown  # a run the GPU does not answer: its total is kept
+    [unanswered] = check.run()
+    assert unanswered.status is Status.UNKNOWN
+    del gpu.fail["nvmlDeviceGetUUID"]
+    assert crc_total() == 10_000_118
     store.close()
 
 

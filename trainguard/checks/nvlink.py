@@ -105,8 +105,9 @@ class NvlinkCheck(NvmlCheck):
         now = self.context.clock()
         results = [self.unanswered(r) or self._one(r, now) for r in readings]
         self.window.keep(k for r in readings for x in r.value or () for k in ((r.gpu.uuid, x.link, c) for c in x.errors))
-        read = {r.gpu.uuid for r in readings}
-        self.totals = {uuid: t for uuid, t in self.totals.items() if uuid in read}  # a GPU gone: its totals too
+        if all(r.error is None for r in readings):  # a GPU gone: its totals too (not one that failed to answer)
+            read = {r.gpu.uuid for r in readings}
+            self.totals = {uuid: t for uuid, t in self.totals.items() if uuid in read}
         if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key)):
             self.saved = self.window.version
         if self.totals != self.saved_totals and self.save_state(TOTALS_KEY, self.totals):
