@@ -2,12 +2,13 @@
 
 Two ways to run, one outcome. The agent's scheduled runs happen on the check's own lane thread (`run_here`): the run
 is registered with its deadline (told to `on_deadline`: the schedule's tick comes by then), and the tick asks
-`overdue()` for the timeout report of a run past it; the lane stays blocked with the check. One-shot runs (`run_once`: `trainguard
-check`, a round) hand the run to the check's own daemon thread (a Worker, kept between runs) and wait for it with
-the time budget. Either way a check blocked forever inside the kernel (statvfs on a dead NFS mount) costs its parked
-thread, never the scheduler, the HTTP endpoint or shutdown; while it is blocked, further runs of the check are
-skipped and reported as such, and the blocked run's late results are dropped. A check whose hardware is absent
-raises CheckIdle: the run is `idle` (no result, so no incident), logged once when the check turns idle.
+`overdue()` for the timeout report of a run past it; the lane stays blocked with the check. One-shot runs
+(`run_once`: `trainguard check`, a round) hand the run to the check's own daemon thread (a Worker, kept between
+runs) and wait for it with the time budget. Either way a check blocked forever inside the kernel (statvfs on a dead
+NFS mount) costs its parked thread, never the scheduler, the HTTP endpoint or shutdown; while it is blocked, further
+runs of the check are skipped and reported as such, and the blocked run's late results are dropped. A check whose
+hardware is absent raises CheckIdle: the run is `idle` (no result, so no incident), logged once when the check
+turns idle.
 
 Why the lane runs the check itself: handing each run to a second thread and waiting for it woke three threads per
 run, and those wake-ups were most of what an idle agent did (trainguard.pipeline.schedule).

@@ -28,8 +28,8 @@ log = logging.getLogger("trainguard.schedule")
 
 # The longest the tick sleeps. It wakes sooner when asked (`wake_at`: a run's deadline, a blocked lane's due point),
 # so a timeout is reported at its deadline, not at the next tick; and every TICK_S for the rest: the liveness that
-# `Engine.healthy` allows 10 s for, the agent's usage, silences ending, a lane's thread started again. At 1 s the
-# tick was a third of an idle agent's wake-ups.
+# `Engine.healthy` allows three ticks for, the agent's usage, silences ending, a lane's thread started again. At 1 s
+# the tick was a third of an idle agent's wake-ups.
 TICK_S = 5.0
 LATE_EVERY_S = 1.0  # the tick looks at a lane blocked in a run at most this often
 
