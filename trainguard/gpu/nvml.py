@@ -175,9 +175,13 @@ class Nvml:
         try:
             return call()
         except self._module().NVMLError as exc:
-            if self._is(exc, "NVMLError_NotSupported", *absent):
+            if self._unsupported(exc, *absent):
                 return None
             raise
+
+    def _unsupported(self, exc: BaseException, *absent: str) -> bool:
+        """An NVML error that means the GPU doesn't support the read (or, for `absent` errors, doesn't have it)."""
+        return self._is(exc, "NVMLError_NotSupported", *absent)
 
     def _count(self) -> tuple[Any, int]:
         lib = self.ensure()
@@ -232,8 +236,8 @@ class Nvml:
             for name, constant in counters:
                 try:
                     value = read_counter(handle, link, constant)
-                except error as exc:
-                    if self._is(exc, "NVMLError_NotSupported", "NVMLError_InvalidArgument"):
+                except error as exc:  # `_optional`'s rule, without a callable made per read
+                    if self._unsupported(exc, "NVMLError_InvalidArgument"):
                         continue
                     raise
                 if isinstance(value, int) and 0 <= value < 2**63:

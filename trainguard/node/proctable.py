@@ -13,10 +13,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from trainguard.node.procfs import ProcFS
+from trainguard.node.procfs import PAGE_SIZE, ProcFS
 
 _TICKS = os.sysconf("SC_CLK_TCK")
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 SAME_PROCESS_S = 0.01  # start times this close name the same process (ProcessRef's rule)
 
 
@@ -42,7 +41,7 @@ def parse_stat(pid: int, text: str, boot_time: float) -> ProcInfo | None:
         ppid, start, rss = int(rest[1]), int(rest[19]), int(rest[21])
     except ValueError:
         return None
-    return ProcInfo(pid, ppid, start / _TICKS + boot_time, max(0, rss) * _PAGE, text[open_at + 1:close_at][:64])
+    return ProcInfo(pid, ppid, start / _TICKS + boot_time, max(0, rss) * PAGE_SIZE, text[open_at + 1:close_at][:64])
 
 
 @dataclass(frozen=True)
