@@ -7,7 +7,7 @@ import grp
 import os
 import pwd
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -38,15 +38,19 @@ class SwitchFile:
     mtime: float
 
 
-def find_switch(job: Job, switch: str, stop_dir: Path, identity: Callable[[Job], Identity]) -> list[SwitchFile]:
+def find_switch(job: Job, switch: str, stop_dir: Path, identity: Callable[[Job], Identity],
+                operator_stops: Collection[str] | None = None) -> list[SwitchFile]:
     """The switch files of `job` that exist as regular files: in its switch dir, looked up with the job user's
     authority (`identity(job)`: a dir they cannot search holds no request of theirs), and the operator's per-job-name
-    stop file. Paths as strings until one is found: the check runs every 2 s for every job, nearly always finding
-    nothing, and building Paths was half of that."""
+    stop file. `operator_stops`: the names in `stop_dir`, listed once for a run's jobs (None: look for each job).
+    Paths as strings until one is found: the check runs every 2 s for every job, nearly always finding nothing, and
+    building Paths was half of that. The switch dir is walked as the user every time, never first looked at with
+    the agent's own rights: that would reach where the user cannot (another user's hung mount)."""
     candidates: list[tuple[str, Identity | None]] = []
     if job.switch_dir:
         candidates.append((os.path.join(job.switch_dir, switch), identity(job)))
-    if switch == "stop" and job.name not in ("", ".", "..") and "/" not in job.name:  # a name is not a path
+    if switch == "stop" and job.name not in ("", ".", "..") and "/" not in job.name \
+            and (operator_stops is None or job.name in operator_stops):  # a name is not a path
         candidates.append((os.path.join(stop_dir, job.name), None))  # root's own directory: the agent's authority
     found = []
     for path, reader in candidates:
@@ -57,6 +61,15 @@ def find_switch(job: Job, switch: str, stop_dir: Path, identity: Callable[[Job],
         if stat.S_ISREG(st.st_mode):  # as the trainer helper counts them: a link or a FIFO is no switch
             found.append(SwitchFile(Path(path), st.st_uid, st.st_mtime))
     return found
+
+
+def listed(directory: Path) -> frozenset[str]:
+    """The names in `directory`; none where it is absent or unreadable (the operator's stop dir is usually empty or
+    missing: one system call instead of one per job)."""
+    try:
+        return frozenset(os.listdir(directory))
+    except OSError:
+        return frozenset()
 
 
 def _user(uid: int) -> str:
@@ -105,8 +118,10 @@ class SwitchCheck(JobCheck):
         stop_dir = self.context.jobs.settings.stop_dir if self.context.jobs else STOP_DIR
         out = self.source_errors(view, ["slurm", "process"])
         seen: set[Path] = set()
-        for job in self.candidates(view):
-            for sw in find_switch(job, self.settings.switch, stop_dir, self.identity):
+        candidates = self.candidates(view)
+        stops = listed(stop_dir) if candidates and self.settings.switch == "stop" else frozenset()
+        for job in candidates:
+            for sw in find_switch(job, self.settings.switch, stop_dir, self.identity, stops):
                 if sw.path in seen:  # array tasks share a switch dir: one request, one incident
                     break
                 seen.add(sw.path)
