@@ -121,7 +121,9 @@ class ProcessSource:
         return found
 
     def jobs(self) -> Sequence[Job]:
-        uids = {name: _uid_of(spec.user) for name, spec in self.declared.items()}
+        # each user looked up once a listing (NSS may be a round trip to LDAP; ten jobs of one user were ten)
+        users = {user: _uid_of(user) for user in {spec.user for spec in self.declared.values()}}
+        uids = {name: users[spec.user] for name, spec in self.declared.items()}
         pidfiles = tuple(self._pidfile_pid(spec, uids[name]) for name, spec in self.declared.items())
         last, now = self._last, time.time()
         ids = (tuple(uids.values()), pidfiles)
