@@ -95,6 +95,31 @@ def test_probe_never_stacks_calls_on_a_stuck_path() -> None:
     assert calls == ["/nfs", "/nfs"]
 
 
+def test_probe_stats_on_one_kept_thread_and_replaces_it_when_a_call_blocks() -> None:
+    release, threads = threading.Event(), {}
+
+    def statvfs(path: str) -> os.statvfs_result:
+        threads[path] = threading.get_ident()
+        if path == "/nfs":
+            release.wait()
+        return os.statvfs("/")
+
+    probe = StatfsProbe(statvfs=statvfs)
+    try:
+        for path in ("/a", "/b", "/c"):
+            assert isinstance(probe.stat(path, 1), os.statvfs_result)
+        assert threads["/a"] == threads["/b"] == threads["/c"]  # one thread, kept between calls
+        assert isinstance(probe.stat("/nfs", 0.1), Stuck)
+        assert threads["/nfs"] == threads["/a"]
+        # the blocked call holds that thread: the next path is answered on another
+        assert isinstance(probe.stat("/d", 1), os.statvfs_result)
+        assert threads["/d"] != threads["/nfs"]
+        assert probe.stuck_paths() == ["/nfs"]
+    finally:
+        release.set()
+        probe.close()
+
+
 # real filesystems ---------------------------------------------------------------------------
 def _check(paths: list[str], clock: Callable[[], float] = time.time, **kw: object) -> DiskCheck:
     s = DiskSettings.model_validate({"paths": paths, **kw})

@@ -10,6 +10,7 @@ from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage,
 from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration, Field, Regex, field_validator, model_validator
 from trainguard.core.units import format_duration
+from trainguard.core.worker import KEEP_S
 from trainguard.node.mounts import (
     PSEUDO_FSTYPES,
     PSEUDO_MOUNTPOINTS,
@@ -67,8 +68,12 @@ class DiskCheck(Check):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.probe = StatfsProbe(clock=context.clock)
+        # the probe's thread waits for the next run rather than being started again for it
+        self.probe = StatfsProbe(clock=context.clock, keep=self.settings.interval + KEEP_S)
         self.tracker = CapacityTracker(self.settings)
+
+    def stop(self) -> None:
+        self.probe.close()
 
     def _targets(self) -> list[tuple[str, Mount | None]]:
         mounts = read_mounts(self.context.proc)

@@ -1,8 +1,9 @@
 """Mount table and a statvfs that can't hang the agent.
 
-statvfs on a dead NFS or FUSE mount blocks uninterruptibly. Each call runs in a daemon thread
+statvfs on a dead NFS or FUSE mount blocks uninterruptibly. Each call runs on a worker thread
 with a timeout; a mount whose call is still blocked is "stuck" and gets no further call until
-the blocked one returns, so blocked threads never pile up.
+the blocked one returns, so blocked threads never pile up. The worker is kept between calls (a
+thread started per call cost more than the call) and replaced when a call blocks in it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainguard.core.text import linear
+from trainguard.core.worker import KEEP_S, Worker
 from trainguard.node.procfs import ProcFS
 
 PSEUDO_FSTYPES = (
@@ -83,11 +85,20 @@ class Stuck:
 
 class StatfsProbe:
     def __init__(self, statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, keep: float = KEEP_S) -> None:
         self._statvfs = statvfs
         self._clock = clock
+        self._keep = keep
         self._lock = threading.Lock()
         self._stuck: dict[str, tuple[threading.Event, float]] = {}
+        self._worker: Worker | None = None  # free for the next call: none is blocked in it
+
+    def close(self) -> None:
+        """End the free worker's thread (a blocked one ends when its call returns)."""
+        with self._lock:
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
 
     def stuck_paths(self) -> list[str]:
         with self._lock:
@@ -100,6 +111,7 @@ class StatfsProbe:
                 if not done.is_set():
                     return Stuck(since)
                 del self._stuck[path]
+            worker = self._worker = self._worker or Worker("statvfs", self._keep)
         done = threading.Event()
         box: list[os.statvfs_result | OSError] = []
 
@@ -111,10 +123,13 @@ class StatfsProbe:
             finally:
                 done.set()
 
-        threading.Thread(target=call, name=f"statvfs:{path}", daemon=True).start()
+        worker.submit(call)
         if done.wait(timeout):
             return box[0]
         since = self._clock()
         with self._lock:
             self._stuck[path] = (done, since)
+            if self._worker is worker:  # held by the blocked call: the next path gets a thread of its own
+                self._worker = None
+                worker.close()  # its thread ends once the call returns
         return Stuck(since)
