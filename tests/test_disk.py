@@ -93,6 +93,7 @@ def test_probe_never_stacks_calls_on_a_stuck_path() -> None:
     wait_until(lambda: probe.stuck_paths() == [], 2)
     assert isinstance(probe.stat("/nfs", 1), os.statvfs_result)
     assert calls == ["/nfs", "/nfs"]
+    probe.close()
 
 
 def test_probe_stats_on_one_kept_thread_and_replaces_it_when_a_call_blocks() -> None:

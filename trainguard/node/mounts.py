@@ -84,6 +84,9 @@ class Stuck:
 
 
 class StatfsProbe:
+    """statvfs with a timeout, for one caller at a time (a check's runs never overlap): a call queued behind a
+    blocked one on the kept thread would be taken for blocked itself."""
+
     def __init__(self, statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
                  clock: Callable[[], float] = time.time, keep: float = KEEP_S) -> None:
         self._statvfs = statvfs
@@ -128,6 +131,8 @@ class StatfsProbe:
             return box[0]
         since = self._clock()
         with self._lock:
+            if done.is_set():  # it returned as the wait gave up: an answer, not a hung mount
+                return box[0]
             self._stuck[path] = (done, since)
             if self._worker is worker:  # held by the blocked call: the next path gets a thread of its own
                 self._worker = None
