@@ -121,6 +121,25 @@ def test_probe_stats_on_one_kept_thread_and_replaces_it_when_a_call_blocks() -> 
         probe.close()
 
 
+def test_a_call_that_returns_as_the_wait_gives_up_is_an_answer() -> None:
+    probe: StatfsProbe
+
+    def statvfs(path: str) -> os.statvfs_result:
+        # Hold the probe's lock past the caller's timeout, so that it waits for the lock with the call unanswered,
+        # and let go only after this call has returned.
+        probe._lock.acquire()
+        time.sleep(0.3)
+        threading.Timer(0.2, probe._lock.release).start()
+        return os.statvfs("/")
+
+    probe = StatfsProbe(statvfs=statvfs)
+    try:
+        assert isinstance(probe.stat("/slow", 0.1), os.statvfs_result)
+        assert probe.stuck_paths() == []
+    finally:
+        probe.close()
+
+
 # real filesystems ---------------------------------------------------------------------------
 def _check(paths: list[str], clock: Callable[[], float] = time.time, **kw: object) -> DiskCheck:
     s = DiskSettings.model_validate({"paths": paths, **kw})
