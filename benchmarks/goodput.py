@@ -18,7 +18,7 @@ trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a huma
 what they see: frees the disk, drains a node whose GPU is gone, requeues the job). With trainguard the same human is
 also paged: they act R minutes after an alert. Time is scaled by --scale (60: a real minute is a second here).
 
-    python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60]   # one run each way; root
+    python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60] [--look-every 30]   # one run each way; root
 """
 
 from __future__ import annotations
@@ -613,8 +613,10 @@ def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
 
 def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
     w, wo = (next(r for r in results if r["trainguard"] is v) for v in (True, False))
+    human = w.get("human", asdict(Human()))
     lines = [heading(f"Goodput under chaos (seed {seed}, time x{scale.factor:g})"),
-             "| | with trainguard | without |", "|---|---|---|"]
+             f"The human looks every {human['look_every_min']:g} minutes; paged, acts {human['page_response_min']:g} "
+             "minutes after the alert.", "", "| | with trainguard | without |", "|---|---|---|"]
     for label, key in (("goodput (counted / possible steps)", "goodput"), ("steps counted (in a finite checkpoint)",
                        "counted_steps"), ("steps possible at the fault-free pace", "possible_steps"),
                        ("fault-free pace (s/step)", "pace_s"), ("wall time (s), of it paused by the user", None),
@@ -690,18 +692,29 @@ def plot(records: list[Record], path: Path) -> bool:
 
 # entry points -----------------------------------------------------------------------------------------------------
 def run_once(base: Path, trainguard: bool, faults: list[Fault], duration: float, scale: Scale, step_time: float,
-             ckpt_every: int) -> Record:
+             ckpt_every: int, human: Human) -> Record:
     base.mkdir(parents=True)
-    run = Run(base, trainguard, faults, duration, scale, look_every=scale(30 * 60), page_response=scale(5 * 60),
-              step_time=step_time, ckpt_every=ckpt_every)
+    run = Run(base, trainguard, faults, duration, scale, look_every=scale(human.look_every_min * 60),
+              page_response=scale(human.page_response_min * 60), step_time=step_time, ckpt_every=ckpt_every)
     with contextlib.ExitStack() as stack:
         run.start(stack)
         run.run()
         return run.collect()
 
 
+@dataclass(frozen=True)
+class Human:
+    """The person on call, in real-world minutes (scaled like the rest): they look every `look_every_min` and fix what
+    they see; paged by an alert, they act `page_response_min` after it. The run without trainguard has only the looks,
+    so its goodput depends on this person most of all."""
+
+    look_every_min: float = 30.0
+    page_response_min: float = 5.0
+
+
 def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = KINDS, step_time: float = 0.5,
-              ckpt_every: int = 20, out_dir: Path | None = None) -> tuple[list[dict[str, Any]], list[Record]]:
+              ckpt_every: int = 20, out_dir: Path | None = None,
+              human: Human = Human()) -> tuple[list[dict[str, Any]], list[Record]]:
     duration = minutes * 60
     faults = schedule(seed, duration, kinds)
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-goodput-", dir="/tmp"))
@@ -710,11 +723,11 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
     try:
         for trainguard in (True, False):
             records.append(run_once(base / ("with" if trainguard else "without"), trainguard, faults, duration, scale,
-                                    step_time, ckpt_every))
+                                    step_time, ckpt_every, human))
     finally:
         if out_dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    results = [analyse(r, scale, step_time) for r in records]
+    results = [{**analyse(r, scale, step_time), "human": asdict(human)} for r in records]
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "goodput.json").write_text(json.dumps({"results": results, "records": [asdict(r) for r in records]},
@@ -730,12 +743,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("/tmp/trainguard-goodput"))
     p.add_argument("--plot", type=Path, default=REPO / "docs" / "goodput-timeline.png")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
+    p.add_argument("--look-every", type=float, default=Human.look_every_min, metavar="MINUTES",
+                   help="how often the human looks (real-world minutes, scaled)")
+    p.add_argument("--page-response", type=float, default=Human.page_response_min, metavar="MINUTES",
+                   help="how long the paged human takes to act (real-world minutes, scaled)")
     a = p.parse_args(argv)
+    if a.look_every <= 0 or a.page_response < 0:
+        p.error("--look-every must be above 0 and --page-response at least 0")
     scale = Scale(a.scale)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):
         p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
-    results, records = benchmark(a.seed, a.minutes, scale, kinds, out_dir=a.out)
+    results, records = benchmark(a.seed, a.minutes, scale, kinds, out_dir=a.out,
+                                 human=Human(a.look_every, a.page_response))
     print(table(results, a.seed, scale))
     if plot(records, a.plot):
         print(f"\nplot: {a.plot}")
