@@ -748,8 +748,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-response", type=float, default=Human.page_response_min, metavar="MINUTES",
                    help="how long the paged human takes to act (real-world minutes, scaled)")
     a = p.parse_args(argv)
-    if a.look_every <= 0 or a.page_response < 0:
-        p.error("--look-every must be above 0 and --page-response at least 0")
+    if not (math.isfinite(a.look_every) and a.look_every > 0 and math.isfinite(a.page_response)
+            and a.page_response >= 0):
+        p.error("--look-every must be a number of minutes above 0, --page-response one of at least 0")
     scale = Scale(a.scale)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):
