@@ -169,7 +169,7 @@ def test_the_gpus_error_total_never_falls_when_a_link_resets_or_a_read_misses_it
     gpu.fail["nvmlDeviceGetNvLinkErrorCounter"] = NVMLError_NotSupported  # one read without counters
     assert crc_total() == 10_000_105
     del gpu.fail["nvmlDeviceGetNvLinkErrorCounter"]
-    assert crc_total() == 10_000_105  # counters back: read afresh, their growth counted from here
+    assert crc_total() == 10_000_105  # counters back: their growth counted from their last reading
     gpu.nvlink_errors[(5, NVML_NVLINK_ERROR_DL_CRC_FLIT)] += 10
     assert crc_total() == 10_000_115
     gpu.nvlink_errors[(7, NVML_NVLINK_ERROR_DL_CRC_FLIT)] += 3  # while the agent restarts: NVML's sum is 10_000_018
@@ -181,6 +181,27 @@ def test_the_gpus_error_total_never_falls_when_a_link_resets_or_a_read_misses_it
     del gpu.fail["nvmlDeviceGetUUID"]
     assert crc_total() == 10_000_118
     store.close()
+
+
+def test_a_read_without_counters_keeps_the_window_its_alerts_are_judged_on() -> None:
+    """A transient NotSupported on one run's counter reads must not forget the hour behind the link's limit: growth
+    before and after it still adds up."""
+    fake, clock = FakeNvml(hgx(1)), Clock()
+    check = NvlinkCheck("nvlink", NvlinkSettings(error_window="1h"), context(fake, clock))
+    gpu = fake.gpus[0]
+    gpu.nvlink_errors = {(5, NVML_NVLINK_ERROR_DL_RECOVERY): 3}
+    assert [r.status for r in check.run()] == [Status.OK]
+    clock.now += 60
+    gpu.nvlink_errors[(5, NVML_NVLINK_ERROR_DL_RECOVERY)] += 1  # one recovery: within the limit (1)
+    assert [r.status for r in check.run()] == [Status.OK]
+    clock.now += 60
+    gpu.fail["nvmlDeviceGetNvLinkErrorCounter"] = NVMLError_NotSupported
+    assert [r.status for r in check.run()] == [Status.OK]  # links up, no counters this once
+    del gpu.fail["nvmlDeviceGetNvLinkErrorCounter"]
+    clock.now += 60
+    gpu.nvlink_errors[(5, NVML_NVLINK_ERROR_DL_RECOVERY)] += 1  # a second one in the hour: over the limit
+    [result] = check.run()
+    assert result.status is Status.WARNING and "link 5 recovery errors +2 in 1h00m (limit 1)" in result.summary
 
 
 def test_nvlink_idle_where_no_gpu_has_nvlink_or_no_nvml() -> None:

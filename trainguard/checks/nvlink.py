@@ -104,9 +104,11 @@ class NvlinkCheck(NvmlCheck):
             raise CheckIdle("no GPU on this node has NVLink")
         now = self.context.clock()
         results = [self.unanswered(r) or self._one(r, now) for r in readings]
-        self.window.keep(k for r in readings for x in r.value or () for k in ((r.gpu.uuid, x.link, c) for c in x.errors))
-        if all(r.error is None for r in readings):  # a GPU gone: its totals too (not one that failed to answer)
+        if all(r.error is None for r in readings):  # a GPU gone: its counters and totals too (not one that failed to
+            # answer, nor one whose read lacked its counters this once: a transient NotSupported would have taken the
+            # hour of history its alerts are judged on; a GPU's links are few, so memory still follows the hardware)
             read = {r.gpu.uuid for r in readings}
+            self.window.keep_where(lambda key: isinstance(key, tuple) and key[0] in read)
             self.totals = {uuid: t for uuid, t in self.totals.items() if uuid in read}
         if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json(encode=_encode_key)):
             self.saved = self.window.version

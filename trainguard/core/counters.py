@@ -9,7 +9,7 @@ increases of each counter within the window, so "more than 120 symbol errors an 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +94,11 @@ class CounterWindow:
     def keep(self, keys: Iterable[Hashable]) -> None:
         """Forget counters no longer read (a port or GPU that went away), so memory follows the hardware."""
         wanted = set(keys)
-        for key in [k for k in self._series if k not in wanted]:
+        self.keep_where(lambda key: key in wanted)
+
+    def keep_where(self, wanted: Callable[[Hashable], bool]) -> None:
+        """Forget the counters whose key `wanted` refuses."""
+        for key in [k for k in self._series if not wanted(k)]:
             del self._series[key]
             self.version += 1
 
