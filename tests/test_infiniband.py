@@ -142,6 +142,23 @@ def test_symbol_errors_over_their_limit_and_counter_resets(tree: Path) -> None:
     assert "port_rcv_remote_physical_errors +3" in by_subject(ib.run())["mlx5_8/1"].summary
 
 
+def test_a_counter_missing_from_one_read_keeps_its_window(tree: Path) -> None:
+    clock = Clock()
+    ib = check(tree, clock)
+    write(tree, "mlx5_7/1", "counters/symbol_error", "0")
+    ib.run()
+    write(tree, "mlx5_7/1", "counters/symbol_error", "100")
+    clock.now += 600
+    assert by_subject(ib.run())["mlx5_7/1"].status is Status.OK  # 100 in an hour: under the limit of 120
+    write(tree, "mlx5_7/1", "counters/symbol_error", "garbage")  # one read without it
+    clock.now += 60
+    assert "symbol_error" not in by_subject(ib.run())["mlx5_7/1"].details["counters"]
+    write(tree, "mlx5_7/1", "counters/symbol_error", "130")
+    clock.now += 60
+    result = by_subject(ib.run())["mlx5_7/1"]
+    assert result.status is Status.WARNING and "symbol_error +130 in 1h00m (limit 120)" in result.summary
+
+
 def test_a_wrapping_counter(tree: Path) -> None:
     clock = Clock()
     write(tree, "mlx5_0/1", "counters/port_rcv_errors", "65500")
