@@ -106,6 +106,12 @@ def test_a_quiet_node_is_listed_once_then_the_listing_is_reused(node: Node) -> N
     assert len(proc.stat_reads) > read  # reused for REUSE_MAX_S at most
 
 
+def test_no_declared_process_lists_nothing_and_reads_nothing(node: Node) -> None:
+    node.spawn(100, "python train.py --run a")
+    src, _, proc = source(node)
+    assert src.jobs() == [] and proc.stat_reads == []
+
+
 def test_a_process_that_starts_or_ends_anywhere_means_a_full_listing(node: Node) -> None:
     node.spawn(100, "python train.py")
     src, _, proc = source(node, train=ProcessJobSettings(cmdline="train.py", user=user()))

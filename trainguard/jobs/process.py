@@ -121,6 +121,8 @@ class ProcessSource:
         return found
 
     def jobs(self) -> Sequence[Job]:
+        if not self.declared:  # `sources = ["process"]` with no [jobs.processes]: no /proc walk for nothing
+            return []
         # each user looked up once a listing (NSS may be a round trip to LDAP; ten jobs of one user were ten)
         users = {user: _uid_of(user) for user in {spec.user for spec in self.declared.values()}}
         uids = {name: users[spec.user] for name, spec in self.declared.items()}
