@@ -567,10 +567,17 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
         restart = [a for a in rec.attempts if t < a[0] < until]  # a fault that stopped nothing has no restart
         before = [s for ts, s, _ in rec.steps if ts <= (restart[0][0] if restart else until)]
         lost = max(0, (max(before) + 1 - restart[0][1])) if restart and before else 0
+        # the time without a step across the restart: "resumed after" also counts training that went on until then
+        stalled = None
+        if restart:
+            last = max((ts for ts, _, _ in rec.steps if ts < restart[0][0]), default=t)
+            first = min((ts for ts, _, _ in rec.steps if ts >= restart[0][0]), default=None)
+            stalled = round(first - max(last, t), 1) if first is not None else None
         faults.append({"kind": f["kind"], "node": f["node"], "at": round(t, 1), "by": by,
                        "detect_s": None if detected is None else round(detected, 2),
                        "deadline_s": round(deadline(f, scale, step_time), 1),
-                       "resume_s": round(restart[0][0] - t, 1) if restart else None, "lost_steps": lost})
+                       "resume_s": round(restart[0][0] - t, 1) if restart else None, "stalled_s": stalled,
+                       "lost_steps": lost})
     dup = 0
     seen: dict[tuple[str, str], float] = {}
     for a in (a for a in rec.alerts if a["event"] == "fired"):  # one problem announced by several nodes' agents
@@ -636,12 +643,14 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
                 ", ".join(f"{d['node']} ({'right' if d['right'] else 'WRONG'})" for d in r["drains"]) or "none"
                 for r in (w, wo)) + " |")
     lines += ["", "| fault (node) | at (s) | detected by, in s (deadline) with / without | resumed after (s) "
-              "with / without | steps lost with / without |", "|---|---|---|---|---|"]
+              "with / without | no step for (s) with / without | steps lost with / without |",
+              "|---|---|---|---|---|---|"]
     for a, b in zip(w["faults"], wo["faults"], strict=True):
         def det(x: dict[str, Any]) -> str:
             return f"{x['by']} {x['detect_s']}" if x["detect_s"] is not None else x["by"]
         lines.append(f"| {a['kind']} ({a['node'] or '-'}) | {a['at']} | {det(a)} ({a['deadline_s']}) / {det(b)} | "
-                     f"{a['resume_s']} / {b['resume_s']} | {a['lost_steps']} / {b['lost_steps']} |")
+                     f"{a['resume_s']} / {b['resume_s']} | {a.get('stalled_s')} / {b.get('stalled_s')} | "
+                     f"{a['lost_steps']} / {b['lost_steps']} |")
     for r, label in ((w, "with trainguard"), (wo, "without")):
         lines += ["", f"How each attempt ended ({label}; the trainer's own record, rank 0's where it has one):", ""]
         lines += [f"- {e['attempt']} at {e['t']} s, step {e['step']} (rank {e['rank']} on {e['node']}): {e['why']}"

@@ -45,6 +45,18 @@ def test_goodput_counts_steps_up_to_the_last_finite_checkpoint_and_charges_redon
     [fault] = out["faults"]
     assert fault["by"] == "trainguard" and fault["detect_s"] == 1.25 and fault["lost_steps"] == 2
     assert fault["resume_s"] == 3.0
+    assert fault["stalled_s"] == 3.0  # no step from the fault (6 s) to the next attempt's first (9 s)
+
+
+def test_the_time_without_a_step_is_told_apart_from_the_time_to_the_next_attempt() -> None:
+    rec = Record(trainguard=True, duration=30.0)
+    # the time limit approaches at 6 s; the job trains on to step 27 (13.5 s) and saves it, the next life at 16 s
+    rec.steps = [(0.5 * i, i, True) for i in range(28)] + [(16.5 + 0.5 * i, 28 + i, True) for i in range(20)]
+    rec.attempts = [(0.0, 0), (16.0, 28)]
+    rec.checkpoints = [(14.0, 27, True)]
+    rec.faults = [{"kind": "time_limit", "at": 6.0, "target": 0, "node": "n1", "injected": 6.0}]
+    [fault] = analyse(rec, Scale(60), 0.5)["faults"]
+    assert fault["resume_s"] == 10.0 and fault["stalled_s"] == 3.0 and fault["lost_steps"] == 0
 
 
 def test_a_restarted_rank_resumes_after_the_last_checkpoint_whose_loss_is_finite(tmp_path: Path) -> None:
