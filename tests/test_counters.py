@@ -74,3 +74,26 @@ def test_the_window_version_moves_only_when_what_it_saves_changes() -> None:
     v = w.version
     w.keep([])
     assert w.version > v and w.to_json() == {}  # the counter went away
+
+
+def test_growth_across_a_gap_longer_than_the_window_is_returned_not_put_in_the_window() -> None:
+    """A counter that did not answer for hours (a GPU's reads NotSupported, an unreadable sysfs file) comes back with
+    hours of growth: as a burst at the moment it answered again it would cross a per-hour limit that the rate never
+    did. The growth is still returned (the per-GPU totals count it)."""
+    w = CounterWindow(window=3600, interval=30)
+    w.update("crc", 0, now=0)
+    assert w.update("crc", 90 * 3 * 3600, now=3 * 3600) == 972_000
+    assert w.increase("crc", now=3 * 3600) == 0
+    w.update("crc", 972_100, now=3 * 3600 + 30)  # read on schedule again: counted
+    assert w.increase("crc", now=3 * 3600 + 30) == 100
+
+
+def test_a_window_shorter_than_the_interval_still_counts_each_run_and_a_loaded_one_counts_the_downtime() -> None:
+    w = CounterWindow(window=10, interval=30)
+    w.update("replay", 0, now=0)
+    w.update("replay", 2, now=30)
+    assert w.increase("replay", now=30) == 2
+    loaded = CounterWindow(window=3600, interval=30)
+    loaded.load_json(w.to_json())
+    loaded.update("replay", 5, now=5 * 3600)  # the agent was down for hours: what grew meanwhile counts, as before
+    assert loaded.increase("replay", now=5 * 3600) == 3

@@ -159,6 +159,19 @@ def test_a_counter_missing_from_one_read_keeps_its_window(tree: Path) -> None:
     assert result.status is Status.WARNING and "symbol_error +130 in 1h00m (limit 120)" in result.summary
 
 
+def test_a_counter_taken_out_of_the_config_is_forgotten(tree: Path, tmp_path: Path) -> None:
+    """Put back later, its reading from before would be a stale baseline: hours of growth as one burst."""
+    store = Store(tmp_path / "state")
+    first = check(tree, store=store)
+    first.run()
+    assert first.window.last("mlx5_7/1/symbol_error") is not None
+    fewer = check(tree, store=store, error_limits={"port_rcv_errors": 100})
+    fewer.run()
+    assert fewer.window.last("mlx5_7/1/symbol_error") is None
+    assert fewer.window.last("mlx5_7/1/port_rcv_errors") is not None
+    store.close()
+
+
 def test_a_wrapping_counter(tree: Path) -> None:
     clock = Clock()
     write(tree, "mlx5_0/1", "counters/port_rcv_errors", "65500")

@@ -107,7 +107,8 @@ class InfinibandCheck(Check):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.window = CounterWindow(max(self.settings.error_window, self.settings.link_downed_for))
+        self.window = CounterWindow(max(self.settings.error_window, self.settings.link_downed_for),
+                                    interval=self.settings.interval)
         self.window.load_json(self.load_state(COUNTERS_KEY))
         self.saved = self.window.version  # the window's version last saved
         self.known: dict[str, dict[str, Any]] = {k: v for k, v in self.load_state(PORTS_KEY).items()
@@ -129,9 +130,10 @@ class InfinibandCheck(Check):
                                        if key in seen_up else f"{key}: expected but not under {s.sysfs_root}",
                                        {"port": key, "present": False}))
         results.append(self._count(ports, self._required(seen_up | {p.key for p in ports if p.up})))
-        # a port's counters go with the port, not with one read that lacked one (a counter file that failed to read
-        # while the HCA resets would take the hour its limit is judged over)
-        self.window.keep_where(lambda key: isinstance(key, str) and key.rsplit("/", 1)[0] in present)
+        # a port's counters go with the port (or the config), not with one read that lacked one (a counter file
+        # that failed to read while the HCA resets would take the hour its limit is judged over)
+        self.window.keep_where(lambda key: isinstance(key, str) and (parts := key.rsplit("/", 1))[0] in present
+                               and parts[-1] in self.counters)
         if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json()):
             self.saved = self.window.version
         self.save_state(PORTS_KEY, self.known)

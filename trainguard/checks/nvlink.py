@@ -89,7 +89,7 @@ class NvlinkCheck(NvmlCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.window = CounterWindow(self.settings.error_window)
+        self.window = CounterWindow(self.settings.error_window, interval=self.settings.interval)
         self.window.load_json(self.load_state(COUNTERS_KEY), decode=_decode_key)
         self.saved = self.window.version  # the window's version last saved
         self.seen: dict[str, int] = {k: int(v) for k, v in self.load_state(SEEN_KEY).items() if str(v).isdigit()}

@@ -65,7 +65,7 @@ class PcieCheck(NvmlCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
-        self.window = CounterWindow(self.settings.error_window)
+        self.window = CounterWindow(self.settings.error_window, interval=self.settings.interval)
 
     def run(self) -> Sequence[Result]:
         readings = self.present(self.nvml_read(self.nvml.pcie))

@@ -41,15 +41,19 @@ _NONE: tuple[tuple[float, int], ...] = ()
 class _Series:
     last: int
     increases: deque[tuple[float, int]] | tuple[tuple[float, int], ...] = _NONE
+    at: float | None = None  # when `last` was read by this process (None: loaded from saved state)
 
 
 class CounterWindow:
     """Per counter: its last reading and the increases seen within `window` seconds (at most `max_events` kept, so
     memory is bounded whatever the hardware does)."""
 
-    def __init__(self, window: float, max_events: int = 256) -> None:
+    def __init__(self, window: float, max_events: int = 256, interval: float = 0.0) -> None:
         self.window = window
         self.max_events = max_events
+        # A reading this long after the previous one closes a gap (the counter did not answer meanwhile), not a
+        # period: two intervals at least, so that a window shorter than the check's interval still counts each run.
+        self.gap = max(window, 2 * interval)
         self._series: dict[Hashable, _Series] = {}
         # Bumped by every change to what to_json returns: a check saves its window only when it moved (nearly every
         # run of an NVLink node reads 576 counters that never grow; encoding them all every run was the nvlink
@@ -60,14 +64,19 @@ class CounterWindow:
         """Record a reading; the increase since the previous one (0 for the first)."""
         series = self._series.get(key)
         if series is None:
-            self._series[key] = _Series(value)
+            self._series[key] = _Series(value, at=now)
             self.version += 1
             return 0
         delta = counter_delta(series.last, value, bits)
+        # Growth across a gap in the readings longer than the window (a GPU or a counter file that did not answer
+        # for hours) cannot be placed within the window: it is returned, not counted as a burst at `now`. A window
+        # loaded from saved state has no such time: growth while the agent was down counts, as it always did.
+        spread = series.at is not None and now - series.at > self.gap
+        series.at = now
         if value != series.last:
             series.last = value
             self.version += 1
-        if delta > 0:
+        if delta > 0 and not spread:
             if not isinstance(series.increases, deque):
                 series.increases = deque()
             series.increases.append((now, delta))
