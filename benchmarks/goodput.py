@@ -568,10 +568,11 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
         before = [s for ts, s, _ in rec.steps if ts <= (restart[0][0] if restart else until)]
         lost = max(0, (max(before) + 1 - restart[0][1])) if restart and before else 0
         # the time without a step across the restart: "resumed after" also counts training that went on until then
+        # (none when the next attempt made no step before the next fault or the end)
         stalled = None
         if restart:
             last = max((ts for ts, _, _ in rec.steps if ts < restart[0][0]), default=t)
-            first = min((ts for ts, _, _ in rec.steps if ts >= restart[0][0]), default=None)
+            first = min((ts for ts, _, _ in rec.steps if restart[0][0] <= ts < until), default=None)
             stalled = round(first - max(last, t), 1) if first is not None else None
         faults.append({"kind": f["kind"], "node": f["node"], "at": round(t, 1), "by": by,
                        "detect_s": None if detected is None else round(detected, 2),
