@@ -132,8 +132,7 @@ class InfinibandCheck(Check):
         results.append(self._count(ports, self._required(seen_up | {p.key for p in ports if p.up})))
         # a port's counters go with the port (or the config), not with one read that lacked one (a counter file
         # that failed to read while the HCA resets would take the hour its limit is judged over)
-        self.window.keep_where(lambda key: isinstance(key, str) and (parts := key.rsplit("/", 1))[0] in present
-                               and parts[-1] in self.counters)
+        self.window.keep(f"{port}/{c}" for port in present for c in self.counters)
         if self.window.version != self.saved and self.save_state(COUNTERS_KEY, self.window.to_json()):
             self.saved = self.window.version
         self.save_state(PORTS_KEY, self.known)
