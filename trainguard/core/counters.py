@@ -68,9 +68,10 @@ class CounterWindow:
             self.version += 1
             return 0
         delta = counter_delta(series.last, value, bits)
-        # Growth across a gap in the readings longer than the window (a GPU or a counter file that did not answer
-        # for hours) cannot be placed within the window: it is returned, not counted as a burst at `now`. A window
-        # loaded from saved state has no such time: growth while the agent was down counts, as it always did.
+        # Growth across a gap in the readings longer than the window (and two intervals; a GPU or a counter file that
+        # did not answer for hours) cannot be placed within the window: it is returned, not counted as a burst at
+        # `now`. A window loaded from saved state has no such time: growth while the agent was down counts, as it
+        # always did.
         spread = series.at is not None and now - series.at > self.gap
         series.at = now
         if value != series.last:
