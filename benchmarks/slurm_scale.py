@@ -33,7 +33,7 @@ import psutil
 import tomli_w
 
 from benchmarks.common import exit_cleanly_on_sigterm, heading, installed_config
-from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, job_info_rpcs, parse_sdiag, sh
+from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, job_info_rpcs, parse_sdiag, sh, submit_held
 from tests.slurm_fleet import SlurmFleet
 from trainguard.core.state import scoped_key
 from trainguard.node.kmsg import CURSOR_KEY, cursor_at_end
@@ -135,11 +135,7 @@ def measure(procs: list[subprocess.Popen[bytes]], seconds: float, warmup: float,
 def held_jobs(total: int, have: int) -> int:
     """Submit held jobs of the other test user until the controller holds `total` of them."""
     if total > have:
-        # Four submitters at once: one after the other, 10,000 sbatch took most of the 10 minutes a run may hold the
-        # shared test lock. xargs exits non-zero when any sbatch failed.
-        loop = (f"seq {total - have} | xargs -P 4 -n 1 sh -c "
-                "'exec sbatch --hold --quiet -J held -o /dev/null --wrap true' _")
-        sh("bash", "-c", loop, user=OTHER_USER, timeout=3600, cwd=tempfile.gettempdir())
+        submit_held(total - have)
     return total
 
 

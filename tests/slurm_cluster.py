@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,6 +36,13 @@ def sh(*cmd: str, user: str | None = None, check: bool = True, timeout: float = 
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout
+
+
+def submit_held(n: int, timeout: float = 3600) -> None:
+    """`n` held jobs of the other test user (a queue that is not this node's), four submitters at once: one after the
+    other, 4,000 sbatch took about a minute. xargs exits non-zero when any sbatch failed."""
+    loop = f"seq {n} | xargs -P 4 -n 1 sh -c 'exec sbatch --hold --quiet -J held -o /dev/null --wrap true' _"
+    sh("bash", "-c", loop, user=OTHER_USER, timeout=timeout, cwd=tempfile.gettempdir())
 
 
 def missing_components() -> list[str]:

@@ -14,7 +14,6 @@ import os
 import pwd
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, require, require_root, unique_bus, wait_until, xid79
-from tests.slurm_cluster import OTHER_USER, SlurmCluster, job_info_rpcs, sh
+from tests.slurm_cluster import OTHER_USER, SlurmCluster, job_info_rpcs, sh, submit_held
 from trainguard.agent.configfile import parse_config
 from trainguard.core.model import Status
 from trainguard.core.state import scoped_key
@@ -343,33 +342,32 @@ def test_the_source_tells_its_listeners_of_a_job_starting_here(
 @pytest.mark.slow
 def test_held_jobs_in_the_controller_do_not_change_what_the_agent_asks(
         slurm: SlurmCluster, tmp_path: Path, agent_process: object) -> None:
-    """The installed config, the real agent, a minute at a time: its REQUEST_JOB_INFO* RPCs (sdiag) are the same
-    with 4,000 held jobs of another user in the controller as with none: at most 2 (a half minute with none, the
-    baseline; a whole minute with the 4,000)."""
+    """The installed config, the real agent, 4,000 held jobs of another user in the controller, none on this node:
+    in a minute of steady state the agent makes at most 2 REQUEST_JOB_INFO* RPCs (sdiag), issue 19's bound. And the
+    count does see such RPCs: one `scontrol show job`, in a window of its own, is counted."""
     config = tmp_path / "trainguard.toml"
     default = (REPO / "trainguard" / "default.toml").read_text()
     config.write_text(default.replace("[agent]\n", f'[agent]\nnode_name = "{slurm.node}"\nstate_dir = "{tmp_path}/state"'
                                                   '\nlisten = ""\n', 1).replace('paths = ["/", "/var/lib/trainguard"]',
                                                                                  'paths = ["/"]'))
-    agent = agent_process(config)  # type: ignore[operator]
-    agent.wait_for("msg=ready")
-
-    def window(seconds: float) -> int:
-        time.sleep(5)  # steady state: whatever the start or the submissions caused is done
-        slurm.rpc_counts(reset=True)
-        time.sleep(seconds)
-        return job_info_rpcs(slurm.rpc_counts())
-
-    empty = window(30)
-    loop = "for i in $(seq 4000); do sbatch --hold --quiet -J held -o /dev/null --wrap true || exit 1; done"
     try:
-        sh("bash", "-c", loop, user=OTHER_USER, timeout=400, cwd=tempfile.gettempdir())
-        assert int(sh("squeue", "-h", "-t", "PD", "-u", OTHER_USER, "-o", "%i", "--noconvert").count("\n")) >= 4000
-        full = window(60)
+        submit_held(4000, timeout=400)
+        held = sh("squeue", "-h", "-t", "PD", "-u", OTHER_USER, "-o", "%i", "--noconvert").split()
+        assert len(held) >= 4000
+        agent = agent_process(config)  # type: ignore[operator]
+        agent.wait_for("msg=ready")
+        time.sleep(5)  # steady state: whatever the start caused is done
+        slurm.rpc_counts(reset=True)
+        time.sleep(60)
+        asked = job_info_rpcs(slurm.rpc_counts())
+        slurm.rpc_counts(reset=True)
+        sh("scontrol", "show", "job", held[0])
+        control = job_info_rpcs(slurm.rpc_counts())
     finally:
         subprocess.run(["scancel", "-u", OTHER_USER], capture_output=True, timeout=60)
         slurm.restart_ctld_forgetting_jobs()  # 4,000 cancelled records would linger MinJobAge for the next tests
-    assert empty <= 2 and full <= 2, (empty, full)
+    assert asked <= 2, asked
+    assert control >= 1, control
     assert agent.proc.poll() is None  # type: ignore[attr-defined]
 
 
