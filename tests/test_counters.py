@@ -10,6 +10,9 @@ def test_delta_growth_reset_and_wrap() -> None:
     assert counter_delta(40_000, 7) == 7  # a 64-bit counter that fell: the driver reloaded, 7 counted since
     assert counter_delta(65_530, 4, bits=16) == 10  # a 16-bit counter wrapped: 5 to the top, 0..4 after
     assert counter_delta(20_000, 4, bits=16) == 4  # fell from the lower half: a reset, not a wrap
+    assert counter_delta(255, 0, bits=8) == 0  # fell from the top, where it saturates: cleared or reloaded
+    assert counter_delta(255, 3, bits=8) == 3
+    assert counter_delta(254, 0, bits=8) == 2  # one below the top: a wrap
     assert counter_delta(250, 3, bits=8) == 9
 
 

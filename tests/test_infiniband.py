@@ -183,6 +183,21 @@ def test_a_wrapping_counter(tree: Path) -> None:
     assert result.status is Status.WARNING and "port_rcv_errors +106 in 1h00m (limit 100)" in result.summary
 
 
+def test_a_saturated_counter_cleared_or_reloaded_is_no_link_down(tree: Path) -> None:
+    """mlx5_1's real link_downed is 255, saturated: the summary says to clear it (perfquery -R), and a driver reload
+    clears it too. Its fall to 0 is no link down (read as an 8-bit wrap it was +1: CRITICAL, and a drain)."""
+    clock = Clock()
+    ib = check(tree, clock)
+    assert "link_downed saturated at 255" in by_subject(ib.run())["mlx5_1/1"].summary
+    write(tree, "mlx5_1/1", "counters/link_downed", "0")
+    clock.now += 60
+    assert by_subject(ib.run())["mlx5_1/1"].status is Status.OK
+    write(tree, "mlx5_1/1", "counters/link_downed", "1")  # a link down after the clear counts
+    clock.now += 60
+    result = by_subject(ib.run())["mlx5_1/1"]
+    assert result.status is Status.CRITICAL and "link went down 1x" in result.summary, result.summary
+
+
 def test_an_hca_that_vanished_and_idle_without_devices(tree: Path, tmp_path: Path) -> None:
     store = Store(tmp_path / "state")
     check(tree, store=store).run()

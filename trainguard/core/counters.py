@@ -16,13 +16,16 @@ from typing import Any
 
 def counter_delta(previous: int, current: int, bits: int | None = None) -> int:
     """The increase from `previous` to `current`. A decrease is a wrap when the counter's width is known and the
-    previous reading sat in the top half of its range (a wrapping counter only falls from near its top); any
-    other decrease is a reset (driver reload, counters cleared): what it counted since is `current`."""
+    previous reading sat in the top half of its range, below the top itself (a wrapping counter only falls from
+    near its top; a saturating one stuck at the top falls only when cleared); any other decrease is a reset (driver
+    reload, counters cleared): what it counted since is `current`."""
     if current >= previous:
         return current - previous
     if bits is not None:
         top = (1 << bits) - 1
-        if top // 2 < previous <= top and current <= top // 2:
+        # Not from the top: IBTA counters saturate there, and the note on a saturated counter says to clear it
+        # (perfquery -R); read as a wrap, 255 -> 0 of an 8-bit link_downed would be a link down, and a drain.
+        if top // 2 < previous < top and current <= top // 2:
             return top - previous + current + 1
     return current
 
