@@ -19,6 +19,7 @@ what they see: frees the disk, drains a node whose GPU is gone, requeues the job
 also paged: they act R minutes after an alert. Time is scaled by --scale (60: a real minute is a second here).
 
     python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60] [--look-every 30]   # one run each way; root
+    python -m benchmarks.goodput --also-without 60,120   # and one more run without trainguard per human
 """
 
 from __future__ import annotations
@@ -591,7 +592,8 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
             "goodput": round(counted / possible, 3) if possible else 0.0, "restarts": max(0, len(rec.attempts) - 1),
             "in_place": in_place(rec.attempt_ids),
             "drains": rec.drains, "alerts": len(rec.alerts), "duplicate_alerts": dup, "faults": faults,
-            "attempt_ends": attempt_ends(rec)}
+            "attempt_ends": attempt_ends(rec),
+            "human_looks_acted": sum(1 for a in rec.actions if a["who"] == "human (look)")}
 
 
 def in_place(attempts: list[str]) -> int:
@@ -620,8 +622,10 @@ def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
 
 
 def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
-    w, wo = (next(r for r in results if r["trainguard"] is v) for v in (True, False))
+    w = next(r for r in results if r["trainguard"])
     human = w.get("human", asdict(Human()))
+    without = [r for r in results if not r["trainguard"]]
+    wo = next((r for r in without if r.get("human", asdict(Human())) == human), without[0])
     lines = [heading(f"Goodput under chaos (seed {seed}, time x{scale.factor:g})"),
              f"The human looks every {human['look_every_min']:g} minutes; paged, acts {human['page_response_min']:g} "
              "minutes after the alert.", "", "| | with trainguard | without |", "|---|---|---|"]
@@ -656,7 +660,23 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
         lines += ["", f"How each attempt ended ({label}; the trainer's own record, rank 0's where it has one):", ""]
         lines += [f"- {e['attempt']} at {e['t']} s, step {e['step']} (rank {e['rank']} on {e['node']}): {e['why']}"
                   for e in r.get("attempt_ends", [])] or ["- none recorded"]
-    return "\n".join(lines)
+    return "\n".join(lines + humans(w, without))
+
+
+def humans(w: dict[str, Any], without: list[dict[str, Any]]) -> list[str]:
+    """The runs without trainguard side by side, one per human (`--also-without`), each against the run with it."""
+    if len(without) < 2:
+        return []
+    acted = w.get("human_looks_acted")
+    why = ("its human's looks did nothing (trainguard and the pages did it all), so it stands for each of these "
+           "humans" if acted == 0 else f"its human acted on {acted} of their looks, so the humans differ between the "
+           "runs compared")
+    lines = ["", f"Without trainguard, one run per human (the run with trainguard: {w['goodput']}; {why}):", "",
+             "| the human looks every (minutes) | goodput without | with trainguard / without |", "|---|---|---|"]
+    for r in sorted(without, key=lambda r: r["human"]["look_every_min"]):
+        ratio = f"{w['goodput'] / r['goodput']:.2f}x" if r["goodput"] > 0 else "-"
+        lines.append(f"| {r['human']['look_every_min']:g} | {r['goodput']} | {ratio} |")
+    return lines
 
 
 def plot(records: list[Record], path: Path) -> bool:
@@ -668,7 +688,7 @@ def plot(records: list[Record], path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return False
-    fig, axes = plt.subplots(len(records), 1, figsize=(12, 3.6 * len(records)), sharex=True)
+    fig, axes = plt.subplots(len(records), 1, figsize=(12, 3.6 * len(records)), sharex=True, sharey=True)
     for ax, rec in zip(axes, records, strict=True):
         ax.plot([t for t, _, _ in rec.steps], [s for _, s, _ in rec.steps], ".", ms=1.5, color="tab:blue",
                 label="step (rank 0)")
@@ -723,21 +743,25 @@ class Human:
 
 
 def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = KINDS, step_time: float = 0.5,
-              ckpt_every: int = 20, out_dir: Path | None = None,
-              human: Human = Human()) -> tuple[list[dict[str, Any]], list[Record]]:
+              ckpt_every: int = 20, out_dir: Path | None = None, human: Human = Human(),
+              also_without: tuple[float, ...] = ()) -> tuple[list[dict[str, Any]], list[Record]]:
+    """The run with trainguard and the one without it, with `human`; then one more run without it for each of
+    `also_without` (how often that human looks, in minutes): the same schedule against other people on call."""
     duration = minutes * 60
     faults = schedule(seed, duration, kinds)
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-goodput-", dir="/tmp"))
     base.chmod(0o755)
+    runs = [(True, human, "with"), (False, human, "without")] + [
+        (False, Human(m, human.page_response_min), f"without-look{m:g}") for m in also_without]
     records = []
     try:
-        for trainguard in (True, False):
-            records.append(run_once(base / ("with" if trainguard else "without"), trainguard, faults, duration, scale,
-                                    step_time, ckpt_every, human))
+        for trainguard, person, name in runs:
+            records.append(run_once(base / name, trainguard, faults, duration, scale, step_time, ckpt_every, person))
     finally:
         if out_dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    results = [{**analyse(r, scale, step_time), "human": asdict(human)} for r in records]
+    results = [{**analyse(r, scale, step_time), "human": asdict(person)}
+               for r, (_, person, _) in zip(records, runs, strict=True)]
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "goodput.json").write_text(json.dumps({"results": results, "records": [asdict(r) for r in records]},
@@ -748,7 +772,7 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=24)
-    p.add_argument("--minutes", type=float, default=15.0, help="each run (two runs: with and without trainguard)")
+    p.add_argument("--minutes", type=float, default=15.0, help="each run (with and without trainguard, and --also-without's)")
     p.add_argument("--scale", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=Path("/tmp/trainguard-goodput"))
     p.add_argument("--plot", type=Path, default=REPO / "docs" / "goodput-timeline.png")
@@ -757,18 +781,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="how often the human looks (real-world minutes, scaled)")
     p.add_argument("--page-response", type=float, default=Human.page_response_min, metavar="MINUTES",
                    help="how long the paged human takes to act (real-world minutes, scaled)")
+    p.add_argument("--also-without", default="", metavar="MINUTES[,MINUTES...]",
+                   help="one more run without trainguard for each: a human who looks that often (minutes)")
     a = p.parse_args(argv)
     if not (math.isfinite(a.look_every) and a.look_every > 0 and math.isfinite(a.page_response)
             and a.page_response >= 0):
         p.error("--look-every must be a number of minutes above 0, --page-response one of at least 0")
+    try:
+        also = tuple(float(m) for m in a.also_without.split(",") if m.strip())
+    except ValueError:
+        also = (math.nan,)
+    if not all(math.isfinite(m) and m > 0 for m in also):
+        p.error(f"--also-without: {a.also_without!r} is not a comma-separated list of minutes above 0")
     scale = Scale(a.scale)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):
         p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     results, records = benchmark(a.seed, a.minutes, scale, kinds, out_dir=a.out,
-                                 human=Human(a.look_every, a.page_response))
+                                 human=Human(a.look_every, a.page_response), also_without=also)
     print(table(results, a.seed, scale))
-    if plot(records, a.plot):
+    if plot(records[:2], a.plot):  # with and without, the same human
         print(f"\nplot: {a.plot}")
     return 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput import KINDS, Record, Scale, analyse, attempt_ends, benchmark, schedule, table
+from benchmarks.goodput import KINDS, Record, Scale, analyse, attempt_ends, benchmark, main, schedule, table
 from benchmarks.goodput_trainer import resume_step
 from tests.conftest import require, require_root, wait_until
 from tests.slurm_cluster import REPO, missing_components
@@ -57,6 +57,34 @@ def test_the_time_without_a_step_is_told_apart_from_the_time_to_the_next_attempt
     rec.faults = [{"kind": "time_limit", "at": 6.0, "target": 0, "node": "n1", "injected": 6.0}]
     [fault] = analyse(rec, Scale(60), 0.5)["faults"]
     assert fault["resume_s"] == 10.0 and fault["stalled_s"] == 3.0 and fault["lost_steps"] == 0
+
+
+def test_runs_without_trainguard_against_other_humans_are_set_side_by_side() -> None:
+    rec = Record(trainguard=True, duration=10.0)
+    rec.steps, rec.attempts, rec.checkpoints = [(0.5 * i, i, True) for i in range(20)], [(0.0, 0)], [(9.5, 19, True)]
+    base = analyse(rec, Scale(60), 0.5)
+    assert base["human_looks_acted"] == 0
+
+    def run(trainguard: bool, goodput: float, look: float, acted: int = 0) -> dict[str, object]:
+        return {**base, "trainguard": trainguard, "goodput": goodput, "human_looks_acted": acted,
+                "human": {"look_every_min": look, "page_response_min": 5.0}}
+
+    out = table([run(True, 0.96, 30), run(False, 0.76, 30), run(False, 0.12, 240)], 24, Scale(60))
+    # the main table pairs the runs of the same human; the one per human lists each run without against the run with
+    assert "| goodput (counted / possible steps) | 0.96 | 0.76 |" in out, out
+    assert "| 30 | 0.76 | 1.26x |" in out and "| 240 | 0.12 | 8.00x |" in out, out
+    assert "its human's looks did nothing" in out, out
+    out = table([run(True, 0.96, 30, acted=2), run(False, 0.76, 30), run(False, 0.0, 240)], 24, Scale(60))
+    assert "acted on 2 of their looks" in out and "| 240 | 0.0 | - |" in out, out
+    assert "one run per human" not in table([run(True, 0.96, 30), run(False, 0.76, 30)], 24, Scale(60))
+
+
+@pytest.mark.parametrize("bad", ["x", "0", "60,-1", "nan", "inf"])
+def test_also_without_refuses_what_is_not_minutes(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--also-without", bad])
+    assert exc.value.code == 2
+    assert "--also-without" in capsys.readouterr().err
 
 
 def test_a_restarted_rank_resumes_after_the_last_checkpoint_whose_loss_is_finite(tmp_path: Path) -> None:
