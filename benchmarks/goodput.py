@@ -328,7 +328,8 @@ class Run:
             due = {p[1] for p in ready}
             if t >= next_look or due:
                 since = max((at for at, check in acted if check in due), default=0.0)
-                self.human(t, "look" if t >= next_look else "page", due, since)
+                why = ("look+page" if due else "look") if t >= next_look else "page"  # a page alone never counts as a look
+                self.human(t, why, due, since)
                 pages = [p for p in pages if p not in ready]
                 if t >= next_look:
                     next_look += self.look_every
@@ -593,7 +594,8 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
             "in_place": in_place(rec.attempt_ids),
             "drains": rec.drains, "alerts": len(rec.alerts), "duplicate_alerts": dup, "faults": faults,
             "attempt_ends": attempt_ends(rec),
-            "human_looks_acted": sum(1 for a in rec.actions if a["who"] == "human (look)")}
+            # a look that came with a page counts: what it did may have been the look's
+            "human_looks_acted": sum(1 for a in rec.actions if a["who"] in ("human (look)", "human (look+page)"))}
 
 
 def in_place(attempts: list[str]) -> int:
@@ -664,18 +666,24 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
 
 
 def humans(w: dict[str, Any], without: list[dict[str, Any]]) -> list[str]:
-    """The runs without trainguard side by side, one per human (`--also-without`), each against the run with it."""
+    """The runs without trainguard side by side, one per human (`--also-without`), each against the run with it.
+    That one run stands for another human only where its own human's looks did nothing (trainguard and the pages did
+    it all) and the other one's looks are among them (every whole multiple of its interval): a human who looks at
+    other times could find what it never saw."""
     if len(without) < 2:
         return []
-    acted = w.get("human_looks_acted")
-    why = ("its human's looks did nothing (trainguard and the pages did it all), so it stands for each of these "
-           "humans" if acted == 0 else f"its human acted on {acted} of their looks, so the humans differ between the "
-           "runs compared")
-    lines = ["", f"Without trainguard, one run per human (the run with trainguard: {w['goodput']}; {why}):", "",
-             "| the human looks every (minutes) | goodput without | with trainguard / without |", "|---|---|---|"]
+    acted, every = w.get("human_looks_acted"), w.get("human", asdict(Human()))["look_every_min"]
+    why = ("its human's looks did nothing: trainguard and the pages did it all" if acted == 0 else
+           "its human's looks are not on record" if acted is None else f"its human acted on {acted} of their looks")
+    lines = ["", f"Without trainguard, one run per human (the run with trainguard: {w['goodput']}, its human looking "
+             f"every {every:g} minutes; {why}):", "",
+             "| the human looks every (minutes) | goodput without | with trainguard / without | the run with trainguard "
+             "stands for this human |", "|---|---|---|---|"]
     for r in sorted(without, key=lambda r: r["human"]["look_every_min"]):
+        m = r["human"]["look_every_min"]
         ratio = f"{w['goodput'] / r['goodput']:.2f}x" if r["goodput"] > 0 else "-"
-        lines.append(f"| {r['human']['look_every_min']:g} | {r['goodput']} | {ratio} |")
+        same = acted == 0 and m >= every and math.isclose(m / every, round(m / every))
+        lines.append(f"| {m:g} | {r['goodput']} | {ratio} | {'yes' if same else 'no'} |")
     return lines
 
 
@@ -752,7 +760,7 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-goodput-", dir="/tmp"))
     base.chmod(0o755)
     runs = [(True, human, "with"), (False, human, "without")] + [
-        (False, Human(m, human.page_response_min), f"without-look{m:g}") for m in also_without]
+        (False, Human(m, human.page_response_min), f"without-{i}-look{m:g}") for i, m in enumerate(also_without)]
     records = []
     try:
         for trainguard, person, name in runs:
@@ -767,6 +775,17 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
         (out_dir / "goodput.json").write_text(json.dumps({"results": results, "records": [asdict(r) for r in records]},
                                                          indent=1))
     return results, records
+
+
+def other_humans(text: str, look_every: float) -> tuple[float, ...]:
+    """--also-without's minutes, each once, without --look-every's (whose human has its run without already)."""
+    try:
+        minutes = {float(m) for m in text.split(",") if m.strip()}
+    except ValueError:
+        minutes = {math.nan}
+    if not all(math.isfinite(m) and m > 0 for m in minutes):
+        raise ValueError(f"--also-without: {text!r} is not a comma-separated list of minutes above 0")
+    return tuple(sorted(minutes - {look_every}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -788,11 +807,9 @@ def main(argv: list[str] | None = None) -> int:
             and a.page_response >= 0):
         p.error("--look-every must be a number of minutes above 0, --page-response one of at least 0")
     try:
-        also = tuple(float(m) for m in a.also_without.split(",") if m.strip())
-    except ValueError:
-        also = (math.nan,)
-    if not all(math.isfinite(m) and m > 0 for m in also):
-        p.error(f"--also-without: {a.also_without!r} is not a comma-separated list of minutes above 0")
+        also = other_humans(a.also_without, a.look_every)
+    except ValueError as e:
+        p.error(str(e))
     scale = Scale(a.scale)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput import KINDS, Record, Scale, analyse, attempt_ends, benchmark, main, schedule, table
+from benchmarks.goodput import KINDS, Record, Scale, analyse, attempt_ends, benchmark, main, other_humans, schedule, table
 from benchmarks.goodput_trainer import resume_step
 from tests.conftest import require, require_root, wait_until
 from tests.slurm_cluster import REPO, missing_components
@@ -62,20 +62,28 @@ def test_the_time_without_a_step_is_told_apart_from_the_time_to_the_next_attempt
 def test_runs_without_trainguard_against_other_humans_are_set_side_by_side() -> None:
     rec = Record(trainguard=True, duration=10.0)
     rec.steps, rec.attempts, rec.checkpoints = [(0.5 * i, i, True) for i in range(20)], [(0.0, 0)], [(9.5, 19, True)]
+    rec.actions = [{"t": 3.0, "who": "human (page)", "what": "freed the checkpoint file system"}]
     base = analyse(rec, Scale(60), 0.5)
-    assert base["human_looks_acted"] == 0
+    assert base["human_looks_acted"] == 0  # a page is not a look
+    rec.actions += [{"t": 4.0, "who": "human (look)", "what": "requeued the job"},
+                    {"t": 5.0, "who": "human (look+page)", "what": "requeued the job"}]
+    assert analyse(rec, Scale(60), 0.5)["human_looks_acted"] == 2  # what a look with a page did may be the look's
 
     def run(trainguard: bool, goodput: float, look: float, acted: int = 0) -> dict[str, object]:
         return {**base, "trainguard": trainguard, "goodput": goodput, "human_looks_acted": acted,
                 "human": {"look_every_min": look, "page_response_min": 5.0}}
 
-    out = table([run(True, 0.96, 30), run(False, 0.76, 30), run(False, 0.12, 240)], 24, Scale(60))
-    # the main table pairs the runs of the same human; the one per human lists each run without against the run with
+    out = table([run(True, 0.96, 30), run(False, 0.12, 240), run(False, 0.76, 30), run(False, 0.5, 45)], 24,
+                Scale(60))
+    # the main table pairs the runs of the same human, whatever the order; then one row per human, against the run
+    # with trainguard, which stands for a human whose looks are among its own (its looks did nothing)
     assert "| goodput (counted / possible steps) | 0.96 | 0.76 |" in out, out
-    assert "| 30 | 0.76 | 1.26x |" in out and "| 240 | 0.12 | 8.00x |" in out, out
+    assert "| 30 | 0.76 | 1.26x | yes |" in out and "| 240 | 0.12 | 8.00x | yes |" in out, out
+    assert "| 45 | 0.5 | 1.92x | no |" in out, out
+    assert out.index("| 30 |") < out.index("| 45 |") < out.index("| 240 |")
     assert "its human's looks did nothing" in out, out
     out = table([run(True, 0.96, 30, acted=2), run(False, 0.76, 30), run(False, 0.0, 240)], 24, Scale(60))
-    assert "acted on 2 of their looks" in out and "| 240 | 0.0 | - |" in out, out
+    assert "acted on 2 of their looks" in out and "| 240 | 0.0 | - | no |" in out, out
     assert "one run per human" not in table([run(True, 0.96, 30), run(False, 0.76, 30)], 24, Scale(60))
 
 
@@ -85,6 +93,11 @@ def test_also_without_refuses_what_is_not_minutes(bad: str, capsys: pytest.Captu
         main(["--also-without", bad])
     assert exc.value.code == 2
     assert "--also-without" in capsys.readouterr().err
+
+
+def test_also_without_runs_each_other_human_once() -> None:
+    assert other_humans("240, 60,60.0,30,120", 30) == (60.0, 120.0, 240.0)  # 30 is --look-every's: run already
+    assert other_humans("", 30) == ()
 
 
 def test_a_restarted_rank_resumes_after_the_last_checkpoint_whose_loss_is_finite(tmp_path: Path) -> None:
