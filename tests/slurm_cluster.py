@@ -39,10 +39,12 @@ def sh(*cmd: str, user: str | None = None, check: bool = True, timeout: float = 
 
 
 def submit_held(n: int, timeout: float = 3600) -> None:
-    """`n` held jobs of the other test user (a queue that is not this node's), four submitters at once: one after the
-    other, 4,000 sbatch took about a minute. xargs exits non-zero when any sbatch failed."""
+    """`n` held jobs of the other test user (a queue that is not this node's), four submitters at once: one after
+    the other, 10,000 sbatch took most of the 10 minutes a benchmark run may hold the shared test lock. xargs exits
+    non-zero when any sbatch failed; `timeout` ends its whole process group, so no submitter goes on after it (the
+    subprocess timeout alone would end only runuser)."""
     loop = f"seq {n} | xargs -P 4 -n 1 sh -c 'exec sbatch --hold --quiet -J held -o /dev/null --wrap true' _"
-    sh("bash", "-c", loop, user=OTHER_USER, timeout=timeout, cwd=tempfile.gettempdir())
+    sh("timeout", f"{timeout:.0f}", "bash", "-c", loop, user=OTHER_USER, timeout=timeout + 30, cwd=tempfile.gettempdir())
 
 
 def missing_components() -> list[str]:
@@ -355,5 +357,6 @@ def parse_sdiag(text: str) -> dict[str, int]:
 
 
 def job_info_rpcs(counts: dict[str, int]) -> int:
-    """The REQUEST_JOB_INFO* RPCs (the whole queue, one job, one user's): what an agent asks about jobs."""
+    """The REQUEST_JOB_INFO* RPCs (the whole queue, one job, ...): what an agent asks about jobs (issue 19 counts
+    these; a `squeue -u` is REQUEST_JOB_USER_INFO, which the agent never sends)."""
     return sum(n for name, n in counts.items() if name.startswith("REQUEST_JOB_INFO"))
