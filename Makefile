@@ -47,7 +47,7 @@ bench: deb-test install-test
 	$(BIN)/python -m benchmarks.round_cost --rounds 10
 	$(BIN)/python -m benchmarks.hardware --runs 300
 	$(BIN)/pip install -q -e '.[bench]'
-	flock /tmp/trainguard-tests.lock $(BIN)/python -m benchmarks.goodput --minutes 15
+	flock /tmp/trainguard-tests.lock $(BIN)/python -m benchmarks.goodput --minutes 15 --also-without 60,120,240
 
 lint: install-test
 	$(BIN)/ruff check trainguard tests benchmarks
