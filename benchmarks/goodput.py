@@ -706,17 +706,17 @@ def plot(records: list[Record], path: Path) -> bool:
         good = [(t, s) for t, s, ok in rec.checkpoints if ok]
         if good:
             ax.plot(*zip(*good, strict=True), "s", ms=3, color="tab:green", label="checkpoint")
-        top = max([s for _, s, _ in rec.steps] or [1])
+        at = ax.get_xaxis_transform()  # x in seconds, y as a fraction of the panel: the two share one step axis
         for f in rec.faults:
             ax.axvline(f["injected"], color="tab:red", lw=0.8)
-            ax.text(f["injected"], top * 0.98, f["kind"], rotation=90, va="top", ha="right", fontsize=7,
-                    color="tab:red")
+            ax.text(f["injected"], 0.98, f["kind"], rotation=90, va="top", ha="right", fontsize=7, color="tab:red",
+                    transform=at)
         for a in rec.alerts:
-            ax.plot(a["t"], top * 0.05, "v", color="tab:orange", ms=5)
+            ax.plot(a["t"], 0.05, "v", color="tab:orange", ms=5, transform=at)
         for a in rec.actions:
             if a["who"] != "fault":
-                ax.plot(a["t"], top * 0.12, "^", color="tab:purple" if a["who"].startswith("agent") else "black",
-                        ms=5)
+                ax.plot(a["t"], 0.12, "^", color="tab:purple" if a["who"].startswith("agent") else "black", ms=5,
+                        transform=at)
         ax.set_title(("with trainguard" if rec.trainguard else "without trainguard") +
                      " (v alert, ^ purple: agent action, ^ black: human or user action)", fontsize=9, pad=4)
         ax.set_ylabel("step")
