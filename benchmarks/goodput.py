@@ -662,17 +662,18 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
         lines += ["", f"How each attempt ended ({label}; the trainer's own record, rank 0's where it has one):", ""]
         lines += [f"- {e['attempt']} at {e['t']} s, step {e['step']} (rank {e['rank']} on {e['node']}): {e['why']}"
                   for e in r.get("attempt_ends", [])] or ["- none recorded"]
-    return "\n".join(lines + humans(w, without))
+    return "\n".join(lines + humans(w, human["look_every_min"], without))
 
 
-def humans(w: dict[str, Any], without: list[dict[str, Any]]) -> list[str]:
-    """The runs without trainguard side by side, one per human (`--also-without`), each against the run with it.
+def humans(w: dict[str, Any], every: float, without: list[dict[str, Any]]) -> list[str]:
+    """The runs without trainguard side by side, one per human (`--also-without`), each against the run with it,
+    whose human looks every `every` minutes.
     That one run stands for another human only where its own human's looks did nothing (trainguard and the pages did
     it all) and the other one's looks are among them (every whole multiple of its interval): a human who looks at
     other times could find what it never saw."""
     if len(without) < 2:
         return []
-    acted, every = w.get("human_looks_acted"), w.get("human", asdict(Human()))["look_every_min"]
+    acted = w.get("human_looks_acted")
     why = ("its human's looks did nothing: trainguard and the pages did it all" if acted == 0 else
            "its human's looks are not on record" if acted is None else f"its human acted on {acted} of their looks")
     lines = ["", f"Without trainguard, one run per human (the run with trainguard: {w['goodput']}, its human looking "
