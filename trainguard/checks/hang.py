@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,15 @@ from trainguard.jobs.tree import (
 from trainguard.node.access import Identity, stat_as
 from trainguard.node.flight import Stall, analyze
 from trainguard.node.procfs import ProcFS
-from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, ptrace_refusal, write_dumps
+from trainguard.node.stacks import (
+    Capture,
+    DumpLimits,
+    ProcessStack,
+    StackDumper,
+    find_py_spy,
+    ptrace_refusal,
+    write_dumps,
+)
 
 log = logging.getLogger("trainguard.checks.hang")
 
@@ -76,7 +84,15 @@ class HangSettings(CheckSettings):
     py_spy: str = Field("", description="py-spy executable; default: the one installed with trainguard, else PATH.")
     native: bool = Field(False, description="py-spy --native: include C/C++/CUDA frames (slower; it stops each "
                                             "process with ptrace, which the unit allows with its native-stacks drop-in).")
-    dump_timeout: Duration = Field(10.0, gt=0, description="Timeout of the py-spy dumps of one job.")
+    dump_timeout: Duration = Field(10.0, gt=0, description="Timeout of the py-spy dumps of one job, all together.")
+    dump_process_timeout: Duration = Field(5.0, gt=0, description="Timeout of one py-spy dump.")
+    dump_parallel: int = Field(4, ge=1, le=64, description="py-spy dumps of one job running at a time.")
+    dump_processes: int = Field(32, ge=1, le=4096, description="py-spy dumps per hang at most: one per rank (RANK, "
+                                "SLURM_PROCID, ... in its environment), then the job's other Python processes, "
+                                "parents first; the rest are counted and said once.")
+    inspect_processes: int = Field(256, ge=1, le=65536, description="A hung job's processes inspected at most (state, "
+                                   "kernel wait channel, environment; for stacks and flight recorders), parents "
+                                   "first; the rest are counted and said once.")
     flight_recorder: bool = Field(True, description="Read each rank's PyTorch flight recorder (its worker socket, "
                                                     "TORCH_WORKER_SERVER_SOCKET) and name the rank that never entered "
                                                     "the collective the others wait in.")
@@ -143,6 +159,8 @@ class Evidence:
     stacks: list[ProcessStack]
     path: Path | None = None
     stall: Stall | None = None
+    note: str | None = None  # what the capture left out ("1496 more processes not dumped ...") or why it failed
+    collectives: bool = True  # the flight recorders were read (not yet, for a capture restored from the state)
 
 
 def _stack_record(stack: ProcessStack) -> dict[str, Any]:
@@ -152,13 +170,14 @@ def _stack_record(stack: ProcessStack) -> dict[str, Any]:
 
 def _load_evidence(saved: dict[str, Any]) -> dict[str, Evidence]:
     """The dumps an earlier run of the agent took, from its state; a record that does not parse is dropped (that
-    job is dumped again, nothing worse). The collectives are not kept: they are read again, without harm."""
+    job is dumped again, nothing worse). The collectives are not kept: they are read again, once, without harm."""
     dumps = {}
     for key, record in saved.items():
         try:
             stacks = [ProcessStack(int(s["pid"]), s["rank"], str(s["state"]), str(s["where"]), wchan=s["wchan"])
                       for s in record["stacks"]]
-            dumps[key] = Evidence(float(record["since"]), stacks, Path(record["path"]) if record["path"] else None)
+            dumps[key] = Evidence(float(record["since"]), stacks, Path(record["path"]) if record["path"] else None,
+                                  note=record.get("note"), collectives=False)
         except (KeyError, TypeError, ValueError):
             continue
     return dumps
@@ -184,20 +203,22 @@ def evaluate(progress: Progress, stale_after: float, now: float) -> Status:
     return Status.CRITICAL if now - progress.last.at >= stale_after else Status.OK
 
 
-def summarize(job: Job, progress: Progress, stale_after: float, now: float, stacks: list[ProcessStack],
-              dump_path: Path | None, stall: Stall | None = None) -> str:
+def summarize(job: Job, progress: Progress, stale_after: float, now: float, evidence: Evidence) -> str:
     idle = format_duration(max(0.0, now - progress.last.at))
     if now - progress.last.at < stale_after:
         return f"{job.label()}: progressing ({progress.last.what}, {idle} ago)"
     # The rank that never entered the collective leads: it is the cause, and headlines are cut at 120 characters.
-    text = (f"{job.label()}: " + (f"{stall.describe()}; " if stall else "")
+    stacks = evidence.stacks
+    text = (f"{job.label()}: " + (f"{evidence.stall.describe()}; " if evidence.stall else "")
             + f"no progress for {idle} (stale after {format_duration(stale_after)}); last: {progress.last.what}")
     if stacks:
         text += "; stuck in: " + "; ".join(s.describe() for s in stacks[:8])
         if len(stacks) > 8:
             text += f"; and {len(stacks) - 8} more"
-    if dump_path is not None:
-        text += f"; stacks in {dump_path}"
+    if evidence.note:
+        text += f"; {evidence.note}"
+    if evidence.path is not None:
+        text += f"; stacks in {evidence.path}"
     return text
 
 
@@ -212,8 +233,10 @@ class HangCheck(JobCheck):
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
         super().__init__(name, settings, context)
+        limits = DumpLimits(self.settings.inspect_processes, self.settings.dump_processes,
+                            self.settings.dump_parallel, self.settings.dump_process_timeout)
         self.dumper = StackDumper(find_py_spy(self.settings.py_spy), self._native(), self.settings.dump_timeout,
-                                  context.proc)
+                                  context.proc, limits)
         self._counters = self.load_state(STATE_KEY)  # job key -> kind -> [value, since]: steps and I/O, kept across restarts
         self._dumps = _load_evidence(self.load_state(DUMPS_KEY))
         self._timer: WakeTimer | None = None
@@ -283,59 +306,70 @@ class HangCheck(JobCheck):
                 continue
             live.add(job.key)
             try:
-                progress = self.progress(job, procs, now)
-            except Exception as exc:  # noqa: BLE001 - one job's odd files never stop the watch on the others
+                result, deadline = self._check_job(job, procs, now)
+            except Exception as exc:  # noqa: BLE001 - one job's odd files or processes never stop the watch on the others
                 error = one_line(f"{type(exc).__name__}: {exc}", 200)
-                log.warning("reading a job's progress failed", extra=kv(job=job.key, error=error))
-                results.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: progress unreadable: {error}",
+                log.warning("checking a job for a hang failed", extra=kv(job=job.key, error=error))
+                results.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: hang check failed: {error}",
                                            {"job_key": job.key, "error": error}))
                 continue
-            limit = self.stale_after(job)
-            status = evaluate(progress, limit, now)
-            evidence = self._evidence(job, procs, progress, now) if status is not Status.OK else Evidence(0.0, [])
-            if status is Status.OK:
-                self._dirty |= self._dumps.pop(job.key, None) is not None
-                deadlines.append(progress.last.at + limit)
-            results.append(self._result(job, progress, limit, now, status, evidence))
+            results.append(result)
+            if deadline is not None:
+                deadlines.append(deadline)
         self._forget(live)
         if self._timer is not None:
             self._timer.set(min(deadlines) + 0.05 if deadlines else None)
         return results
 
+    def _check_job(self, job: Job, procs: list[psutil.Process], now: float) -> tuple[Result, float | None]:
+        """The job's result, and its deadline while it progresses."""
+        progress = self.progress(job, procs, now)
+        limit = self.stale_after(job)
+        status = evaluate(progress, limit, now)
+        if status is Status.OK:
+            self._dirty |= self._dumps.pop(job.key, None) is not None
+            return self._result(job, progress, limit, now, status, Evidence(0.0, [])), progress.last.at + limit
+        return self._result(job, progress, limit, now, status, self._evidence(job, procs, progress, now)), None
+
     def _evidence(self, job: Job, procs: list[psutil.Process], progress: Progress, now: float) -> Evidence:
-        """Once per hang: dump the stacks, read the flight recorders, and keep them for the runs that follow."""
+        """Once per hang: dump the stacks, read the flight recorders, and keep them for the runs that follow. The
+        hang is marked captured before the capture starts: a capture that fails is not run again at every run."""
         cached = self._dumps.get(job.key)
         if cached is not None and cached.since == progress.last.at:
-            if cached.stall is None and self.settings.flight_recorder and cached.stacks:
-                # restored from the state of an earlier agent: the stacks are kept, the collectives read again
-                cached = Evidence(cached.since, cached.stacks, cached.path, self._stall(job, procs))
-                self._dumps[job.key] = cached
+            if not cached.collectives:  # restored from the state of an earlier agent: its collectives read once
+                self._dumps[job.key] = replace(cached, collectives=True)  # once, even if reading them raises
+                self._dumps[job.key] = cached = replace(cached, stall=self._stall(job, procs), collectives=True)
             return cached
-        stacks: list[ProcessStack] = []
+        self._dumps[job.key] = Evidence(progress.last.at, [], note="capturing the stacks failed: see the agent's log")
+        self._dirty = True
+        capture = self.dumper.dump(procs) if self.settings.stacks else Capture([])
         path = None
+        if capture.stacks:
+            try:
+                path = write_dumps(self.context.state_dir / "stacks", job.label(), capture.stacks, now, capture.note)
+            except OSError as exc:
+                log.error("writing stack dumps failed", extra=kv(job=job.key, error=exc))
         if self.settings.stacks:
-            stacks = self.dumper.dump(procs)
-            if stacks:
-                try:
-                    path = write_dumps(self.context.state_dir / "stacks", job.label(), stacks, now)
-                except OSError as exc:
-                    log.error("writing stack dumps failed", extra=kv(job=job.key, error=exc))
-            log.warning("hung job stacks", extra=kv(job=job.key, processes=len(stacks), path=path,
-                                                    where=stacks[0].describe() if stacks else None))
+            log.warning("hung job stacks", extra=kv(job=job.key, processes=len(capture.stacks), path=path,
+                                                    where=capture.stacks[0].describe() if capture.stacks else None,
+                                                    left_out=capture.note))
         stall = self._stall(job, procs)
         if stall is not None:
             log.warning("hung job collectives", extra=kv(job=job.key, stall=stall.describe()))
-        evidence = Evidence(progress.last.at, stacks, path, stall)
+        evidence = Evidence(progress.last.at, capture.stacks, path, stall, capture.note)
         self._dumps[job.key] = evidence
-        self._dirty = True
         return evidence
 
     def _stall(self, job: Job, procs: list[psutil.Process]) -> Stall | None:
         """What the ranks' flight recorders say: live from their worker sockets, else the NCCL watchdog's dumps."""
         if not self.settings.flight_recorder:
             return None
-        return analyze(flight_traces(job, procs, self.settings.flight_recorder_dumps, self.context.node,
-                                     self.settings.flight_recorder_timeout, self.context.proc))
+        traces = flight_traces(job, procs[:self.settings.inspect_processes], self.settings.flight_recorder_dumps,
+                               self.context.node, self.settings.flight_recorder_timeout, self.context.proc)
+        if malformed := sum(t.malformed for t in traces):
+            log.warning("flight recorder entries skipped", extra=kv(
+                job=job.key, entries=malformed, reason="a sequence or process group id that is not an int64 >= 0"))
+        return analyze(traces)
 
     def _forget(self, live: set[str]) -> None:
         for key in set(self._counters) - live:
@@ -348,7 +382,7 @@ class HangCheck(JobCheck):
             self._dirty = False
             self.save_state(STATE_KEY, self._counters)
             self.save_state(DUMPS_KEY, {key: {"since": e.since, "path": str(e.path) if e.path else None,
-                                              "stacks": [_stack_record(s) for s in e.stacks]}
+                                              "note": e.note, "stacks": [_stack_record(s) for s in e.stacks]}
                                         for key, e in self._dumps.items()})
 
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
@@ -364,5 +398,5 @@ class HangCheck(JobCheck):
             "stacks_path": str(evidence.path) if evidence.path else None,
             "collectives": evidence.stall.fields() if evidence.stall else None,
             "next_step": next_step(evidence.stall, evidence.stacks)}
-        text = summarize(job, progress, limit, now, evidence.stacks, evidence.path, evidence.stall)
+        text = summarize(job, progress, limit, now, evidence)
         return self.result(job.key, status, text, details, samples)

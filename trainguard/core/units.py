@@ -25,6 +25,39 @@ MAX_DURATION = 366 * 86400.0  # a year: a longer interval, timeout or horizon is
 _MAX_DIGITS = 32
 
 
+MAX_INT64 = 2**63 - 1  # a sequence id, step, size or op id a real job writes fits a signed 64-bit integer
+_MAX_INT_TEXT = 20  # "-9223372036854775808": longer digit strings are refused unread
+
+
+def bounded_int(value: object, low: int = 0, high: int = MAX_INT64) -> int | None:
+    """An integer from a file or a process a job's user controls (JSON, a pickle, a log line's digits) when it lies in
+    [low, high]; None for anything else. Never raises: an int object is compared, never formatted (Python refuses to
+    print or parse an int of more than 4300 digits), and text longer than 20 characters is refused unread."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (str, bytes)):
+        text = value.strip()
+        digits = text[1:] if text[:1] in ("-", b"-") else text
+        if not 0 < len(text) <= _MAX_INT_TEXT or not digits.isascii() or not digits.isdigit():
+            return None
+        value = int(text)
+    if not isinstance(value, int):
+        return None
+    return value if low <= value <= high else None
+
+
+def bounded_float(value: object, low: float = -math.inf, high: float = math.inf) -> float | None:
+    """A finite number from a job's files (JSON floats include NaN and Infinity) when it lies in [low, high]; None
+    for anything else, an int too large for a float included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) and low <= number <= high else None
+
+
 def _show(value: object) -> str:
     """A config value in an error message: as written, cut so that one bad value is still one line."""
     text = repr(value)

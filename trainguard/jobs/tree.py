@@ -10,6 +10,7 @@ from typing import Any
 
 import psutil
 
+from trainguard.core.units import bounded_float, bounded_int
 from trainguard.jobs.model import Job
 from trainguard.node.access import Identity, read_as
 from trainguard.node.flight import RankTrace, fetch, read_dumps
@@ -68,7 +69,8 @@ HEARTBEAT_MAX = 64 << 10  # the trainer writes a few hundred bytes; a larger "he
 
 def read_heartbeat(path: str, identity: Identity) -> tuple[int | None, dict[str, Any]]:
     """The heartbeat's step and metrics (`trainguard.trainer` writes non-finite values as strings), read with the job
-    user's authority: a FIFO, a device, a link to a file they can't read or an oversized file is no heartbeat."""
+    user's authority: a FIFO, a device, a link to a file they can't read or an oversized file is no heartbeat. The
+    step is a non-negative int64 or None; a JSON NaN or Infinity among the metrics is read as the trainer writes it."""
     try:
         raw = read_as(identity, path, HEARTBEAT_MAX + 1)
         if len(raw) > HEARTBEAT_MAX:
@@ -78,9 +80,10 @@ def read_heartbeat(path: str, identity: Identity) -> tuple[int | None, dict[str,
         return None, {}
     if not isinstance(data, dict):
         return None, {}
-    step, metrics = data.get("step"), data.get("metrics")
-    return (step if isinstance(step, int) and not isinstance(step, bool) else None,
-            metrics if isinstance(metrics, dict) else {})
+    step = data.get("step")
+    metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}
+    return (bounded_int(step) if isinstance(step, int) else None,  # a string of digits is not the trainer's step
+            {k: str(v) if isinstance(v, float) and bounded_float(v) is None else v for k, v in metrics.items()})
 
 
 FLIGHT_RECORDER_DUMPS = "{switch_dir}/flight-recorder"  # where trainguard.trainer points the NCCL watchdog's dumps

@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection
 import psutil
 
 from trainguard.core.text import linear
+from trainguard.core.units import bounded_int
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
 from trainguard.logscan.oom import CoTenant, GpuContext
@@ -20,12 +21,13 @@ _FINITE_LOSS = linear(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
 
 
 def last_step(data: bytes, end: int | None = None) -> int | None:
-    """The step of the last step line in `data` before `end` (within STEP_WINDOW bytes), or None."""
+    """The step of the last step line in `data` before `end` (within STEP_WINDOW bytes), or None (also when its number
+    is not a non-negative int64: a 10,000-digit step is no step)."""
     end = len(data) if end is None else end
     found = None
     for found in _STEP.finditer(data, max(0, end - STEP_WINDOW), end):  # noqa: B007 - the last one is wanted
         pass
-    return int(found.group(1)) if found else None
+    return bounded_int(found.group(1)) if found else None
 
 
 # The trainer helper's relaunch loop, when it starts the job's command again for a restart in place (its stderr, in

@@ -32,12 +32,12 @@ _SIZE = r"(\d{1,12}(?:\.\d{1,4})? ?(?:bytes|[KMGT]iB|B))"
 _DEVICE = linear(r"\b(CUDA|HIP) out of memory")
 _TRIED = linear(rf"Tried to allocate {_SIZE}")
 # ≤1.4: "(GPU 0; 10.92 GiB total capacity; 8.57 MiB already allocated; 9.28 GiB free; 4.68 MiB cached)"
-_CACHED = linear(rf"\(GPU (\d+); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; {_SIZE} cached\)")
+_CACHED = linear(rf"\(GPU (\d{{1,7}}); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; {_SIZE} cached\)")
 # 1.5-2.0: "...; 1.02 GiB free; [36.20 GiB allowed; ]36.54 GiB reserved in total by PyTorch)"
-_RESERVED = linear(rf"\(GPU (\d+); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; "
+_RESERVED = linear(rf"\(GPU (\d{{1,7}}); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; "
                        rf"(?:{_SIZE} allowed; )?{_SIZE} reserved in total by PyTorch\)")
 # 2.1+: "GPU 0 has a total capac(i)ty of 79.15 GiB of which 1.06 GiB is free."
-_CAPACITY = linear(rf"GPU (\d+) has a total capac(?:i)?ty of {_SIZE} of which {_SIZE} is free")
+_CAPACITY = linear(rf"GPU (\d{{1,7}}) has a total capac(?:i)?ty of {_SIZE} of which {_SIZE} is free")
 _ALLOWED = linear(rf"{_SIZE} allowed; Of the allocated memory")
 _ALLOCATED = linear(rf"Of the allocated memory {_SIZE} is allocated by PyTorch, (?:with {_SIZE} allocated in "
                         rf"private pools \(e\.g\., (?:CUDA|HIP) Graphs\), )?and {_SIZE} is reserved by PyTorch but "

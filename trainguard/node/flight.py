@@ -34,6 +34,7 @@ from typing import Any
 import psutil
 
 from trainguard.core.text import linear
+from trainguard.core.units import MAX_INT64, bounded_int
 from trainguard.node.access import NOBODY, Identity, open_as
 from trainguard.node.procfs import ProcFS
 
@@ -42,6 +43,8 @@ DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 HANDLERS = ("fr_trace_json", "dump_nccl_trace_json")  # CPU/Gloo recorder, NCCL recorder (404 in a CPU build)
 MAX_ANSWER = 32 << 20  # a full 20000-entry buffer with stacks is a few MiB
 MAX_RANKS = 1 << 17  # a pg_config rank list longer than this is not a real job's
+MAX_RANK = 2**31 - 1  # torch keeps ranks in a C int
+MAX_ENTRIES = 1 << 16  # TORCH_FR_BUFFER_SIZE defaults to 2000; a longer ring buffer is not read past this
 _RANK_LIST = linear(r"\d{1,7}")
 _DUMP_NAME = linear(r"(\d{1,7})$")
 
@@ -68,6 +71,7 @@ class RankTrace:
     pid: int | None = None
     node: str | None = None
     source: str = ""  # where it came from: a socket, a dump file
+    malformed: int = 0  # entries skipped: a sequence id or process group id that is not a non-negative int64
 
     def last(self, pg: str) -> Collective | None:
         return next((c for c in self.entered if c.pg == pg), None)
@@ -88,17 +92,20 @@ def _pg(entry: dict[str, Any]) -> str | None:
     if isinstance(group, (list, tuple)) and group and isinstance(group[0], str):
         return group[0][:64]
     pg_id = entry.get("pg_id")
-    return str(pg_id) if isinstance(pg_id, int) and not isinstance(pg_id, bool) else None
+    return _pg_id(pg_id) if isinstance(pg_id, int) else None
 
 
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.lstrip("-").isdigit() and len(value) < 20:
-        return int(value)
-    return None
+def _pg_id(value: Any) -> str | None:
+    """A process group id as its name: a non-negative int64, or (a pg_status key) a string; None for anything else."""
+    if isinstance(value, str):
+        return value[:64]
+    number = bounded_int(value) if isinstance(value, int) else None
+    return str(number) if number is not None else None
+
+
+def _seq(value: Any) -> int | None:
+    """A collective's sequence number: 0 <= seq < 2**63, else None (the entry is malformed)."""
+    return bounded_int(value, 0, MAX_INT64)
 
 
 def _groups(dump: dict[str, Any], names: Iterable[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -112,8 +119,9 @@ def _groups(dump: dict[str, Any], names: Iterable[str]) -> tuple[tuple[str, tupl
         if not isinstance(value, dict) or not isinstance(value.get("ranks"), str):
             continue
         ranks = tuple(int(r) for r in _RANK_LIST.findall(value["ranks"][:MAX_RANKS * 8]))
-        name = value.get("name") if isinstance(value.get("name"), str) else str(key)
-        parsed[str(name)] = ranks
+        name = value["name"][:64] if isinstance(value.get("name"), str) else _pg_id(key)
+        if name is not None:
+            parsed[name] = ranks
     wanted = list(dict.fromkeys(names))
     if len(parsed) == 1 and len(wanted) == 1 and wanted[0] not in parsed:
         return ((wanted[0], next(iter(parsed.values()))),)
@@ -127,11 +135,15 @@ def parse_dump(dump: Any, rank: int, pid: int | None = None, node: str | None = 
         return None
     last: dict[str, Collective] = {}
     in_flight: dict[tuple[str, int], Collective] = {}
-    for entry in dump.get("entries", []):
+    malformed = 0
+    for entry in dump.get("entries", [])[:MAX_ENTRIES]:
         if not isinstance(entry, dict) or entry.get("is_p2p") is True:
             continue
-        pg, seq = _pg(entry), _int(entry.get("collective_seq_id"))
-        if pg is None or seq is None or seq <= 0:
+        pg, seq = _pg(entry), _seq(entry.get("collective_seq_id"))
+        if pg is None or seq is None:
+            malformed += 1
+            continue
+        if seq == 0:
             continue
         c = Collective(pg, seq, _op(entry))
         if pg not in last or seq >= last[pg].seq:
@@ -141,12 +153,14 @@ def parse_dump(dump: Any, rank: int, pid: int | None = None, node: str | None = 
             in_flight[(pg, seq)] = c
     status = dump.get("pg_status")
     for pg_id, st in (status.items() if isinstance(status, dict) else ()):
-        enqueued = _int(st.get("last_enqueued_collective")) if isinstance(st, dict) else None
-        name = next((c.pg for c in last.values() if c.pg == str(pg_id)), str(pg_id))
+        enqueued = _seq(st.get("last_enqueued_collective")) if isinstance(st, dict) else None
+        if (name := _pg_id(pg_id)) is None:  # JSON keys are strings; a pickle's may be anything
+            malformed += 1
+            continue
         if enqueued is not None and enqueued > 0 and (name not in last or enqueued > last[name].seq):
             last[name] = Collective(name, enqueued)  # entered beyond what the ring buffer still holds
     return RankTrace(rank, tuple(sorted(last.values())), tuple(sorted(in_flight.values())),
-                     _groups(dump, last), pid, node, source)
+                     _groups(dump, last), pid, node, source, malformed)
 
 
 # Reading it ---------------------------------------------------------------------------------------------------------
@@ -276,10 +290,10 @@ def worker_socket(pid: int, proc: ProcFS) -> str | None:
 def _rank(pid: int, socket_path: str, uid: int, proc: ProcFS) -> int | None:
     """The rank from the launcher's variables, else from the `rank` file the helper writes beside its socket."""
     for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if (rank := _int(proc.environ_var(pid, name))) is not None:
+        if (rank := bounded_int(proc.environ_var(pid, name), 0, MAX_RANK)) is not None:
             return rank
     data = _read_owned(Path(str(proc.path(pid, "root")) + socket_path).with_name("rank"), uid, limit=16)
-    return _int(data.decode("ascii", "replace").strip()) if data else None
+    return bounded_int(data, 0, MAX_RANK) if data else None
 
 
 def rank_processes(procs: Sequence[psutil.Process], proc: ProcFS | None = None) -> list[RankProcess]:
@@ -341,7 +355,7 @@ def _merge(a: RankTrace, b: RankTrace | None) -> RankTrace:
     if b is None:
         return a
     return RankTrace(a.rank, tuple(sorted({*a.entered, *b.entered})), tuple(sorted({*a.in_flight, *b.in_flight})),
-                     a.groups + b.groups, a.pid, a.node, a.source)
+                     a.groups + b.groups, a.pid, a.node, a.source, a.malformed + b.malformed)
 
 
 # What it means ------------------------------------------------------------------------------------------------------

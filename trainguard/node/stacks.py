@@ -10,10 +10,12 @@ is reported too: `request_wait_answer` (FUSE) or an NFS RPC wait is what a dead 
 from __future__ import annotations
 
 import os
+import selectors
 import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,16 +66,6 @@ def innermost(dump: str) -> str | None:
     return first
 
 
-def _rank(proc: psutil.Process) -> str | None:
-    try:
-        env = proc.environ()
-    except psutil.Error:
-        return None
-    # A rank is a small number; the environment is the job's, so anything else is not a rank.
-    values = (env.get(v, "") for v in _RANK_VARS)
-    return next((v for v in values if v.isascii() and v.isdigit() and len(v) <= 9), None)
-
-
 def _is_python(proc: psutil.Process) -> bool:
     try:
         names = [os.path.basename(proc.exe()), os.path.basename((proc.cmdline() or [""])[0]), proc.name()]
@@ -114,58 +106,209 @@ def find_py_spy(configured: str = "") -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
+@dataclass(frozen=True)
+class DumpLimits:
+    """What one hang may cost the agent: a job's user decides how many processes it has, never how many the agent
+    reads or how many py-spy it runs."""
+
+    inspected: int = 256  # processes whose state, wait channel and environment are read; the job's first (parents)
+    dumps: int = 32  # py-spy runs: one per rank first, then the other Python processes in the job's order
+    parallel: int = 4  # py-spy children at a time
+    each: float = 5.0  # seconds one py-spy may take (and the job's dumps together the dumper's `timeout`)
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A hung job's stacks, and what was left out of them (said once: "1496 more processes not dumped ...")."""
+
+    stacks: list[ProcessStack]
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class _Target:
+    pid: int
+    rank: str | None
+    state: str
+    wchan: str | None
+
+
+MAX_OUTPUT = 4 << 20  # of one py-spy dump: a process with a few hundred threads prints well under 1 MiB
+
+
+class _Child:
+    """One py-spy run: its output read as it comes (a full pipe would stall it), bounded, and the child reaped."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], until: float) -> None:
+        self.popen = popen
+        self.until = until
+        self.started = time.monotonic()
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.fd = popen.stdout.fileno() if popen.stdout is not None else -1
+
+    @property
+    def closed(self) -> bool:
+        return self.popen.stdout is None or self.popen.stdout.closed
+
+    def read(self) -> bool:
+        """Take what is in the pipe; False at its end."""
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            return False
+        if self.size < MAX_OUTPUT:
+            self.chunks.append(data[:MAX_OUTPUT - self.size])
+        self.size += len(data)
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.popen.stdout.close()  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        """Killed if still running, reaped (a SIGKILLed child exits at once; one that does not within 2 s is left to
+        subprocess's own reaping rather than block the check), its pipe closed."""
+        try:
+            if self.popen.poll() is None:
+                self.popen.kill()
+            self.popen.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            self.close()
+
+    def outcome(self) -> tuple[str, str]:
+        out = b"".join(self.chunks).decode("utf-8", errors="replace")
+        if self.popen.returncode != 0:
+            why = (out.strip().splitlines() or ["no output"])[-1][:200]
+            return f"no stack: py-spy exited {self.popen.returncode}: {why}", out
+        return innermost(out) or "no Python frame", out
+
+
 class StackDumper:
-    def __init__(self, py_spy: str | None, native: bool = False, timeout: float = 10.0, proc: ProcFS | None = None) -> None:
+    def __init__(self, py_spy: str | None, native: bool = False, timeout: float = 10.0, proc: ProcFS | None = None,
+                 limits: DumpLimits | None = None) -> None:
         self.py_spy = py_spy
         self.native = native
-        self.timeout = timeout
+        self.timeout = timeout  # all of one job's dumps
         self.proc = proc or ProcFS()
+        self.limits = limits or DumpLimits()
 
-    def dump(self, procs: list[psutil.Process]) -> list[ProcessStack]:
+    def dump(self, procs: list[psutil.Process]) -> Capture:
+        """The stacks of the job's processes (parents first, as job_processes gives them), within `limits`: D-state
+        processes with their kernel wait, one py-spy per rank, then other Python processes."""
         stacks: dict[int, ProcessStack] = {}
-        running: dict[int, tuple[subprocess.Popen[str], str | None, str, str | None]] = {}
-        for proc in procs:
+        candidates: list[_Target] = []
+        for proc in procs[:self.limits.inspected]:
             try:
                 state = proc.status()
             except psutil.Error:
                 continue
-            rank, wchan = _rank(proc), self.proc.wchan(proc.pid)
+            target = _Target(proc.pid, self._rank(proc.pid), state, self.proc.wchan(proc.pid))
             if state == psutil.STATUS_DISK_SLEEP:
-                stacks[proc.pid] = ProcessStack(proc.pid, rank, state, f"D state (uninterruptible) in kernel "
-                                                                       f"{wchan or '?'}", wchan=wchan)
-            elif not _is_python(proc):
-                continue
-            elif self.py_spy is None:
-                stacks[proc.pid] = ProcessStack(proc.pid, rank, state, "no stack: py-spy is not installed", wchan=wchan)
-            else:
-                cmd = [self.py_spy, "dump", "--pid", str(proc.pid), "--native" if self.native else "--nonblocking"]
-                running[proc.pid] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                                      stdin=subprocess.DEVNULL, errors="replace"), rank, state, wchan)
+                stacks[proc.pid] = ProcessStack(proc.pid, target.rank, state, "D state (uninterruptible) in kernel "
+                                                f"{target.wchan or '?'}", wchan=target.wchan)
+            elif _is_python(proc):
+                candidates.append(target)
+        chosen = self._choose(candidates)
+        outcomes = self._run(chosen) if self.py_spy else {t.pid: ("no stack: py-spy is not installed", "")
+                                                          for t in chosen}
+        for t in chosen:
+            where, text = outcomes[t.pid]
+            stacks[t.pid] = ProcessStack(t.pid, t.rank, t.state, where, text, t.wchan)
+        left = len(procs) - min(len(procs), self.limits.inspected) + len(candidates) - len(chosen)
+        note = (f"{left} more processes not dumped (at most {self.limits.inspected} inspected and "
+                f"{self.limits.dumps} dumped per hang, one per rank)") if left else None
+        ordered = sorted(stacks, key=lambda p: (int(stacks[p].rank or 1 << 30), p))
+        return Capture([stacks[p] for p in ordered], note)
+
+    def _rank(self, pid: int) -> str | None:
+        # A rank is a small number; the environment is the job's, so anything else is not a rank.
+        env = self.proc.environ_vars(pid, _RANK_VARS)
+        values = (env.get(v, "") for v in _RANK_VARS)
+        return next((v for v in values if v.isascii() and v.isdigit() and len(v) <= 9), None)
+
+    def _choose(self, candidates: list[_Target]) -> list[_Target]:
+        """One process per rank (the first that holds it: the rank itself, its data-loader workers inherit its
+        environment), then the processes that name no rank, up to `dumps` in all."""
+        ranks: dict[str, _Target] = {}
+        for t in candidates:
+            if t.rank is not None:
+                ranks.setdefault(t.rank, t)
+        others = [t for t in candidates if t.rank is None]
+        return [*ranks.values(), *others][:self.limits.dumps]
+
+    def _start(self, pid: int, until: float) -> _Child | str:
+        assert self.py_spy is not None
+        cmd = [self.py_spy, "dump", "--pid", str(pid), "--native" if self.native else "--nonblocking"]
+        try:
+            return _Child(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL), until)
+        except (OSError, subprocess.SubprocessError) as exc:  # EMFILE, EAGAIN (no more processes), ENOMEM
+            return f"no stack: py-spy could not start: {getattr(exc, 'strerror', None) or exc}"
+
+    def _run(self, targets: list[_Target]) -> dict[int, tuple[str, str]]:
+        """py-spy for each target, `parallel` at a time, each within `each` seconds and all within `timeout`; every
+        child is killed and reaped and its pipe closed on every way out, an exception's included."""
+        done: dict[int, tuple[str, str]] = {}
+        queue = deque(targets)
+        running: dict[int, _Child] = {}
         deadline = time.monotonic() + self.timeout
-        for pid, (child, rank, state, wchan) in running.items():
-            try:
-                out, _ = child.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.communicate()
-                out, where = "", f"no stack: py-spy timed out after {self.timeout:g}s"
-            else:
-                if child.returncode != 0:
-                    why = (out.strip().splitlines() or ["no output"])[-1][:200]
-                    where = f"no stack: py-spy exited {child.returncode}: {why}"
-                else:
-                    where = innermost(out) or "no Python frame"
-            stacks[pid] = ProcessStack(pid, rank, state, where, out, wchan)
-        return [stacks[p] for p in sorted(stacks, key=lambda p: (int(stacks[p].rank or 1 << 30), p))]
+        try:
+            selector = selectors.DefaultSelector()
+        except OSError as exc:  # EMFILE: no descriptor for the selector itself
+            return {t.pid: (f"no stack: {exc.strerror or exc}", "") for t in targets}
+        try:
+            while queue or running:
+                now = time.monotonic()
+                while queue and len(running) < self.limits.parallel and now < deadline:
+                    pid = queue.popleft().pid
+                    child = self._start(pid, min(deadline, now + self.limits.each))
+                    if isinstance(child, str):
+                        done[pid] = (child, "")
+                    else:
+                        running[pid] = child
+                        selector.register(child.fd, selectors.EVENT_READ, pid)
+                if not running:
+                    break
+                wait = min(c.until for c in running.values()) - now
+                for key, _ in selector.select(timeout=min(max(wait, 0.0), 0.2)):
+                    if not running[key.data].read():  # its end: unregistered before closed (the number is reused)
+                        selector.unregister(key.fd)
+                        running[key.data].close()
+                now = time.monotonic()
+                for pid, child in list(running.items()):
+                    finished = child.closed and child.popen.poll() is not None
+                    if not finished and now < child.until:
+                        continue
+                    if not child.closed:
+                        selector.unregister(child.fd)
+                    child.stop()
+                    del running[pid]
+                    done[pid] = child.outcome() if finished else (
+                        f"no stack: py-spy timed out after {now - child.started:.1f}s", "")
+        finally:
+            for child in running.values():
+                child.stop()
+            selector.close()
+        for t in queue:
+            done[t.pid] = (f"no stack: the job's dump_timeout ({self.timeout:g}s) ran out", "")
+        return done
 
 
-def write_dumps(directory: Path, job_label: str, stacks: list[ProcessStack], when: float) -> Path:
-    """One text file with every process's dump; the path goes into the incident."""
+def write_dumps(directory: Path, job_label: str, stacks: list[ProcessStack], when: float,
+                note: str | None = None) -> Path:
+    """One text file with every process's dump (and what was left out); the path goes into the incident."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o750)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(when))
     safe = _UNSAFE.sub("_", job_label)[:80]
     path = directory / f"{stamp}-{safe}.txt"
     parts = [f"# stacks of {job_label} captured {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}\n"]
+    if note:
+        parts.append(f"# {note}\n")
     for s in stacks:
         parts.append(f"\n## {s.describe()} (state {s.state})\n{s.text}")
     path.write_text("".join(parts))
