@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
+import pytest
+
 from tests.conftest import REPO, HungMount, require, wait_until
 from trainguard.agent.configfile import parse_config
 from trainguard.core.model import Status
-from trainguard.node.stacks import find_py_spy, innermost
+from trainguard.node.stacks import DumpLimits, StackDumper, find_py_spy, innermost
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.incidents import Incident
 
@@ -168,3 +174,111 @@ def test_heartbeat_deadline_counts_from_the_write_not_from_when_it_was_seen(
         assert incident.fired_at is not None and incident.fired_at - deadline < 1.0, incident.fired_at - deadline
     finally:
         engine.stop()
+
+
+FAKE_PY_SPY = """#!/bin/sh
+# py-spy as the dumper calls it (dump --pid N ...): prints a big dump, or hangs past its timeout
+if [ "$FAKE_PY_SPY" = print ]; then
+  printf 'Thread %s (idle): "MainThread"\\n    wait (fake.py:%s)\\n' "$3" "$3"
+  head -c 300000 /dev/zero | tr '\\0' x
+  exit 0
+fi
+exec sleep 60
+"""
+
+
+@pytest.fixture
+def python_procs(tmp_path: Path, children: list[subprocess.Popen[str]]) -> tuple[Path, list[psutil.Process]]:
+    """A fake py-spy, and ten Python processes: ranks 0-3 (rank 0 twice: a data-loader worker inherits its RANK),
+    and four that name no rank."""
+    fake = tmp_path / "py-spy"
+    fake.write_text(FAKE_PY_SPY)
+    fake.chmod(0o755)
+    for rank in ("0", "0", "1", "2", "3", None, None, None, None, None):
+        env = {**os.environ, "RANK": rank} if rank is not None else {k: v for k, v in os.environ.items() if k != "RANK"}
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, text=True))
+    procs = [psutil.Process(c.pid) for c in children]
+    wait_until(lambda: all(p.exe().startswith(sys.executable[:-1]) or "python" in p.name() for p in procs), 10)
+    return fake, procs
+
+
+def _spies(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """This process's children other than the dumped `procs`: the py-spy runs (`exec sleep` once hung), zombies too."""
+    return [c for c in psutil.Process().children(recursive=True) if c.pid not in {p.pid for p in procs}]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_py_spy_runs_at_most_n_at_a_time_one_per_rank_and_every_child_is_reaped(
+        python_procs: tuple[Path, list[psutil.Process]]) -> None:
+    fake, procs = python_procs
+    dumper = StackDumper(str(fake), timeout=20, limits=DumpLimits(inspected=9, dumps=6, parallel=2, each=0.5))
+    fds = _fds()
+    most, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal most
+        while not done.is_set():
+            most = max(most, len([c for c in _spies(procs) if c.status() != psutil.STATUS_ZOMBIE]))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        capture = dumper.dump(procs)
+    finally:
+        done.set()
+        sampler.join()
+    assert most == 2  # six dumps of 0.5 s each, two at a time
+    # ranks 0-3 once each (the first process of rank 0, not its worker), then the first two that name no rank
+    assert [(s.pid, s.rank) for s in capture.stacks] == [(procs[0].pid, "0"), (procs[2].pid, "1"), (procs[3].pid, "2"),
+                                                        (procs[4].pid, "3"), (procs[5].pid, None), (procs[6].pid, None)]
+    assert all(s.where.startswith("no stack: py-spy timed out after 0.") for s in capture.stacks)
+    assert capture.note == "4 more processes not dumped (at most 9 inspected and 6 dumped per hang, one per rank)"
+    assert _spies(procs) == [] and _fds() == fds  # killed, reaped (no zombie), pipes closed
+
+
+def test_a_big_dump_is_read_while_it_is_printed(python_procs: tuple[Path, list[psutil.Process]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, procs = python_procs
+    monkeypatch.setenv("FAKE_PY_SPY", "print")
+    capture = StackDumper(str(fake), timeout=20, limits=DumpLimits(parallel=3)).dump(procs[:4])
+    assert [s.where for s in capture.stacks] == [f"wait (fake.py:{p.pid})" for p in procs[:1] + procs[2:4]]
+    assert all(len(s.text) > 300_000 for s in capture.stacks) and capture.note == "1 more processes not dumped " \
+        "(at most 256 inspected and 32 dumped per hang, one per rank)"
+    assert _spies(procs) == []
+
+
+def test_py_spy_that_cannot_start_is_one_line_per_process_and_leaks_nothing(
+        python_procs: tuple[Path, list[psutil.Process]]) -> None:
+    fake, procs = python_procs
+    fds = _fds()
+    missing = StackDumper(str(fake.parent / "gone"), timeout=5).dump(procs[:3])
+    assert {s.where for s in missing.stacks} == {"no stack: py-spy could not start: No such file or directory"}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fds + 2, hard))  # room for the selector, not for a child's pipes
+    try:
+        starved = StackDumper(str(fake), timeout=5).dump(procs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(starved.stacks) == 9
+    assert {s.where for s in starved.stacks} == {"no stack: py-spy could not start: Too many open files"}
+    assert _spies(procs) == [] and _fds() == fds
+
+
+def test_an_exception_midway_kills_and_reaps_the_running_children(
+        python_procs: tuple[Path, list[psutil.Process]]) -> None:
+    fake, procs = python_procs
+    fds = _fds()
+
+    class Interrupted(StackDumper):
+        def _start(self, pid: int, until: float) -> Any:
+            if len(_spies(procs)) == 3:
+                raise KeyboardInterrupt  # what a signal or a bug raises while children run
+            return super()._start(pid, until)
+
+    with pytest.raises(KeyboardInterrupt):
+        Interrupted(str(fake), timeout=20, limits=DumpLimits(parallel=4)).dump(procs)
+    assert _spies(procs) == [] and _fds() == fds

@@ -5,7 +5,10 @@ import pytest
 from trainguard.core.forecast import SeriesWindow, theil_sen_slope
 from trainguard.core.model import Status, worst
 from trainguard.core.units import (
+    MAX_INT64,
     Limit,
+    bounded_float,
+    bounded_int,
     format_bytes,
     format_duration,
     parse_count,
@@ -63,6 +66,19 @@ def test_formatting() -> None:
     assert format_duration(45) == "45s"
     assert format_duration(3725) == "1h02m"
     assert format_duration(90000) == "1d1h"
+
+
+def test_numbers_from_a_jobs_files_are_bounded_and_never_raise() -> None:
+    huge = 10**5000  # Python refuses to print or parse an int past 4300 digits: formatting it raises ValueError
+    for value in (huge, -huge, "9" * 5000, b"9" * 10_000, MAX_INT64 + 1, -1, "-1", True, 1.0, None, "", "-", "1e3",
+                  "\u0661", "12x", [1], b"\xff"):
+        assert bounded_int(value) is None, value
+    assert [bounded_int(v) for v in (0, 7, " 42\n", b"42", MAX_INT64, str(MAX_INT64))] == [0, 7, 42, 42, MAX_INT64,
+                                                                                          MAX_INT64]
+    assert bounded_int("-3", low=-5) == -3 and bounded_int(9, high=8) is None and bounded_int("9" * 21, high=huge) is None
+    for value in (float("nan"), float("inf"), -float("inf"), huge, "1.5", True, None):
+        assert bounded_float(value) is None, value
+    assert bounded_float(1.5) == 1.5 and bounded_float(3) == 3.0 and bounded_float(2.0, high=1.0) is None
 
 
 def test_severity_order_differs_from_exit_code() -> None:

@@ -41,6 +41,7 @@ from trainguard.logscan.reader import LogTail
 from trainguard.logscan.signatures import BUILTIN, Scanner, final_exception
 from trainguard.node.access import Identity
 from trainguard.node.cgroup import _cgroup_paths, _mounts
+from trainguard.node.flight import Collective, RankTrace, analyze, parse_dump
 from trainguard.node.kmsg import parse_journal, parse_kmsg
 from trainguard.node.mounts import parse_mountinfo
 from trainguard.node.proctable import parse_stat
@@ -222,3 +223,24 @@ def test_config_raises_only_config_errors(raw: dict[str, object]) -> None:
         parse_config(raw, "hostile.toml")
     except ConfigError as exc:
         assert exc.problems and all(p for p in exc.problems)
+
+
+def test_numbers_past_pythons_digit_limit_are_no_numbers(tmp_path: Path) -> None:
+    """int() and str() raise ValueError past 4300 digits; a job's number that long is refused, never formatted."""
+    huge = 10**5000
+    assert last_step(b"step " + b"9" * 10_000 + b" loss=1.0\n") is None
+    assert last_step(b"step 12 loss=1.0\nstep " + b"9" * 10_000 + b"\n") is None  # the last step line is that one
+    beat = tmp_path / "heartbeat.json"
+    beat.write_text('{"step": ' + "9" * 4000 + ', "metrics": {"loss": NaN, "lr": Infinity, "n": 3}}')
+    assert read_heartbeat(str(beat), Identity(os.getuid())) == (None, {"loss": "nan", "lr": "inf", "n": 3})
+    entry = {"pg_id": 0, "process_group": ("0", "default_pg"), "profiling_name": "nccl:all_reduce", "state": "started"}
+    dump = {"entries": [{**entry, "collective_seq_id": 4}, {**entry, "collective_seq_id": huge},
+                        {**entry, "collective_seq_id": -1}, {"pg_id": huge, "collective_seq_id": 5}],
+            "pg_status": {"0": {"last_enqueued_collective": huge}, huge: {"last_enqueued_collective": 9}},
+            "pg_config": {huge: {"ranks": "[0, 1]"}}}
+    trace = parse_dump(dump, 0)
+    assert trace is not None and trace.malformed == 4
+    assert [c.seq for c in trace.entered] == [4] and [c.seq for c in trace.in_flight] == [4]
+    stall = analyze([trace, RankTrace(1, (Collective("0", 3),))])
+    assert stall is not None and "rank 1 never entered all_reduce #4" in stall.describe()
+    assert json.dumps(stall.fields())
