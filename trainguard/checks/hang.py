@@ -90,9 +90,10 @@ class HangSettings(CheckSettings):
     dump_processes: int = Field(32, ge=1, le=4096, description="py-spy dumps per hang at most: one per rank (RANK, "
                                 "SLURM_PROCID, ... in its environment), then the job's other Python processes, "
                                 "parents first; the rest are counted and said once.")
-    inspect_processes: int = Field(256, ge=1, le=65536, description="A hung job's processes inspected at most (state, "
-                                   "kernel wait channel, environment; for stacks and flight recorders), parents "
-                                   "first; the rest are counted and said once.")
+    inspect_processes: int = Field(256, ge=1, le=65536, description="A job's processes looked at, at most, breadth "
+                                   "first (its ranks before their workers): their open files and write I/O at each "
+                                   "run; when it hangs, their state, kernel wait channel and environment (stacks, "
+                                   "flight recorders). A hang's capture says how many were left out.")
     flight_recorder: bool = Field(True, description="Read each rank's PyTorch flight recorder (its worker socket, "
                                                     "TORCH_WORKER_SERVER_SOCKET) and name the rank that never entered "
                                                     "the collective the others wait in.")
@@ -322,8 +323,10 @@ class HangCheck(JobCheck):
         return results
 
     def _check_job(self, job: Job, procs: list[psutil.Process], now: float) -> tuple[Result, float | None]:
-        """The job's result, and its deadline while it progresses."""
-        progress = self.progress(job, procs, now)
+        """The job's result, and its deadline while it progresses. Only the first `inspect_processes` of the job's
+        processes are looked at (their open files and I/O at every run): a job's user picks how many processes
+        it has, not what they cost the agent."""
+        progress = self.progress(job, procs[:self.settings.inspect_processes], now)
         limit = self.stale_after(job)
         status = evaluate(progress, limit, now)
         if status is Status.OK:

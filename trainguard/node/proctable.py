@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -62,15 +63,17 @@ class ProcessTable:
         return info is not None and abs(info.create_time - create_time) < SAME_PROCESS_S
 
     def descendants(self, roots: Iterable[int]) -> list[int]:
-        """`roots` that exist and all their descendants, each once, parents before children."""
+        """`roots` that exist and all their descendants, each once, breadth first: the roots, their children, their
+        grandchildren. A job's ranks come before their workers, so what caps how many of a job's processes are looked
+        at (the hang check's `inspect_processes`) keeps the ranks."""
         seen: dict[int, None] = {}
-        stack = [pid for pid in roots if pid in self.procs]
-        while stack:
-            pid = stack.pop()
+        queue = deque(pid for pid in roots if pid in self.procs)
+        while queue:
+            pid = queue.popleft()
             if pid in seen:
                 continue
             seen[pid] = None
-            stack.extend(self._children.get(pid, ()))
+            queue.extend(self._children.get(pid, ()))
         return list(seen)
 
     def rss(self, pids: Iterable[int]) -> int:
