@@ -282,3 +282,41 @@ def test_an_exception_midway_kills_and_reaps_the_running_children(
     with pytest.raises(KeyboardInterrupt):
         Interrupted(str(fake), timeout=20, limits=DumpLimits(parallel=4)).dump(procs)
     assert _spies(procs) == [] and _fds() == fds
+
+
+def test_a_capture_that_raises_makes_only_that_job_unknown_and_is_not_run_again(
+        tmp_path: Path, children: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def explode(self: StackDumper, procs: list[psutil.Process]) -> Any:
+        calls.append(len(procs))
+        raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
+
+    monkeypatch.setattr(StackDumper, "dump", explode)
+    marker = f"boom-{uuid.uuid4().hex[:8]}"
+    for name in ("bad", "good"):
+        children.append(subprocess.Popen([sys.executable, "-c", SLEEP, f"{marker}-{name}"], text=True))
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "jobs": {"sources": ["process"], "refresh": 0, "processes": {
+               name: {"cmdline": f"{marker}-{name}", "user": "root"} for name in ("bad", "good")}},
+           "checks": {"hang": {"stale_after": "2s", "stale_after_by_name": {"good": "1h"}, "interval": "0.5s"}},
+           "notifiers": {"console": {}}}
+    engine = Engine(parse_config(raw, "test.toml"))
+    engine.start()
+    try:
+        first = wait_until(lambda: hung(engine), 20, what="the bad job's hang")
+        assert isinstance(first, Incident) and first.subject == "process:bad" and first.status is Status.UNKNOWN
+        assert "hang check failed: ValueError: Exceeds the limit" in first.summary
+        incident = wait_until(lambda: (i := hung(engine)) and i.status is Status.CRITICAL and i, 10, what="CRITICAL")
+        assert isinstance(incident, Incident) and incident.subject == "process:bad"
+        assert "capturing the stacks failed: see the agent's log" in incident.summary, incident.summary
+        time.sleep(1.5)  # three more runs, the job still hung
+        report = engine.snapshot().checks["hang"].last
+        assert report is not None and {r.subject: r.status for r in report.results} == {
+            "process:bad": Status.CRITICAL, "process:good": Status.OK}
+    finally:
+        engine.stop()
+    assert calls == [1]  # the first run that found the hang was UNKNOWN for that job alone; no run dumped again
+
+
+SLEEP = "import time\nwhile True:\n    time.sleep(1)\n"
