@@ -123,7 +123,7 @@ def comm(pid: int) -> str:
         return ""
 
 
-def children(pid: int) -> list[psutil.Process]:
+def agent_children(pid: int) -> list[psutil.Process]:
     """The agent's children, zombies included."""
     return psutil.Process(pid).children(recursive=True)
 
@@ -141,7 +141,7 @@ def test_a_fork_storm_of_python_lookalikes_costs_the_agent_nothing_it_keeps(
     agent.wait_for("msg=ready")
     assert agent.proc is not None
     time.sleep(2)  # a few runs of every check: what the agent holds when nothing is wrong
-    fds_before, children_before = fds(agent.proc.pid), len(children(agent.proc.pid))
+    fds_before, children_before = fds(agent.proc.pid), len(agent_children(agent.proc.pid))
 
     most, done = 0, threading.Event()
 
@@ -173,7 +173,7 @@ def test_a_fork_storm_of_python_lookalikes_costs_the_agent_nothing_it_keeps(
     os.killpg(storm.pid, signal.SIGKILL)  # the attacker is gone
     storm.wait()
     wait_until(lambda: fds(agent.proc.pid) <= fds_before  # type: ignore[union-attr]
-               and len(children(agent.proc.pid)) == children_before, 10,  # type: ignore[union-attr]
+               and len(agent_children(agent.proc.pid)) == children_before, 10,  # type: ignore[union-attr]
                what=f"the agent's fds ({fds_before}) and children ({children_before}) back to where they were")
     # the other user's job stops logging only now: its hang is still reported
     os.killpg(honest.pid, signal.SIGSTOP)

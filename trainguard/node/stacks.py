@@ -133,7 +133,7 @@ class _Target:
     wchan: str | None
 
 
-MAX_OUTPUT = 4 << 20  # of one py-spy dump: a process with a few hundred threads prints well under 1 MiB
+MAX_OUTPUT = 1 << 20  # kept of one py-spy dump (a process with a hundred threads prints ~100 KiB): 32 MiB per hang
 
 
 class _Child:
@@ -182,6 +182,8 @@ class _Child:
 
     def outcome(self) -> tuple[str, str]:
         out = b"".join(self.chunks).decode("utf-8", errors="replace")
+        if self.size > MAX_OUTPUT:
+            out += f"\n[{self.size - MAX_OUTPUT} more bytes not kept]\n"
         if self.popen.returncode != 0:
             why = (out.strip().splitlines() or ["no output"])[-1][:200]
             return f"no stack: py-spy exited {self.popen.returncode}: {why}", out
