@@ -1,6 +1,8 @@
 """StackDumper: where each process of a hung job is stuck, captured with py-spy before anything acts on it.
 
-Python processes are dumped in parallel (`py-spy dump --nonblocking --pid N`), each with a timeout.
+Python processes are dumped in parallel (`py-spy dump --nonblocking --pid N`) within a budget per hang (DumpLimits:
+processes looked at, py-spy runs, one per rank, a few at a time, each with a timeout), every child reaped on every
+path: the job's user picks how many processes it has, not how many children and descriptors the agent spends.
 `--nonblocking` reads the process's memory without stopping it: ptrace-stopping a process that waits
 on a dead filesystem turns its wait uninterruptible, and the dumper would hang with it. A process
 already in uninterruptible sleep (D state) is not dumped at all. Each process's kernel wait channel
