@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from trainguard import PLAIN_SETTINGS_ENV, __version__
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import Status, worst
+from trainguard.core.text import one_line
 from trainguard.core.units import parse_duration
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `run` holds no pydantic (main)
@@ -150,6 +151,8 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def _table(rows: list[list[str]]) -> str:
+    # Summaries and subjects carry what a job's user wrote: one line per row, no escape sequence reaches a terminal.
+    rows = [[one_line(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
@@ -351,18 +354,18 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
         for i in incidents:
             if i.get("acked"):
                 ack = i["acked"]
-                print(f"  {i['check']}/{i['subject']}: acknowledged by {ack['by']}"
-                      + (f": {ack['reason']}" if ack.get("reason") else ""))
+                print(one_line(f"  {i['check']}/{i['subject']}: acknowledged by {ack['by']}"
+                               + (f": {ack['reason']}" if ack.get("reason") else "")))
             for a in i.get("actions", []):
-                print(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}")
+                print(one_line(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}"))
     for s in data.get("silences", []):
         until = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["until"]))
-        print(f"\nsilenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
-              + f" until {until} by {s['by']}: {s['reason']}")
+        print("\n" + one_line(f"silenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
+                              + f" until {until} by {s['by']}: {s['reason']}"))
     jobs = data.get("jobs")
     if jobs:
-        print(f"\njobs on this node ({', '.join(jobs['sources'])}"
-              + "".join(f"; {src} ERROR: {err}" for src, err in jobs.get("errors", {}).items()) + ")")
+        print("\n" + one_line(f"jobs on this node ({', '.join(jobs['sources'])}"
+                              + "".join(f"; {src} ERROR: {err}" for src, err in jobs.get("errors", {}).items()) + ")"))
         if jobs["jobs"]:
             rows = [["KEY", "NAME", "USER", "STATE", "PIDS"]]
             rows += [[j["key"], j["name"], j["user"] or "-", j["state"], ",".join(map(str, j["pids"])) or "-"]
