@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `r
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
+# sysexits.h's EX_NOPERM: a command this user may not run (the config, the control socket or the kernel log is root's
+# and the trainguard group's). Apart from 0-3 (`check`'s Nagios codes, the operator commands') and 4 (sent, not
+# answered), so that a script never reads it as a status.
+EXIT_NOPERM = 77
 OPERATOR_EXIT = (" Exit code: 0 done, 1 refused (the message says why), 3 the agent was not reached or the "
                  "exchange failed, 4 sent and not answered yet (do not run it again: `trainguard status`).")
 
@@ -328,7 +332,7 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
     from trainguard.agent.client import AgentUnreachableError, fetch
 
     try:
-        data, where = fetch(config, "/status", url)
+        data, where = fetch(config, "/status", url, lambda note: print(f"trainguard: {note}", file=sys.stderr))
     except AgentUnreachableError as exc:
         print(f"trainguard: cannot reach the agent: {exc}", file=sys.stderr)
         if url is None:  # where it looked came from the config: say which, and how to point elsewhere
@@ -451,13 +455,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(markdown() if args.command == "config-reference" else metrics_markdown(), end="")
         return 0
+    try:
+        config = _config(args)
+        if isinstance(config, int):
+            return config
+        if args.command != "run":
+            return _one_shot(config, args)
+    except PermissionError as exc:  # here once, for every command: what was refused, in one line
+        print(f"trainguard: {args.command} needs root or the trainguard group ({_refused(exc)})", file=sys.stderr)
+        return EXIT_NOPERM
+    from trainguard.agent.daemon import run_daemon
+
+    return run_daemon(config)
+
+
+def _refused(exc: PermissionError) -> str:
+    return one_line(f"{exc.filename}: permission denied" if exc.filename else str(exc.strerror or exc), 300)
+
+
+def _config(args: argparse.Namespace) -> Config | int:
+    """The config, or the exit code of a config error. `status` and `xid` go on with the built-in defaults when this
+    user may not read the config (/etc/trainguard is root's and the trainguard group's): what any user may see of
+    the agent, and NVIDIA's catalog, need none of it."""
     from trainguard.pipeline.config import ConfigError
 
     try:
-        config = _load(args)
+        return _load(args)
     except ConfigError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except PermissionError as exc:
+        if args.command not in ("status", "xid"):
+            raise
+        from trainguard.agent.configfile import default_config
+
+        then = ("the default responses (this node's config may differ)" if args.command == "xid"
+                else f"--url {args.url}" if args.url else "the agent's default address (--url for another)")
+        print(f"trainguard: {_refused(exc)}: {args.command} goes on with {then}", file=sys.stderr)
+        return default_config(nvml_probe=lambda: "not needed by this command")
+
+
+def _one_shot(config: Config, args: argparse.Namespace) -> int:
     if args.command == "validate":
         print(json.dumps(config.to_dict(), indent=2))
         warned = _warn(config)  # valid, so exit 0: the agent would start, and say the same
@@ -472,16 +510,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_notify_test(config, args.channel)
     if args.command in ("ack", "silence", "clear"):
         return cmd_operator(config, args)
-    if args.command == "xid":
-        if args.markdown:
-            from trainguard.reference import xid_markdown
+    assert args.command == "xid", args.command
+    if args.markdown:
+        from trainguard.reference import xid_markdown
 
-            print(xid_markdown(), end="")
-            return 0
-        return cmd_xid(config, args.codes, args.json)
-    from trainguard.agent.daemon import run_daemon
-
-    return run_daemon(config)
+        print(xid_markdown(), end="")
+        return 0
+    return cmd_xid(config, args.codes, args.json)
 
 
 if __name__ == "__main__":  # pragma: no cover
