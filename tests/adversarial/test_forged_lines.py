@@ -25,6 +25,8 @@ from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, alertmanager_alerts, 
 from tests.slurm_cluster import JOB_USER, ensure_user
 from tests.test_notifiers import event
 from trainguard.core.events import Event
+from trainguard.core.logs import format_fields
+from trainguard.core.text import one_line, printable
 from trainguard.notifiers.alertmanager import AlertmanagerNotifier, AlertmanagerSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.notifiers.console import ConsoleNotifier
@@ -185,3 +187,20 @@ group_window = "0s"
     assert alert_lines and all(SHOWN in line for line in alert_lines), alert_lines
     for line in agent.output().splitlines():  # the journal: no line of the agent's own starts with the forged text
         assert not line.startswith("CRITICAL advnode") and "\x1b" not in line and "\u202e" not in line, line
+
+
+@pytest.mark.parametrize("ch", ["\x1b", "\x00", "\x07", "\x7f", "\x85", "\x9b", "\u202a", "\u202b", "\u202c", "\u202d",
+                                "\u202e", "\u2066", "\u2067", "\u2068", "\u2069", "\u200e", "\u200f", "\u061c",
+                                "\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\U000e0041", "\u2028", "\r", "\x0b"])
+def test_no_control_bidi_or_zero_width_character_survives_the_sanitizer(ch: str) -> None:
+    for text in (one_line(f"a{ch}b"), printable(f"a{ch}b"), format_fields({"v": f"a{ch}b"})):
+        assert ch not in text and "a" in text and "b" in text
+        assert not INVISIBLE.search(text), repr(text)
+
+
+def test_the_sanitizer_keeps_text_legible_and_bounded() -> None:
+    assert one_line("\x1b[1;31mCUDA out of memory\x1b[0m") == "CUDA out of memory"  # a coloured log line
+    assert one_line("a\r\nb\tc\x1bZ") == "a⏎b c␛Z"
+    assert printable("line 1\r\nline 2\u2028x") == "line 1\nline 2⏎x"
+    assert one_line("x" * 50, 10) == "x" * 9 + "…" and len(one_line("\u200b" * 10**6 + "tail", 10)) <= 10
+    assert len(format_fields({"v": "y" * 100_000})) < 5000
