@@ -24,12 +24,13 @@ if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `r
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
-# sysexits.h's EX_NOPERM: a command this user may not run (the config, the control socket or the kernel log is root's
-# and the trainguard group's). Apart from 0-3 (`check`'s Nagios codes, the operator commands') and 4 (sent, not
+# sysexits.h's EX_NOPERM: a command this user may not run (the config or the control socket is root's and the
+# trainguard group's). Apart from 0-3 (`check`'s Nagios codes, the operator commands') and 4 (sent, not
 # answered), so that a script never reads it as a status.
 EXIT_NOPERM = 77
 OPERATOR_EXIT = (" Exit code: 0 done, 1 refused (the message says why), 3 the agent was not reached or the "
-                 "exchange failed, 4 sent and not answered yet (do not run it again: `trainguard status`).")
+                 "exchange failed, 4 sent and not answered yet (do not run it again: `trainguard status`), "
+                 f"{EXIT_NOPERM} this user may not (root and the trainguard group only).")
 
 
 def _parser() -> argparse.ArgumentParser:
