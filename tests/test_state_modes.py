@@ -4,7 +4,6 @@ WAL and shared memory, the XID marks, the stack dumps of a hung job (docs/securi
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 import subprocess
@@ -14,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests.conftest import AgentProcess, require, require_root, wait_until
+from tests.conftest import AgentProcess, hang_config, require, require_root, wait_until
 from trainguard.core.files import replace_file
 from trainguard.node.stacks import ProcessStack, find_py_spy, write_dumps
 from trainguard.pipeline.store import Store
@@ -57,27 +56,14 @@ def test_the_agent_under_umask_022_leaves_only_0600_files(tmp_path: Path,
     require_root()  # the kernel log for the xid check
     require(find_py_spy() is not None, "needs py-spy (pip install py-spy)")
     marker = f"modes-{uuid.uuid4().hex[:8]}"
-    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker])
+    # its output to /dev/null: a file it writes (pytest's capture) would be progress
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
     state = tmp_path / "state"
-    config = tmp_path / "trainguard.toml"
-    config.write_text(f"""
-[agent]
-state_dir = {json.dumps(str(state))}
-node_name = "node1"
-listen = ""
-[jobs]
-sources = ["process"]
-refresh = "0s"
-[jobs.processes.trainer]
-cmdline = {json.dumps(marker)}
-user = "root"
-[checks.xid]
-[checks.hang]
-stale_after = "2s"
-interval = "1s"
-flight_recorder = false
-[notifiers.console]
-""")
+    # the xid check publishes its marks at start (and acts on no XID other tests write to the kernel log); the hang
+    # check dumps the job's stacks when it hangs
+    config = hang_config(tmp_path / "trainguard.toml", state, marker, "root",
+                         "[checks.xid]\nactions = { critical = [] }\n[notifiers.console]\n")
     try:
         agent = agent_process(config, wrapper=["sh", "-c", 'umask 022; exec "$@"', "sh"])
         assert agent.proc is not None

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import AgentProcess, require_root, require_tool, wait_until
+from tests.conftest import AgentProcess, hang_config, require_root, require_tool, wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, alertmanager_alerts, alertmanager_server, slack_emulator, smtp_server
 from tests.slurm_cluster import JOB_USER, ensure_user
 from tests.test_notifiers import event
@@ -137,7 +137,8 @@ def job_holding_the_file(marker: str) -> Iterator[Path]:
     path = workdir / NAME
     code = "import sys, time\nf = open(sys.argv[1], 'w')\nf.write('step 1\\n')\nf.flush()\ntime.sleep(120)\n"
     proc = subprocess.Popen([require_tool("setpriv"), f"--reuid={JOB_USER}", f"--regid={JOB_USER}", "--init-groups",
-                             sys.executable, "-c", code, str(path), marker])
+                             sys.executable, "-c", code, str(path), marker],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the file is its only output
     try:
         wait_until(path.exists, 10, what="the job's file")
         yield path
@@ -152,23 +153,8 @@ def test_a_hung_job_holding_the_file_open_alerts_on_slack_and_console_without_a_
     """The issue's path: the real agent, a real job of another user holding the file open, its hang announced."""
     marker = f"forged-{uuid.uuid4().hex[:8]}"
     with slack_emulator() as slack, job_holding_the_file(marker) as path:
-        config = tmp_path / "trainguard.toml"
-        config.write_text(f"""
-[agent]
-state_dir = {json.dumps(str(tmp_path / "state"))}
-node_name = "node1"
-listen = ""
-[jobs]
-sources = ["process"]
-refresh = "0s"
-[jobs.processes.trainer]
-cmdline = {json.dumps(marker)}
-user = "{JOB_USER}"
-[checks.hang]
-stale_after = "2s"
-interval = "1s"
+        config = hang_config(tmp_path / "trainguard.toml", tmp_path / "state", marker, JOB_USER, f"""
 stacks = false
-flight_recorder = false
 [notifiers.console]
 [notifiers.slack]
 webhook_url = {json.dumps(slack.url)}
