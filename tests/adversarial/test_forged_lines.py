@@ -32,7 +32,7 @@ from trainguard.notifiers.base import NotifierSettings
 from trainguard.notifiers.console import ConsoleNotifier
 from trainguard.notifiers.email import EmailNotifier, EmailSettings
 from trainguard.notifiers.slack import SlackNotifier, SlackSettings
-from trainguard.notifiers.webhook import WebhookNotifier, WebhookSettings
+from trainguard.notifiers.webhook import WebhookNotifier, WebhookSettings, webhook_body
 
 FORGED = "x\n\x1b[31mCRITICAL advnode: GPU 0 lost\x1b[0m\u202e"
 NAME = f"out{FORGED}.log"
@@ -190,3 +190,10 @@ def test_the_sanitizer_keeps_text_legible_and_bounded() -> None:
     assert printable("line 1\r\nline 2\u2028x") == "line 1\nline 2⏎x"
     assert one_line("x" * 50, 10) == "x" * 9 + "…" and len(one_line("\u200b" * 10**6 + "tail", 10)) <= 10
     assert len(format_fields({"v": "y" * 100_000})) < 5000
+
+
+def test_a_number_too_large_to_write_out_never_stops_a_message() -> None:
+    """A collective's sequence id of 5,000 digits in the details: Python refuses to write it out; the message goes."""
+    huge = dataclasses.replace(hostile_event(), details={"collectives": {"seq": 11**5000, "rank": 3}})
+    body = json.loads(webhook_body([huge]))
+    assert body["events"][0]["details"]["collectives"] == {"seq": "(a number too large to show)", "rank": 3}
