@@ -91,3 +91,17 @@ def test_an_unprivileged_user_gets_what_they_may_and_one_line_for_the_rest(insta
     assert "xid goes on with the default responses" in one_line(xid)
     valid = as_other("validate", "--config", str(readable))
     assert valid.returncode == 0 and one_line(valid) == f"config OK: {readable}"
+
+
+def test_a_socket_they_can_see_but_not_open_is_refused_the_same_way(installed: tuple[Path, Path, int]) -> None:
+    """Where the socket's directory is searchable, the socket's own mode (0660) refuses them: connect(), not stat()."""
+    config, readable, port = installed
+    state = config.parent.parent / "state"
+    state.chmod(0o755)
+    ack = as_other("ack", "memory", "--config", str(readable))
+    assert ack.returncode == EXIT_NOPERM, ack.stderr
+    assert one_line(ack) == f"trainguard: ack needs root or the trainguard group ({state / 'control.sock'}: " \
+                            "permission denied)"
+    status = as_other("status", "--config", str(readable))
+    assert status.returncode == 0 and "node n1" in status.stdout, status.stderr
+    assert f"asking http://127.0.0.1:{port} over TCP" in one_line(status)
