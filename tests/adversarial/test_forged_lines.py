@@ -197,3 +197,4 @@ def test_a_number_too_large_to_write_out_never_stops_a_message() -> None:
     huge = dataclasses.replace(hostile_event(), details={"collectives": {"seq": 11**5000, "rank": 3}})
     body = json.loads(webhook_body([huge]))
     assert body["events"][0]["details"]["collectives"] == {"seq": "(a number too large to show)", "rank": 3}
+    assert format_fields({"seq": 11**5000, "job": "7"}) == 'seq="(a number too large to show)" job=7'

@@ -102,6 +102,7 @@ def command(config: Config, path: str, body: dict[str, Any],
             errors.append(f"{sock_path}: {exc}")
     if refused and not errors:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(refused[0]))
+    errors += [f"{p}: permission denied (root or the agent's group only)" for p in refused]
     raise AgentUnreachableError("; ".join(errors) or "no control socket found (is the agent running here?)")
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 def replace_file(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write `path` as a whole, with `mode` whatever the umask (default 0600: the agent's state is its own): a reader
     sees the old file or the new one, never a part (a temporary file of a name no one else has, beside it, renamed
-    over it). Two writers at once each leave a whole file; the last rename wins,
-    so a caller whose content must not go backwards holds its own lock."""
+    over it). Two writers at once each leave a whole file; the last rename wins, so a caller whose content must not
+    go backwards holds its own lock."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:

@@ -33,7 +33,10 @@ def _escape(ch: str) -> str:
 
 
 def _quote(value: Any, limit: int | None = MAX_VALUE) -> str:
-    text = str(value)
+    try:
+        text = str(value)
+    except ValueError:  # an integer of thousands of digits (Python's int-to-str limit): a log line never raises
+        text = "(a number too large to show)"
     if limit is not None and len(text) > limit:
         text = text[:limit - 1] + ELLIPSIS
     if text == "" or any(c in text for c in ' "=') or not text.isprintable():

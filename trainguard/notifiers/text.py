@@ -20,10 +20,11 @@ MAX_TEXT = 2000
 MAX_DEPTH = 6
 MAX_INT = 2**63
 
+
 def _clean_value(value: Any, depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, float)):
         return value
-    if isinstance(value, int):  # one of thousands of digits can't even be written out (Python's int-to-str limit)
+    if isinstance(value, int):  # thousands of digits can't even be written out (Python's int-to-str limit)
         return value if -MAX_INT <= value <= MAX_INT else "(a number too large to show)"
     if depth < MAX_DEPTH and isinstance(value, dict):
         return {one_line(str(k), MAX_LABEL): _clean_value(v, depth + 1) for k, v in value.items()}
