@@ -344,3 +344,25 @@ def memory_cgroup() -> Iterator[Callable[[int], MemoryCgroup]]:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def hang_config(path: Path, state: Path, marker: str, user: str, extra: str = "") -> Path:
+    """An agent config watching one process job (`marker` in its command line, of `user`) for hangs: stale after 2 s,
+    checked every second, no flight recorder; `extra` is appended (more checks, channels)."""
+    path.write_text(f"""
+[agent]
+state_dir = "{state}"
+node_name = "node1"
+listen = ""
+[jobs]
+sources = ["process"]
+refresh = "0s"
+[jobs.processes.trainer]
+cmdline = "{marker}"
+user = "{user}"
+[checks.hang]
+stale_after = "2s"
+interval = "1s"
+flight_recorder = false
+{extra}""")
+    return path

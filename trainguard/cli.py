@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from trainguard import PLAIN_SETTINGS_ENV, __version__
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import Status, worst
+from trainguard.core.text import one_line
 from trainguard.core.units import parse_duration
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `run` holds no pydantic (main)
@@ -23,8 +24,13 @@ if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `r
     from trainguard.pipeline.engine import Engine
 
 EXIT_CONFIG = 2
+# sysexits.h's EX_NOPERM: a command this user may not run (the config or the control socket is root's and the
+# trainguard group's). Apart from 0-3 (`check`'s Nagios codes, the operator commands') and 4 (sent, not
+# answered), so that a script never reads it as a status.
+EXIT_NOPERM = 77
 OPERATOR_EXIT = (" Exit code: 0 done, 1 refused (the message says why), 3 the agent was not reached or the "
-                 "exchange failed, 4 sent and not answered yet (do not run it again: `trainguard status`).")
+                 "exchange failed, 4 sent and not answered yet (do not run it again: `trainguard status`), "
+                 f"{EXIT_NOPERM} this user may not (root and the trainguard group only).")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,6 +156,8 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def _table(rows: list[list[str]]) -> str:
+    # Summaries and subjects carry what a job's user wrote: one line per row, no escape sequence reaches a terminal.
+    rows = [[one_line(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
@@ -325,7 +333,7 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
     from trainguard.agent.client import AgentUnreachableError, fetch
 
     try:
-        data, where = fetch(config, "/status", url)
+        data, where = fetch(config, "/status", url, lambda note: print(f"trainguard: {note}", file=sys.stderr))
     except AgentUnreachableError as exc:
         print(f"trainguard: cannot reach the agent: {exc}", file=sys.stderr)
         if url is None:  # where it looked came from the config: say which, and how to point elsewhere
@@ -351,18 +359,18 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
         for i in incidents:
             if i.get("acked"):
                 ack = i["acked"]
-                print(f"  {i['check']}/{i['subject']}: acknowledged by {ack['by']}"
-                      + (f": {ack['reason']}" if ack.get("reason") else ""))
+                print(one_line(f"  {i['check']}/{i['subject']}: acknowledged by {ack['by']}"
+                               + (f": {ack['reason']}" if ack.get("reason") else "")))
             for a in i.get("actions", []):
-                print(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}")
+                print(one_line(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}"))
     for s in data.get("silences", []):
         until = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["until"]))
-        print(f"\nsilenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
-              + f" until {until} by {s['by']}: {s['reason']}")
+        print("\n" + one_line(f"silenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
+                              + f" until {until} by {s['by']}: {s['reason']}"))
     jobs = data.get("jobs")
     if jobs:
-        print(f"\njobs on this node ({', '.join(jobs['sources'])}"
-              + "".join(f"; {src} ERROR: {err}" for src, err in jobs.get("errors", {}).items()) + ")")
+        print("\n" + one_line(f"jobs on this node ({', '.join(jobs['sources'])}"
+                              + "".join(f"; {src} ERROR: {err}" for src, err in jobs.get("errors", {}).items()) + ")"))
         if jobs["jobs"]:
             rows = [["KEY", "NAME", "USER", "STATE", "PIDS"]]
             rows += [[j["key"], j["name"], j["user"] or "-", j["state"], ",".join(map(str, j["pids"])) or "-"]
@@ -448,13 +456,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(markdown() if args.command == "config-reference" else metrics_markdown(), end="")
         return 0
+    try:
+        config = _config(args)
+        if isinstance(config, int):
+            return config
+        if args.command != "run":
+            return _one_shot(config, args)
+    except PermissionError as exc:  # here once, for every command: what was refused, in one line
+        print(f"trainguard: {args.command} needs root or the trainguard group ({_refused(exc)})", file=sys.stderr)
+        return EXIT_NOPERM
+    from trainguard.agent.daemon import run_daemon
+
+    return run_daemon(config)
+
+
+def _refused(exc: PermissionError) -> str:
+    return one_line(f"{exc.filename}: permission denied" if exc.filename else str(exc.strerror or exc), 300)
+
+
+def _config(args: argparse.Namespace) -> Config | int:
+    """The config, or the exit code of a config error. `status` and `xid` go on with the built-in defaults when this
+    user may not read the config (/etc/trainguard is root's and the trainguard group's): what any user may see of
+    the agent, and NVIDIA's catalog, need none of it."""
     from trainguard.pipeline.config import ConfigError
 
     try:
-        config = _load(args)
+        return _load(args)
     except ConfigError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except PermissionError as exc:
+        if args.command not in ("status", "xid"):
+            raise
+        from trainguard.agent.configfile import default_config
+
+        then = ("the default responses (this node's config may differ)" if args.command == "xid"
+                else f"--url {args.url}" if args.url else "the agent's default address (--url for another)")
+        print(f"trainguard: {_refused(exc)}: {args.command} goes on with {then}", file=sys.stderr)
+        return default_config(nvml_probe=lambda: "not needed by this command")
+
+
+def _one_shot(config: Config, args: argparse.Namespace) -> int:
     if args.command == "validate":
         print(json.dumps(config.to_dict(), indent=2))
         warned = _warn(config)  # valid, so exit 0: the agent would start, and say the same
@@ -469,16 +511,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_notify_test(config, args.channel)
     if args.command in ("ack", "silence", "clear"):
         return cmd_operator(config, args)
-    if args.command == "xid":
-        if args.markdown:
-            from trainguard.reference import xid_markdown
+    assert args.command == "xid", args.command
+    if args.markdown:
+        from trainguard.reference import xid_markdown
 
-            print(xid_markdown(), end="")
-            return 0
-        return cmd_xid(config, args.codes, args.json)
-    from trainguard.agent.daemon import run_daemon
-
-    return run_daemon(config)
+        print(xid_markdown(), end="")
+        return 0
+    return cmd_xid(config, args.codes, args.json)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,9 +3,12 @@ details included), else its TCP endpoint (summaries only)."""
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
+import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -72,16 +75,17 @@ def _get(conn: http.client.HTTPConnection, path: str, body: dict[str, Any] | Non
 
 def command(config: Config, path: str, body: dict[str, Any],
             timeout: float = COMMAND_TIMEOUT_S) -> tuple[Any, str]:
-    """An operator command (POST) over the control socket only: TCP never takes them."""
-    errors = []
+    """An operator command (POST) over the control socket only: TCP never takes them. PermissionError when every
+    socket there is refused this user (root and the agent's group only)."""
+    errors, refused = [], []
     for sock_path in control_candidates(config):
-        if not sock_path.exists():
-            continue
         conn = _UnixConnection(sock_path, timeout)
         try:
+            if not sock_path.exists():
+                continue
             conn.connect()  # a refusal or a full backlog here: the command never reached the agent
-        except PermissionError:
-            errors.append(f"{sock_path}: permission denied (root or the agent's group only)")
+        except PermissionError:  # the socket's mode, or its directory's
+            refused.append(sock_path)
             continue
         except OSError as exc:
             errors.append(f"{sock_path}: {exc}")
@@ -96,6 +100,9 @@ def command(config: Config, path: str, body: dict[str, Any],
                                       "(`trainguard status` tells which)") from None
         except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
             errors.append(f"{sock_path}: {exc}")
+    if refused and not errors:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(refused[0]))
+    errors += [f"{p}: permission denied (root or the agent's group only)" for p in refused]
     raise AgentUnreachableError("; ".join(errors) or "no control socket found (is the agent running here?)")
 
 
@@ -103,22 +110,30 @@ def control_candidates(config: Config) -> list[Path]:
     return list(dict.fromkeys([config.agent.control_path(), *WELL_KNOWN]))
 
 
-def fetch(config: Config, path: str, url: str | None = None) -> tuple[Any, str]:
-    """GET `path` from the agent: (the decoded JSON, where it came from)."""
-    errors = []
+def fetch(config: Config, path: str, url: str | None = None,
+          say: Callable[[str], None] | None = None) -> tuple[Any, str]:
+    """GET `path` from the agent: (the decoded JSON, where it came from). The control socket when this user may open
+    it, else the TCP endpoint; `say` is told, in one line, when a socket refused this user."""
+    errors, refused = [], []
     if url is None:
         for sock_path in control_candidates(config):
-            if not sock_path.is_socket():
-                continue
             try:
+                if not sock_path.is_socket():
+                    continue
                 return _get(_UnixConnection(sock_path), path), str(sock_path)
+            except PermissionError:  # the socket's mode or its directory's: root and the agent's group only
+                refused.append(str(sock_path))
             except (OSError, ValueError, http.client.HTTPException, AgentUnreachableError) as exc:
                 errors.append(f"{sock_path}: {exc}")
         if not config.agent.listen:
-            raise AgentUnreachableError("; ".join(errors) or "agent.listen is empty and no control socket: pass --url")
+            raise AgentUnreachableError("; ".join(errors + [f"{p}: permission denied" for p in refused])
+                                        or "agent.listen is empty and no control socket: pass --url")
         host, port = config.agent.listen_address()
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        if refused and say is not None:
+            say(f"the control socket ({', '.join(refused)}) is for root and the trainguard group: asking {url} "
+                "over TCP instead (what any local user may see)")
     try:
         parts = urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=TIMEOUT_S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +119,8 @@ def read_config_file(path: Path) -> bytes:
     """The file's bytes, if it is a regular file of sane size: a FIFO or a device never blocks or floods us."""
     try:
         return read_small_file(path, MAX_CONFIG_BYTES)
+    except PermissionError:  # not the file's fault: the command says who may read it (cli.main)
+        raise
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read file: {exc.strerror or exc}"]) from None
 
@@ -171,7 +174,7 @@ def default_config(registry: Registry = DEFAULT_REGISTRY, nvml_probe: Callable[[
     when NVML loads (`nvml_probe`: why not, None when it does; default: load it here), console."""
     agent = AgentSettings()
     # The daemon creates the state dir before it loads the config; a one-shot `check` may run without it.
-    paths = ["/"] + ([str(agent.state_dir)] if agent.state_dir.is_dir() else [])
+    paths = ["/"] + ([str(agent.state_dir)] if os.path.isdir(agent.state_dir) else [])  # False if not ours to see
     raw: dict[str, Any] = {
         "checks": {
             "disk": {"paths": paths},

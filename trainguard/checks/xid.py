@@ -413,7 +413,7 @@ class XidCheck(Check):
             return
         try:
             with self._publish_lock:  # a clear and the start at once: the newer marks are the ones left
-                replace_file(path, json.dumps(self.ledger.marks()).encode())
+                replace_file(path, json.dumps(self.ledger.marks()).encode(), 0o600)
         except OSError as exc:
             log.warning("XID marks not published: trainguard check grades this boot's XIDs as logged, clears unseen",
                         extra=kv(path=path, error=exc))

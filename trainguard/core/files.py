@@ -11,10 +11,11 @@ from collections.abc import Collection
 from pathlib import Path
 
 
-def replace_file(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write `path` as a whole: a reader sees the old file or the new one, never a part (a temporary file of a name
-    no one else has, beside it, renamed over it). Two writers at once each leave a whole file; the last rename wins,
-    so a caller whose content must not go backwards holds its own lock."""
+def replace_file(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write `path` as a whole, with `mode` whatever the umask (default 0600: the agent's state is its own): a reader
+    sees the old file or the new one, never a part (a temporary file of a name no one else has, beside it, renamed
+    over it). Two writers at once each leave a whole file; the last rename wins, so a caller whose content must not
+    go backwards holds its own lock."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:

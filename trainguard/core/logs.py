@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from trainguard.core.text import ELLIPSIS, hidden
+
 
 def kv(**fields: Any) -> dict[str, Any]:
     """`log.info("msg", extra=kv(check="disk"))` attaches fields to a log line."""
@@ -15,26 +17,35 @@ def kv(**fields: Any) -> dict[str, Any]:
 
 
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# A field's value is cut to this: a job's text (a summary, a path) can't make one journal line megabytes long.
+# The traceback of `exc` is ours, and kept whole.
+MAX_VALUE = 4096
 
 
 def _escape(ch: str) -> str:
     if ch in _ESCAPES:
         return _ESCAPES[ch]
-    # Other control characters and line separators (\x0b, \x85, \u2028...): a value is always one line.
-    if ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u2029":
-        return f"\\u{ord(ch):04x}"
+    # Other control characters and line separators (\x0b, \x85, \u2028...): a value is always one line; bidi and
+    # zero-width characters (trainguard.core.text.hidden) are shown escaped, so that nothing in a line is invisible.
+    if ch in "\u2028\u2029" or hidden(ch):
+        return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
     return ch
 
 
-def _quote(value: Any) -> str:
-    text = str(value)
+def _quote(value: Any, limit: int | None = MAX_VALUE) -> str:
+    try:
+        text = str(value)
+    except ValueError:  # an integer of thousands of digits (Python's int-to-str limit): a log line never raises
+        text = "(a number too large to show)"
+    if limit is not None and len(text) > limit:
+        text = text[:limit - 1] + ELLIPSIS
     if text == "" or any(c in text for c in ' "=') or not text.isprintable():
         return '"' + "".join(_escape(c) for c in text) + '"'
     return text
 
 
 def format_fields(fields: dict[str, Any]) -> str:
-    return " ".join(f"{k}={_quote(v)}" for k, v in fields.items() if v is not None)
+    return " ".join(f"{k}={_quote(v, None if k == 'exc' else MAX_VALUE)}" for k, v in fields.items() if v is not None)
 
 
 class KeyValueFormatter(logging.Formatter):

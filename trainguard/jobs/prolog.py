@@ -61,7 +61,7 @@ def write_record(directory: str, env: Mapping[str, str], ended: bool, now: float
     record.setdefault("started", now)
     if ended:
         record["ended"] = now
-    replace_file(path, json.dumps(record, ensure_ascii=True).encode())
+    replace_file(path, json.dumps(record, ensure_ascii=True).encode(), 0o644)  # the agent's user reads it
     prune(folder, now)
     return path
 

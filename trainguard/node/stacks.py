@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from trainguard.core.files import replace_file
 from trainguard.core.text import linear
 from trainguard.core.tools import run_tool
 from trainguard.node.procfs import ProcFS
@@ -315,5 +316,6 @@ def write_dumps(directory: Path, job_label: str, stacks: list[ProcessStack], whe
         parts.append(f"# {note}\n")
     for s in stacks:
         parts.append(f"\n## {s.describe()} (state {s.state})\n{s.text}")
-    path.write_text("".join(parts))
+    # 0600 whatever the umask: a dump holds the job's frames and arguments; py-spy's text may hold any character
+    replace_file(path, "".join(parts).encode(errors="replace"), 0o600)
     return path

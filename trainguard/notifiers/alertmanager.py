@@ -18,7 +18,7 @@ from trainguard.core.logs import kv
 from trainguard.core.settings import Duration, Field
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
 from trainguard.notifiers.http import post_json
-from trainguard.notifiers.text import actions_done, event_line
+from trainguard.notifiers.text import actions_done, clean, event_line
 
 log = logging.getLogger("trainguard.notifiers.alertmanager")
 
@@ -58,6 +58,7 @@ def alerts_for(event: Event, s: AlertmanagerSettings, now: float) -> list[dict[s
     """The event's alerts (one per job it concerns); an escalation also ends the alerts of the severity it
     replaces, which Alertmanager (severity being a label) would otherwise keep active beside the new ones until
     their endsAt."""
+    event = clean(event)  # labels and annotations: one line each, whatever a job's user wrote
     out = []
     for job in jobs_of(event.details) or [""]:
         current = alert(event, s, now, job)
@@ -70,6 +71,7 @@ def alerts_for(event: Event, s: AlertmanagerSettings, now: float) -> list[dict[s
 
 def silence_for(event: Event) -> dict[str, Any]:
     """The Alertmanager silence matching what `trainguard silence` silenced on this node."""
+    event = clean(event)
     s = event.details.get("silence") or {}
     matchers = [{"name": "node", "value": event.node, "isRegex": False, "isEqual": True},
                 {"name": "check", "value": str(s.get("check", event.check)), "isRegex": False, "isEqual": True}]

@@ -9,6 +9,7 @@ from trainguard.core.events import Event
 from trainguard.core.logs import format_fields
 from trainguard.core.units import format_duration
 from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
+from trainguard.notifiers.text import clean
 
 
 class ConsoleNotifier(Notifier):
@@ -18,6 +19,7 @@ class ConsoleNotifier(Notifier):
 
     def send(self, event: Event) -> None:
         stream = self._stream or sys.stderr
+        event = clean(event)  # then escaped as a log field: what journald keeps is what a reader sees
         line = format_fields({
             "level": "notice",
             "logger": "trainguard.alert",

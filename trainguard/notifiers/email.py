@@ -15,7 +15,7 @@ from trainguard.core.events import Event
 from trainguard.core.settings import Duration, Field, SecretStr, model_validator
 from trainguard.core.text import one_line, printable
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
-from trainguard.notifiers.text import actions_done, event_line, headline
+from trainguard.notifiers.text import actions_done, clean_all, event_line, headline
 
 
 class EmailSettings(NotifierSettings):
@@ -38,9 +38,9 @@ class EmailSettings(NotifierSettings):
 
 
 def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
+    events = clean_all(events)  # a value's own line breaks never start a line of the body, nor a header
     msg = EmailMessage()
-    # A summary carries text from a job's log: any line break in a header (\r, \x0b, \x85, \u2028...) would make
-    # the email library refuse the message, and a raw one would inject headers.
+    # The prefix is the config's: one line too, or the email library would refuse the message.
     msg["Subject"] = one_line(f"{s.subject_prefix} {headline(events)}".strip(), 900)
     msg["From"] = s.from_addr
     msg["To"] = ", ".join(s.to)

@@ -10,7 +10,7 @@ from trainguard.core.model import Status, worst
 from trainguard.core.settings import Duration, Field, SecretStr
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
-from trainguard.notifiers.text import actions_done, event_line, headline
+from trainguard.notifiers.text import actions_done, clean_all, event_line, headline
 
 COLORS = {Status.CRITICAL: "#d32f2f", Status.WARNING: "#f9a825", Status.UNKNOWN: "#757575", Status.OK: "#2e7d32"}
 MAX_BLOCK_EVENTS = 20  # Slack allows 50 blocks; the rest is counted, not listed
@@ -28,6 +28,7 @@ def escape(text: str) -> str:
 
 
 def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
+    events = clean_all(events)  # then Slack's own markup escaped: `escape`
     active = [e for e in events if e.kind is not EventKind.RESOLVED]
     status = worst(e.status for e in active) if active else Status.OK
     title = headline(events)  # plain_text in the header: shown as is; escaped where Slack parses markup

@@ -11,7 +11,7 @@ from trainguard.core.events import Event
 from trainguard.core.settings import Duration, Field, SecretStr
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
-from trainguard.notifiers.text import headline
+from trainguard.notifiers.text import clean_all, headline
 
 SIGNATURE_HEADER = "X-Trainguard-Signature"
 
@@ -23,6 +23,7 @@ class WebhookSettings(NotifierSettings):
 
 
 def webhook_body(events: Sequence[Event]) -> bytes:
+    events = clean_all(events)  # a receiver may show any field as text (PagerDuty, Opsgenie, a chat bridge)
     return json.dumps({"version": 1, "node": events[0].node, "title": headline(events),
                        "events": [e.to_dict() for e in events]}, sort_keys=True).encode()
 
