@@ -1,13 +1,14 @@
 # trainguard: the two commands a fresh clone needs.
 #   make run   installs trainguard into .venv and runs the agent on its built-in default config
 #   make test  installs what the tests need (Debian packages when missing, as root) and runs the suite
+#   make wheelhouse  trainguard's wheel and its runtime dependencies in wheelhouse/, for nodes without an index
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 DEB_TEST_PACKAGES = fuse3 libfuse2 prometheus prometheus-alertmanager prometheus-node-exporter slurmctld slurmd slurmdbd slurm-client munge mariadb-server systemd systemd-container util-linux
 
-.PHONY: run test bench install install-test deb-test lint clean
+.PHONY: run test bench install install-test deb-test lint clean wheelhouse
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,8 +50,14 @@ bench: deb-test install-test
 	$(BIN)/pip install -q -e '.[bench]'
 	flock /tmp/trainguard-tests.lock $(BIN)/python -m benchmarks.goodput --minutes 15 --also-without 60,120,240
 
+# Wheels for this machine's Python and architecture: build it on a machine like the nodes (docs/install.md).
+wheelhouse: $(BIN)/python
+	rm -rf wheelhouse
+	$(BIN)/pip wheel --quiet --disable-pip-version-check --wheel-dir wheelhouse .
+	@ls wheelhouse
+
 lint: install-test
 	$(BIN)/ruff check trainguard tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache wheelhouse
