@@ -14,11 +14,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# An editable install takes seconds and pip -q says nothing meanwhile: a line first. PYTHONWARNINGS: setuptools'
+# editable build warns at every install about folders named like the package (a UserWarning, nothing to act on).
 install: $(BIN)/python
-	$(BIN)/pip install -q -e .
+	@echo "installing trainguard into $(VENV) (pip install -e .)"
+	@PYTHONWARNINGS=ignore::UserWarning $(BIN)/pip install -q -e .
 
 install-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	@echo "installing trainguard and what its tests need into $(VENV) (pip install -e '.[test]')"
+	@PYTHONWARNINGS=ignore::UserWarning $(BIN)/pip install -q -e '.[test]'
 
 run: install
 	$(BIN)/trainguard run
