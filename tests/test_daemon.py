@@ -71,6 +71,29 @@ def test_sigterm_shuts_down_cleanly(tmp_path: Path, agent_process: Callable[...,
     assert (tmp_path / "state" / "state.db").exists()
 
 
+def test_the_start_says_config_and_state_and_no_job_source_starts_for_checks_without_jobs(
+        tmp_path: Path, agent_process: Callable[..., AgentProcess], caplog: pytest.LogCaptureFixture) -> None:
+    """`make run` as root: the first lines say which config and state dir the agent uses; with no check that asks
+    for jobs, no job source starts (no slurmd discovery, no `SLURM jobs of this node` line). The first use starts
+    it."""
+    from trainguard.jobs.catalog import JobCatalog
+    from trainguard.jobs.settings import JobsSettings
+
+    config = write_config(tmp_path, free_port())
+    config.write_text(config.read_text() + '[jobs]\nsources = ["slurm"]\n')
+    agent = agent_process(config)
+    agent.wait_for("first round done")
+    out = agent.output()
+    assert "msg=starting version=" in out and f"config={config} state_dir={tmp_path}/state" in out, out
+    assert "SLURM jobs of this node" not in out, out
+    catalog = JobCatalog(JobsSettings(sources=["slurm"]), "testnode")
+    with caplog.at_level("INFO", logger="trainguard.slurm"):
+        assert catalog.sources == ["slurm"] and "SLURM jobs of this node" not in caplog.text
+        catalog.listen(lambda: None)()
+        assert "SLURM jobs of this node" in caplog.text
+    catalog.close()
+
+
 def test_after_the_first_round_the_main_thread_sleeps_until_a_signal(tmp_path: Path,
                                                                      agent_process: Callable[..., AgentProcess]) -> None:
     """The main thread watches the first round for `systemctl status`; after it, it only waits for SIGTERM: no

@@ -206,3 +206,16 @@ def test_the_xid_runbook_table_is_the_catalogs() -> None:
     codes = {code for part in row[3].strip(" |").split(", ")
              for lo, _, hi in [part.partition("-")] for code in range(int(lo), int(hi or lo) + 1)}
     assert row[1].startswith("WARNING") and {13, 31, 69, 94} <= codes and not {43, 63, 79} & codes  # issue 27's
+
+
+def test_the_readme_lists_every_command() -> None:
+    """README's command table names each command of `trainguard --help`, and no other."""
+    import argparse
+
+    from trainguard.cli import _parser
+
+    [sub] = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    table = (REPO / "README.md").read_text().split("\n## Commands\n", 1)[1].strip().split("\n\n", 1)[0]
+    cells = [row.split(" | ", 1)[0] for row in table.splitlines() if row.startswith("| `")]
+    listed = {name for cell in cells for name in re.findall(r"`(?:trainguard )?([a-z][\w-]*)", cell)}
+    assert listed == set(sub.choices), listed ^ set(sub.choices)

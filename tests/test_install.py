@@ -3,7 +3,10 @@ config is valid, and the configuration reference is the code's."""
 
 from __future__ import annotations
 
+import grp
 import json
+import os
+import pwd
 import re
 import stat
 import subprocess
@@ -16,7 +19,7 @@ from trainguard.cli import main
 from trainguard.install import DEFAULT_CONFIG, UNIT_SOURCE, Installer, dropins
 from trainguard.reference import markdown
 
-from .conftest import REPO, require_tool
+from .conftest import REPO, require, require_root, require_tool
 
 MAX_EXPOSURE = 2.5
 
@@ -85,6 +88,73 @@ def test_install_and_uninstall_staged(tmp_path: Path, capsys: object) -> None:
     assert not unit.exists() and not dropin.exists() and (dropin.parent / "site.conf").exists() and config.exists()
     assert main(["uninstall", "--root", str(tmp_path), "--purge"]) == 0
     assert not config.parent.exists()
+
+
+def test_a_failed_step_says_what_was_and_was_not_done(tmp_path: Path, capsys: object) -> None:
+    """The unit is written first, so a later failure leaves a unit `systemctl enable` finds; the failure is one line."""
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/trainguard").write_text("")  # a file where the config directory goes
+    assert main(["install", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    unit = tmp_path / "etc/systemd/system/trainguard.service"
+    config = tmp_path / "etc/trainguard/trainguard.toml"
+    assert unit.exists() and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"trainguard install: {config}: [Errno 17] File exists") and \
+        f"; done: wrote {unit} (ExecStart=" in err and err.rstrip().endswith(
+            f"; not done: {config}, systemctl daemon-reload"), err
+
+
+def test_the_service_user_joins_a_group_that_outlived_a_purge() -> None:
+    """userdel keeps a group that still has members (an operator added for the control socket): the next install
+    makes the user in that group instead of failing with `useradd exited 9: group exists`."""
+    require_root()
+    require_tool("useradd")
+    name = "tg-install-test"  # a throwaway name: the host's own trainguard user is not touched
+    cleanup = (["userdel", name], ["groupdel", name])
+    for argv in cleanup:
+        subprocess.run(argv, capture_output=True, timeout=30)
+    try:
+        subprocess.run(["groupadd", "--system", name], check=True, capture_output=True, timeout=30)
+        installer = Installer(user=name)
+        installer.ensure_user()
+        assert installer.done == [f"created system user {name} in the existing group {name}"]
+        assert pwd.getpwnam(name).pw_gid == grp.getgrnam(name).gr_gid
+        installer.ensure_user()  # installing twice changes nothing
+        assert installer.done[-1] == f"user {name} exists"
+    finally:
+        for argv in cleanup:
+            subprocess.run(argv, capture_output=True, timeout=30)
+
+
+def test_install_and_purge_through_the_path_link(tmp_path: Path) -> None:
+    """Called through /usr/local/bin/trainguard (the link install.md makes), install writes the script itself into
+    ExecStart, not the link; uninstall keeps the link (it still runs `uninstall --purge`), a purge removes it, and a
+    second purge finds nothing to disable and says so quietly."""
+    script = Path(sys.executable).parent / "trainguard"
+    require(script.is_file() and not script.is_symlink(), f"needs the trainguard script at {script}")
+    link = tmp_path / "usr/local/bin/trainguard"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(script)
+
+    def run(program: Path, *args: str) -> str:
+        proc = subprocess.run([str(program), *args, "--root", str(tmp_path)], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+        return proc.stdout
+
+    out = run(link, "install", "--dropin", "switch-files")
+    unit = tmp_path / "etc/systemd/system/trainguard.service"
+    assert f"ExecStart={script} run --config" in unit.read_text() and f"(ExecStart={script})" in out
+    assert f"(`trainguard` below is {script}" in out
+    run(link, "uninstall")
+    assert link.is_symlink() and not unit.exists()
+    out = run(link, "uninstall", "--purge")
+    assert f"{unit} is not installed" in out and "systemctl" not in out
+    assert f"removed {link} (the link to {script})" in out and not link.is_symlink()
+    link.symlink_to("/bin/true")  # not this trainguard: kept, and said
+    assert f"kept {link}: it links to /bin/true, not to this trainguard ({script})" in run(script, "uninstall",
+                                                                                         "--purge")
+    assert link.is_symlink()
 
 
 def test_an_unknown_dropin_is_refused_before_anything_is_written(tmp_path: Path, capsys: object) -> None:

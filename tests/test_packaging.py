@@ -11,11 +11,13 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
+import pytest
+
 from tests.packaging import Dists, build, copy_checkout
 from trainguard import __version__
 from trainguard.install import DEFAULT_CONFIG, dropins
 
-from .conftest import REPO
+from .conftest import REPO, require_tool
 
 
 def package_files() -> list[str]:
@@ -78,3 +80,30 @@ def test_install_runs_from_the_wheel_alone(dists: Dists, tmp_path: Path) -> None
     assert (etc / "trainguard/trainguard.toml").read_bytes() == DEFAULT_CONFIG.read_bytes()
     assert f"wrote {etc}/systemd/system/trainguard.service.d/switch-files.conf" in proc.stdout  # what it did
     assert "Next steps" in proc.stdout and "trainguard install --dropin NAME" in proc.stdout  # and what comes next
+
+
+@pytest.mark.slow
+def test_make_wheelhouse_installs_with_no_index(tmp_path: Path) -> None:
+    """Air-gapped nodes (docs/install.md): `make wheelhouse` puts trainguard's wheel and its runtime dependencies (not
+    the test extra) in one directory, and a fresh virtualenv installs from that directory alone, with pip's index
+    and its configuration off, as install.md writes it; the installed trainguard then runs from its own package data.
+    Making the wheelhouse needs the index (CI has it); installing from it does not."""
+    make = require_tool("make")
+    src = copy_checkout(tmp_path / "src")
+    proc = subprocess.run([make, "-C", str(src), "wheelhouse", f"VENV={Path(sys.executable).parent.parent}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    wheels = sorted(p.name for p in (src / "wheelhouse").iterdir())
+    assert f"trainguard-{__version__}-py3-none-any.whl" in wheels
+    assert {"psutil", "pydantic", "google_re2", "py_spy"} <= {w.split("-")[0] for w in wheels}, wheels
+    assert not any(w.startswith(("pytest", "torch", "ruff", "build-")) for w in wheels), wheels  # runtime deps only
+    venv = tmp_path / "opt-trainguard"
+    offline = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+    for argv in ([sys.executable, "-m", "venv", str(venv)],
+                 [str(venv / "bin/pip"), "install", "--quiet", "--no-index", "--find-links", str(src / "wheelhouse"),
+                  "trainguard"],
+                 [str(venv / "bin/trainguard"), "install", "--root", str(tmp_path / "stage")],
+                 [str(venv / "bin/trainguard"), "validate", "--config", str(tmp_path / "stage/etc/trainguard/trainguard.toml")]):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=offline, cwd=tmp_path)
+        assert proc.returncode == 0, f"{' '.join(argv)}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert "config OK" in proc.stdout + proc.stderr

@@ -433,7 +433,20 @@ def test_uninstall(service: Service) -> None:
     assert f"kept {DROPIN_DIR} (drop-ins that are not trainguard's)" in out  # the test's own drop-in stays
     assert service.show("ActiveState", "LoadState") == {"ActiveState": "inactive", "LoadState": "not-found"}
     assert c.run(["test", "-f", "/etc/trainguard/trainguard.toml"], check=False).returncode == 0  # config kept
+    c.run(["usermod", "-aG", "trainguard", JOB_USER])  # an operator, as install.md says: the group outlives userdel
     purge = c.run([TG, "uninstall", "--purge"]).stdout
     assert "removed /etc/trainguard" in purge and "removed /var/lib/trainguard" in purge
+    assert f"/etc/systemd/system/{UNIT} is not installed" in purge and "systemctl" not in purge  # nothing to fail
+    assert f"kept group trainguard (members: {JOB_USER};" in purge and f"kept {VENV}, the virtualenv" in purge
     assert c.run(["id", "trainguard"], check=False).returncode != 0
+
+
+def test_reinstall_after_a_purge_that_kept_the_group(service: Service) -> None:
+    c = service.c
+    out = c.run([TG, "install"]).stdout
+    assert "created system user trainguard in the existing group trainguard" in out, out
+    c.run(["systemctl", "enable", UNIT])
+    assert service.show("LoadState", "UnitFileState") == {"LoadState": "loaded", "UnitFileState": "enabled"}
+    assert c.run(["id", "-gn", "trainguard"]).stdout.strip() == "trainguard"
+    c.run([TG, "uninstall", "--purge"])
 

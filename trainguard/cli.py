@@ -104,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("uninstall", help="remove the systemd unit (and with --purge the config, state and user)")
     p.add_argument("--root", default="/", metavar="DIR", help="the DIR given to install --root")
     p.add_argument("--user", default="trainguard", help="service user (default: trainguard)")
-    p.add_argument("--purge", action="store_true", help="also remove /etc/trainguard, /var/lib/trainguard and the user")
+    p.add_argument("--purge", action="store_true", help="also remove /etc/trainguard, /var/lib/trainguard, the user "
+                                                        "and the /usr/local/bin/trainguard link to this trainguard")
     p = with_config(sub.add_parser(
         "xid", help="what the agent knows and does about XIDs (all of NVIDIA's catalog, or the codes given)",
         description="Print NVIDIA's catalog entry for each XID (mnemonic, description, immediate and investigatory "

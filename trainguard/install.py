@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from trainguard.core.tools import run_tool
@@ -30,6 +31,7 @@ UNIT_SOURCE = SYSTEMD / "trainguard.service"
 DEFAULT_CONFIG = PACKAGE / "default.toml"
 UNIT_EXEC = "/usr/local/bin/trainguard"  # what the shipped unit names; replaced by the real path
 UNIT = "trainguard.service"
+PATH_LINK = Path("/usr/local/bin/trainguard")  # the link install.md and the next steps suggest; a purge removes it
 CONFIG_DIR_MODE = 0o750  # the unit's ConfigurationDirectoryMode: systemd warns on every start when they differ
 
 
@@ -74,51 +76,88 @@ class Installer:
         if not SYSTEMD.is_dir():
             raise InstallError(f"{SYSTEMD} not found: this trainguard was installed without its package data; "
                                "reinstall it from a wheel or a source checkout")
-        if not self.staged:
-            self.ensure_user()
-        self._write_unit()
-        for name in self.with_dropins:
-            self._write_dropin(name, shipped[name])
-        self._write_config()
-        self._systemctl("daemon-reload")
+        # The unit first: it is only a file to write, and with it in place `systemctl enable` works even when a later
+        # step (useradd) fails; that failure then says what was done and what was not.
+        self._steps([(str(self.unit_path), self._write_unit),
+                     *((str(self.dropin_dir / f"{name}.conf"), partial(self._write_dropin, name, shipped[name]))
+                       for name in self.with_dropins),
+                     *(() if self.staged else ((f"user {self.user}", self.ensure_user),)),
+                     (str(self.config_path), self._write_config),
+                     ("systemctl daemon-reload", partial(self._systemctl, "daemon-reload"))])
         return self.done
 
+    def _steps(self, steps: list[tuple[str, Callable[[], None]]]) -> None:
+        """Each step in order; the first that fails stops the rest, in one line with what was and was not done."""
+        for i, (what, step) in enumerate(steps):
+            try:
+                step()
+            except (InstallError, OSError) as exc:
+                raise InstallError(f"{what}: {exc}; done: {'; '.join(self.done) or 'nothing'}; "
+                                   f"not done: {', '.join(name for name, _ in steps[i:])}") from None
+
     def uninstall(self, purge: bool = False) -> list[str]:
-        self._systemctl("disable", "--now", UNIT)
-        if self.unit_path.exists():
+        removed = self.unit_path.exists()
+        if removed:  # once uninstalled, systemctl would only fail on the missing unit
+            self._systemctl("disable", "--now", UNIT)
             self.unit_path.unlink()
             self.done.append(f"removed {self.unit_path}")
+        else:
+            self.done.append(f"{self.unit_path} is not installed")
         for name in dropins():  # ours only: a site's own drop-ins stay
             path = self.dropin_dir / f"{name}.conf"
             if path.exists():
                 path.unlink()
+                removed = True
                 self.done.append(f"removed {path}")
         if self.dropin_dir.is_dir():
             if any(self.dropin_dir.iterdir()):
                 self.done.append(f"kept {self.dropin_dir} (drop-ins that are not trainguard's)")
             else:
                 self.dropin_dir.rmdir()
-        self._systemctl("daemon-reload")
+        if removed:
+            self._systemctl("daemon-reload")
         if purge:
-            for path in (self.config_path.parent, self.root / "var/lib/trainguard"):
-                if path.exists():
-                    shutil.rmtree(path)
-                    self.done.append(f"removed {path}")
-            if not self.staged and _exists(pwd.getpwnam, self.user):
-                run_tool(["userdel", self.user], 30, InstallError, label="userdel")
-                self.done.append(f"removed user {self.user}")
+            self._purge()
         else:
             self.done.append(f"kept {self.config_path.parent} and /var/lib/trainguard (--purge removes them)")
         return self.done
+
+    def _purge(self) -> None:
+        for path in (self.config_path.parent, self.root / "var/lib/trainguard"):
+            if path.exists():
+                shutil.rmtree(path)
+                self.done.append(f"removed {path}")
+        if not self.staged and _exists(pwd.getpwnam, self.user):
+            run_tool(["userdel", self.user], 30, InstallError, label="userdel")
+            self.done.append(f"removed user {self.user}")
+        if not self.staged and _exists(grp.getgrnam, self.user):  # userdel keeps a group that has other members
+            members = ", ".join(grp.getgrnam(self.user).gr_mem) or "none"
+            self.done.append(f"kept group {self.user} (members: {members}; `groupdel {self.user}` removes it; a "
+                             "new install uses it)")
+        link = self.root / PATH_LINK.relative_to("/")
+        if link.is_symlink():
+            mine = executable_path()
+            if str(script_path(link)) == mine:
+                link.unlink()
+                self.done.append(f"removed {link} (the link to {mine})")
+            else:
+                self.done.append(f"kept {link}: it links to {os.readlink(link)}, not to this trainguard ({mine})")
+        if not self.staged and sys.prefix != sys.base_prefix:  # the running program: not removed under itself
+            self.done.append(f"kept {sys.prefix}, the virtualenv trainguard runs from: `rm -rf {sys.prefix}` "
+                             "removes it")
 
     def ensure_user(self) -> None:
         if _exists(pwd.getpwnam, self.user):
             self.done.append(f"user {self.user} exists")
             return
         nologin = shutil.which("nologin") or "/usr/sbin/nologin"
+        # A purge keeps the group while operators are still in it (userdel removes only an empty one); --user-group
+        # would then fail with "group exists".
+        group = _exists(grp.getgrnam, self.user)
         run_tool(["useradd", "--system", "--no-create-home", "--home-dir", "/var/lib/trainguard", "--shell", nologin,
-                  "--user-group", self.user], 30, InstallError, label="useradd")
-        self.done.append(f"created system user {self.user}")
+                  *(("--gid", self.user) if group else ("--user-group",)), self.user], 30, InstallError,
+                 label="useradd")
+        self.done.append(f"created system user {self.user}" + (f" in the existing group {self.user}" if group else ""))
 
     def _write_unit(self) -> None:
         exe = self.executable or executable_path()
@@ -186,12 +225,23 @@ class Installer:
 
 
 def executable_path() -> str:
-    """This trainguard, for ExecStart: its script, else this interpreter with `-m trainguard` (absolute paths, links
-    kept: a virtualenv's python is a link that must stay one)."""
+    """This trainguard, for ExecStart: its script, else this interpreter with `-m trainguard` (absolute paths). Called
+    through a link (/usr/local/bin/trainguard), the script the link names; the interpreter's links are kept: a
+    virtualenv's python is a link that must stay one."""
     argv0 = Path(sys.argv[0])
     if argv0.name == "trainguard" and argv0.exists():
-        return str(argv0.absolute())
+        return str(script_path(argv0.absolute()))
     return f"{Path(sys.executable).absolute()} -m trainguard"
+
+
+def script_path(path: Path) -> Path:
+    """`path` with the links of the file itself followed, not those of its directories: /usr/local/bin/trainguard
+    gives /opt/trainguard/bin/trainguard, and an /opt/trainguard that links to a versioned directory stays named."""
+    for _ in range(40):  # the kernel's own limit on a chain of links
+        if not path.is_symlink():
+            break
+        path = Path(os.path.normpath(path.parent / os.readlink(path)))
+    return path
 
 
 def _exists(lookup: Callable[[str], object], name: str) -> bool:
@@ -218,9 +268,10 @@ See {docs}
 
 def path_link(exe: str) -> str:
     """How to put a script that is not on PATH (/opt/trainguard/bin/trainguard) there, for the next steps."""
-    if " " in exe or shutil.which("trainguard") == exe:
+    found = shutil.which("trainguard")
+    if " " in exe or (found is not None and str(script_path(Path(found).absolute())) == exe):
         return ""
-    return f"; `ln -s {exe} /usr/local/bin/trainguard` puts it on PATH"
+    return f"; `ln -s {exe} {PATH_LINK}` puts it on PATH"
 
 
 def documentation() -> str:

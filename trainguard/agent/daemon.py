@@ -29,7 +29,7 @@ MALLOC_ARENAS = 2
 def fewer_malloc_arenas() -> bool:
     """glibc gives each thread that allocates an arena of its own (up to 8 per core), and each keeps what was freed in
     it. The agent's threads (a check's, kept between its runs; the servers') allocate little and seldom at once: two
-    arenas hold the same in about 1 MiB less (docs/benchmarks.md). Set before any thread starts; `MALLOC_ARENA_MAX`
+    arenas hold the same in about 1 MiB less (docs/benchmarks-history.md). Set before any thread starts; `MALLOC_ARENA_MAX`
     in the environment wins. False where it was not set (not glibc, or the environment decided)."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False

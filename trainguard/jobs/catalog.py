@@ -57,9 +57,10 @@ class JobCatalog:
         self.clock = clock
         self.slurm = SlurmClient(settings.slurm_timeout, settings.slurm_bin_dir)
         self.snapshots = processes or ProcessSnapshots()
-        names = list(settings.sources) + (["process"] if settings.processes and "process" not in settings.sources else [])
-        self._sources: dict[str, JobSource] = {
-            name: load(JOB_SOURCES[name])(settings, self.node, self.slurm, self.snapshots) for name in names}
+        self._names = list(settings.sources) + (["process"] if settings.processes and "process" not in settings.sources
+                                                else [])
+        self._built: dict[str, JobSource] | None = None
+        self._build_lock = threading.Lock()
         self.identities = Identities()  # whose authority a job's files are read with
         self._lock = threading.Lock()
         self._view: JobView | None = None
@@ -69,8 +70,18 @@ class JobCatalog:
         self._view_from = 0
 
     @property
+    def _sources(self) -> dict[str, JobSource]:
+        """The sources, made at their first use: an agent whose checks and actions never ask for jobs starts none
+        (no slurmd discovery, no log line about it)."""
+        with self._build_lock:
+            if self._built is None:
+                self._built = {name: load(JOB_SOURCES[name])(self.settings, self.node, self.slurm, self.snapshots)
+                               for name in self._names}
+            return self._built
+
+    @property
     def sources(self) -> list[str]:
-        return list(self._sources)
+        return list(self._names)
 
     def cached(self) -> JobView | None:
         """The last view, without querying anything (for /status)."""
@@ -151,7 +162,7 @@ class JobCatalog:
                 wait(timeout)
 
     def close(self) -> None:
-        for source in self._sources.values():
+        for source in (self._built or {}).values():  # never made: nothing to stop
             stop = getattr(source, "close", None)
             if stop is not None:
                 stop()

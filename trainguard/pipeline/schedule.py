@@ -9,7 +9,7 @@ agent's exit. The tick has a thread of its own too (`tick`); besides the livenes
 due points that passed while a lane was still in its run (`late`), which is where a blocked check's skipped runs are
 reported. One wake-up per run and one per tick: three a run (a schedule thread's hand-off to a worker, its hand-off
 to the check's thread, the result back) made about 1,150 wake-ups a minute in an idle agent, this about 250, for
-some 15% less CPU (docs/benchmarks.md). The clock is monotonic: a wall clock stepped by NTP neither fires every
+some 15% less CPU (docs/benchmarks-history.md). The clock is monotonic: a wall clock stepped by NTP neither fires every
 check at once nor stops them."""
 
 from __future__ import annotations
