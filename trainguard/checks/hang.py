@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration, Field
@@ -37,7 +38,6 @@ from trainguard.jobs.tree import (
     HEARTBEAT,
     flight_traces,
     heartbeat_path,
-    job_log_files,
     job_processes,
     read_heartbeat,
 )
@@ -49,6 +49,7 @@ from trainguard.node.stacks import ProcessStack, StackDumper, find_py_spy, ptrac
 log = logging.getLogger("trainguard.checks.hang")
 
 STATE_KEY = "hang.counters"
+SIGNALS_SHARE = 0.5  # of the timeout, what the jobs' progress signals share (`budgets`): the rest is the dumps' room
 DUMPS_KEY = "hang.dumps"  # job key -> the hang its stacks were taken for: a restart does not dump a still-hung job again
 _WRITE_MODES = ("w", "a", "r+", "w+", "a+")
 
@@ -93,14 +94,16 @@ class Signal:
     what: str  # "log /path", "heartbeat step 1200", "write I/O"
 
 
-def log_signal(job: Job, identity: Identity, patterns: Sequence[str], procs: list[psutil.Process], open_files: bool,
-               skip_dir: str | None = None, procfs: ProcFS | None = None) -> Signal | None:
-    """The newest write among the job's log files and the files it holds open for writing (except in
-    `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress)."""
+def log_signal(paths: Sequence[str], identity: Identity, procs: list[psutil.Process], open_files: bool,
+               skip_dir: str | None = None, procfs: ProcFS | None = None,
+               deadline: Deadline = NO_DEADLINE) -> Signal | None:
+    """The newest write among the job's log files (`paths`) and the files it holds open for writing (except in
+    `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress); `deadline` is checked
+    between files and processes."""
     procfs = procfs or ProcFS()
     best: Signal | None = None
-    paths = job_log_files(job, patterns)
     for path in paths:
+        deadline.check()
         try:
             mtime = stat_as(identity, path).st_mtime
         except OSError:
@@ -109,6 +112,7 @@ def log_signal(job: Job, identity: Identity, patterns: Sequence[str], procs: lis
             best = Signal(mtime, f"log {path}")
     if open_files:
         for proc in procs:
+            deadline.check()
             try:
                 files = proc.open_files()
             except psutil.Error:
@@ -248,12 +252,14 @@ class HangCheck(JobCheck):
     def stale_after(self, job: Job) -> float:
         return self.settings.stale_after_by_name.get(job.name, self.settings.stale_after)
 
-    def progress(self, job: Job, procs: list[psutil.Process], now: float) -> Progress:
+    def progress(self, job: Job, procs: list[psutil.Process], now: float,
+                 deadline: Deadline = NO_DEADLINE) -> Progress:
         started = job.start_time or min((p.create_time() for p in procs), default=now)
         signals = [Signal(started, "job start")]
         identity = self.identity(job)
-        logged = log_signal(job, identity, self.settings.logs, procs, self.settings.open_files, job.switch_dir,
-                            self.context.proc)
+        logs = self.log_files(job, self.settings.logs, deadline).paths
+        logged = log_signal(logs, identity, procs, self.settings.open_files, job.switch_dir, self.context.proc,
+                            deadline)
         if logged is not None:
             signals.append(logged)
         beat = heartbeat_path(job, self.settings.heartbeat)
@@ -277,13 +283,16 @@ class HangCheck(JobCheck):
         deadlines = []
         live = set()
         table = self.context.processes.get()
-        for job in self.jobs_here(view, self.settings.names):
-            procs = job_processes(job, table)
-            if not procs:
-                continue
+        running = [(job, procs) for job in self.jobs_here(view, self.settings.names)
+                   if (procs := job_processes(job, table))]
+        budgets = self.budgets([job for job, _ in running], SIGNALS_SHARE)
+        for (job, procs), (_, deadline) in zip(running, budgets, strict=True):
             live.add(job.key)
             try:
-                progress = self.progress(job, procs, now)
+                progress = self.progress(job, procs, now, deadline)
+            except OverBudgetError as exc:  # its own files or processes are slow: the other jobs are still watched
+                results.append(self.over_budget(job, exc, "reading its progress signals"))
+                continue
             except Exception as exc:  # noqa: BLE001 - one job's odd files never stop the watch on the others
                 error = one_line(f"{type(exc).__name__}: {exc}", 200)
                 log.warning("reading a job's progress failed", extra=kv(job=job.key, error=error))
