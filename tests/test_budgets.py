@@ -30,7 +30,7 @@ from trainguard.node.access import Identity
 from trainguard.node.globs import newest_as
 from trainguard.pipeline.store import Store
 
-from .conftest import REPO, mount_dev_id, require, require_root, wait_until
+from .conftest import require_root, start_fuse
 from .helpers.fake_nvml import FakeNvml, NVMLError
 from .test_training_log import OOM_H100
 
@@ -151,19 +151,8 @@ def test_only_the_cursors_of_the_files_read_are_kept(tmp_path: Path) -> None:
 @pytest.fixture
 def slow_mount(tmp_path: Path) -> Iterator[Path]:
     """A FUSE mount of 60 files, each stat taking 0.1 s (tests/helpers/slowfs.py)."""
-    require_root()
-    require(Path("/dev/fuse").exists(), "needs /dev/fuse")
-    try:
-        import fuse  # noqa: F401
-    except (ImportError, OSError) as exc:
-        require(False, f"needs fusepy and libfuse2: {exc}")
     mnt = tmp_path / "slow"
-    mnt.mkdir()
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "slowfs.py"), str(mnt), "60", "0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_until(lambda: mount_dev_id(mnt) is not None or proc.poll() is not None, 10, what="FUSE mount")
-    if proc.poll() is not None:
-        raise AssertionError(f"slowfs failed: {proc.stderr.read().decode() if proc.stderr else ''}")
+    proc = start_fuse(mnt, "slowfs.py", "60", "0.1")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=10)
     proc.kill()
