@@ -128,22 +128,28 @@ class HungMount:
             abort.write_text("1")
 
 
-@pytest.fixture
-def hung_mount(tmp_path: Path) -> Iterator[HungMount]:
-    """A FUSE mount whose statfs blocks forever (fusepy over libfuse2)."""
+def start_fuse(mnt: Path, helper: str, *args: str) -> subprocess.Popen[bytes]:
+    """A FUSE filesystem of tests/helpers (fusepy over libfuse2) mounted on `mnt`, made here."""
     require_root()
     require(Path("/dev/fuse").exists(), "needs /dev/fuse")
     try:
         import fuse  # noqa: F401
     except (ImportError, OSError) as exc:
         require(False, f"needs fusepy and libfuse2: {exc}")
-    mnt, log = tmp_path / "hung", tmp_path / "statfs-calls.log"
     mnt.mkdir()
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "hangfs.py"), str(mnt), str(log)],
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / helper), str(mnt), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_until(lambda: mount_dev_id(mnt) is not None or proc.poll() is not None, 10, what="FUSE mount")
     if proc.poll() is not None:
-        raise AssertionError(f"hangfs failed: {proc.stderr.read().decode() if proc.stderr else ''}")
+        raise AssertionError(f"{helper} failed: {proc.stderr.read().decode() if proc.stderr else ''}")
+    return proc
+
+
+@pytest.fixture
+def hung_mount(tmp_path: Path) -> Iterator[HungMount]:
+    """A FUSE mount whose statfs blocks forever."""
+    mnt, log = tmp_path / "hung", tmp_path / "statfs-calls.log"
+    proc = start_fuse(mnt, "hangfs.py", str(log))
     hung = HungMount(mnt, log, proc)
     yield hung
     hung.abort()

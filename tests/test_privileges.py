@@ -90,7 +90,7 @@ def test_agent_as_the_service_user_reads_kmsg_signals_a_job_and_reads_its_log(
         tmp_path: Path, kmsg: Any, restricted_kmsg: None, job_in_home: tuple[Any, Path, str],
         agent_process: Callable[..., AgentProcess]) -> None:
     _, run, marker = job_in_home
-    log = run / "train.log"
+    log = run / "train.log"  # found by a glob: its private directory listed by the service user as the job's user
     log.write_text("step 1 loss=2.0\n")
     shutil.chown(log, JOB_USER, JOB_USER)
     state = tmp_path / "state"
@@ -107,7 +107,7 @@ refresh = "0s"
 [jobs.processes.trainer]
 cmdline = "{marker}"
 user = "{JOB_USER}"
-logs = ["{log}"]
+logs = ["{run}/*.log"]
 [checks.xid]
 actions = {{ critical = ["signal"] }}
 [checks.training_log]

@@ -4,13 +4,16 @@ jobs on this node) and NvmlCheck (checks over the GPUs)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
+from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
+from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.settings import Duration, Field, PositiveInt, SettingsModel, field_validator
 from trainguard.core.state import ScopedState
@@ -18,9 +21,13 @@ from trainguard.gpu.faults import XidLedger
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError, Reading
 from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
+from trainguard.jobs.settings import MAX_LOG_ENTRIES, MAX_LOG_FILES
+from trainguard.jobs.tree import LogFiles, job_log_files
 from trainguard.node.access import NOBODY, Identity
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessSnapshots
+
+log = logging.getLogger("trainguard.checks")
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -161,9 +168,57 @@ class Check(ABC):
 
 
 class JobCheck(Check):
-    """Shared plumbing: the job view, and one UNKNOWN per failed source instead of a crash."""
+    """Shared plumbing: the job view, one UNKNOWN per failed source instead of a crash, and each job's budget within a
+    run: its share of the run's time (`budgets`), its log globs capped (`log_files`)."""
 
     layer = "job"
+    # Of the check's timeout, the part its jobs share (`budgets`): the rest is the run's own (the view, saving state).
+    RUN_SHARE = 0.8
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self._capped: dict[str, tuple[str, ...]] = {}  # job key -> its log globs the caps cut
+
+    def budgets(self, jobs: Sequence[Job], share: float = RUN_SHARE) -> Iterator[tuple[Job, Deadline]]:
+        """Each job with its deadline: an equal part of what is left of `share` of the check's timeout among the jobs
+        not yet checked. A job done early leaves its time to those after it; a slow one costs its own part, and the
+        others are still checked in the same run (`over_budget`)."""
+        end = time.monotonic() + self.settings.timeout * share
+        for i, job in enumerate(jobs):
+            now = time.monotonic()
+            part = max(0.0, end - now) / (len(jobs) - i)
+            yield job, Deadline(now + part, part)
+        keys = {job.key for job in jobs}
+        for key in set(self._capped) - keys:
+            del self._capped[key]
+
+    def over_budget(self, job: Job, exc: OverBudgetError, what: str, known: Result | None = None) -> Result:
+        """The result of a job whose `what` ("reading its logs") took longer than its budget: UNKNOWN, or what was
+        `known` of it when that is worse (a finding already made stays), said either way."""
+        said = f"{what} took longer than its budget of {exc.budget:.1f}s; the other jobs were checked"
+        log.warning("a job went over its time budget", extra=kv(check=self.name, job=job.key, what=what,
+                                                                 budget_s=round(exc.budget, 2)))
+        if known is not None and known.status.severity > Status.UNKNOWN.severity:
+            return self.result(known.subject, known.status, f"{known.summary}; {said}",
+                               {**known.details, "over_budget": said}, known.samples)
+        return self.result(job.key, Status.UNKNOWN, f"{job.label()}: {said}", {"job_key": job.key,
+                                                                                "over_budget": said})
+
+    def log_files(self, job: Job, patterns: Sequence[str] = (), deadline: Deadline = NO_DEADLINE) -> LogFiles:
+        """The job's log files, its globs listed with its user's authority within the caps of `[jobs]`; what the caps
+        left out is logged once per job and change."""
+        jobs = self.context.jobs.settings if self.context.jobs is not None else None
+        files = job_log_files(job, patterns, self.identity(job), jobs.max_log_files if jobs else MAX_LOG_FILES,
+                              jobs.max_log_entries if jobs else MAX_LOG_ENTRIES, deadline)
+        capped = tuple(files.capped)
+        if self._capped.get(job.key, ()) != capped:
+            self._capped[job.key] = capped
+            if capped:
+                log.warning("a job's log globs match more than is read", extra=kv(check=self.name, job=job.key,
+                                                                                  logs="; ".join(files.notes)))
+            else:
+                log.info("a job's log globs are within their caps again", extra=kv(check=self.name, job=job.key))
+        return files
 
     def view(self) -> JobView:
         if self.context.jobs is None:

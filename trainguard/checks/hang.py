@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration, Field
@@ -37,7 +38,6 @@ from trainguard.jobs.tree import (
     HEARTBEAT,
     flight_traces,
     heartbeat_path,
-    job_log_files,
     job_processes,
     read_heartbeat,
 )
@@ -57,6 +57,7 @@ from trainguard.node.stacks import (
 log = logging.getLogger("trainguard.checks.hang")
 
 STATE_KEY = "hang.counters"
+SIGNALS_SHARE = 0.5  # of the timeout, what the jobs' progress signals share (`budgets`): the rest is the dumps' room
 DUMPS_KEY = "hang.dumps"  # job key -> the hang its stacks were taken for: a restart does not dump a still-hung job again
 _WRITE_MODES = ("w", "a", "r+", "w+", "a+")
 
@@ -110,14 +111,16 @@ class Signal:
     what: str  # "log /path", "heartbeat step 1200", "write I/O"
 
 
-def log_signal(job: Job, identity: Identity, patterns: Sequence[str], procs: list[psutil.Process], open_files: bool,
-               skip_dir: str | None = None, procfs: ProcFS | None = None) -> Signal | None:
-    """The newest write among the job's log files and the files it holds open for writing (except in
-    `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress)."""
+def log_signal(paths: Sequence[str], identity: Identity, procs: list[psutil.Process], open_files: bool,
+               skip_dir: str | None = None, procfs: ProcFS | None = None,
+               deadline: Deadline = NO_DEADLINE) -> Signal | None:
+    """The newest write among the job's log files (`paths`) and the files it holds open for writing (except in
+    `skip_dir`, the switch dir, where the heartbeat's temporary file would pass for progress); `deadline` is checked
+    between files and processes."""
     procfs = procfs or ProcFS()
     best: Signal | None = None
-    paths = job_log_files(job, patterns)
     for path in paths:
+        deadline.check()
         try:
             mtime = stat_as(identity, path).st_mtime
         except OSError:
@@ -126,6 +129,7 @@ def log_signal(job: Job, identity: Identity, patterns: Sequence[str], procs: lis
             best = Signal(mtime, f"log {path}")
     if open_files:
         for proc in procs:
+            deadline.check()
             try:
                 files = proc.open_files()
             except psutil.Error:
@@ -272,12 +276,14 @@ class HangCheck(JobCheck):
     def stale_after(self, job: Job) -> float:
         return self.settings.stale_after_by_name.get(job.name, self.settings.stale_after)
 
-    def progress(self, job: Job, procs: list[psutil.Process], now: float) -> Progress:
+    def progress(self, job: Job, procs: list[psutil.Process], now: float,
+                 deadline: Deadline = NO_DEADLINE) -> Progress:
         started = job.start_time or min((p.create_time() for p in procs), default=now)
         signals = [Signal(started, "job start")]
         identity = self.identity(job)
-        logged = log_signal(job, identity, self.settings.logs, procs, self.settings.open_files, job.switch_dir,
-                            self.context.proc)
+        logs = self.log_files(job, self.settings.logs, deadline).paths
+        logged = log_signal(logs, identity, procs, self.settings.open_files, job.switch_dir, self.context.proc,
+                            deadline)
         if logged is not None:
             signals.append(logged)
         beat = heartbeat_path(job, self.settings.heartbeat)
@@ -301,13 +307,16 @@ class HangCheck(JobCheck):
         deadlines = []
         live = set()
         table = self.context.processes.get()
-        for job in self.jobs_here(view, self.settings.names):
-            procs = job_processes(job, table)
-            if not procs:
-                continue
+        running = [(job, procs) for job in self.jobs_here(view, self.settings.names)
+                   if (procs := job_processes(job, table))]
+        budgets = self.budgets([job for job, _ in running], SIGNALS_SHARE)
+        for (job, procs), (_, deadline) in zip(running, budgets, strict=True):
             live.add(job.key)
             try:
-                result, deadline = self._check_job(job, procs, now)
+                result, wake_at = self._check_job(job, procs, now, deadline)
+            except OverBudgetError as exc:  # its own files or processes are slow: the other jobs are still watched
+                results.append(self.over_budget(job, exc, "reading its progress signals"))
+                continue
             except Exception as exc:  # noqa: BLE001 - one job's odd files or processes never stop the watch on the others
                 error = one_line(f"{type(exc).__name__}: {exc}", 200)
                 log.warning("checking a job for a hang failed", extra=kv(job=job.key, error=error))
@@ -315,18 +324,19 @@ class HangCheck(JobCheck):
                                            {"job_key": job.key, "error": error}))
                 continue
             results.append(result)
-            if deadline is not None:
-                deadlines.append(deadline)
+            if wake_at is not None:
+                deadlines.append(wake_at)
         self._forget(live)
         if self._timer is not None:
             self._timer.set(min(deadlines) + 0.05 if deadlines else None)
         return results
 
-    def _check_job(self, job: Job, procs: list[psutil.Process], now: float) -> tuple[Result, float | None]:
+    def _check_job(self, job: Job, procs: list[psutil.Process], now: float,
+                   budget: Deadline = NO_DEADLINE) -> tuple[Result, float | None]:
         """The job's result, and its deadline while it progresses. Only the first `inspect_processes` of the job's
         processes are looked at (their open files and I/O at every run): a job's user picks how many processes
-        it has, not what they cost the agent."""
-        progress = self.progress(job, procs[:self.settings.inspect_processes], now)
+        it has, not what they cost the agent; reading its progress signals keeps to the job's `budget` of time."""
+        progress = self.progress(job, procs[:self.settings.inspect_processes], now, budget)
         limit = self.stale_after(job)
         status = evaluate(progress, limit, now)
         if status is Status.OK:

@@ -30,18 +30,18 @@ from dataclasses import replace
 from typing import Any
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field, Size
 from trainguard.core.text import linear, one_line
-from trainguard.core.units import parse_size
+from trainguard.core.units import format_bytes, parse_size
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import (
     FLIGHT_RECORDER_DUMPS,
     flight_traces,
     heartbeat_path,
     job_fields,
-    job_log_files,
     job_processes,
     read_heartbeat,
 )
@@ -85,6 +85,8 @@ class TrainingLogSettings(CheckSettings):
     warmup_steps: int = Field(10, ge=0, description="An OOM at or before this step is a static sizing error.")
     max_line: Size = Field(parse_size("1MiB"), description="Longer lines are cut here.")
     read_limit: Size = Field(parse_size("256MiB"), description="At most this much of one log per run (catch up later).")
+    job_read_limit: Size = Field(parse_size("512MiB"), description="At most this much of all of one job's logs per run: "
+                                 "the rest is read on next run, and the job's result says its logs are behind.")
     flight_recorder: bool = Field(True, description="Cross-check collective timeouts with the ranks' PyTorch flight "
                                                     "recorders (worker sockets, else the dumps below).")
     flight_recorder_dumps: str = Field(FLIGHT_RECORDER_DUMPS, description="Where the NCCL watchdog writes the "
@@ -199,6 +201,7 @@ class TrainingLogCheck(JobCheck):
         # kept until the log's first read found it
         self._first: dict[tuple[str, str], tuple[Look | None, float]] = {}
         self._unlisten: Callable[[], None] | None = None
+        self._behind: set[str] = set()  # jobs whose logs were left behind by their read budget, said once
 
     def start(self, wake: Callable[[], None]) -> None:
         """Run at once when a job starts here, to look at its logs before it writes (`_look`)."""
@@ -212,46 +215,102 @@ class TrainingLogCheck(JobCheck):
     def run(self) -> Sequence[Result]:
         view = self.view()
         results = self.source_errors(view)
-        live: set[str] = set()
-        paths: set[tuple[str, str]] = set()
-        for job in view.jobs:
-            if not job.on_this_node:
-                continue
-            live.add(job.key)
-            logs = job_log_files(job, self.settings.logs)
-            paths.update((job.key, path) for path in logs)
-            if job.state == "REQUEUED":  # its life here ended; what its log says now is its next life's, elsewhere
-                continue
-            self._look(job, logs)
-            if not self._life(job, bool(view.stale.get(job.source))):
-                continue
+        paths: set[tuple[str, str]] = set()  # (job, log) read or kept this run
+        unlisted: set[str] = set()  # jobs whose logs were not all listed this run: their positions are all kept
+        jobs = [job for job in view.jobs if job.on_this_node]
+        for job, deadline in self.budgets(jobs):
             try:
-                restarted = [path for path in logs if self._read(job, path)]
-                if restarted:
-                    self._after_restart(job.key, restarted, len(logs) > len(restarted))
-                self._heartbeat_loss(job)
-                self._exit(job, logs)
-                results.append(self._result(job))
+                result = self._check_job(job, bool(view.stale.get(job.source)), deadline, paths)
+            except OverBudgetError as exc:  # its own time is up: the rest of its logs are read next run
+                result = self.over_budget(job, exc, "reading its logs", self._result(job))
+                unlisted.add(job.key)
             except Exception as exc:  # noqa: BLE001 - one job's hostile log never blinds this check for the others
                 error = one_line(f"{type(exc).__name__}: {exc}", 200)
                 log.warning("reading a job's logs failed; skipped past the bytes read", extra=kv(job=job.key,
                                                                                                  error=error))
-                results.append(self.result(job.key, Status.UNKNOWN, f"{job.label()}: could not read its logs: {error}",
-                                           {"job_key": job.key, "error": error}))
+                result = self.result(job.key, Status.UNKNOWN, f"{job.label()}: could not read its logs: {error}",
+                                     {"job_key": job.key, "error": error})
+                unlisted.add(job.key)
+            if result is not None:
+                results.append(result)
         if not view.errors:  # a source that failed this time says nothing about which jobs are gone
-            for key in set(self._findings) - live:  # the job is gone: its story is told
-                del self._findings[key]
-            for table in (self._nan_streaks, self._beat_steps, self._counts, self._collectives, self._stalls,
-                          self._lives):
-                for key in set(table) - live:
-                    del table[key]
-            for key in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
-                del self._positions[key]
-                self._steps.pop(key, None)
-            for key in set(self._first) - paths:
-                del self._first[key]
-            for path in set(self._earlier) - {path for _, path in paths}:  # kept while a job here names the log
-                del self._earlier[path]
+            paths.update(key for key in [*self._positions, *self._first] if key[0] in unlisted)
+            self._forget({job.key for job in jobs}, paths)
+        self._save()
+        return results
+
+    def _check_job(self, job: Job, stale: bool, deadline: Deadline, paths: set[tuple[str, str]]) -> Result | None:
+        """Read on in the job's logs within its budgets (files, bytes, time); its result, None while it is not read."""
+        files = self.log_files(job, self.settings.logs, deadline)
+        paths.update((job.key, path) for path in files.paths)
+        if job.state == "REQUEUED":  # its life here ended; what its log says now is its next life's, elsewhere
+            return None
+        self._look(job, files.paths)
+        if not self._life(job, stale):
+            return None
+        behind = self._read_all(job, files.paths, deadline)
+        self._heartbeat_loss(job)
+        self._exit(job, files.paths)
+        return self._result(job, files.notes, behind)
+
+    def _read_all(self, job: Job, logs: Sequence[str], deadline: Deadline) -> int:
+        """Read on in each of the job's logs, `job_read_limit` bytes in all at most (`read_limit` of one); how many
+        bytes that left unread (read on next run)."""
+        left, behind = int(self.settings.job_read_limit), 0
+        restarted = []
+        for path in logs:
+            deadline.check()
+            if left <= 0:  # its positions stay: read on from there next run
+                behind += self._unread(job, path)
+                continue
+            again, tail = self._read(job, path, min(left, int(self.settings.read_limit)), deadline)
+            left -= tail.spent
+            behind += tail.behind
+            if again:
+                restarted.append(path)
+        if restarted:
+            self._after_restart(job.key, restarted, len(logs) > len(restarted))
+        self._say_behind(job, behind)
+        return behind
+
+    def _unread(self, job: Job, path: str) -> int:
+        """How far the log's end is past the job's position in it (a log never read: all of it)."""
+        position = self._positions.get((job.key, path))
+        try:
+            size = stat_as(self.identity(job), path).st_size
+        except OSError:
+            return 0
+        return max(0, size - (position.offset if position is not None else 0))
+
+    def _say_behind(self, job: Job, behind: int) -> None:
+        """One log line when the job's logs fall behind its byte budget, one when they have caught up."""
+        was = job.key in self._behind
+        if behind and not was:
+            self._behind.add(job.key)
+            log.warning("a job's logs are behind: more was written than its read budget", extra=kv(
+                job=job.key, unread_bytes=behind, job_read_limit=int(self.settings.job_read_limit)))
+        elif not behind and was:
+            self._behind.discard(job.key)
+            log.info("a job's logs are read up again", extra=kv(job=job.key))
+
+    def _forget(self, live: set[str], paths: set[tuple[str, str]]) -> None:
+        """Bounded state: only what the jobs still here and the logs read (or kept) this run need."""
+        for key in set(self._findings) - live:  # the job is gone: its story is told
+            del self._findings[key]
+        for table in (self._nan_streaks, self._beat_steps, self._counts, self._collectives, self._stalls,
+                      self._lives):
+            for key in set(table) - live:
+                del table[key]
+        self._behind &= live
+        for log_key in set(self._positions) - paths:  # a log no longer read (gone, or past the newest) is forgotten
+            del self._positions[log_key]
+            self._steps.pop(log_key, None)
+        for log_key in set(self._first) - paths:
+            del self._first[log_key]
+        for path in set(self._earlier) - {path for _, path in paths}:  # kept while a job here names the log
+            del self._earlier[path]
+
+    def _save(self) -> None:
         # per job: {job key: {path: position}}; beside them, a position saved by a version before that (a path, never
         # a job key, and a list), kept until no job here names its log
         saved: dict[str, Any] = {path: pos.to_list() for path, pos in self._earlier.items()}
@@ -261,7 +320,6 @@ class TrainingLogCheck(JobCheck):
         self.save_state(FINDINGS_KEY, self._findings)
         self.save_state(COLLECTIVES_KEY, self._collectives)
         self.save_state(LIVES_KEY, self._lives)
-        return results
 
     def _life(self, job: Job, stale: bool) -> bool:
         """Whether the job's logs are read now. A new life (the restart count changed: requeued) drops what the
@@ -312,8 +370,9 @@ class TrainingLogCheck(JobCheck):
                 except OSError as exc:  # its read says so (UNKNOWN for this job); without a look it is read whole
                     log.debug("log not looked at", extra=kv(job=job.key, log=path, error=exc))
 
-    def _read(self, job: Job, path: str) -> bool:
-        """Read on in one of the job's logs; whether the relaunch loop said there that it started the job again."""
+    def _read(self, job: Job, path: str, limit: int, deadline: Deadline = NO_DEADLINE) -> tuple[bool, LogTail]:
+        """Read on in one of the job's logs, `limit` bytes at most: whether the relaunch loop said there that it
+        started the job again, and the tail (what it read, what it left)."""
         key = (job.key, path)
         position = self._positions.get(key)
         if position is None and (earlier := self._earlier.get(path)) is not None:
@@ -334,7 +393,7 @@ class TrainingLogCheck(JobCheck):
         tail = LogTail(path, self.identity(job), position, int(self.settings.max_line), older, begin, cut)
         streaks = self._nan_streaks.setdefault(job.key, {})
         try:
-            return self._scan(job, path, tail, streaks)
+            return self._scan(job, path, tail, streaks, limit, deadline), tail
         finally:  # the reader moved past each chunk before handing it over: what failed is not read again
             if tail.position is not None:
                 self._positions[key] = tail.position
@@ -354,9 +413,11 @@ class TrainingLogCheck(JobCheck):
             self._collectives.pop(key, None)
             self._stalls.pop(key, None)
 
-    def _scan(self, job: Job, path: str, tail: LogTail, streaks: dict[str, int]) -> bool:
+    def _scan(self, job: Job, path: str, tail: LogTail, streaks: dict[str, int], limit: int,
+              deadline: Deadline) -> bool:
         restarted_here = False
-        for chunk in tail.read(int(self.settings.read_limit)):
+        for chunk in tail.read(limit):
+            deadline.check()  # between chunks: the reader has moved past the chunks before, which are not read again
             base = (tail.position.offset if tail.position is not None else len(chunk)) - len(chunk)
             since = 0  # end of the last NaN line in this chunk: a finite loss after it ends the streak
             consumed = -1  # end of the last line a wrapped message was joined up to: its continuations are read
@@ -579,13 +640,23 @@ class TrainingLogCheck(JobCheck):
         """XIDs the kernel log reported on this node within `window` (as the xid check recorded them)."""
         return [f"XID {e.xid} on {e.bus_id}" for e in self.context.xid_history.entries() if abs(e.last - when) <= window]
 
-    def _result(self, job: Job) -> Result:
+    def _result(self, job: Job, notes: Sequence[str] = (), behind: int = 0) -> Result:
+        """The job's result: its lead finding told (`_tell`), and what its budgets left unread (`notes`: its globs'
+        files not read; `behind`: bytes of its logs not read yet)."""
         findings = self._findings.get(job.key, [])
         labels = {"job_id": job.job_id or job.name, "name": job.name}
-        samples = [FINDINGS(len(findings), labels)]
-        if not findings:
-            return self.result(job.key, Status.OK, f"{job.label()}: no known failure in its logs",
-                               {"job_key": job.key}, samples)
+        status, text, details = (self._tell(job, findings) if findings else
+                                 (Status.OK, f"{job.label()}: no known failure in its logs", {"job_key": job.key}))
+        if behind:
+            text += (f"; its logs are behind: {format_bytes(behind)} not read yet (at most "
+                     f"{format_bytes(self.settings.job_read_limit)} a run; read on next run)")
+            details["behind_bytes"] = behind
+        if notes:
+            details["logs"] = list(notes)
+        return self.result(job.key, status, text, details, [FINDINGS(len(findings), labels)])
+
+    def _tell(self, job: Job, findings: list[dict[str, Any]]) -> tuple[Status, str, dict[str, Any]]:
+        """The job's status, summary and details from its findings: the lead one (cause before echo) tells it."""
         status = worst(Status[f["status"]] for f in findings)
         late = _knock_ons(findings)
         tiers = [KNOCK_ON if i in late else _tier(f) for i, f in enumerate(findings)]
@@ -609,5 +680,4 @@ class TrainingLogCheck(JobCheck):
         details = {"job_key": job.key, "findings": sorted(findings, key=_when), "next_step": lead.get("advice") or None,
                    "collectives": story.fields if story else None,
                    **{k: v for k, v in job_fields(job).items() if k in ("job_id", "name")}}
-        return self.result(job.key, status, text, details, samples)
-
+        return status, text, details

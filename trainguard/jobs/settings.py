@@ -12,6 +12,8 @@ from trainguard.registry import JOB_SOURCES
 # readable by the service through /etc/trainguard's group. Not under /run/trainguard, the unit's RuntimeDirectory,
 # which belongs to the service user and is wiped at every restart.
 STOP_DIR = Path("/etc/trainguard/stop")
+MAX_LOG_FILES = 64  # per glob and job: the newest by mtime are read
+MAX_LOG_ENTRIES = 10_000  # per glob and run: directory entries examined
 
 
 class ProcessJobSettings(SettingsModel):
@@ -62,6 +64,12 @@ class JobsSettings(SettingsModel):
                                         "job the controller says ended while its steps stay): what one job on this "
                                         "node can cost slurmctld at most.")
     processes: dict[str, ProcessJobSettings] = Field(default_factory=dict, description="Plain-process jobs by name.")
+    max_log_files: int = Field(MAX_LOG_FILES, ge=1, description="A log glob of a job (its `logs`, a check's `logs`) "
+                               "reads the newest this many matching files by mtime; the rest are counted and said "
+                               "once (log line, the result's details).")
+    max_log_entries: int = Field(MAX_LOG_ENTRIES, ge=1, description="A log glob examines at most this many directory "
+                                 "entries per run, listed with the job user's authority: a directory filled with "
+                                 "files costs its job, not the agent; entries past it are not seen that run.")
 
     @field_validator("sources")
     @classmethod

@@ -5,15 +5,19 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from trainguard.core.budget import NO_DEADLINE, Deadline
 from trainguard.core.units import bounded_float, bounded_int
 from trainguard.jobs.model import Job
-from trainguard.node.access import Identity, read_as
+from trainguard.jobs.settings import MAX_LOG_ENTRIES, MAX_LOG_FILES
+from trainguard.node.access import NOBODY, Identity, read_as
 from trainguard.node.flight import RankTrace, fetch, read_dumps
+from trainguard.node.globs import newest_as
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessTable, read_table
 
@@ -41,17 +45,42 @@ def job_fields(job: Job) -> dict[str, str]:
             "switch_dir": job.switch_dir or ""}
 
 
-def job_log_files(job: Job, patterns: Sequence[str] = ()) -> list[str]:
-    """The job's own log paths (SLURM StdOut/StdErr, a process job's `logs`) and `patterns` filled in, globbed."""
+@dataclass(frozen=True)
+class LogFiles:
+    """A job's log paths, and what the caps on its globs left out (one line per glob they cut)."""
+
+    paths: list[str]
+    notes: list[str]  # what the caps left out, said per glob
+    capped: list[str]  # the globs the caps cut (what `notes` says changes with each file added; this does not)
+
+
+def job_log_files(job: Job, patterns: Sequence[str] = (), identity: Identity = NOBODY, keep: int = MAX_LOG_FILES,
+                  examine: int = MAX_LOG_ENTRIES, deadline: Deadline = NO_DEADLINE) -> LogFiles:
+    """The job's own log paths (SLURM StdOut/StdErr, a process job's `logs`) and `patterns` filled in; a glob expands
+    to its newest `keep` files as the job's user may list them, examining `examine` entries at most
+    (`node.globs`)."""
     fields = job_fields(job)
     paths: list[str] = []
+    notes: list[str] = []
+    capped: list[str] = []
     for raw in [*job.log_paths, *patterns]:
         try:
             pattern = raw.format(**fields) if raw in patterns else raw
         except (KeyError, IndexError, ValueError):
             continue
-        paths.extend(sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])
-    return list(dict.fromkeys(paths))
+        if not glob.has_magic(pattern):
+            paths.append(pattern)
+            continue
+        found = newest_as(identity, pattern, keep, examine, deadline)
+        paths.extend(found.paths)
+        if found.cut or found.matched > len(found.paths):
+            capped.append(pattern)
+        if found.cut:
+            notes.append(f"{pattern}: more than {examine} entries, the first {examine} examined ({found.matched} "
+                         f"match); the newest {len(found.paths)} of those are read")
+        elif found.matched > len(found.paths):
+            notes.append(f"{pattern}: {found.matched} files match; the newest {len(found.paths)} are read")
+    return LogFiles(list(dict.fromkeys(paths)), notes, capped)
 
 
 HEARTBEAT = "{switch_dir}/heartbeat.json"  # where trainguard.trainer writes it by default

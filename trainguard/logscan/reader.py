@@ -97,9 +97,13 @@ class LogTail:
         self.older = older
         self.begin = begin
         self.cut = cut
+        self.spent = 0  # bytes read by the last `read`
+        self.behind = 0  # bytes its `limit` left unread (read on next time)
 
     def read(self, limit: int = 64 << 20) -> Iterator[bytes]:
-        """Appended complete lines (newline-terminated), in chunks, up to `limit` bytes per call (the rest next time)."""
+        """Appended complete lines (newline-terminated), in chunks, up to `limit` bytes per call (the rest next time:
+        `behind` says how much)."""
+        self.spent = self.behind = 0
         try:  # a regular file the job's user may read; a device or FIFO is never opened for reading
             fd = open_as(self.identity, self.path)
         except OSError:
@@ -118,14 +122,14 @@ class LogTail:
                 pos = Position(st.st_dev, st.st_ino, 0)
             pos.head = head
             self.position = pos
-            budget = limit
-            while budget > 0 and pos.offset < st.st_size:
+            while self.spent < limit and pos.offset < st.st_size:
                 os.lseek(fd, pos.offset, os.SEEK_SET)
-                data = os.read(fd, min(CHUNK, budget, st.st_size - pos.offset))
+                data = os.read(fd, min(CHUNK, limit - self.spent, st.st_size - pos.offset))
                 if not data:
                     break
-                budget -= len(data)
+                self.spent += len(data)
                 chunk = self._lines(data, pos)
+                self.behind = st.st_size - pos.offset if self.spent >= limit else 0
                 if chunk is not None:
                     yield chunk
                 elif len(data) < CHUNK:
