@@ -182,7 +182,8 @@ class HttpEndpoint:
 
     def start(self) -> None:
         self._thread.start()
-        log.info("listening", extra=kv(address=f"{self.address[0]}:{self.address[1]}", max_connections=self._server.cap))
+        log.info("listening", extra=kv(address=f"{self.address[0]}:{self.address[1]}",
+                                       max_connections=self._server.cap))
 
     def stop(self) -> None:
         self._server.stop(self._thread)
