@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import REPO, AgentProcess, free_port, wait_until
+from tests.conftest import REPO, AgentProcess, control_status, free_port, wait_until
 from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
 
 
@@ -207,7 +207,7 @@ timeout = "10s"
                what="the first round done")
     wait_until(lambda: any(m == "STATUS=watching 2 checks" for m in notify_socket.messages), 5,
                what="STATUS after the first round")
-    [result] = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["alive"]["results"]
+    [result] = control_status(tmp_path / "state")["checks"]["alive"]["results"]  # TCP's /status has no summaries
     assert result["status"] == "UNKNOWN" and "squeue" in result["summary"] and "timed out" in result["summary"]
 
 

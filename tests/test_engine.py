@@ -13,6 +13,7 @@ import requests
 from tests.conftest import HungMount, require_tool, wait_until
 from trainguard.agent.configfile import parse_config
 from trainguard.agent.http import HttpEndpoint
+from trainguard.agent.status import status_document
 from trainguard.checks.base import Check, CheckIdle
 from trainguard.core.events import Event
 from trainguard.core.model import Metric, Result, Status
@@ -350,7 +351,8 @@ def test_http_endpoints_and_promtool(tmp_path: Path, running: list[Any]) -> None
                    'trainguard_check_last_run_timestamp_seconds{check="memory"}',
                    'trainguard_test_value{thing="a"} 1.5',
                    'trainguard_filesystem_avail_bytes{device=',
-                   "trainguard_memory_available_bytes "):
+                   "trainguard_memory_available_bytes ",
+                   "trainguard_agent_open_fds ", "trainguard_agent_max_fds ", "trainguard_agent_threads "):
         assert needle in text, needle
     lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert lint.returncode == 0 and lint.stdout.strip() == "" and lint.stderr.strip() == "", lint.stdout + lint.stderr
@@ -358,7 +360,9 @@ def test_http_endpoints_and_promtool(tmp_path: Path, running: list[Any]) -> None
     status = requests.get(url + "/status", timeout=5).json()
     assert status["node"] == "node1"
     assert {i["check"] for i in status["incidents"]} == {"flaky", "wedged", "disk"}
-    assert status["checks"]["flaky"]["results"][0]["summary"] == "thing is WARNING"
+    # over TCP: names, subjects and statuses; the summary on the control socket only
+    assert status["checks"]["flaky"]["results"] == [{"check": "flaky", "subject": "thing", "status": "WARNING"}]
+    assert status_document(engine)["checks"]["flaky"]["results"][0]["summary"] == "thing is WARNING"
     assert requests.get(url + "/healthz", timeout=5).text == "ok\n"
     assert requests.post(url + "/metrics", timeout=5).status_code == 405
     assert requests.get(url + "/nope", timeout=5).status_code == 404
