@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.agent.metrics import CONTENT_TYPE, exposition
-from trainguard.agent.server import BACKLOG, MAX_BODY, BoundedServer, connection_cap
+from trainguard.agent.server import BACKLOG, MAX_BODY, TCP_BACKLOG, BoundedServer, connection_cap
 from trainguard.agent.status import status_document
 from trainguard.core.logs import kv
 from trainguard.core.text import one_line
@@ -174,7 +174,7 @@ class HttpEndpoint:
 
     def __init__(self, engine: Engine, host: str, port: int) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+        sock = socket.create_server((host, port), family=family, backlog=TCP_BACKLOG)
         self._server = BoundedServer(sock, _serving(_handler(engine, details=False)), "http", HTTP_WORKERS,
                                      connection_cap(HTTP_CAP))
         self.address = sock.getsockname()[:2]

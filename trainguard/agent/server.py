@@ -36,11 +36,16 @@ from trainguard.core.worker import Worker
 log = logging.getLogger("trainguard.http")
 
 BACKLOG = 128  # a burst of scrapers and status calls queues here instead of waiting a second for a SYN retry
+# TCP: any local account can connect, and a burst of its connects (2,000 reopened at once) beyond the backlog makes
+# the kernel drop every SYN meanwhile, a scraper's too (a second's retry). Queued connections cost the agent no
+# descriptor, and the loop accepts them in milliseconds. The kernel clamps it to net.core.somaxconn (4096 by default).
+TCP_BACKLOG = 4096
 REQUEST_DEADLINE_S = 5.0  # from accept to the request's last byte: real clients send theirs at once
 REPLY_DEADLINE_S = 10.0  # to take the reply: a client that stops reading is cut then
 MAX_HEAD = 16 << 10  # request line and headers
 MAX_BODY = 64 << 10  # an operator command's JSON
-ACCEPT_BATCH = 64  # connections taken per wake-up: the backlog drains before it fills, reads still get their turn
+ACCEPT_BATCH = 64  # connections taken per wake-up: well under any cap (one accepted early in a batch is not evicted
+# by the rest of it), and the reads get their turn
 READ_CHUNK = 8192
 PAUSE_S = 1.0  # out of descriptors with nothing to evict: the listener rests (else it is readable, and the loop spins)
 REPORT_EVERY_S = 60.0  # connections cut, said at most this often
@@ -182,6 +187,7 @@ class BoundedServer:
             conn = _Conn(sock, peer, time.monotonic() + REQUEST_DEADLINE_S)
             self._reading[sock.fileno()] = conn
             self._watch(conn, selectors.EVENT_READ)
+            self._read(conn)  # a client sends its request with the connect: served now, never evicted
 
     def _evict(self) -> bool:
         """Closes the connection that has been sending its request longest; False when none is."""
