@@ -1,11 +1,13 @@
 """The agent's small HTTP endpoints.
 
-- TCP (`agent.listen`, 127.0.0.1:9721 by default), read-only: /metrics, /healthz, and /status with summaries only:
-  any local user can connect there, and a result's details carry other users' log lines and names.
+- TCP (`agent.listen`, 127.0.0.1:9721 by default), read-only: /metrics, /healthz, and /status with check names,
+  subjects, statuses and times only (trainguard.agent.status): any local user can connect there, and summaries and
+  details carry other users' log lines and names.
 - The local control socket (`control.sock` in the runtime or state directory, mode 0660, group of the agent): the
   same, /status with every detail, and the operator commands (POST /ack, /silence, /clear), recorded with the
   peer's uid. The kernel lets only the agent's group open it; SO_PEERCRED checks the peer again (root, the agent's
   user, or a member of its group).
+Both are served by trainguard.agent.server: bounded in connections, time per request and threads.
 """
 
 from __future__ import annotations
