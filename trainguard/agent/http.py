@@ -214,7 +214,7 @@ class ControlSocket:
             sock.close()
             raise
         self._server = BoundedServer(sock, _serving(_handler(engine, details=True)), "control", CONTROL_WORKERS,
-                                     connection_cap(CONTROL_CAP), _peer_credentials(may_control))
+                                     connection_cap(CONTROL_CAP), _peer_credentials(may_control), MAX_BODY)
         os.chmod(path, 0o660)  # under UMask=0077 it would be 0600: the group could not connect
         self._thread = threading.Thread(target=self._server.serve_until_stopped, name="control", daemon=True)
 

@@ -42,8 +42,8 @@ BACKLOG = 128  # a burst of scrapers and status calls queues here instead of wai
 TCP_BACKLOG = 4096
 REQUEST_DEADLINE_S = 5.0  # from accept to the request's last byte: real clients send theirs at once
 REPLY_DEADLINE_S = 10.0  # to take the reply: a client that stops reading is cut then
-MAX_HEAD = 16 << 10  # request line and headers
-MAX_BODY = 64 << 10  # an operator command's JSON
+MAX_HEAD = 8 << 10  # request line and headers (a cap's worth of them is 2 MiB)
+MAX_BODY = 64 << 10  # an operator command's JSON (the TCP endpoint takes no body: it refuses every command)
 ACCEPT_BATCH = 64  # connections taken per wake-up: well under any cap (one accepted early in a batch is not evicted
 # by the rest of it), and the reads get their turn
 READ_CHUNK = 8192
@@ -82,13 +82,13 @@ def head_end(buf: bytearray, start: int) -> int | None:
     return min(ends) if ends else None
 
 
-def content_length(head: bytes) -> int:
-    """The body's length the headers declare, at most MAX_BODY; 0 when absent or not a number (the handler answers)."""
+def content_length(head: bytes, limit: int) -> int:
+    """The body's length the headers declare, at most `limit`; 0 when absent or not a number (the handler answers)."""
     for line in head.split(b"\n")[1:]:
         name, sep, value = line.partition(b":")
         if sep and name.strip().lower() == b"content-length":
             value = value.strip()
-            return min(int(value), MAX_BODY) if value.isdigit() and len(value) < 12 else 0
+            return min(int(value), limit) if value.isdigit() and len(value) < 12 else 0
     return 0
 
 
@@ -96,10 +96,11 @@ class BoundedServer:
     """Serves `handle` on the listening `sock` until `stop()`; see the module's docstring."""
 
     def __init__(self, sock: socket.socket, handle: Handle, name: str, workers: int, cap: int,
-                 peer: Peer = lambda _sock, address: address) -> None:
+                 peer: Peer = lambda _sock, address: address, max_body: int = 0) -> None:
         self.sock = sock
         self.name = name
         self.cap = cap
+        self.max_body = max_body
         self._handle = handle
         self._peer = peer
         self._workers = [Worker(f"{name}-{i}") for i in range(workers)]
@@ -133,6 +134,8 @@ class BoundedServer:
             try:
                 while self._wake is not None:
                     for key, events in selector.select(self._timeout()):
+                        if isinstance(key.data, _Conn) and key.data.closed:
+                            continue  # cut earlier in this batch (evicted): its descriptor may be another's now
                         if key.data is None:
                             self._accept()
                         elif key.data is wake:
@@ -216,7 +219,7 @@ class BoundedServer:
                 if len(conn.buf) > MAX_HEAD:
                     self._reply(conn, TOO_LARGE)
                 return
-            conn.need = end + content_length(bytes(conn.buf[:end]))
+            conn.need = end + content_length(bytes(conn.buf[:end]), self.max_body)
         if len(conn.buf) >= conn.need:
             self._work(conn, bytes(conn.buf[:conn.need]))
 
