@@ -108,25 +108,20 @@ def job() -> Iterator[Job]:
     shutil.rmtree(run, ignore_errors=True)
 
 
+def agent_config(tmp_path: Path, port: int, job: Job, more: str) -> Path:
+    """The agent's config: its state, its port, the job as a process job of JOB_USER, then `more`."""
+    path = tmp_path / "trainguard.toml"
+    path.write_text(f'[agent]\nstate_dir = "{tmp_path / "state"}"\nlisten = "127.0.0.1:{port}"\n'
+                    '[jobs]\nsources = ["process"]\nrefresh = "0s"\n'
+                    f'[jobs.processes.trainer]\ncmdline = "{job.marker}"\nuser = "{JOB_USER}"\n{more}\n'
+                    '[notifiers.console]\n')
+    return path
+
+
 def test_2000_slow_connections_of_another_user_exhaust_nothing(
         tmp_path: Path, kmsg: Any, job: Job, agent_process: Callable[..., AgentProcess]) -> None:
     port = free_port()
-    config = tmp_path / "trainguard.toml"
-    config.write_text(f"""
-[agent]
-state_dir = "{tmp_path / 'state'}"
-listen = "127.0.0.1:{port}"
-[jobs]
-sources = ["process"]
-refresh = "0s"
-[jobs.processes.trainer]
-cmdline = "{job.marker}"
-user = "{JOB_USER}"
-[checks.xid]
-actions = {{ critical = ["signal"] }}
-[checks.memory]
-[notifiers.console]
-""")
+    config = agent_config(tmp_path, port, job, '[checks.xid]\nactions = { critical = ["signal"] }\n[checks.memory]')
     # the limit the issue's agent had (no LimitNOFILE in the unit then): the cap must hold well inside it
     agent = agent_process(config, wrapper=[require_tool("prlimit"), "--nofile=1024:1024", "--"])
     agent.wait_for("msg=ready")
@@ -203,23 +198,7 @@ def test_a_secret_in_one_users_private_log_never_reaches_another_over_tcp(
     log.chmod(0o600)
     shutil.chown(log, JOB_USER, JOB_USER)
     port = free_port()
-    config = tmp_path / "trainguard.toml"
-    config.write_text(f"""
-[agent]
-state_dir = "{tmp_path / 'state'}"
-listen = "127.0.0.1:{port}"
-[jobs]
-sources = ["process"]
-refresh = "0s"
-[jobs.processes.trainer]
-cmdline = "{job.marker}"
-user = "{JOB_USER}"
-logs = ["{log}"]
-[checks.training_log]
-interval = "1s"
-jitter = "0s"
-[notifiers.console]
-""")
+    config = agent_config(tmp_path, port, job, f'logs = ["{log}"]\n[checks.training_log]\ninterval = "1s"\njitter = "0s"')
     try:
         agent = agent_process(config)
         agent.wait_for("msg=ready")
