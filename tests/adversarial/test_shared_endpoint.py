@@ -198,7 +198,8 @@ def test_a_secret_in_one_users_private_log_never_reaches_another_over_tcp(
     log.chmod(0o600)
     shutil.chown(log, JOB_USER, JOB_USER)
     port = free_port()
-    config = agent_config(tmp_path, port, job, f'logs = ["{log}"]\n[checks.training_log]\ninterval = "1s"\njitter = "0s"')
+    config = agent_config(tmp_path, port, job,
+                          f'logs = ["{log}"]\n[checks.training_log]\ninterval = "1s"\njitter = "0s"')
     try:
         agent = agent_process(config)
         agent.wait_for("msg=ready")

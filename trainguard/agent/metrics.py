@@ -195,7 +195,7 @@ class Exposition:
 
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
-        self._lock = threading.Lock()  # one scrape at a time renders (the endpoint serves one; a test may call twice)
+        self._lock = threading.Lock()  # one scrape at a time renders (the endpoint has two workers)
         self._checks: dict[str, tuple[RunReport | None, tuple[object, ...], RunSeries]] = {}
 
     def __call__(self) -> bytes:

@@ -136,14 +136,19 @@ class BoundedServer:
                     for key, events in selector.select(self._timeout()):
                         if isinstance(key.data, _Conn) and key.data.closed:
                             continue  # cut earlier in this batch (evicted): its descriptor may be another's now
-                        if key.data is None:
-                            self._accept()
-                        elif key.data is wake:
-                            os.read(wake[0], 4096)
-                        elif events & selectors.EVENT_READ:
-                            self._read(key.data)
-                        else:
-                            self._write(key.data)
+                        try:
+                            if key.data is None:
+                                self._accept()
+                            elif key.data is wake:
+                                os.read(wake[0], 4096)
+                            elif events & selectors.EVENT_READ:
+                                self._read(key.data)
+                            else:
+                                self._write(key.data)
+                        except OSError as exc:  # one connection's (or one accept's) trouble, never the server's end
+                            log.warning("http connection failed", extra=kv(server=self.name, error=exc))
+                            if isinstance(key.data, _Conn):
+                                self._close(key.data)
                     self._replies()
                     self._expire(time.monotonic())
             finally:
