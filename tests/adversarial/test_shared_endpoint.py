@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import statistics
 import subprocess
@@ -157,7 +158,11 @@ def test_2000_slow_connections_of_another_user_exhaust_nothing(
         bus = unique_bus()
         written = time.monotonic()
         kmsg.write(xid79(bus))
-        wait_until(lambda: job.signals() > 0, 10, what="USR1 delivered to the job while the endpoint is held")
+        # this XID's signal, logged by the agent and received by the job (the kernel log is the machine's: another
+        # test may write XIDs meanwhile)
+        acted = re.compile(rf"action=signal outcome=ok incident=\S+ check=xid subject=pci:{bus}\b")
+        wait_until(lambda: acted.search(agent.output()) and job.signals() > 0, 10,
+                   what="USR1 delivered to the job while the endpoint is held")
         signalled = time.monotonic() - written
         most = max(most, fds(pid))
         assert attacker.poll() is None, "the attacker gave up"
@@ -169,7 +174,7 @@ def test_2000_slow_connections_of_another_user_exhaust_nothing(
     assert most <= base_fds + HTTP_CAP + 16, (most, base_fds)
     for path, seen in latencies.items():
         assert statistics.median(seen) < 0.1 and max(seen) < 1.0, (path, [round(s * 1000) for s in seen])
-    assert signalled < 5.0 and job.signals() == 1
+    assert signalled < 5.0
     wait_until(lambda: fds(pid) <= base_fds + 2 and threads(pid) <= base_threads + 2, 10,
                what=f"fds and threads back to baseline ({base_fds}, {base_threads})")
     assert requests.get(url + "/healthz", timeout=5).status_code == 200
