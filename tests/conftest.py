@@ -6,6 +6,7 @@ Under CI=true a test whose real component or privilege is missing fails; elsewhe
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -260,6 +261,25 @@ def agent_process(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 
 def http_get(url: str, timeout: float = 5.0) -> requests.Response:
     return requests.get(url, timeout=timeout)
+
+
+def control_get(sock: Path, path: str = "/status", timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET over the agent's control socket (root or its group): /status with summaries and details, which the TCP
+    endpoint leaves out. The status code and the body."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(sock))
+        s.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+        reply = b"".join(iter(lambda: s.recv(1 << 16), b""))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def control_status(state_dir: Path) -> dict[str, Any]:
+    """The full /status of the agent whose state dir (and so control socket) is `state_dir`."""
+    code, body = control_get(state_dir / "control.sock")
+    assert code == 200, body[:500]
+    return json.loads(body)  # type: ignore[no-any-return]
 
 
 @pytest.fixture

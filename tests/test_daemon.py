@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import REPO, AgentProcess, free_port, wait_until
+from tests.conftest import REPO, AgentProcess, control_status, free_port, wait_until
 from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
 
 
@@ -230,7 +230,7 @@ timeout = "10s"
                what="the first round done")
     wait_until(lambda: any(m == "STATUS=watching 2 checks" for m in notify_socket.messages), 5,
                what="STATUS after the first round")
-    [result] = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["alive"]["results"]
+    [result] = control_status(tmp_path / "state")["checks"]["alive"]["results"]  # TCP's /status has no summaries
     assert result["status"] == "UNKNOWN" and "squeue" in result["summary"] and "timed out" in result["summary"]
 
 
@@ -302,6 +302,12 @@ def test_status_command_against_a_running_agent(tmp_path: Path, agent_process: C
     assert re.search(r"^IDLE\s+ib\s+-\s+no InfiniBand or RoCE device under .*/no-infiniband$", proc.stdout, re.M)
     agent.wait_for("check=ib", count=1)
     assert agent.output().count("check idle: what it watches is absent here") == 1  # once, not every second
+    # over TCP (what any local user gets): the same table, the summaries left to the control socket
+    tcp = subprocess.run([sys.executable, "-m", "trainguard", "status", "--url", f"http://127.0.0.1:{port}"],
+                         capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert tcp.returncode == 0 and "no summaries, no job names; they are on the control socket" in tcp.stdout
+    assert re.search(r"^firing\s+CRITICAL\s+scratch\s+\S+\s+-$", tcp.stdout, re.M), tcp.stdout
+    assert "critical threshold" in proc.stdout and "critical threshold" not in tcp.stdout
     unreachable = subprocess.run([sys.executable, "-m", "trainguard", "status", "--url", f"http://127.0.0.1:{free_port()}"],
                                  capture_output=True, text=True, timeout=30, cwd=REPO)
     assert unreachable.returncode == 3 and "cannot reach the agent" in unreachable.stderr

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import threading
 import time
@@ -13,6 +15,7 @@ import requests
 from tests.conftest import HungMount, require_tool, wait_until
 from trainguard.agent.configfile import parse_config
 from trainguard.agent.http import HttpEndpoint
+from trainguard.agent.status import status_document
 from trainguard.checks.base import Check, CheckIdle
 from trainguard.core.events import Event
 from trainguard.core.model import Metric, Result, Status
@@ -20,6 +23,7 @@ from trainguard.notifiers.base import Notifier, NotifierError, NotifierSettings
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.incidents import Operator
 from trainguard.pipeline.runner import RunReport
+from trainguard.pipeline.selfcheck import NAME as SELF_NAME
 from trainguard.pipeline.store import Store
 from trainguard.registry import CHECKS, NOTIFIERS, Registry
 
@@ -350,7 +354,8 @@ def test_http_endpoints_and_promtool(tmp_path: Path, running: list[Any]) -> None
                    'trainguard_check_last_run_timestamp_seconds{check="memory"}',
                    'trainguard_test_value{thing="a"} 1.5',
                    'trainguard_filesystem_avail_bytes{device=',
-                   "trainguard_memory_available_bytes "):
+                   "trainguard_memory_available_bytes ",
+                   "trainguard_agent_open_fds ", "trainguard_agent_max_fds ", "trainguard_agent_threads "):
         assert needle in text, needle
     lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert lint.returncode == 0 and lint.stdout.strip() == "" and lint.stderr.strip() == "", lint.stdout + lint.stderr
@@ -358,7 +363,9 @@ def test_http_endpoints_and_promtool(tmp_path: Path, running: list[Any]) -> None
     status = requests.get(url + "/status", timeout=5).json()
     assert status["node"] == "node1"
     assert {i["check"] for i in status["incidents"]} == {"flaky", "wedged", "disk"}
-    assert status["checks"]["flaky"]["results"][0]["summary"] == "thing is WARNING"
+    # over TCP: names, subjects and statuses; the summary on the control socket only
+    assert status["checks"]["flaky"]["results"] == [{"check": "flaky", "subject": "thing", "status": "WARNING"}]
+    assert status_document(engine)["checks"]["flaky"]["results"][0]["summary"] == "thing is WARNING"
     assert requests.get(url + "/healthz", timeout=5).text == "ok\n"
     assert requests.post(url + "/metrics", timeout=5).status_code == 405
     assert requests.get(url + "/nope", timeout=5).status_code == 404
@@ -432,3 +439,33 @@ def test_the_endpoint_sleeps_between_requests_and_stops_once(tmp_path: Path) -> 
         assert time.monotonic() - started < 1.0 and not endpoint._thread.is_alive()
         endpoint.stop()
         engine.stop()
+
+
+def test_the_agents_own_check_warns_while_its_descriptors_near_their_limit(tmp_path: Path) -> None:
+    """The agent/fds result follows the descriptors this process really holds against its real RLIMIT_NOFILE."""
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1"}, "checks": {},
+           "notifiers": {"recording": {}}}
+    engine = Engine(parse_config(raw, "test.toml", REGISTRY), REGISTRY, self_check=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        engine.tick()
+        limit = int(engine.own_usage()["fds"]) + 50
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+        def fds_result() -> Result:
+            engine._usage_at = float("-inf")  # the tick reads the usage every 5 s: now
+            engine.tick()
+            return next(r for r in engine.checks[SELF_NAME].run() if r.subject == "fds")
+
+        assert fds_result().status is Status.OK
+        held = [os.open("/dev/null", os.O_RDONLY) for _ in range(45)]
+        warned = fds_result()
+        assert warned.status is Status.WARNING and f"of {limit} file descriptors open" in warned.summary
+        assert warned.details["limit"] == limit and warned.details["open"] > 0.8 * limit
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert fds_result().status is Status.OK
+    engine.stop()

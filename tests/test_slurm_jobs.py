@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import AgentProcess, free_port, unique_bus, wait_until, xid79
+from tests.conftest import AgentProcess, control_status, free_port, unique_bus, wait_until, xid79
 from tests.slurm_cluster import JOB_USER, OTHER_USER, SlurmCluster, sh
 from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import CheckContext
@@ -380,7 +380,7 @@ timeout = "8s"
         t0 = time.monotonic()
 
         def unknown() -> str | None:
-            results = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["alive"]["results"]
+            results = control_status(tmp_path / "state")["checks"]["alive"]["results"]  # TCP's: no summaries
             summary = results[0]["summary"] if results else ""
             return summary if results and results[0]["status"] == "UNKNOWN" else None
 

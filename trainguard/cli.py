@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainguard import PLAIN_SETTINGS_ENV, __version__
 from trainguard.core.logs import setup_logging
@@ -348,44 +348,53 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
         return 0
     print(f"node {data['node']}  version {data['version']}  pid {data['pid']}  "
           f"healthy {'yes' if data['healthy'] else 'NO'}  ({where}"
-          + ("" if data.get("details", True) else ": summaries only; details over the control socket") + ")")
+          + ("" if data.get("details", True) else f": no summaries, no job names; {ON_THE_SOCKET}") + ")")
     incidents = data.get("incidents", [])
     print(f"\nincidents ({sum(1 for i in incidents if i['firing'])} firing, "
           f"{sum(1 for i in incidents if not i['firing'])} pending)")
     if incidents:
-        rows = [["STATE", "STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
-        rows += [["firing" if i["firing"] else "pending", i["status"], i["check"], i["subject"], i["summary"]]
-                 for i in incidents]
-        print(_table(rows))
+        print(_table([["STATE", "STATUS", "CHECK", "SUBJECT", "SUMMARY"]] + [
+            ["firing" if i["firing"] else "pending", i["status"], i["check"], i["subject"], _said(i, "summary")]
+            for i in incidents]))
         for i in incidents:
             if i.get("acked"):
-                ack = i["acked"]
-                print(one_line(f"  {i['check']}/{i['subject']}: acknowledged by {ack['by']}"
-                               + (f": {ack['reason']}" if ack.get("reason") else "")))
+                print(one_line(f"  {i['check']}/{i['subject']}: acknowledged by {i['acked']['by']}"
+                               + _said(i["acked"], "reason", ": ")))
             for a in i.get("actions", []):
-                print(one_line(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}: {a['detail']}"))
+                print(one_line(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}"
+                               + _said(a, "detail", ": ")))
     for s in data.get("silences", []):
         until = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["until"]))
         print("\n" + one_line(f"silenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
-                              + f" until {until} by {s['by']}: {s['reason']}"))
-    jobs = data.get("jobs")
-    if jobs:
-        print("\n" + one_line(f"jobs on this node ({', '.join(jobs['sources'])}"
-                              + "".join(f"; {src} ERROR: {err}" for src, err in jobs.get("errors", {}).items()) + ")"))
-        if jobs["jobs"]:
-            rows = [["KEY", "NAME", "USER", "STATE", "PIDS"]]
-            rows += [[j["key"], j["name"], j["user"] or "-", j["state"], ",".join(map(str, j["pids"])) or "-"]
-                     for j in jobs["jobs"]]
-            print(_table(rows))
+                              + f" until {until} by {s['by']}{_said(s, 'reason', ': ')}"))
+    if data.get("jobs"):
+        _print_jobs(data["jobs"])
     rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
     for name, chk in data.get("checks", {}).items():
-        for r in chk.get("results", []):
-            rows.append([r["status"], name, r["subject"], r["summary"]])
+        rows += [[r["status"], name, r["subject"], _said(r, "summary")] for r in chk.get("results", [])]
         if chk.get("outcome") == "idle":
             rows.append(["IDLE", name, "-", chk.get("idle_reason") or ""])
     print("\nlast results")
     print(_table(rows))
     return 0
+
+
+ON_THE_SOCKET = "they are on the control socket (root or the trainguard group)"
+
+
+def _said(data: dict[str, Any], key: str, prefix: str = "") -> str:
+    """A text of /status after `prefix`; where there is none (the TCP view leaves texts out), nothing after a prefix
+    and "-" in a column."""
+    return f"{prefix}{data[key]}" if data.get(key) else ("" if prefix else "-")
+
+
+def _print_jobs(jobs: dict[str, Any]) -> None:
+    print("\n" + one_line(f"jobs on this node ({', '.join(jobs['sources'])}"
+                          + "".join(f"; {src} ERROR: {err}" for src, err in jobs.get("errors", {}).items()) + ")"))
+    if jobs["jobs"]:
+        print(_table([["KEY", "NAME", "USER", "STATE", "PIDS"]] + [
+            [j["key"], j.get("name") or "-", j.get("user") or "-", j["state"], ",".join(map(str, j.get("pids") or []))
+             or "-"] for j in jobs["jobs"]]))
 
 
 def cmd_operator(config: Config, args: argparse.Namespace) -> int:

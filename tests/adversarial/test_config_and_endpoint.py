@@ -1,5 +1,6 @@
 """Inputs that crashed or hung the agent before: each config of the list ends in exit 2 with one line, and the HTTP
-endpoint takes a burst of connections at once and clients that hang up without a traceback."""
+endpoint takes a burst of connections at once, clients that hang up without a traceback, and cuts a slow client at
+its request's deadline."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, AgentProcess, free_port
+from trainguard.agent.server import REQUEST_DEADLINE_S
 
 NESTED = "[" * 500 + "]" * 500
 CASES = {
@@ -97,3 +99,24 @@ def test_a_client_that_hangs_up_leaves_no_traceback(tmp_path: Path,
     s.close()
     time.sleep(0.5)
     assert "Traceback" not in agent.output() and "BrokenPipe" not in agent.output()
+
+
+def test_a_client_sending_a_byte_a_second_is_cut_at_the_whole_requests_deadline(
+        tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    """The deadline is for the whole request, not per read: each byte within a second of the last one, and the agent
+    still closes the connection REQUEST_DEADLINE_S after its accept, with no answer."""
+    port = free_port()
+    agent = agent_process(_config(tmp_path, port))
+    agent.wait_for("msg=ready")
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    t0 = time.monotonic()
+    cut = None
+    for byte in b"GET /healthz HTTP/1.0\r\nX-Slow: " + b"x" * 20:
+        try:
+            s.sendall(bytes([byte]))
+        except OSError:  # the agent closed it: the next send after its FIN is refused
+            cut = time.monotonic() - t0
+            break
+        time.sleep(0.5)
+    s.close()
+    assert cut is not None and REQUEST_DEADLINE_S <= cut < REQUEST_DEADLINE_S + 3, cut

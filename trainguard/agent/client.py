@@ -1,5 +1,5 @@
 """Talking to a running agent from the command line: its control socket when this user may open it (everything,
-details included), else its TCP endpoint (summaries only)."""
+details included), else its TCP endpoint (check names, subjects and statuses only)."""
 
 from __future__ import annotations
 

@@ -1,32 +1,34 @@
 """The agent's small HTTP endpoints.
 
-- TCP (`agent.listen`, 127.0.0.1:9721 by default), read-only: /metrics, /healthz, and /status with summaries only:
-  any local user can connect there, and a result's details carry other users' log lines and names.
+- TCP (`agent.listen`, 127.0.0.1:9721 by default), read-only: /metrics, /healthz, and /status with check names,
+  subjects, statuses and times only (trainguard.agent.status): any local user can connect there, and summaries and
+  details carry other users' log lines and names.
 - The local control socket (`control.sock` in the runtime or state directory, mode 0660, group of the agent): the
   same, /status with every detail, and the operator commands (POST /ack, /silence, /clear), recorded with the
   peer's uid. The kernel lets only the agent's group open it; SO_PEERCRED checks the peer again (root, the agent's
   user, or a member of its group).
+Both are served by trainguard.agent.server: bounded in connections, time per request and threads.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
 import pwd
-import selectors
 import socket
-import socketserver
 import struct
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 from trainguard.agent.metrics import CONTENT_TYPE, exposition
+from trainguard.agent.server import BACKLOG, MAX_BODY, TCP_BACKLOG, BoundedServer, connection_cap
 from trainguard.agent.status import status_document
 from trainguard.core.logs import kv
 from trainguard.core.text import one_line
@@ -36,84 +38,29 @@ from trainguard.pipeline.incidents import Operator
 
 log = logging.getLogger("trainguard.http")
 
-BACKLOG = 128  # a burst of scrapers and status calls queues here instead of waiting a second for a SYN retry
-_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
+def _peer_credentials(allowed: Callable[[int, int], bool]) -> Callable[[socket.socket, Any], Any]:
+    """The control socket's peer as the handler's "address": its (pid, uid, gid) from the kernel (SO_PEERCRED); None
+    (refused) unless `allowed`."""
 
-def _quiet_errors(server: socketserver.BaseServer, request: Any, client: Any) -> None:
-    """A client that hung up mid-reply is one debug line, not a traceback on stderr."""
-    import sys
-
-    exc = sys.exc_info()[1]
-    if isinstance(exc, _DISCONNECTS):
-        log.debug("http client went away", extra=kv(client=client or "local", error=type(exc).__name__))
-    else:
-        log.warning("http request failed", extra=kv(client=client or "local", error=f"{type(exc).__name__}: {exc}"))
-
-
-class _Sleeper(socketserver.BaseServer):
-    """Serves until `stop()`, asleep in between. socketserver's `serve_forever` wakes every `poll_interval` to look
-    for a shutdown request (the two servers at 0.2 s were a sixth of the idle agent's CPU); this loop sleeps on the
-    listening socket and on a pipe that `stop()` writes to."""
-
-    timeout = 0  # handle_request() comes after the socket was readable: never wait there for a client that left
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._wake: tuple[int, int] | None = os.pipe()
-
-    def serve_until_stopped(self) -> None:
-        wake = self._wake
-        if wake is None:  # stopped before it started
-            return
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.fileno(), selectors.EVENT_READ)
-            selector.register(wake[0], selectors.EVENT_READ)
-            while not any(key.fd == wake[0] for key, _ in selector.select()):
-                self.handle_request()
-
-    def stop(self, thread: threading.Thread) -> None:
-        """Once; a second call does nothing. The pipe is closed only when the serve thread is gone (a closed fd's
-        number may be reused by the time a late select or write would touch it)."""
-        wake, self._wake = self._wake, None
-        if wake is None:
-            return
-        os.write(wake[1], b"x")
-        if thread.ident is not None:
-            thread.join(5.0)
-        if not thread.is_alive():
-            for fd in wake:
-                os.close(fd)
-        self.server_close()
-
-
-class _Server(_Sleeper, ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = BACKLOG
-    handle_error = _quiet_errors  # type: ignore[assignment]
-
-
-class _UnixServer(_Sleeper, socketserver.ThreadingUnixStreamServer):
-    daemon_threads = True
-    request_queue_size = BACKLOG
-    handle_error = _quiet_errors  # type: ignore[assignment]
-
-    def __init__(self, path: str, handler: type[BaseHTTPRequestHandler], allowed: Callable[[int, int], bool]) -> None:
-        self.allowed = allowed
-        super().__init__(path, handler)
-
-    def get_request(self) -> tuple[Any, Any]:
-        """The connection and, as its "address", the peer's (pid, uid, gid) from the kernel (SO_PEERCRED)."""
-        conn, _ = self.socket.accept()
-        return conn, struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-
-    def verify_request(self, request: Any, client_address: Any) -> bool:
-        pid, uid, gid = client_address
-        if self.allowed(uid, gid):
-            return True
+    def peer(conn: socket.socket, _address: Any) -> tuple[int, int, int] | None:
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if allowed(uid, gid):
+            return pid, uid, gid
         log.warning("control socket: peer refused", extra=kv(pid=pid, uid=uid, gid=gid))
-        return False
+        return None
+
+    return peer
+
+
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Callable[[bytes, Any], bytes]:
+    """A complete request in, the whole reply out: the handler reads and writes memory, never the socket (the
+    server's loop does both, non-blocking)."""
+
+    def handle(request: bytes, peer: Any) -> bytes:
+        return handler(request, peer, None).wfile.getvalue()  # type: ignore[arg-type, attr-defined]
+
+    return handle
 
 
 def healthz_text(healthy: bool, pending: list[str]) -> str:
@@ -133,9 +80,6 @@ def may_control(uid: int, gid: int) -> bool:
         return os.getegid() in os.getgrouplist(pw.pw_name, pw.pw_gid)
     except (KeyError, OSError):
         return False
-
-
-MAX_BODY = 64 << 10
 
 
 def operate(engine: Engine, path: str, body: dict[str, Any], uid: int) -> str:
@@ -168,7 +112,13 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "trainguard"
-        timeout = 10  # a client that stalls mid-request can't hold a thread forever
+
+        def setup(self) -> None:  # `request`: the request's bytes, read whole by the server's loop
+            self.rfile = io.BytesIO(self.request)  # type: ignore[arg-type]
+            self.wfile = io.BytesIO()
+
+        def finish(self) -> None:
+            pass
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
@@ -214,17 +164,28 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+# Workers per server and connection caps: a scrape renders in milliseconds; a clear may wait for a check's run, so
+# the control socket keeps more workers free for `trainguard status` meanwhile. The caps stay below a quarter of
+# RLIMIT_NOFILE (server.connection_cap); the unit's LimitNOFILE counts them.
+HTTP_WORKERS, HTTP_CAP = 2, 256
+CONTROL_WORKERS, CONTROL_CAP = 4, 32
+
+
 class HttpEndpoint:
     """The TCP endpoint: /status without details."""
 
     def __init__(self, engine: Engine, host: str, port: int) -> None:
-        self._server = _Server((host, port), _handler(engine, details=False))
-        self.address = self._server.server_address[:2]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=TCP_BACKLOG)
+        self._server = BoundedServer(sock, _serving(_handler(engine, details=False)), "http", HTTP_WORKERS,
+                                     connection_cap(HTTP_CAP))
+        self.address = sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._server.serve_until_stopped, name="http", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-        log.info("listening", extra=kv(address=f"{self.address[0]}:{self.address[1]}"))
+        log.info("listening", extra=kv(address=f"{self.address[0]}:{self.address[1]}",
+                                       max_connections=self._server.cap))
 
     def stop(self) -> None:
         self._server.stop(self._thread)
@@ -245,7 +206,15 @@ class ControlSocket:
                 path.unlink()  # left by an agent that was killed: nobody listens on it
         except OSError:
             pass
-        self._server = _UnixServer(str(path), _handler(engine, details=True), may_control)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            sock.listen(BACKLOG)
+        except OSError:
+            sock.close()
+            raise
+        self._server = BoundedServer(sock, _serving(_handler(engine, details=True)), "control", CONTROL_WORKERS,
+                                     connection_cap(CONTROL_CAP), _peer_credentials(may_control), MAX_BODY)
         os.chmod(path, 0o660)  # under UMask=0077 it would be 0600: the group could not connect
         self._thread = threading.Thread(target=self._server.serve_until_stopped, name="control", daemon=True)
 

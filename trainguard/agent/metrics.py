@@ -55,9 +55,17 @@ INCIDENT_SILENCED = Metric("trainguard_incident_silenced",
 START_TIME = Metric("trainguard_agent_start_time_seconds", "Unix time the agent started.")
 RSS = Metric("trainguard_agent_resident_memory_bytes", "Resident memory of the agent.")
 CPU = Metric("trainguard_agent_cpu_seconds_total", "CPU time used by the agent (user + system).", counter=True)
+OPEN_FDS = Metric("trainguard_agent_open_fds",
+                  "File descriptors the agent has open (connections, logs, children's pipes).")
+MAX_FDS = Metric("trainguard_agent_max_fds", "The agent's limit on open file descriptors (RLIMIT_NOFILE, the unit's "
+                 "LimitNOFILE).")
+THREADS = Metric("trainguard_agent_threads", "Threads of the agent.")
+MAX_TASKS = Metric("trainguard_agent_max_tasks", "The agent's service's limit on tasks, its threads and children "
+                   "together (cgroup pids.max, the unit's TasksMax); absent where none is set.")
 AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS,
                  CHECK_TIMEOUTS, INCIDENTS_FIRING, INCIDENT_FIRING, INCIDENT_ACKED, INCIDENT_SILENCED, QUEUED,
-                 OLDEST_QUEUED, SENT, FAILED, DROPPED, NOT_ROUTED, START_TIME, RSS, CPU, *AgentCheck.metrics)
+                 OLDEST_QUEUED, SENT, FAILED, DROPPED, NOT_ROUTED, START_TIME, RSS, CPU, OPEN_FDS, MAX_FDS,
+                 THREADS, MAX_TASKS, *AgentCheck.metrics)
 
 
 # The text format every Prometheus reads (0.0.4); what is rendered below is exactly that format: declared
@@ -187,7 +195,7 @@ class Exposition:
 
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
-        self._lock = threading.Lock()  # one scrape at a time renders (the endpoint serves one; a test may call twice)
+        self._lock = threading.Lock()  # one scrape at a time renders (the endpoint has two workers)
         self._checks: dict[str, tuple[RunReport | None, tuple[object, ...], RunSeries]] = {}
 
     def __call__(self) -> bytes:
@@ -246,6 +254,10 @@ def collect(snap: Snapshot,
     if "rss" in snap.agent:
         yield family(RSS, [RSS(snap.agent["rss"])])
         yield family(CPU, [CPU(snap.agent["cpu"])])
+        yield family(THREADS, [THREADS(snap.agent["threads"])])
+    for metric, key in ((OPEN_FDS, "fds"), (MAX_FDS, "max_fds"), (MAX_TASKS, "max_tasks")):
+        if key in snap.agent:
+            yield family(metric, [metric(snap.agent[key])])
     for metric, lines in sorted(by_metric.items(), key=lambda item: item[0].name):
         yield Rendered(metric, tuple(lines))
 

@@ -9,10 +9,20 @@ from typing import Any
 from trainguard import __version__
 from trainguard.pipeline.engine import Engine
 
+# What /status over TCP keeps (`details=False`): any local user reads it, so nothing a job's user wrote (log lines,
+# summaries, job names, paths) and nothing of another user (names, pids). The control socket (root and the agent's
+# group) has the whole document.
+RESULT_KEYS = ("check", "subject", "status")
+INCIDENT_KEYS = ("id", "check", "subject", "status", "since", "bad_runs", "firing", "fired_at", "announced",
+                 "last_notified")
+JOB_KEYS = ("key", "source", "state", "job_id", "array_job_id", "array_task_id", "start_time", "end_time",
+            "exit_code")
+SILENCE_KEYS = ("id", "check", "subject", "until", "by", "at")
+
 
 def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
-    """`details=False` (the TCP endpoint, open to every local user): summaries only, no result or incident details,
-    no user names; the full document goes to the control socket (root and the agent's group)."""
+    """`details=False` (the TCP endpoint, open to every local user): names, subjects, statuses and times only
+    (the *_KEYS above); the full document goes to the control socket (root and the agent's group)."""
     snap = engine.snapshot()
     view = engine.catalog.cached() if engine.catalog else None
     return {
@@ -32,22 +42,31 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
                 "partial": st.last.partial if st.last else None,  # why the last run saw only part of its sources
                 "runs": st.runs,
                 "timeouts": st.timeouts,
-                "results": [_result(r.to_dict(), details) for r in st.last.results] if st.last else [],
+                "results": [_only(r.to_dict(), details, RESULT_KEYS) for r in st.last.results] if st.last else [],
             }
             for name, st in snap.checks.items()
         },
-        "incidents": [_result(i.to_dict(), details) for i in engine.tracker.incidents()],
-        "jobs": {"sources": engine.catalog.sources, "errors": view.errors,
-                 "jobs": [_job(j.to_dict(), details) for j in view.on_node()]} if engine.catalog and view else None,
+        "incidents": [_incident(i.to_dict(), details) for i in engine.tracker.incidents()],
+        "jobs": {"sources": engine.catalog.sources,
+                 "errors": view.errors if details else dict.fromkeys(view.errors, "failed"),
+                 "jobs": [_only(j.to_dict(), details, JOB_KEYS) for j in view.on_node()]}
+        if engine.catalog and view else None,
         "details": details,
-        "silences": [asdict(s) for s in engine.tracker.silences() if s.until > snap.agent.get("now", 0.0)],
+        "silences": [_only(asdict(s), details, SILENCE_KEYS) for s in engine.tracker.silences()
+                     if s.until > snap.agent.get("now", 0.0)],
         "outbox": {ch: {"queued": n, "oldest": oldest} for ch, (n, oldest) in snap.outbox.items()},
     }
 
 
-def _result(data: dict[str, Any], details: bool) -> dict[str, Any]:
-    return data if details else {**data, "details": {}}
+def _only(data: dict[str, Any], details: bool, keys: tuple[str, ...]) -> dict[str, Any]:
+    return data if details else {k: data.get(k) for k in keys}
 
 
-def _job(data: dict[str, Any], details: bool) -> dict[str, Any]:
-    return data if details else {**data, "user": None, "switch_dir": None}
+def _incident(data: dict[str, Any], details: bool) -> dict[str, Any]:
+    """Over TCP: who acknowledged it and which actions ran with what outcome, not the reason or what they said."""
+    if details:
+        return data
+    acked = data.get("acked")
+    return {**_only(data, False, INCIDENT_KEYS),
+            "acked": {k: acked.get(k) for k in ("by", "at")} if acked else None,
+            "actions": [{k: a.get(k) for k in ("action", "outcome", "at")} for a in data.get("actions") or []]}

@@ -5,6 +5,7 @@ between listing and reading is the normal case, not an error."""
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,12 +133,39 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def own_usage() -> dict[str, float]:
-    """This process's resident memory, CPU seconds and threads, for the agent's self metrics; {} if unreadable. One
-    read of /proc/self/stat: psutil's four reads and its objects took half a millisecond, most of the tick's work."""
-    text = ProcFS().read_text("self", "stat")
+    """This process's resident memory, CPU seconds, threads, open descriptors and their limit (RLIMIT_NOFILE), and its
+    service's task limit where a cgroup sets one, for the agent's self metrics; {} if unreadable. One read of
+    /proc/self/stat: psutil's four reads and its objects took half a millisecond, most of the tick's work."""
+    proc = ProcFS()
+    text = proc.read_text("self", "stat")
     try:
         fields = (text or "").rsplit(")", 1)[1].split()  # after the command name, which may hold anything
         times = os.times()
-        return {"rss": float(int(fields[21]) * PAGE_SIZE), "cpu": times.user + times.system, "threads": float(fields[17])}
+        usage = {"rss": float(int(fields[21]) * PAGE_SIZE), "cpu": times.user + times.system,
+                 "threads": float(fields[17])}
     except (IndexError, ValueError):
         return {}
+    try:
+        usage["fds"] = float(len(os.listdir(proc.path("self", "fd"))) - 1)  # less the listing's own
+    except OSError:
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY:
+        usage["max_fds"] = float(soft)
+    tasks = own_task_limit(proc)
+    if tasks is not None:
+        usage["max_tasks"] = float(tasks)
+    return usage
+
+
+def own_task_limit(proc: ProcFS, cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """pids.max of this process's cgroup (v2; the unit's TasksMax): threads and children count against it. None
+    where no limit is set or the hierarchy is not v2."""
+    for line in (proc.read_text("self", "cgroup") or "").splitlines():
+        if line.startswith("0::"):
+            try:
+                limit = (cgroups / line[3:].lstrip("/") / "pids.max").read_text().strip()
+            except OSError:
+                return None
+            return int(limit) if limit.isdigit() else None
+    return None

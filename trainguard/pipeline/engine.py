@@ -124,7 +124,8 @@ class Engine:
         if self_check:  # the daemon watches its own health: its state on disk, that its config watches something,
             # and actions that refused to act (the responder is built below, with the checks)
             refused = lambda: self.responder.refused()  # noqa: E731, PLW0108
-            self.checks[SELF_NAME] = AgentCheck(shared, self.store, config.warnings(), refused=refused)
+            self.checks[SELF_NAME] = AgentCheck(shared, self.store, config.warnings(), refused=refused,
+                                                usage=self.own_usage)
         self.runners = {name: CheckRunner(check, clock, self._wake_at) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
                                          c.settings.interval) for name, c in self.checks.items()}
@@ -595,6 +596,11 @@ class Engine:
         self.store.close()
 
     # read side -----------------------------------------------------------------
+    def own_usage(self) -> dict[str, float]:
+        """The agent's own usage as the tick last read it (trainguard.node.procfs.own_usage)."""
+        with self._lock:
+            return dict(self._agent)
+
     def snapshot(self) -> Snapshot:
         with self._lock:
             checks = {n: replace(s) for n, s in self._states.items()}
