@@ -50,10 +50,10 @@ def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
     for e in events:
         done = actions_done(e)
         step = e.details.get("next_step")
-        text.append(event_line(e) + (f"\n  done: {', '.join(done)}" if done else "") + (f"\n  next: {step}" if step else ""))
+        text.append(event_line(e) + (f"\n  actions: {', '.join(done)}" if done else "") + (f"\n  next: {step}" if step else ""))
         rows.append(f"<li><b>{html.escape(e.kind.value.upper())} {html.escape(e.status.name)}</b> "
                     f"{html.escape(e.check)}/{html.escape(e.subject)}: {html.escape(e.summary)}"
-                    + (f"<br><i>done: {html.escape(', '.join(done))}</i>" if done else "") + "</li>")
+                    + (f"<br><i>actions: {html.escape(', '.join(done))}</i>" if done else "") + "</li>")
     footer = f"trainguard on {events[0].node}; `trainguard status` there shows every incident."
     msg.set_content(printable("\n\n".join(text) + f"\n\n-- \n{footer}\n"))
     msg.add_alternative(printable(f"<html><body><ul>{''.join(rows)}</ul><p style='color:#777'>{html.escape(footer)}"

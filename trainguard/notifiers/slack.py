@@ -41,7 +41,7 @@ def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
             lines.append(f"Job: `{escape(job)}`")
         done = actions_done(event)
         if done:
-            lines.append("Done: " + escape(", ".join(done)))
+            lines.append("Actions: " + escape(", ".join(done)))
         if event.details.get("next_step"):
             lines.append(f"Next: {escape(str(event.details['next_step']))}")
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(lines)}})

@@ -16,6 +16,8 @@ _DONE = {"signal": "job signalled", "save": "save requested", "stop": "stop requ
 
 
 def actions_done(event: Event) -> list[str]:
+    """What the actions on the event's incident did, in words: those done, and those that failed or timed out. A
+    skipped action (nothing to act on), a refused one and a dry run did nothing, and are not said."""
     done = []
     for record in event.details.get("actions_taken") or ():
         if record.get("outcome") == "ok":
