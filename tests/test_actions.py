@@ -35,8 +35,8 @@ from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
-from trainguard.notifiers.text import actions_done, headline
 from trainguard.node.access import Identity
+from trainguard.notifiers.text import actions_done, headline
 from trainguard.pipeline.engine import Engine, OperatorError
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker, Operator
 from trainguard.pipeline.responder import LISTS_KEY, RESUME_WITHIN_S, Responder, _brief, event_jobs
