@@ -15,7 +15,7 @@ from trainguard.core.events import Event
 from trainguard.core.settings import Duration, Field, SecretStr, model_validator
 from trainguard.core.text import one_line, printable
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
-from trainguard.notifiers.text import actions_done, event_line, headline
+from trainguard.notifiers.text import actions_done, event_line, headline, next_step
 
 
 class EmailSettings(NotifierSettings):
@@ -49,7 +49,7 @@ def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
     text, rows = [], []
     for e in events:
         done = actions_done(e)
-        step = e.details.get("next_step")
+        step = next_step(e)
         text.append(event_line(e) + (f"\n  actions: {', '.join(done)}" if done else "") + (f"\n  next: {step}" if step else ""))
         rows.append(f"<li><b>{html.escape(e.kind.value.upper())} {html.escape(e.status.name)}</b> "
                     f"{html.escape(e.check)}/{html.escape(e.subject)}: {html.escape(e.summary)}"

@@ -28,6 +28,13 @@ def actions_done(event: Event) -> list[str]:
     return list(dict.fromkeys(done))
 
 
+def next_step(event: Event) -> str:
+    """The check's advice for the operator ("reset the GPU"); none once the incident resolved: the fault is gone (a
+    cleared XID said "Next: reset the GPU" in its green message)."""
+    step = event.details.get("next_step")
+    return str(step) if step and event.kind is not EventKind.RESOLVED else ""
+
+
 def headline(events: Sequence[Event]) -> str:
     """`CRITICAL gpu-node-17: GPU 3 fell off the bus (XID 79) — job signalled, node drained (+2 more)`."""
     alerts = [e for e in events if not e.kind.operator] or list(events)
