@@ -134,7 +134,8 @@ def test_a_config_that_enables_no_check_is_a_warning_in_validate_and_at_start(tm
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == [
         f"trainguard: warning: {config}: no check is enabled: the agent watches nothing; add [checks.NAME] tables "
-        "(docs/configuration.md)", f"config OK: {config} (with warnings)"]
+        "(docs/configuration.md)", f"config OK: {config} (with warnings); a running agent takes it at `systemctl "
+        "reload trainguard` (a config it refuses, it says why in the journal and keeps its own)"]
 
     disabled = parse_config({"agent": {"state_dir": str(tmp_path / "s2"), "listen": ""},
                              "checks": {"memory": {"enabled": False}}}, "t.toml")
