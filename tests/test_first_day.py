@@ -213,6 +213,35 @@ def test_installed_config_stops_an_array_and_holds_the_rest(
         sh("scancel", array, check=False)
 
 
+def test_a_trainer_that_exits_at_once_still_gets_its_array_held(
+        slurm: SlurmCluster, tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    """The trainer saves nothing and exits within ~50 ms of `touch stop` (0.05 s steps): polled every 2 s, the hold
+    came after the task ended and the next task started in one of two runs. The agent now runs the switch check the
+    moment the file appears (inotify), so the pending tasks are held before the running one is gone; twice."""
+    port = free_port()
+    agent = agent_process(installed_config(tmp_path, slurm, port))
+    agent.wait_for("msg=ready", timeout=30)
+    for attempt in range(2):
+        workdir = slurm.workdir()
+        array = slurm.submit(toy(slurm, workdir, "--step-time", "0.05"), "--array=0-2%1", workdir=workdir,
+                             name=f"tg-fast-{attempt}")
+        try:
+            task0 = slurm.wait_state(f"{array}_0", ("RUNNING",), timeout=60)
+            out0 = Path(task0["StdOut"])
+            wait_until(lambda: out0.exists() and "step 3 " in out0.read_text(errors="replace"), 30,
+                       what="task 0 training")
+            sh("touch", str(workdir / ".trainguard" / "stop"), user=JOB_USER)
+            final = slurm.wait_state(f"{array}_0", ("COMPLETED", "FAILED", "CANCELLED"), timeout=60)
+            assert final["JobState"] == "COMPLETED", (final, out0.read_text(errors="replace")[-2000:])
+            time.sleep(3)  # what the controller would start next has had its chance
+            states = {t.get("ArrayTaskId"): (t.get("JobState"), t.get("Reason")) for t in slurm.jobs_of(array)}
+            assert states.get("1-2%1", states.get("1")) == ("PENDING", "JobHeldUser"), (attempt, states)
+            assert not any(state in ("RUNNING", "COMPLETED") for task, (state, _) in states.items() if task != "0"), \
+                (attempt, states)
+        finally:
+            sh("scancel", array, check=False)
+
+
 def test_roots_stop_file_stops_a_running_job_with_the_installed_config(
         slurm: SlurmCluster, tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
     """`touch /etc/trainguard/stop/<job name>` as root, as `trainguard install` prints: only the agent sees that file,
