@@ -305,7 +305,11 @@ StorageLoc=slurm_acct_db
         return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
 
     def wait_state(self, job_id: str, states: tuple[str, ...], timeout: float = 30) -> dict[str, str]:
-        self.wait(lambda: self.job(job_id).get("JobState") in states, timeout, f"job {job_id} in {states}")
+        try:
+            self.wait(lambda: self.job(job_id).get("JobState") in states, timeout, f"job {job_id} in {states}")
+        except AssertionError as exc:  # why it is not: the job's state and reason, and the node's
+            job, node = self.job(job_id), sh("sinfo", "-h", "-N", "-o", "%N %T %E", check=False).strip()
+            raise AssertionError(f"{exc}: it is {job.get('JobState')} ({job.get('Reason')}); nodes: {node}") from None
         return self.job(job_id)
 
     def rpc_counts(self, reset: bool = False) -> dict[str, int]:

@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import REPO, require_root, require_tool, wait_until
 from tests.slurm_cluster import JOB_USER, ensure_user
-from trainguard.actions.base import ActionContext, ActionError
+from trainguard.actions.base import ActionContext, ActionError, ActionSkippedError
 from trainguard.actions.exec import ExecAction, ExecSettings
 from trainguard.actions.signal import SignalAction, SignalSettings, signal_process
 from trainguard.actions.switch import create_switch
@@ -36,6 +36,7 @@ from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.node.access import Identity
+from trainguard.notifiers.text import actions_done, headline
 from trainguard.pipeline.engine import Engine, OperatorError
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker, Operator
 from trainguard.pipeline.responder import LISTS_KEY, RESUME_WITHIN_S, Responder, _brief, event_jobs
@@ -210,7 +211,9 @@ def test_signal_to_a_job_that_already_exited_is_not_a_failure() -> None:
     gone = ref or ProcessRef(done.pid, 0.0)
     job = Job(key="process:t", source="process", name="t", state="RUNNING", uid=os.getuid(), processes=(gone,))
     action = SignalAction("signal", SignalSettings(signal="CONT"))
-    assert action.run(ctx(job)) == f"process job t had already exited (pid {done.pid}): nothing to signal"
+    with pytest.raises(ActionSkippedError) as skipped:  # nothing was signalled: skipped, neither done nor failed
+        action.run(ctx(job))
+    assert str(skipped.value) == f"process job t: had already exited (pid {done.pid}): nothing to signal"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         alive = ProcessRef.of(live.pid)
@@ -318,6 +321,40 @@ def test_actions_run_once_per_incident_with_audit_and_dry_run(tmp_path: Path,
         assert [(a["action"], a["outcome"]) for a in incident.actions] == [("hook", "ok"), ("pretend", "dry_run")]
         assert incident.actions[1]["detail"].startswith("would drain node")
         assert any(r.getMessage() == "action" and r.__dict__["kv"]["outcome"] == "dry_run" for r in caplog.records)
+    finally:
+        engine.stop()
+
+
+def test_an_action_with_nothing_to_act_on_is_skipped_and_never_said_done(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """An idle node's fault: no job to signal, requeue, switch or hold. Each of those is `skipped` with its reason
+    (not `failed`, which would list as a failure in `trainguard status`; not `ok`, which the alert would state as
+    done: "job requeued", "array held"); an action that acted (the hook) is still said."""
+    marker = tmp_path / "ran"
+    raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+           "actions": {"hook": {"type": "exec", "command": ["sh", "-c", f"echo x >> {marker}"]},
+                       "save": {"type": "switch", "switch": "save"}},
+           "checks": {"disk": {"paths": ["/"], "free_critical": "100%",
+                               "actions": {"critical": ["signal", "save", "requeue", "hold-array", "hook"]}}}}
+    engine = Engine(parse_config(raw, "t.toml"), store=Store(None))
+    try:
+        with caplog.at_level("INFO"):
+            engine.run_round()
+            for t in engine.responder.threads:
+                t.join(10)
+        [incident] = engine.tracker.incidents()
+        outcomes = {a["action"]: (a["outcome"], a["detail"]) for a in incident.actions}
+        assert outcomes == {"signal": ("skipped", "no job on this node to signal"),
+                            "save": ("skipped", "no job on this node to switch"),
+                            "requeue": ("skipped", "no SLURM job on this node: nothing to requeue"),
+                            "hold-array": ("skipped", "not an array job: nothing pending to stop"),
+                            "hook": ("ok", "exited 0")}
+        skipped = [r for r in caplog.records if r.getMessage() == "action" and r.__dict__["kv"]["outcome"] == "skipped"]
+        assert len(skipped) == 4 and all(r.levelname == "INFO" for r in skipped)  # not an ERROR at 3 a.m.
+        fired = Event(EventKind.FIRED, incident.id, "disk", "/", Status.CRITICAL, "/: full", "n1", 1.0, 1.0,
+                      details={"actions_taken": incident.actions})
+        assert actions_done(fired) == ["hook done"]
+        assert headline([fired]) == "CRITICAL n1: /: full — hook done"
     finally:
         engine.stop()
 

@@ -194,3 +194,17 @@ def test_example_config_is_valid() -> None:
     assert config.kind_of_check("timelimit") == "job_timelimit"
     assert config.checks["stop-switch"].actions.warning == ["signal", "hold-array"]
     assert "page" in config.actions and "drain" in config.actions
+
+
+def test_a_stale_after_shorter_than_the_interval_is_warned_about() -> None:
+    """A hang is judged at a run: a `stale_after` under the check's `interval` fires late (20 s at 42 s), which
+    `validate` says instead of leaving it to the first real hang."""
+    late = parse_config({"jobs": {"sources": ["process"]}, "checks": {"hang": {"stale_after": "20s", "interval": "30s"}}},
+                        "t.toml")
+    assert late.warnings() == ["checks.hang: stale_after 20s is shorter than interval 30s: a hang may be reported up "
+                               "to an interval late; set interval to stale_after / 2 or less"]
+    by_name = parse_config({"jobs": {"sources": ["process"]}, "checks": {"hung": {
+        "type": "hang", "interval": "1m", "stale_after_by_name": {"eval": "30s"}}}}, "t.toml")
+    assert [w.split(":")[0] for w in by_name.warnings()] == ["checks.hung"]
+    assert parse_config({"jobs": {"sources": ["process"]}, "checks": {"hang": {"stale_after": "5m"}}},
+                        "t.toml").warnings() == []

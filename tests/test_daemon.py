@@ -406,3 +406,44 @@ def test_malloc_arena_max_in_the_environment_wins(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert fewer_malloc_arenas() is False
+
+
+def test_sighup_reloads_a_good_config_and_refuses_a_bad_one(
+        tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    """`systemctl reload` (SIGHUP): a broken config is refused in one line and the running config keeps running; a
+    good one applies in the same process (a check added, one removed, one changed) without losing the firing
+    incident (not announced again), and the endpoint serves throughout."""
+    port = free_port()
+    config = write_config(tmp_path, port)
+    agent = agent_process(config)
+    agent.wait_for("logger=trainguard.alert event=fired")
+    fired = agent.output().count("event=fired")
+    pid = agent.proc.pid if agent.proc else 0
+    good = config.read_text()
+
+    config.write_text(good + '\n[checks.broken]\ntype = "disk"\nfree_warning = "10 parsecs"\n')
+    agent.signal(signal.SIGHUP)
+    agent.wait_for("msg=\"reload refused; the running config stays\"", timeout=70)
+    [refused] = [line for line in agent.output().splitlines() if "reload refused" in line]
+    assert "checks.broken.free_warning" in refused and "Traceback" not in agent.output()
+    assert "broken" not in requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]
+
+    # memory switched off, ib changed, a second disk check added
+    changed = (good.replace("[checks.memory]", "[checks.memory]\nenabled = false")
+               .replace(f'sysfs_root = "{tmp_path}/no-infiniband"', f'sysfs_root = "{tmp_path}/no-hca"')
+               .replace("[notifiers.console]", f'[checks.tmp]\ntype = "disk"\npaths = ["{tmp_path}"]\n\n[notifiers.console]'))
+    assert changed.count("no-hca") == 1 and changed.count("[checks.tmp]") == 1
+    config.write_text(changed)
+    agent.signal(signal.SIGHUP)
+    agent.wait_for("msg=reloaded", timeout=70)
+    [line] = [line for line in agent.output().splitlines() if "msg=reloading" in line]
+    assert "checks_added=tmp" in line and "checks_changed=ib,memory" in line and "checks_removed=" not in line, line
+    status = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
+    assert status["pid"] == pid and "tmp" in status["checks"] and "memory" not in status["checks"]
+    [incident] = [i for i in status["incidents"] if i["check"] == "scratch"]
+    assert incident["firing"]
+    wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["scratch"]["runs"]
+               >= 2, 10, what="the scratch check running after the reload")
+    assert agent.output().count("event=fired") == fired  # the incident was kept, not fired again
+    agent.signal(signal.SIGTERM)
+    assert agent.wait() == 0

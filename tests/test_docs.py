@@ -9,8 +9,10 @@ A block that only illustrates (a fragment, output, a command for another machine
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -219,3 +221,25 @@ def test_the_readme_lists_every_command() -> None:
     cells = [row.split(" | ", 1)[0] for row in table.splitlines() if row.startswith("| `")]
     listed = {name for cell in cells for name in re.findall(r"`(?:trainguard )?([a-z][\w-]*)", cell)}
     assert listed == set(sub.choices), listed ^ set(sub.choices)
+
+
+def test_the_documented_prolog_config_calls_no_slurm_command(tmp_path: Path) -> None:
+    """A prolog that calls SLURM can deadlock slurmd (docs/slurm.md says so): the prolog config it recommends runs
+    `trainguard check` without a single scontrol, squeue, sinfo or sacct, on a node where they are installed."""
+    text = (REPO / "docs" / "slurm.md").read_text()
+    block = re.search(r"```toml\n(# /etc/trainguard/prolog\.toml\n.*?)```", text, re.S)
+    assert block is not None, "the prolog config block in docs/slurm.md"
+    calls, bin_dir = tmp_path / "calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("scontrol", "squeue", "sinfo", "sacct", "scancel"):
+        fake = bin_dir / tool
+        fake.write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit 1\n')
+        fake.chmod(0o755)
+    config = tmp_path / "prolog.toml"
+    config.write_text(block.group(1).replace('[agent]\n', f'[agent]\nstate_dir = "{tmp_path / "state"}"\n', 1))
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "check", "--critical-only", "--since", "1h",
+                           "--config", str(config)], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"})
+    assert proc.returncode in (0, 2), proc.stderr[-2000:]
+    assert "xid" in proc.stdout, proc.stdout
+    assert not calls.exists(), calls.read_text()

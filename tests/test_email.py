@@ -46,7 +46,7 @@ def test_message_arrives_with_subject_parts_and_headers(smtp: tuple[Mailbox, int
     assert msg["Date"] and msg["Message-ID"].endswith("@gpu-node-17>")
     assert msg.is_multipart() and [p.get_content_type() for p in msg.iter_parts()] == ["text/plain", "text/html"]
     text = msg.get_body(("plain",)).get_content()  # type: ignore[union-attr]
-    assert "FIRED CRITICAL xid/pci:0000:03:00" in text and "done: job signalled, node drained" in text
+    assert "FIRED CRITICAL xid/pci:0000:03:00" in text and "actions: job signalled, node drained" in text
 
 
 def test_wrong_password_is_a_clear_error_and_the_message_is_kept(smtp: tuple[Mailbox, int, Path],

@@ -34,7 +34,8 @@ TOY = REPO / "examples" / "train_toy.py"
 engines = test_slurm_jobs.engines  # the fixture: engines the test started, stopped after it
 
 
-def installed_config(tmp_path: Path, slurm: SlurmCluster, port: int, node: str | None = None) -> Path:
+def installed_config(tmp_path: Path, slurm: SlurmCluster, port: int, node: str | None = None,
+                     stop_dir: Path | None = None) -> Path:
     """The installed config as `trainguard install` writes it, with only what a test node needs changed: where the
     state goes, the port, and the state dir among the watched disks. The XID cursor starts at the end of the kernel
     log: other tests' injected XIDs are not this node's."""
@@ -43,7 +44,8 @@ def installed_config(tmp_path: Path, slurm: SlurmCluster, port: int, node: str |
     state.mkdir()
     for old, new in (("[agent]\n", f'[agent]\nstate_dir = "{state}"\nlisten = "127.0.0.1:{port}"\n'
                                     f'node_name = "{node or slurm.node}"\n'),
-                     ('paths = ["/", "/var/lib/trainguard"]', f'paths = ["/", "{state}"]')):
+                     ('paths = ["/", "/var/lib/trainguard"]', f'paths = ["/", "{state}"]'),
+                     ("[jobs]\n", f'[jobs]\nstop_dir = "{stop_dir}"\n' if stop_dir else "[jobs]\n")):
         assert old in text, old
         text = text.replace(old, new, 1)
     path = tmp_path / "trainguard.toml"
@@ -134,7 +136,8 @@ def test_a_config_that_enables_no_check_is_a_warning_in_validate_and_at_start(tm
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == [
         f"trainguard: warning: {config}: no check is enabled: the agent watches nothing; add [checks.NAME] tables "
-        "(docs/configuration.md)", f"config OK: {config} (with warnings)"]
+        "(docs/configuration.md)", f"config OK: {config} (with warnings); a running agent takes it at `systemctl "
+        "reload trainguard` (a config it refuses, it says why in the journal and keeps its own)"]
 
     disabled = parse_config({"agent": {"state_dir": str(tmp_path / "s2"), "listen": ""},
                              "checks": {"memory": {"enabled": False}}}, "t.toml")
@@ -185,7 +188,8 @@ def test_installed_config_stops_an_array_and_holds_the_rest(
         final = slurm.wait_state(f"{array}_0", ("COMPLETED", "FAILED", "CANCELLED"), timeout=60)
         assert final["JobState"] == "COMPLETED", final
         out = Path(final["StdOut"]).read_text()
-        assert "stop requested (switch): exiting cleanly" in out, out
+        # the trainer saw the file, or the agent's SIGUSR1 (bound after the hold) landed during the 15 s save
+        assert re.search(r"stop requested \((switch|SIGUSR1)\): exiting cleanly", out), out
         saved = checkpoints(workdir)
         assert len(saved) == 1, saved
         time.sleep(3)  # task 0 is gone: nothing may start now
@@ -207,6 +211,65 @@ def test_installed_config_stops_an_array_and_holds_the_rest(
                    what="task 1 resuming from task 0's checkpoint")
     finally:
         sh("scancel", array, check=False)
+
+
+def test_a_trainer_that_exits_at_once_still_gets_its_array_held(
+        slurm: SlurmCluster, tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    """The trainer saves nothing and exits within ~50 ms of `touch stop` (0.05 s steps): polled every 2 s, the hold
+    came after the task ended and the next task started in one of two runs. The agent now runs the switch check the
+    moment the file appears (inotify), so the pending tasks are held before the running one is gone; twice."""
+    port = free_port()
+    agent = agent_process(installed_config(tmp_path, slurm, port))
+    agent.wait_for("msg=ready", timeout=30)
+    for attempt in range(2):
+        workdir = slurm.workdir()
+        array = slurm.submit(toy(slurm, workdir, "--step-time", "0.05"), "--array=0-2%1", workdir=workdir,
+                             name=f"tg-fast-{attempt}")
+        try:
+            task0 = slurm.wait_state(f"{array}_0", ("RUNNING",), timeout=60)
+            out0 = Path(task0["StdOut"])
+            wait_until(lambda out0=out0: out0.exists() and "step 3 " in out0.read_text(errors="replace"), 30,
+                       what="task 0 training")
+            sh("touch", str(workdir / ".trainguard" / "stop"), user=JOB_USER)
+            final = slurm.wait_state(f"{array}_0", ("COMPLETED", "FAILED", "CANCELLED"), timeout=60)
+            assert final["JobState"] == "COMPLETED", (final, out0.read_text(errors="replace")[-2000:])
+            time.sleep(3)  # what the controller would start next has had its chance
+            states = {t.get("ArrayTaskId"): (t.get("JobState"), t.get("Reason")) for t in slurm.jobs_of(array)}
+            assert states.get("1-2%1", states.get("1")) == ("PENDING", "JobHeldUser"), (attempt, states)
+            assert not any(state in ("RUNNING", "COMPLETED") for task, (state, _) in states.items() if task != "0"), \
+                (attempt, states)
+        finally:
+            sh("scancel", array, check=False)
+
+
+def test_roots_stop_file_stops_a_running_job_with_the_installed_config(
+        slurm: SlurmCluster, tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
+    """`touch /etc/trainguard/stop/<job name>` as root, as `trainguard install` prints: only the agent sees that file,
+    so the installed config binds `signal` (after `hold-array`, which has nothing to hold here and says so, skipped):
+    the job saves and exits; before, it trained on and the alert said the array was held."""
+    port = free_port()
+    stop_dir = tmp_path / "stop"
+    stop_dir.mkdir(mode=0o750)
+    agent = agent_process(installed_config(tmp_path, slurm, port, stop_dir=stop_dir))
+    agent.wait_for("msg=ready", timeout=30)
+    workdir = slurm.workdir()
+    job_id = slurm.submit(toy(slurm, workdir, "--save-time", "2"), workdir=workdir, name="tg-opstop")
+    try:
+        slurm.wait_state(job_id, ("RUNNING",))
+        wait_until((workdir / ".trainguard" / "heartbeat.json").exists, 20, what="first heartbeat")
+        (stop_dir / "tg-opstop").touch()
+        final = slurm.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=60)
+        out = Path(final["StdOut"]).read_text()
+        assert final["JobState"] == "COMPLETED" and "stop requested (SIGUSR1): exiting cleanly" in out, out
+        assert len(checkpoints(workdir)) == 1
+        agent.wait_for("action=signal")
+        audit = {line.split("action=")[1].split()[0]: line for line in agent.output().splitlines()
+                 if "msg=action " in line}
+        assert "outcome=ok" in audit["signal"] and f"scancel --signal=USR1 --full {job_id}" in audit["signal"], audit
+        assert "outcome=skipped" in audit["hold-array"] and "not an array job" in audit["hold-array"], audit
+        assert "array held" not in agent.output()  # the alert says only what happened
+    finally:
+        sh("scancel", job_id, check=False)
 
 
 def test_burn_through_configured_each_task_exits_without_a_checkpoint(

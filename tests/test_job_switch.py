@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import os
+import pwd
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
+from trainguard.agent.configfile import parse_config
 from trainguard.checks.job_switch import find_switch, listed
 from trainguard.jobs.model import Job
 from trainguard.node.access import AGENT, Identity
+from trainguard.node.inotify import DirWatcher
+from trainguard.pipeline.engine import Engine
 
 
 def _job(name: str) -> Job:
@@ -49,3 +57,73 @@ def test_an_absent_stop_dir_lists_nothing(tmp_path: Path) -> None:
     assert listed(tmp_path / "absent") == frozenset()
     (tmp_path / "file").touch()
     assert listed(tmp_path / "file") == frozenset()
+
+
+def test_the_watcher_wakes_on_the_switch_name_alone_and_at_most_once_a_gap(tmp_path: Path) -> None:
+    """inotify on the switch dirs: a `stop` created, renamed in or touched wakes the check at once; other names in the
+    job's dir do not; any name in the operator's stop dir does (its files are named after jobs); a user's loop of
+    touches wakes it at most once per gap; a dir removed and made again is watched again."""
+    wakes: list[float] = []
+    switch, operator = tmp_path / "run" / ".trainguard", tmp_path / "stop"
+    switch.mkdir(parents=True)
+    operator.mkdir()
+    watcher = DirWatcher(["stop"], lambda: wakes.append(time.monotonic()), min_gap=0.2)
+    try:
+        watcher.watch([str(switch), str(tmp_path / "absent")], [str(operator)])
+        assert watcher.watching == {str(switch), str(operator)}
+        (switch / "heartbeat.json").write_text("{}")
+        time.sleep(0.3)
+        assert wakes == []
+        t0 = time.monotonic()
+        (switch / "stop").touch()
+        wait_until(lambda: wakes, 2, 0.005, what="a wake")
+        assert wakes[0] - t0 < 0.1, wakes[0] - t0
+        (operator / "pretrain-70b").touch()
+        wait_until(lambda: len(wakes) == 2, 2, 0.005, what="the operator's file")
+        before = len(wakes)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:  # a flood of touches
+            os.utime(switch / "stop")
+        time.sleep(0.3)
+        assert len(wakes) - before <= 7  # one per 0.2 s gap at most, not one per touch
+        for child in switch.iterdir():
+            child.unlink()
+        switch.rmdir()
+        wait_until(lambda: str(switch) not in watcher.watching, 2, 0.01, what="the dropped watch forgotten")
+        switch.mkdir()
+        watcher.watch([str(switch)], [str(operator)])
+        count = len(wakes)
+        (switch / "stop").touch()
+        wait_until(lambda: len(wakes) > count, 2, 0.005, what="a wake in the dir made again")
+        watcher.watch([], [])
+        assert watcher.watching == frozenset()
+    finally:
+        watcher.close()
+
+
+def test_a_switch_touched_between_polls_fires_at_once(tmp_path: Path) -> None:
+    """The switch check with a one-minute interval: a `stop` touched after its first run fires within a second (was:
+    at the next poll, after the trainer had saved and exited and the array's next task had started)."""
+    run = tmp_path / "run"
+    (run / ".trainguard").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "tg-switch-watch"])
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "listen": "", "node_name": "n1"},
+           "jobs": {"sources": ["process"], "refresh": 0, "processes": {"train": {
+               "cmdline": "tg-switch-watch", "user": pwd.getpwuid(os.getuid()).pw_name,
+               "switch_dir": str(run / ".trainguard")}}},
+           "checks": {"job_switch": {"interval": "60s", "jitter": 0}}, "notifiers": {}}
+    engine = Engine(parse_config(raw, "t.toml"))
+    try:
+        engine.start()
+        wait_until(lambda: (engine.snapshot().checks["job_switch"].runs or 0) >= 1, 10, what="the first run")
+        wait_until(lambda: str(run / ".trainguard") in engine.checks["job_switch"]._watcher.watching, 10,  # type: ignore[attr-defined]
+                   what="the switch dir watched")
+        t0 = time.monotonic()
+        (run / ".trainguard" / "stop").touch()
+        wait_until(lambda: any(i.check == "job_switch" and i.firing for i in engine.tracker.incidents()), 5, 0.01,
+                   what="the stop switch incident")
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        engine.stop()
+        proc.kill()
+        proc.wait()

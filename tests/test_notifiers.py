@@ -334,3 +334,25 @@ def test_config_messages_say_what_to_do(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["status", "--config", str(config)]) == 3
     err = capsys.readouterr().err
     assert f"of {config}; pass the agent's config with --config PATH, or its address with --url" in err
+
+
+def test_a_resolution_gets_its_own_green_message_without_a_next_step(tmp_path: Path, receiver: Receiver) -> None:
+    """In one group window: a firing, then the resolution of another incident, then a firing. Three messages in
+    order (red, green, red): the resolution neither rides in a firing's message nor hides one in a green one, and
+    the fault it resolves is gone, so no "Next:" step."""
+    store = Store(tmp_path)
+    dispatcher = Dispatcher(store, {"slack": slack(receiver.url, group_window="1s")})
+    queue(store, "slack", [event(1), event(2, kind=EventKind.RESOLVED, next_step="reset the GPU"), event(3)])
+    dispatcher.start()
+    try:
+        wait_until(lambda: len(receiver.posts) == 3, 10, what="three messages")
+        colours = [p["json"]["attachments"][0]["color"] for p in receiver.posts]
+        assert colours == ["#d32f2f", "#2e7d32", "#d32f2f"]
+        green = json.dumps(receiver.posts[1]["json"])
+        assert "RESOLVED" in green and "Next:" not in green and "reset the GPU" not in green
+        assert dispatcher.stats["slack"].sent == 3 and store.outbox_stats() == {}
+    finally:
+        dispatcher.stop()
+        store.close()
+    advised = slack_message([event(1, next_step="reset the GPU")])
+    assert "Next: reset the GPU" in json.dumps(advised)

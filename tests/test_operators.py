@@ -124,8 +124,12 @@ def test_ack_silence_and_clear_through_the_control_socket(base: Path,
     [incident] = socket_status(base)["incidents"]
     assert incident["acked"]["by"] == "root" and incident["acked"]["uid"] == 0
     assert metric(port, "trainguard_incident_acknowledged") == [{"check": "scratch", "subject": subject}]
+    again = cli(config, "ack", f"scratch{subject}", "--reason", "still mine")  # the path without its leading slash
+    assert again.returncode == 0 and again.stdout.strip() == (
+        f"acknowledged 0 incident(s) of scratch{subject}: acknowledged already"), again.stderr
     reminders = agent.output().count("event=reminder check=scratch")
     time.sleep(3)  # repeat_interval is 2s: an acknowledged incident sends none
+    assert agent.output().count("event=acknowledged check=scratch") == 1  # the second ack announced nothing
     assert agent.output().count("event=reminder check=scratch") == reminders
 
     silenced = cli(config, "silence", "scratch", "--for", "3s", "--reason", "disk swap")

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
-from trainguard.actions.base import ActionContext, ActionError, ActionList, Reports
+from trainguard.actions.base import ActionContext, ActionError, ActionList, ActionSkippedError, Reports
 from trainguard.actions.restart import RestartAction, RestartSettings, request_name
 from trainguard.actions.savereport import SaveReport
 from trainguard.actions.signal import SignalAction, SignalSettings
@@ -256,7 +256,7 @@ def test_restart_refuses_what_it_cannot_restart_in_place() -> None:
     ctx = ActionContext(_event(), (proc_job,), "n1", SlurmClient(), time.time)
     with pytest.raises(ActionError, match=r"restart in place is for SLURM jobs.*Restart=on-failure"):
         action.run(ctx)
-    with pytest.raises(ActionError, match="no job to restart"):
+    with pytest.raises(ActionSkippedError, match="no SLURM job on this node to restart"):
         action.run(ActionContext(_event(), (), "n1", SlurmClient(), time.time))
     with pytest.raises(ValueError, match=r"wait_exit \(400s\) must be shorter than timeout"):
         RestartSettings(wait_exit=400)
@@ -798,11 +798,12 @@ def test_two_incidents_about_one_lost_gpu_share_the_report_and_requeue_the_job_o
         assert saver.wait(10) == 0
         first.done()
         assert (sw / "signalled.5").exists()  # the second list still holds the report
-        again = requeue.run(second)
+        with pytest.raises(ActionSkippedError) as again:  # requeued by the first: nothing left for this one to do
+            requeue.run(second)
         second.done()
         took = time.monotonic() - started
     assert done.startswith("requeued 5 (saved.5 ") and took < 10, (done, took)
-    assert again.startswith("5 not requeued: requeued already (PENDING, Restarts=0) (saved.5 "), again
+    assert str(again.value).startswith("5 not requeued: requeued already (PENDING, Restarts=0) (saved.5 "), again
     assert [c for c in slurm.calls if c[0] == "requeue"] == [("requeue", "5")]
     assert sorted(p.name for p in sw.iterdir()) == ["saved.5"]  # the last list out removed the request
 
@@ -967,8 +968,9 @@ def test_a_job_cancelled_while_the_requeue_waited_is_not_requeued(tmp_path: Path
     slurm.record = RUNNING_RECORD.replace("JobState=RUNNING", "JobState=CANCELLED", 1)
     action = RequeueAction("requeue", RequeueSettings(wait_exit=0, timeout=5))
     job = replace(_job(tmp_path), restarts=0)
-    detail = action.run(ActionContext(_event(), (job,), "n1", slurm, time.time))  # type: ignore[arg-type]
-    assert detail == "5 not requeued: cancelled meanwhile" and not slurm.calls, detail
+    with pytest.raises(ActionSkippedError) as skipped:  # nothing requeued: skipped, never "job requeued"
+        action.run(ActionContext(_event(), (job,), "n1", slurm, time.time))  # type: ignore[arg-type]
+    assert str(skipped.value) == "5 not requeued: cancelled meanwhile" and not slurm.calls, skipped
 
 
 def test_reports_are_shared_by_lists_and_closed_by_the_last_one_done() -> None:

@@ -167,6 +167,7 @@ def test_drain_sets_our_reason_and_resume_clears_only_ours(
         assert "DRAIN" in node["State"]
         assert node["Reason"] == "trainguard: GPU 3 fell off the bus (XID 79)"
         record = run_action(engine, "resume", event(), (), others_critical=("gpu/GPU-1234",))
+        assert record["outcome"] == "skipped", record  # nothing was done: no alert may say the node was resumed
         assert record["detail"] == f"{slurm.node} left drained: still critical: gpu/GPU-1234"
         assert "DRAIN" in slurm.node_info()["State"]
         record = run_action(engine, "resume", event(), ())
@@ -175,6 +176,7 @@ def test_drain_sets_our_reason_and_resume_clears_only_ours(
 
         sh("scontrol", "update", f"nodename={slurm.node}", "state=drain", "reason=admin: fan replacement")
         record = run_action(engine, "resume", event(), ())
+        assert record["outcome"] == "skipped", record
         assert record["detail"] == f"{slurm.node} drained by someone else ('admin: fan replacement'): left alone"
         assert "DRAIN" in slurm.node_info()["State"]
     finally:

@@ -425,6 +425,28 @@ command = ["sh", "-c", 'sleep 3; echo "$TRAINGUARD_SUBJECT" >> /var/lib/traingua
         service.wait_serving()
 
 
+def test_systemctl_reload_refuses_a_bad_config_and_applies_a_good_one(service: Service) -> None:
+    """ExecReload under the hardened unit: a broken config is refused in one journal line and the agent goes on (same
+    pid, active, serving); the good one is applied in the same process."""
+    c = service.c
+    pid = service.main_pid()
+    invocation = service.invocation()
+    c.write("/etc/trainguard/trainguard.toml", CONFIG + '\n[checks.broken]\ntype = "disk"\nfree_warning = "x"\n',
+            mode="0640", owner="root:trainguard")
+    try:
+        c.run(["systemctl", "reload", UNIT], timeout=60)
+        wait_until(lambda: "reload refused; the running config stays" in service.journal(invocation), 30, 0.2,
+                   what="the refusal in the journal")
+        assert service.main_pid() == pid and service.show("ActiveState")["ActiveState"] == "active"
+        assert service.get("/healthz")[0] == 200
+    finally:
+        c.write("/etc/trainguard/trainguard.toml", CONFIG, mode="0640", owner="root:trainguard")
+    c.run(["systemctl", "reload", UNIT], timeout=60)
+    wait_until(lambda: "msg=reloaded" in service.journal(invocation), 30, 0.2, what="the reload in the journal")
+    assert service.main_pid() == pid
+    service.wait_serving()
+
+
 def test_uninstall(service: Service) -> None:
     c = service.c
     out = c.run([TG, "uninstall"]).stdout

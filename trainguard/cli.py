@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainguard import PLAIN_SETTINGS_ENV, __version__
@@ -154,6 +154,22 @@ def _load(args: argparse.Namespace) -> Config:
     if args.command == "run" and not args.log_level:
         setup_logging(config.agent.log_level)
     return config
+
+
+def _reloader(args: argparse.Namespace) -> Callable[[], Config]:
+    """The agent's config read and validated again as at start (SIGHUP): ConfigError or ValidatorError when not."""
+    from trainguard.core.settings import PLAIN
+
+    def load() -> Config:
+        if PLAIN:
+            from trainguard.agent.plainconfig import load_plain_config
+
+            return load_plain_config(args.config, args.log_level or "info")
+        from trainguard.agent.configfile import load_config
+
+        return load_config(args.config)
+
+    return load
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -477,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NOPERM
     from trainguard.agent.daemon import run_daemon
 
-    return run_daemon(config)
+    return run_daemon(config, reload=_reloader(args))
 
 
 def _refused(exc: PermissionError) -> str:
@@ -510,8 +526,9 @@ def _one_shot(config: Config, args: argparse.Namespace) -> int:
     if args.command == "validate":
         print(json.dumps(config.to_dict(), indent=2))
         warned = _warn(config)  # valid, so exit 0: the agent would start, and say the same
-        print(f"config OK: {config.source or '(built-in default)'}" + (" (with warnings)" if warned else ""),
-              file=sys.stderr)
+        print(f"config OK: {config.source or '(built-in default)'}" + (" (with warnings)" if warned else "")
+              + "; a running agent takes it at `systemctl reload trainguard` (a config it refuses, it says why in the "
+              "journal and keeps its own)", file=sys.stderr)
         return 0
     if args.command == "check":
         return cmd_check(config, args.json, args.critical_only, args.drain, args.since)

@@ -30,6 +30,11 @@ class ActionRefusedError(ActionError):
     open while it stands, since the fault it answered is still there and nobody acted on it."""
 
 
+class ActionSkippedError(ActionError):
+    """Nothing to act on (no job on this node, not an array job, every process already gone, a node not drained):
+    the action is skipped with this reason. An alert never says a skipped action was done, nor that it failed."""
+
+
 class Report(Protocol):
     """What an action that waits for the ranks reads of their report (trainguard.actions.savereport.SaveReport)."""
 
@@ -159,13 +164,18 @@ def slurm_jobs(ctx: ActionContext) -> list[Job]:
 
 
 def each_job(jobs: Iterable[Job], act: Callable[[Job], str]) -> str:
-    """`act` on every job: one job's failure never keeps another from its turn. Fails only when every job failed."""
-    done, errors = [], []
+    """`act` on every job: one job's failure never keeps another from its turn. Fails only when every job failed or
+    was skipped and one failed; skipped when every job was skipped (nothing to act on)."""
+    done, skipped, errors = [], [], []
     for job in jobs:
         try:
             done.append(act(job))
+        except ActionSkippedError as exc:
+            skipped.append(f"{job.label()}: {exc}")
         except ActionError as exc:
             errors.append(f"{job.label()}: {exc}")
     if errors and not done:
-        raise ActionError("; ".join(errors))
-    return "; ".join(done + errors)
+        raise ActionError("; ".join(errors + skipped))
+    if not done:
+        raise ActionSkippedError("; ".join(skipped) or "no job")
+    return "; ".join(done + errors + skipped)

@@ -39,7 +39,16 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, Report, each_job, slurm_jobs
+from trainguard.actions.base import (
+    Action,
+    ActionContext,
+    ActionError,
+    ActionSettings,
+    ActionSkippedError,
+    Report,
+    each_job,
+    slurm_jobs,
+)
 from trainguard.actions.savereport import REQUEST_WAIT, SaveReport, ask_save
 from trainguard.actions.signal import signal_name
 from trainguard.actions.slurmctl import RequeueAction, RequeueSettings, WaitExitSettings
@@ -149,7 +158,7 @@ class RestartAction(Action):
                               "bind `signal` and let the service manager start it again (Restart=on-failure)")
         jobs = slurm_jobs(ctx)
         if not jobs:
-            raise ActionError("no job to restart")
+            raise ActionSkippedError("no SLURM job on this node to restart")
         return each_job(jobs, lambda job: self._once(job, ctx))
 
     def _once(self, job: Job, ctx: ActionContext) -> str:

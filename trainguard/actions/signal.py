@@ -8,7 +8,7 @@ import signal
 import threading
 from typing import Literal
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, each_job
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, ActionSkippedError, each_job
 from trainguard.actions.savereport import ask_save
 from trainguard.core.logs import kv
 from trainguard.core.settings import Duration, Field, field_validator
@@ -70,7 +70,7 @@ class SignalAction(Action):
 
     def run(self, ctx: ActionContext) -> str:
         if not ctx.jobs:
-            raise ActionError("no job to signal")
+            raise ActionSkippedError("no job on this node to signal")
         # first: a requeue after it waits for rank 0's report of the checkpoint written, not for a rank that never
         # exits (on a lost GPU), and rank 0 reports only when the request was there as it decided to stop
         unasked = ask_save(ctx.jobs, ctx) if self.settings.signal not in ("KILL", "STOP") else []  # uncatchable
@@ -95,7 +95,7 @@ class SignalAction(Action):
             except ProcessGoneError:  # it exited first: a trainer that honoured the stop switch before we relayed it
                 gone.append(str(ref.pid))
         if not sent:
-            return f"{job.label()} had already exited (pid {', '.join(gone)}): nothing to signal"
+            raise ActionSkippedError(f"had already exited (pid {', '.join(gone)}): nothing to signal")
         if gone:
             sent.append(f"pid {', '.join(gone)} had already exited")
         if s.then:

@@ -8,7 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, ActionSettings, slurm_jobs
+from trainguard.actions.base import (
+    Action,
+    ActionContext,
+    ActionError,
+    ActionRefusedError,
+    ActionSettings,
+    ActionSkippedError,
+    slurm_jobs,
+)
 from trainguard.core.settings import Duration, Field, field_validator, model_validator
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.model import Job
@@ -123,11 +131,11 @@ class ResumeAction(Action):
         except SlurmError as exc:
             raise ActionError(f"resume: {exc}") from None
         if "DRAIN" not in state:
-            return f"{ctx.node} is not drained ({state})"
+            raise ActionSkippedError(f"{ctx.node} is not drained ({state})")
         if not reason.startswith(DRAIN_TAG):
-            return f"{ctx.node} drained by someone else ({reason!r}): left alone"
+            raise ActionSkippedError(f"{ctx.node} drained by someone else ({reason!r}): left alone")
         if ctx.others_critical:
-            return f"{ctx.node} left drained: still critical: {', '.join(ctx.others_critical)}"
+            raise ActionSkippedError(f"{ctx.node} left drained: still critical: {', '.join(ctx.others_critical)}")
         _slurm("resume", ctx.slurm.resume, ctx.node)
         return f"resumed {ctx.node} (was: {reason})"
 
@@ -175,7 +183,7 @@ class RequeueAction(Action):
     def run(self, ctx: ActionContext) -> str:
         jobs = slurm_jobs(ctx)
         if not jobs:
-            return "no SLURM job on this node: nothing to requeue"
+            raise ActionSkippedError("no SLURM job on this node: nothing to requeue")
         refused = [j for j in jobs if not j.requeue]
         waiting = [j for j in jobs if j.requeue]
         s = self.settings
@@ -203,6 +211,8 @@ class RequeueAction(Action):
             parts.append("not requeueable (--no-requeue): " + ", ".join(j.job_id or "" for j in refused))
         if errors and not done:  # nothing requeued: a failure, whatever was left alone besides
             raise ActionError("; ".join(parts))
+        if not any(d.startswith("requeued ") for d in done):  # each left alone: requeued already, cancelled, refused
+            raise ActionSkippedError("; ".join(parts))
         return "; ".join(parts)
 
     @staticmethod
@@ -244,7 +254,7 @@ class ArrayPendingAction(Action):
     def run(self, ctx: ActionContext) -> str:
         arrays = sorted({j.array_job_id for j in slurm_jobs(ctx) if j.array_job_id})
         if not arrays:
-            return "not an array job: nothing pending to stop"
+            raise ActionSkippedError("not an array job: nothing pending to stop")
         if self.settings.mode == "cancel":
             for array in arrays:
                 _slurm("cancel", ctx.slurm.cancel_pending, array)
@@ -255,7 +265,7 @@ class ArrayPendingAction(Action):
                                    for array, tasks in held.items())
         release = " ".join(f"{array}_[{tasks}]" for array, tasks in held.items() if tasks)
         if not release:
-            return done
+            raise ActionSkippedError(f"no task of array {', '.join(arrays)} was pending: nothing held")
         # A held task waits until someone releases it: say how. A stop switch left in place would end each released
         # task before its first step (the trainer helper checks it then), so it goes first.
         switch = ctx.event.details.get("path") if ctx.event.details.get("switch") == "stop" else None

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from typing import Literal
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, ActionSkippedError
 from trainguard.core.settings import Field
 from trainguard.jobs.model import Job
 from trainguard.node.access import AccessDeniedError, Identity, resolve
@@ -216,7 +216,7 @@ class SwitchAction(Action):
 
     def run(self, ctx: ActionContext) -> str:
         if not ctx.jobs:
-            raise ActionError("no job to switch")
+            raise ActionSkippedError("no job on this node to switch")
         made = []
         for job in ctx.jobs:
             if not job.switch_dir:

@@ -1,4 +1,5 @@
-"""`trainguard run`: wire the engine, the HTTP endpoint and systemd together; shut down cleanly on SIGTERM."""
+"""`trainguard run`: wire the engine, the HTTP endpoint and systemd together; reload on SIGHUP, shut down cleanly on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from trainguard import __version__
 from trainguard.agent.http import ControlSocket, HttpEndpoint
+from trainguard.agent.plainconfig import ValidatorError
 from trainguard.agent.systemd import SystemdNotifier, WatchdogPinger
 from trainguard.core.logs import kv
+from trainguard.core.text import one_line
 from trainguard.node.procfs import ProcFS
-from trainguard.pipeline.config import Config
+from trainguard.pipeline.config import Config, ConfigError
 from trainguard.pipeline.engine import ACTIONS_GRACE_S, Engine
 
 log = logging.getLogger("trainguard.daemon")
@@ -41,16 +45,78 @@ def fewer_malloc_arenas() -> bool:
     return bool(mallopt(M_ARENA_MAX, MALLOC_ARENAS))
 
 
-def run_daemon(config: Config) -> int:
+class _Serving:
+    """The engine and the endpoints that serve it: started together on one config, stopped together (at shutdown,
+    and at a reload, which starts them again on the new config in the same process)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine = Engine(config, self_check=True)
+        if not self.engine.store.persistent:
+            log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))
+        self.endpoint: HttpEndpoint | None = None
+        if config.agent.listen:
+            host, port = config.agent.listen_address()
+            try:
+                self.endpoint = HttpEndpoint(self.engine, host, port)
+                self.endpoint.start()
+            except OSError as exc:
+                # Checks and alerts matter more than the endpoint: keep running without it.
+                log.error("cannot listen; HTTP endpoint off", extra=kv(address=config.agent.listen, error=exc))
+        self.control: ControlSocket | None = None
+        try:
+            self.control = ControlSocket(self.engine, config.agent.control_path())
+            self.control.start()
+        except OSError as exc:
+            log.error("cannot open the control socket; local details off", extra=kv(
+                path=config.agent.control_path(), error=exc.strerror or exc))
+        self.engine.start()
+
+    def stop(self, grace: float) -> None:
+        t0 = time.monotonic()
+        if self.endpoint is not None:
+            self.endpoint.stop()
+        if self.control is not None:
+            self.control.stop()
+        # The servers' stop comes out of the actions' grace: one budget inside the unit's TimeoutStopSec.
+        self.engine.stop(grace=max(0.0, grace - (time.monotonic() - t0)))
+
+
+def _warn(config: Config) -> None:
+    for warning in config.warnings():  # also a WARNING result of the agent's own check, so it reaches the channels
+        log.warning("config warning", extra=kv(config=str(config.source or "(built-in default)"), warning=warning))
+
+
+def changes(old: Config, new: Config) -> dict[str, str]:
+    """What a reload changes, for its log line: checks, notifiers and actions added, removed or changed."""
+    out = {}
+    for part in ("checks", "notifiers", "actions"):
+        before, after = getattr(old, part), getattr(new, part)
+        for what, names in (("added", sorted(set(after) - set(before))), ("removed", sorted(set(before) - set(after))),
+                            ("changed", sorted(n for n in set(before) & set(after) if before[n] != after[n]))):
+            if names:
+                out[f"{part}_{what}"] = ",".join(names)
+    for part in ("agent", "jobs"):
+        if getattr(old, part) != getattr(new, part):
+            out[f"{part}_changed"] = "yes"
+    return out
+
+
+def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """`reload`: the config again, validated as at start (raising ConfigError or ValidatorError); SIGHUP calls it."""
     fewer_malloc_arenas()
-    stop = threading.Event()
+    stop, hangup = threading.Event(), threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            hangup.set()
+            return
         log.info("shutdown requested", extra=kv(signal=signal.Signals(signum).name))
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal if reload is not None else signal.SIG_IGN)
     # The kernel may hand SIGTERM to any of the agent's threads; Python then runs the handler in the main thread only
     # once that thread runs bytecode, and a main thread blocked in a lock never does. The wakeup fd gets a byte
     # whichever thread the signal reached, so the main thread sleeps in select() on it: woken by every signal, and
@@ -61,70 +127,74 @@ def run_daemon(config: Config) -> int:
 
     log.info("starting", extra=kv(version=__version__, node=config.agent.node_name,
                                   config=config.source or "(built-in default)", state_dir=config.agent.state_dir))
-    for warning in config.warnings():  # also a WARNING result of the agent's own check, so it reaches the channels
-        log.warning("config warning", extra=kv(config=str(config.source or "(built-in default)"), warning=warning))
+    _warn(config)
     hidden = ProcFS().hidden_processes()
     if hidden is not None:  # said once, at start: otherwise every job just looks ABSENT and nobody knows why
         log.warning("other users' processes are invisible to the agent: process jobs, job memory, hang signals and "
                     "signals to process jobs see only its own user's processes", extra=kv(
                         reason=hidden, fix="keep CAP_SYS_PTRACE, or set ProtectProc=default in a drop-in "
                                            "(docs/install.md, No ptrace)"))
-    engine = Engine(config, self_check=True)
-    if not engine.store.persistent:
-        log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))
-    endpoint = None
-    if config.agent.listen:
-        host, port = config.agent.listen_address()
-        try:
-            endpoint = HttpEndpoint(engine, host, port)
-            endpoint.start()
-        except OSError as exc:
-            # Checks and alerts matter more than the endpoint: keep running without it.
-            log.error("cannot listen; HTTP endpoint off", extra=kv(address=config.agent.listen, error=exc))
-    control = None
-    try:
-        control = ControlSocket(engine, config.agent.control_path())
-        control.start()
-    except OSError as exc:
-        log.error("cannot open the control socket; local details off", extra=kv(path=config.agent.control_path(),
-                                                                               error=exc.strerror or exc))
+    serving = _Serving(config)
     systemd = SystemdNotifier()
-    pinger = WatchdogPinger(systemd, engine.healthy)
-    engine.start()
+    pinger = WatchdogPinger(systemd, lambda: serving.engine.healthy())  # noqa: PLW0108 - the engine after a reload
     # Ready as soon as the endpoint serves and the scheduler runs: the first round runs from here on, so a slow
     # check (squeue timing out) neither delays READY nor risks systemd's start timeout.
-    pending = engine.pending()
-    systemd.notify("READY=1", _status_line(len(engine.configured), pending))
+    pending = serving.engine.pending()
+    systemd.notify("READY=1", _status_line(len(serving.engine.configured), pending))
     pinger.start()
-    log.info("ready", extra=kv(checks=len(engine.configured), pending=",".join(pending) or None,
+    log.info("ready", extra=kv(checks=len(serving.engine.configured), pending=",".join(pending) or None,
                                watchdog_s=systemd.watchdog_s))
     if not pending:  # each check's lane ran it before READY (fast checks do): the first round is done already
-        log.info("first round done", extra=kv(checks=len(engine.configured)))
+        log.info("first round done", extra=kv(checks=len(serving.engine.configured)))
     # Once the first round is done the main thread only waits for a signal: no wake-up a second for nothing.
     while not stop.is_set():
         if select.select([wake_r], [], [], 1.0 if pending else None)[0]:
             os.read(wake_r, 512)  # the handler has run, or runs before the next bytecode: `stop` says
+        if hangup.is_set() and not stop.is_set() and reload is not None:
+            hangup.clear()
+            serving = _reload(serving, reload, systemd)
+            pending = serving.engine.pending()
         if pending:
-            now_pending = engine.pending()
+            now_pending = serving.engine.pending()
             if now_pending != pending:  # `systemctl status` shows the first round completing
                 pending = now_pending
-                systemd.notify(_status_line(len(engine.configured), pending))
+                systemd.notify(_status_line(len(serving.engine.configured), pending))
                 if not pending:
-                    log.info("first round done", extra=kv(checks=len(engine.configured)))
+                    log.info("first round done", extra=kv(checks=len(serving.engine.configured)))
     t0 = time.monotonic()
     systemd.notify("STOPPING=1")
     pinger.stop()
-    if endpoint is not None:
-        endpoint.stop()
-    if control is not None:
-        control.stop()
-    # The servers' stop comes out of the actions' grace: one budget inside the unit's TimeoutStopSec.
-    engine.stop(grace=max(0.0, ACTIONS_GRACE_S - (time.monotonic() - t0)))
+    serving.stop(ACTIONS_GRACE_S)
     signal.set_wakeup_fd(-1)
     os.close(wake_r)
     os.close(wake_w)
     log.info("stopped", extra=kv(shutdown_s=round(time.monotonic() - t0, 3)))
     return 0
+
+
+def _reload(serving: _Serving, load: Callable[[], Config], systemd: SystemdNotifier) -> _Serving:
+    """SIGHUP (`systemctl reload`): the config validated first; a bad one is refused in one line and the running one
+    stays. A good one stops the engine as a shutdown does (actions under way get their grace) and starts it again on
+    the new config in this process: incidents, silences, the outbox and what the checks remember are in the state
+    database, as across a restart, and the endpoints are opened again (a changed address applies)."""
+    systemd.notify("RELOADING=1", "STATUS=reloading the config")
+    t0 = time.monotonic()
+    try:
+        config = load()
+    except (ConfigError, ValidatorError) as exc:
+        log.error("reload refused; the running config stays", extra=kv(error=one_line(str(exc), 2000)))
+        systemd.notify("READY=1", _status_line(len(serving.engine.configured), serving.engine.pending())
+                       + "; the last reload was refused: journalctl -u trainguard")
+        return serving
+    changed = changes(serving.config, config)
+    log.warning("reloading", extra=kv(config=config.source or "(built-in default)", **changed) if changed
+                else kv(config=config.source or "(built-in default)", changes="none"))
+    _warn(config)
+    serving.stop(ACTIONS_GRACE_S)
+    serving = _Serving(config)
+    systemd.notify("READY=1", _status_line(len(serving.engine.configured), serving.engine.pending()))
+    log.info("reloaded", extra=kv(checks=len(serving.engine.configured), took_s=round(time.monotonic() - t0, 3)))
+    return serving
 
 
 def _status_line(checks: int, pending: list[str]) -> str:

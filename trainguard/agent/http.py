@@ -94,7 +94,7 @@ def operate(engine: Engine, path: str, body: dict[str, Any], uid: int) -> str:
     who = Operator(name, uid, one_line(str(body.get("reason") or ""), 500))
     if path == "/ack":
         events = engine.acknowledge(target, who)
-        return f"acknowledged {len(events)} incident(s) of {target}"
+        return f"acknowledged {len(events)} incident(s) of {target}" + ("" if events else ": acknowledged already")
     if path == "/silence":
         duration = parse_duration(body.get("for"))
         if duration <= 0:

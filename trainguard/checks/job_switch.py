@@ -19,6 +19,7 @@ from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import STOP_DIR
 from trainguard.node.access import Identity, stat_as
+from trainguard.node.inotify import DirWatcher
 
 
 class SwitchCheckSettings(CheckSettings):
@@ -89,6 +90,17 @@ class SwitchCheck(JobCheck):
     scope = "job"
     Settings = SwitchCheckSettings
     settings: SwitchCheckSettings
+    _watcher: DirWatcher | None = None
+
+    def start(self, wake: Callable[[], None]) -> None:
+        """Run the moment a switch appears (inotify on the switch dirs this check already looks in, and the operator's
+        stop dir): a trainer that saves and exits within the `interval` ended before the hold reached its array's next
+        task. The watch only wakes the check; the lookups below decide, with the job user's authority."""
+        self._watcher = DirWatcher([self.settings.switch], wake, name=f"inotify-{self.name}")
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
 
     def candidates(self, view: JobView) -> list[Job]:
         """Running jobs; for `stop`, also finished tasks of an array that may still have tasks pending, since the
@@ -119,6 +131,9 @@ class SwitchCheck(JobCheck):
         out = self.source_errors(view, ["slurm", "process"])
         seen: set[Path] = set()
         candidates = self.candidates(view)
+        if self._watcher is not None:
+            self._watcher.watch([j.switch_dir for j in candidates if j.switch_dir],
+                                [str(stop_dir)] if candidates and self.settings.switch == "stop" else ())
         stops = listed(stop_dir) if candidates and self.settings.switch == "stop" else frozenset()
         for job in candidates:
             for sw in find_switch(job, self.settings.switch, stop_dir, self.identity, stops):

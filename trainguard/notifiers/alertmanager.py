@@ -46,7 +46,7 @@ def alert(event: Event, s: AlertmanagerSettings, now: float, job_id: str = "") -
         labels["gpu"] = str(gpu)
     done = actions_done(event)
     annotations = {"summary": event.summary,
-                   "description": event_line(event) + (f"; done: {', '.join(done)}" if done else "")}
+                   "description": event_line(event) + (f"; actions: {', '.join(done)}" if done else "")}
     if s.runbook_url:
         annotations["runbook_url"] = s.runbook_url.format(check=event.check, subject=event.subject)
     resolved = event.kind is EventKind.RESOLVED

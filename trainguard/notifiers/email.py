@@ -15,7 +15,7 @@ from trainguard.core.events import Event
 from trainguard.core.settings import Duration, Field, SecretStr, model_validator
 from trainguard.core.text import one_line, printable
 from trainguard.notifiers.base import GroupNotifier, NotifierError, NotifierSettings
-from trainguard.notifiers.text import actions_done, clean_all, event_line, headline
+from trainguard.notifiers.text import actions_done, clean_all, event_line, headline, next_step
 
 
 class EmailSettings(NotifierSettings):
@@ -49,11 +49,11 @@ def email_message(events: Sequence[Event], s: EmailSettings) -> EmailMessage:
     text, rows = [], []
     for e in events:
         done = actions_done(e)
-        step = e.details.get("next_step")
-        text.append(event_line(e) + (f"\n  done: {', '.join(done)}" if done else "") + (f"\n  next: {step}" if step else ""))
+        step = next_step(e)
+        text.append(event_line(e) + (f"\n  actions: {', '.join(done)}" if done else "") + (f"\n  next: {step}" if step else ""))
         rows.append(f"<li><b>{html.escape(e.kind.value.upper())} {html.escape(e.status.name)}</b> "
                     f"{html.escape(e.check)}/{html.escape(e.subject)}: {html.escape(e.summary)}"
-                    + (f"<br><i>done: {html.escape(', '.join(done))}</i>" if done else "") + "</li>")
+                    + (f"<br><i>actions: {html.escape(', '.join(done))}</i>" if done else "") + "</li>")
     footer = f"trainguard on {events[0].node}; `trainguard status` there shows every incident."
     msg.set_content(printable("\n\n".join(text) + f"\n\n-- \n{footer}\n"))
     msg.add_alternative(printable(f"<html><body><ul>{''.join(rows)}</ul><p style='color:#777'>{html.escape(footer)}"

@@ -10,7 +10,7 @@ from trainguard.core.model import Status, worst
 from trainguard.core.settings import Duration, Field, SecretStr
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
 from trainguard.notifiers.http import post_json
-from trainguard.notifiers.text import actions_done, clean_all, event_line, headline
+from trainguard.notifiers.text import actions_done, clean_all, event_line, headline, next_step
 
 COLORS = {Status.CRITICAL: "#d32f2f", Status.WARNING: "#f9a825", Status.UNKNOWN: "#757575", Status.OK: "#2e7d32"}
 MAX_BLOCK_EVENTS = 20  # Slack allows 50 blocks; the rest is counted, not listed
@@ -42,9 +42,10 @@ def slack_message(events: Sequence[Event], mention: str = "") -> dict[str, Any]:
             lines.append(f"Job: `{escape(job)}`")
         done = actions_done(event)
         if done:
-            lines.append("Done: " + escape(", ".join(done)))
-        if event.details.get("next_step"):
-            lines.append(f"Next: {escape(str(event.details['next_step']))}")
+            lines.append("Actions: " + escape(", ".join(done)))
+        step = next_step(event)
+        if step:
+            lines.append(f"Next: {escape(step)}")
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(lines)}})
     if len(events) > MAX_BLOCK_EVENTS:
         blocks.append({"type": "context", "elements": [

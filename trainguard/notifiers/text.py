@@ -54,6 +54,8 @@ _DONE = {"signal": "job signalled", "save": "save requested", "stop": "stop requ
 
 
 def actions_done(event: Event) -> list[str]:
+    """What the actions on the event's incident did, in words: those done, and those that failed or timed out. A
+    skipped action (nothing to act on), a refused one and a dry run did nothing, and are not said."""
     done = []
     for record in event.details.get("actions_taken") or ():
         if record.get("outcome") == "ok":
@@ -62,6 +64,13 @@ def actions_done(event: Event) -> list[str]:
         elif record.get("outcome") in ("failed", "timeout"):
             done.append(f"{record.get('action')} {record.get('outcome')}")
     return list(dict.fromkeys(done))
+
+
+def next_step(event: Event) -> str:
+    """The check's advice for the operator ("reset the GPU"); none once the incident resolved: the fault is gone (a
+    cleared XID said "Next: reset the GPU" in its green message)."""
+    step = event.details.get("next_step")
+    return str(step) if step and event.kind is not EventKind.RESOLVED else ""
 
 
 def headline(events: Sequence[Event]) -> str:

@@ -14,6 +14,7 @@ from trainguard.actions.base import ActionSettings
 from trainguard.checks.base import CheckSettings
 from trainguard.core.settings import Field, SettingsModel, field_validator
 from trainguard.core.text import linear
+from trainguard.core.units import format_duration
 from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurmnode import cluster_name
 from trainguard.notifiers.base import NotifierSettings
@@ -93,6 +94,19 @@ class AgentSettings(SettingsModel):
         return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def _late_staleness(name: str, settings: CheckSettings) -> str:
+    """A job counts as hung after `stale_after`, but the check first sees a job at a run (its deadline timer wakes it
+    only for jobs it has seen): a job that hangs before that run is reported up to an `interval` after its
+    `stale_after` (20 s fired at 42 s with a 30 s interval), which such a `stale_after` is surely not meant to allow."""
+    limits = [getattr(settings, "stale_after", None), *(getattr(settings, "stale_after_by_name", None) or {}).values()]
+    shortest = min((v for v in limits if isinstance(v, (int, float))), default=None)
+    if shortest is None or shortest >= settings.interval:
+        return ""
+    return (f"checks.{name}: stale_after {format_duration(shortest)} is shorter than interval "
+            f"{format_duration(settings.interval)}: a hang may be reported up to an interval late; set interval to "
+            "stale_after / 2 or less")
+
+
 @dataclass(frozen=True)
 class Config:
     agent: AgentSettings
@@ -109,7 +123,7 @@ class Config:
             disabled = ", ".join(sorted(self.checks))
             return ["no check is enabled: the agent watches nothing" + (f" ({disabled} disabled)" if disabled else "")
                     + "; add [checks.NAME] tables (docs/configuration.md)"]
-        return []
+        return [w for name, s in self.checks.items() if s.enabled and (w := _late_staleness(name, s))]
 
     def kind_of_check(self, name: str) -> str:
         return self.checks[name].type or name

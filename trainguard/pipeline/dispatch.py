@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from trainguard.core.events import Event
+from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.notifiers.base import Notifier, NotifierError
 from trainguard.pipeline.store import Store
@@ -101,7 +101,7 @@ class Dispatcher:
                 return row.next_attempt - now
             if window > 0 and row.attempts == 0 and now < row.created + window:
                 return row.created + window - now  # let the rest of the burst arrive: one message for all
-            rows = self._store.outbox_group(channel, row.created + window, notifier.settings.max_group) \
+            rows = _one_colour(self._store.outbox_group(channel, row.created + window, notifier.settings.max_group)) \
                 if window > 0 else [row]
             ids = [r.id for r in rows]
             events = [self._annotate(Event.from_dict(r.event)) for r in rows]
@@ -159,3 +159,12 @@ class Dispatcher:
                 log.exception("outbox worker error", extra=kv(channel=channel))
                 delay = 5.0
             wake.wait(delay)
+
+
+def _one_colour(rows: list[Any]) -> list[Any]:
+    """The first rows of a group that all resolve, or all do not: a resolution gets its own (green) message instead
+    of riding in a new firing's (yellow or red) one, and a firing is never hidden in a green one. The rest stay
+    first in the queue, for the next delivery; the order of events is kept."""
+    resolved = [r.event.get("kind") == EventKind.RESOLVED.value for r in rows]
+    cut = next((i for i, r in enumerate(resolved) if r != resolved[0]), len(rows))
+    return rows[:cut]

@@ -418,12 +418,12 @@ class Engine:
             raise OperatorError(f"no check named {check!r} (configured: {', '.join(self.configured) or 'none'})")
         if need_subject and not subject:
             raise OperatorError(f"{target!r}: name the subject too, as CHECK/SUBJECT (see trainguard status)")
-        return check, subject if sep else None
+        return check, self.tracker.subject_named(check, subject) if sep else None
 
     def acknowledge(self, target: str, who: Operator) -> list[Event]:
         check, subject = self._target(target)
         events = self.tracker.acknowledge(check, subject, who, self.dispatcher.route)
-        if not events:
+        if not events and not any(i.check == check and subject in (None, i.subject) for i in self.tracker.incidents()):
             raise OperatorError(f"no incident of {target} to acknowledge")
         self._emit(events)
         return events

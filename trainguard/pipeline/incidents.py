@@ -320,6 +320,15 @@ class IncidentTracker:
     def _matching(self, check: str, subject: str | None) -> list[Incident]:
         return [i for (c, s), i in self._incidents.items() if c == check and (subject is None or s == subject)]
 
+    def subject_named(self, check: str, subject: str) -> str:
+        """The subject an operator meant: `scratch` or `scratch/` is the open incident `/scratch` when no subject is
+        named as typed (a disk's subject is its path: `disk//scratch` was the only spelling that matched)."""
+        with self._lock:
+            if (check, subject) in self._incidents:
+                return subject
+            path = "/" + subject.strip("/")
+            return path if (check, path) in self._incidents else subject
+
     def _operator_event(self, kind: EventKind, check: str, subject: str, status: Status, summary: str, now: float,
                         event_id: str, details: dict[str, Any]) -> Event:
         return Event(kind=kind, incident_id=event_id, check=check, subject=subject, status=status, summary=summary,
@@ -327,11 +336,14 @@ class IncidentTracker:
 
     def acknowledge(self, check: str, subject: str | None, who: Operator,
                     route: Callable[[Event], Iterable[str]]) -> list[Event]:
-        """Stop the reminders of the matching incidents; they stay visible. Returns the events (one per incident)."""
+        """Stop the reminders of the matching incidents; they stay visible. Returns the events (one per incident
+        acknowledged now: one acknowledged already is not announced again)."""
         now = self._clock()
         with self._lock:
             change = Transition()
             for current in self._matching(check, subject):
+                if current.acked is not None:
+                    continue
                 incident = Incident(**{**vars(current), "acked": who.record(now)})
                 change.upserts.append(incident)
                 change.events.append(self._operator_event(

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, Reports
+from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, ActionSkippedError, Reports
 from trainguard.actions.savereport import SaveReport
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
@@ -409,6 +409,8 @@ class Responder:
                     box["outcome"] = "ok"
                 except ActionRefusedError as exc:
                     box["detail"], box["outcome"] = str(exc), "refused"
+                except ActionSkippedError as exc:  # nothing to act on: said as such, never as done or failed
+                    box["detail"], box["outcome"] = str(exc), "skipped"
                 except ActionError as exc:
                     box["detail"], box["outcome"] = str(exc), "failed"
                 except Exception as exc:  # noqa: BLE001 - a buggy action must not take others down
@@ -428,7 +430,7 @@ class Responder:
                                       "incident": ctx.event.incident_id, "detail": detail, "at": started}
             elif outcome == "ok":
                 self._refused.pop(key, None)
-        level = logging.WARNING if outcome in ("ok", "dry_run") else logging.ERROR
+        level = {"ok": logging.WARNING, "dry_run": logging.WARNING, "skipped": logging.INFO}.get(outcome, logging.ERROR)
         log.log(level, "action", extra=kv(action=action.name, outcome=outcome, incident=ctx.event.incident_id,
                                           check=ctx.event.check, subject=ctx.event.subject,
                                           jobs=",".join(j.job_id or j.key for j in ctx.jobs) or None, detail=detail))
