@@ -25,6 +25,11 @@ _OFF_BUS_ONE = linear(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]
                           r"GPU has fallen off the bus")
 _OFF_BUS_FIRST = linear(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
                             r"(?:\.\w)?)\s*$")
+# The same three lines as one record (printk with embedded newlines: what dmesg shows as one stamp and two indented
+# lines), which comes with no XID at all (NVIDIA/NVSentinel#155).
+_OFF_BUS_BLOCK = linear(r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\w)?)\s+"
+                        r"(?:NVRM:\s*)?\(PCI ID: [0-9a-fA-F:]{9}\) installed in this system has\s+(?:NVRM:\s*)?"
+                        r"fallen off the bus")
 _OFF_BUS_LAST = linear(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
 # NVSwitch: `nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up`. The driver prints
 # follow-up records (`..., Data {0x...}`) without the severity word: those are not counted again.
@@ -73,6 +78,10 @@ class XidParser:
         m = _OFF_BUS_ONE.match(line)
         if m:
             return XidEvent(79, normalize_bus_id(m.group("bus")), "GPU has fallen off the bus", line=line)
+        m = _OFF_BUS_BLOCK.search(line) if "\n" in line else None
+        if m:
+            return XidEvent(79, normalize_bus_id(m.group("bus")), "GPU has fallen off the bus and is not responding to "
+                            "commands", line=line)
         m = _OFF_BUS_FIRST.match(line)
         if m:
             self._pending_off_bus = normalize_bus_id(m.group("bus"))
