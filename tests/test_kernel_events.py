@@ -4,11 +4,11 @@ parser in every prefix form users paste; benign look-alikes quiet; a block of li
 from __future__ import annotations
 
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from trainguard.core.model import Status
 from trainguard.node.kernel_events import KernelEventParser, catalog
@@ -70,8 +70,8 @@ def test_every_class_that_reports_has_a_real_fixture_or_is_listed_as_lacking_one
     covered = {f["class"] for f in FIXTURES}
     reporting = {c.name for c in catalog().values() if c.role in ("event", "clear") and c.pattern is not None}
     # No real line found yet (docs/kernel-events.md says so): matched from the kernel's format strings only.
-    lacking = {"general_protection", "aer_nonfatal", "lustre_evicted", "lustre_connection_lost", "mlx5_link_down", "cpu_power_limit",
-               "edac_ue", "cper_fatal"}
+    lacking = {"general_protection", "aer_nonfatal", "lustre_evicted", "lustre_connection_lost", "mlx5_link_down",
+               "cpu_power_limit", "edac_ue", "cper_fatal"}
     assert reporting - covered == lacking
 
 
@@ -116,3 +116,11 @@ def test_a_hostile_record_is_bounded() -> None:
     events = parser.feed(huge) + parser.feed("x" * (1 << 20)) + parser.feed("blocked for more than " * 50000)
     assert time.process_time() - start < 1.0  # the explicit bound of the issue: a 1 MiB record costs like a line
     assert all(len(e.line) <= 512 and all(len(v) <= 128 for v in e.names.values()) for e in events)
+
+
+def test_the_kernel_events_page_table_is_the_catalogs() -> None:
+    from trainguard.reference import KERNEL_BEGIN, KERNEL_END, kernel_markdown
+
+    text = (Path(__file__).parent.parent / "docs/kernel-events.md").read_text()
+    table = text[text.index(KERNEL_BEGIN):text.index(KERNEL_END) + len(KERNEL_END)] + "\n"
+    assert table == kernel_markdown(), "docs/kernel-events.md's table drifted: paste `trainguard kernel --markdown`"

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import functools
 import string
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 import ahocorasick_rs
+import tomllib
 
 from trainguard.core.model import Status
 from trainguard.core.text import Pattern, linear, one_line
@@ -156,6 +156,12 @@ def _mce_uncorrected(names: Mapping[str, str]) -> bool:
 DECODERS = {"mce_uncorrected": _mce_uncorrected}
 
 
+def _clean(text: str, limit: int) -> str:
+    """One printable line of at most `limit` characters (str.isprintable is the fast path: kernel text mostly is)."""
+    text = text[:limit]
+    return text if text.isprintable() else one_line(text, limit)
+
+
 def subject_of(c: KernelClass, names: Mapping[str, str]) -> str:
     """The first of the class's subject templates whose groups all matched; the class's name otherwise."""
     for template in c.subject:
@@ -212,7 +218,7 @@ class KernelEventParser:
             m = c.pattern.search(text) if c.pattern is not None else None
             if m is None:
                 continue
-            names = {k: one_line(v, MAX_NAME) for k, v in m.groupdict().items() if v}
+            names = {k: _clean(v, MAX_NAME) for k, v in m.groupdict().items() if v}
             if c.decode and not DECODERS[c.decode](names):
                 continue
             return self._event(c, names, text, usec, seq)
@@ -256,7 +262,7 @@ class KernelEventParser:
             block.rank = max(block.rank, rank)
             block.seen.add(line_kind)
         count = min(int(names["count"]), MAX_COUNT) if names.get("count", "").isdigit() else 1
-        event = KernelEvent(c.name, subject_of(c, names), names, one_line(text, 512), max(count, 1), False, usec, seq)
+        event = KernelEvent(c.name, subject_of(c, names), names, _clean(text, 512), max(count, 1), False, usec, seq)
         if c.family:
             self._last[c.family] = event
         return [event]

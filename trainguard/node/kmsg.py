@@ -406,6 +406,7 @@ class KmsgFollower:
 class _Reader:
     follower: KmsgFollower
     subscribers: list[tuple[int, str, Callable[[KernelRecord], None]]] = field(default_factory=list)
+    kinds: set[str] = field(default_factory=set)
     cursor_priority: int = 1 << 30
     started: set[str] = field(default_factory=set)
     read: bool = False
@@ -423,7 +424,8 @@ class KernelLog:
         self._readers: dict[tuple[str, str], _Reader] = {}
 
     def subscribe(self, name: str, on_record: Callable[[KernelRecord], None], *, path: str = "/dev/kmsg",
-                  journalctl: str = "journalctl", cursor: KeyValue | None = None, priority: int = 10) -> KmsgFollower:
+                  journalctl: str = "journalctl", cursor: KeyValue | None = None, priority: int = 10,
+                  kind: str = "") -> KmsgFollower:
         """The follower of `path` (shared with every subscriber of it); `on_record` gets each record it reads. The
         cursor of the highest-priority subscriber is the one kept."""
         with self._lock:
@@ -435,7 +437,13 @@ class KernelLog:
             if cursor is not None and priority < reader.cursor_priority:
                 reader.follower.cursor, reader.cursor_priority = cursor, priority
             reader.subscribers = sorted([*reader.subscribers, (priority, name, on_record)], key=lambda s: s[0])
+            reader.kinds.add(kind)
             return reader.follower
+
+    def subscribed(self, follower: KmsgFollower, kind: str) -> bool:
+        """Whether a consumer of this kind (a check type) reads what `follower` reads."""
+        with self._lock:
+            return kind in self._reader(follower).kinds
 
     @staticmethod
     def _deliver(reader: _Reader, record: KernelRecord) -> None:
