@@ -367,8 +367,8 @@ def join_continuations(lines: Sequence[str]) -> list[str]:
     from trainguard.node.kmsg import strip_prefix
 
     records: list[str] = []
-    for line in lines:
-        line = line.rstrip("\n")
+    for raw in lines:
+        line = raw.rstrip("\n")
         if records and line[:1].isspace() and strip_prefix(line) == line.strip():
             records[-1] += "\n" + line
         elif line.strip():
