@@ -69,6 +69,7 @@ class Entry:
     last_seq: int = -1
     last_usec: int = -1
     cleared: float = 0.0  # when a clearing event (nfs: server X OK) came
+    status: Status = Status.OK  # as graded after the last record (a change wakes the check)
     times: list[float] = field(default_factory=list)  # counted classes: when, oldest first (bounded, see _record)
 
     def to_json(self) -> dict[str, Any]:
@@ -83,8 +84,10 @@ class Grade:
     why: str
 
 
-def grade(c: KernelClass, e: Entry, now: float, s: KernelSettings, mount_critical: bool | None) -> Grade:
-    """The status one class's events on one subject warrant now, and why (without the first-start policy)."""
+def grade(c: KernelClass, e: Entry, now: float, s: KernelSettings, mount_critical: bool | None,
+          explain: bool = True) -> Grade:
+    """The status one class's events on one subject warrant now, and why (without the first-start policy; without
+    `explain`, the status alone: the per-record path of a storm)."""
     if c.name in s.ignore:
         return Grade(Status.OK, "ignored by configuration")
     if e.cleared >= e.last:
@@ -94,10 +97,10 @@ def grade(c: KernelClass, e: Entry, now: float, s: KernelSettings, mount_critica
         recent = len(e.times) - bisect.bisect_left(e.times, now - c.rate_window)  # O(log n): a storm is cheap
         burst = len(e.times) - bisect.bisect_left(e.times, now - c.storm_window)
         if burst >= c.storm_count:
-            return Grade(c.storm_status, f"storm: {burst} in {format_duration(c.storm_window)}")
+            return Grade(c.storm_status, f"storm: {burst} in {format_duration(c.storm_window)}" if explain else "")
         if recent >= c.warning_count:
-            return Grade(Status.WARNING, f"trend: {recent} in {format_duration(c.rate_window)}")
-        return Grade(Status.OK, f"counted: {recent} in {format_duration(c.rate_window)} "
+            return Grade(Status.WARNING, f"trend: {recent} in {format_duration(c.rate_window)}" if explain else "")
+        return Grade(Status.OK, "" if not explain else f"counted: {recent} in {format_duration(c.rate_window)} "
                                 f"(a trend from {c.warning_count})")
     if c.clear == "window" or (c.clear == "pair" and c.clear_after):
         limit = c.clear_after or 3600
@@ -195,7 +198,7 @@ class KernelCheck(Check):
             if e is None:
                 self._make_room()
                 e = self.entries[key] = Entry(c.name, event.subject, dict(event.names), event.line, when, when)
-            before = self._grade(c, e, self.context.clock()).status
+            before = e.status
             e.count += event.count
             e.last, e.last_seq, e.last_usec = when, record.seq, record.usec
             if not event.repeat:
@@ -207,7 +210,7 @@ class KernelCheck(Check):
                     del e.times[:-keep]
             kind = self._kind(c, e)
             self.totals[(c.name, kind)] = self.totals.get((c.name, kind), 0) + event.count
-            after = self._grade(c, e, self.context.clock()).status
+            after = e.status = self._grade(c, e, self.context.clock(), explain=False).status
         if e.count == event.count or e.count % 1000 == 0:
             log.warning("kernel event", extra=kv(event=c.name, subject=event.subject, count=e.count,
                                                  line=event.line[:160]))
@@ -248,8 +251,8 @@ class KernelCheck(Check):
         points = [m.mountpoint for m in mounts if os.path.basename(m.device) == dev or m.device.endswith(f"/{dev}")]
         return any(p in self.settings.critical_mounts for p in points)
 
-    def _grade(self, c: KernelClass, e: Entry, now: float) -> Grade:
-        return grade(c, e, now, self.settings, self._mount_critical(e) if c.mount_fault else None)
+    def _grade(self, c: KernelClass, e: Entry, now: float, explain: bool = True) -> Grade:
+        return grade(c, e, now, self.settings, self._mount_critical(e) if c.mount_fault else None, explain)
 
     def _history(self, c: KernelClass, e: Entry, g: Grade) -> Grade:
         """The first-start policy: logged before the agent's first start on this boot: at most WARNING (no drain),

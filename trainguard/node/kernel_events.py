@@ -27,7 +27,8 @@ MAX_TEXT = 4096  # of a record, matched: kernel records are at most 1 KiB; a pas
 MAX_NAME = 128  # of a value a pattern names (a server, a command name) in a subject or a detail
 MAX_COUNT = 1_000_000  # what one line may add to a count (`Skipped N`, `N CE`)
 BLOCK_USEC = 2_000_000  # a block's lines come within this of each other (one printk burst)
-BLOCK_RECORDS = 256  # ... and within this many records (a pasted excerpt has no timestamps)
+BLOCK_RECORDS = 256
+MEMO = 64  # texts remembered with their event  # ... and within this many records (a pasted excerpt has no timestamps)
 
 ROLES = ("event", "head", "continuation", "clear", "repeat")
 CLEARS = ("reboot", "window", "pair")
@@ -189,6 +190,8 @@ class KernelEventParser:
     classes: dict[str, KernelClass] = field(default_factory=catalog)
     records: int = 0
     _blocks: dict[str, _Block] = field(default_factory=dict)
+    # The last records that made an event, and what: a storm repeats one text, which is then matched once
+    _memo: dict[str, tuple[KernelClass, dict[str, str], str]] = field(default_factory=dict)
     _last: dict[str, KernelEvent] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -210,6 +213,9 @@ class KernelEventParser:
     def feed(self, message: str, usec: int = -1, seq: int = -1) -> list[KernelEvent]:
         """The events one record makes (none for most)."""
         self.records += 1
+        memo = self._memo.get(message)
+        if memo is not None:
+            return self._event(memo[0], memo[1], memo[2], usec, seq)
         candidates = self.candidates(message)
         if not candidates:
             return []
@@ -221,6 +227,9 @@ class KernelEventParser:
             names = {k: _clean(v, MAX_NAME) for k, v in m.groupdict().items() if v}
             if c.decode and not DECODERS[c.decode](names):
                 continue
+            if len(self._memo) >= MEMO:
+                self._memo.clear()
+            self._memo[message] = (c, names, text)
             return self._event(c, names, text, usec, seq)
         return []
 
