@@ -136,6 +136,7 @@ class KernelCheck(Check):
         self._started = False
         self._boot_time = context.proc.boot_time()
         self._pci_kind: dict[str, str] = {}
+        self._xid: bool | None = None  # whether an xid check reads the same log (asked once, after all subscribed)
         self._load()
 
     # lifecycle ---------------------------------------------------------------------------
@@ -185,6 +186,8 @@ class KernelCheck(Check):
 
     def _record(self, event: KernelEvent, record: KernelRecord) -> None:
         c = catalog()[event.klass]
+        if c.reported_by == "xid" and self._xid_reads():
+            return  # the xid check acts on it (XID 79): no second incident, no run competing with its actions
         when = min(self._when(record.usec), self.context.clock())
         with self._lock:
             if c.role == "clear":
@@ -321,7 +324,9 @@ class KernelCheck(Check):
 
     def _xid_reads(self) -> bool:
         """Whether an xid check reads this log too (then it acts on the classes it grades as XIDs)."""
-        return self.kernel_log.subscribed(self.follower, "xid")
+        if self._xid is None:
+            self._xid = self.kernel_log.subscribed(self.follower, "xid")
+        return self._xid
 
     @staticmethod
     def _summary(subject: str, graded: list[tuple[KernelClass, Entry, Grade]],
