@@ -4,6 +4,8 @@ and records read from the real /dev/kmsg."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from trainguard.checks.xid import XidCheck, XidSettings
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
+from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint
 from trainguard.pipeline.store import Store
 
@@ -153,3 +157,52 @@ def test_records_from_the_real_kmsg_reach_the_result(kmsg: Any, tmp_path: Path) 
         assert check.follower.source == "kmsg"
     finally:
         check.stop()
+
+
+def test_an_oom_kill_names_the_slurm_job_and_task_from_its_memory_cgroup(tmp_path: Path) -> None:
+    check = make(tmp_path)
+    feed(check, ["python invoked oom-killer: gfp_mask=0xcc0(GFP_KERNEL), order=0, oom_score_adj=0",
+                 "oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0-1,oom_memcg=/slurm/"
+                 "uid_1000/job_4242,task_memcg=/slurm/uid_1000/job_4242/step_0/task_3,task=python,pid=31337,uid=1000",
+                 "Memory cgroup out of memory: Killed process 31337 (python) total-vm:60000000kB, "
+                 "anon-rss:56623104kB, file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:1372kB oom_score_adj:0"])
+    result = by_subject(check)["process:python:31337"]
+    assert result.status is Status.WARNING
+    assert "job 4242 task 3 (python, pid 31337) killed: OOM kill" in result.summary
+    assert result.details["events"][0]["names"]["memcg"].endswith("task_3")
+
+
+def test_a_real_oom_kill_read_through_the_real_reader_names_the_job(kmsg: Any, tmp_path: Path,
+                                                                     memory_cgroup: Any) -> None:
+    tag = f"tgoom{random.randint(0, 1 << 30):x}"
+    cgroup = memory_cgroup(48 << 20)
+    gate = tmp_path / "go"
+    victim = subprocess.Popen(cgroup([sys.executable, "-c", f"# {tag}\nimport os, time\n"
+                                      f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
+                                      "b = [bytearray(1 << 20) for _ in range(512)]\ntime.sleep(30)"]))
+    try:
+        jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+            "trainer": ProcessJobSettings(cmdline=tag, user="root")}), "node1")
+        wait_until(lambda: any(p.pid == victim.pid for j in jobs.view().jobs for p in j.processes), 10,
+                   what="the job listing the victim")
+        store = Store(tmp_path / "state")
+        context = CheckContext("node1", tmp_path, xid_history=XidLedger(store), kernel_log=KernelLog(), jobs=jobs)
+        check = KernelCheck("kernel", KernelSettings(), context)
+        check.start(lambda: None)
+        try:
+            wait_until(check.follower.caught_up.is_set, 10, what="replay")
+            gate.write_text("")  # the victim allocates past its memory cgroup's limit: the kernel kills it
+            assert victim.wait(timeout=30) == -9
+            subject = f"process:{Path(sys.executable).name}:{victim.pid}"
+            wait_until(lambda: subject in by_subject(check), 10, what="the OOM kill's result")
+            result = by_subject(check)[subject]
+            assert result.status is Status.WARNING
+            assert "job trainer (python" in result.summary.replace(Path(sys.executable).name, "python")
+            names = result.details["events"][0]["names"]
+            assert names["job"] == "process:trainer" and names["pid"] == str(victim.pid)
+            assert names.get("constraint", "CONSTRAINT_MEMCG") == "CONSTRAINT_MEMCG"
+        finally:
+            check.stop()
+    finally:
+        victim.kill()
+        victim.wait()

@@ -23,6 +23,7 @@ from trainguard.checks.xid import adopt_marks
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field
+from trainguard.core.text import linear
 from trainguard.core.units import format_duration
 from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
 from trainguard.node.kmsg import KernelRecord, LogPoint
@@ -39,6 +40,8 @@ METRICS = (EVENTS, ACTIVE)
 STATE_KEY = "kernel-events"
 REPLAY_WAIT_S = 5.0
 PCI_KINDS = {"nvidia": "gpu", "mlx5_core": "nic", "nvme": "disk"}
+_MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_123/step_0/task_3 (v1 and v2)
+_MEMCG_TASK = linear(r"/task_(\d{1,9})(?:/|$)")
 
 
 class KernelSettings(CheckSettings):
@@ -206,6 +209,8 @@ class KernelCheck(Check):
             e.last, e.last_seq, e.last_usec = when, record.seq, record.usec
             if not event.repeat:
                 e.names, e.line = dict(event.names), event.line
+                if c.block == "oom":
+                    e.names.update(self._job_of(e.names))
             if c.counted:
                 e.times.extend([max(when, e.times[-1]) if e.times else when] * min(event.count, c.storm_count))
                 keep = max(c.storm_count, c.warning_count)
@@ -220,6 +225,19 @@ class KernelCheck(Check):
         if after.severity > before.severity and self._wake is not None:
             self._save()
             self._wake()
+
+    def _job_of(self, names: dict[str, Any]) -> dict[str, str]:
+        """The job (and SLURM task) an OOM kill hit: from the memory cgroup the record names (SLURM's job_N/task_M),
+        else the job whose processes held the pid in the last listing (the process is gone by now)."""
+        memcg, pid = names.get("memcg", ""), names.get("pid", "")
+        job_id, task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
+        out = {"task": task.group(1)} if task else {}
+        view = self.context.jobs.cached() if self.context.jobs is not None else None
+        for job in view.jobs if view is not None else ():
+            if (job_id and job.job_id == job_id.group(1)) or (pid.isdigit() and
+                                                                any(p.pid == int(pid) for p in job.processes)):
+                return {**out, "job": job.key, "job_name": job.name, **({"job_id": job.job_id} if job.job_id else {})}
+        return {**out, "job_id": job_id.group(1)} if job_id else out
 
     def _make_room(self) -> None:
         if len(self.entries) < self.settings.max_subjects:
@@ -338,8 +356,18 @@ class KernelCheck(Check):
         for c, e, g in bad:
             count = f" x{e.count}" if e.count > 1 else ""
             fault = "node fault: " if c.node_fault and g.status is Status.CRITICAL else ""
-            parts.append(f"{fault}{c.title}{count} ({g.why}): {e.line[:160]}")
+            parts.append(f"{fault}{_victim(e)}{c.title}{count} ({g.why}): {e.line[:160]}")
         return f"{subject}: " + "; ".join(parts)
+
+
+def _victim(e: Entry) -> str:
+    """Whom an OOM kill hit, in words, when the record or the job catalog says ("job 123 task 3: ")."""
+    n = e.names
+    job = f"job {n['job_id']}" if n.get("job_id") else f"job {n['job_name']}" if n.get("job_name") else ""
+    task = f"task {n['task']}" if n.get("task") else ""
+    anon = f", {int(n['anon_kb'].replace(',', '')) / 2**20:.1f} GiB anon" if n.get("anon_kb") else ""
+    who = " ".join(x for x in (job, task) if x)
+    return f"{who} ({n.get('comm', '?')}, pid {n.get('pid', '?')}{anon}) killed: " if who else ""
 
 
 def explain_lines(lines: Sequence[str], s: KernelSettings) -> list[dict[str, Any]]:
