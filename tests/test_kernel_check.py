@@ -3,6 +3,7 @@ and records read from the real /dev/kmsg."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import wait_until
+from trainguard.actions.slurmctl import DRAIN_TAG, drain_reason
+from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import CheckContext
 from trainguard.checks.kernel import KernelCheck, KernelSettings
 from trainguard.checks.xid import XidCheck, XidSettings
@@ -20,6 +23,7 @@ from trainguard.gpu.faults import XidLedger
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint
+from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 
 
@@ -206,3 +210,29 @@ def test_a_real_oom_kill_read_through_the_real_reader_names_the_job(kmsg: Any, t
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_a_node_fault_runs_the_bound_actions_with_the_drain_reason_naming_it(tmp_path: Path) -> None:
+    """The engine end to end through a FIFO standing in for /dev/kmsg: the fault's record, the kernel check's
+    CRITICAL, the incident, the bound action, and the summary a drain would give as its reason."""
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    recorder = tmp_path / "actions"
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "checks": {"kernel": {"kmsg_path": str(fifo), "actions": {"critical": ["record"]}}},
+           "notifiers": {},
+           "actions": {"record": {"type": "exec", "command": [
+               "sh", "-c", f'echo "$TRAINGUARD_SUBJECT|$TRAINGUARD_SUMMARY" >> {recorder}']}}}
+    engine = Engine(parse_config(raw, "test.toml"))
+    writer = os.open(fifo, os.O_RDWR)  # held open: the follower never sees the writer go
+    engine.start()
+    try:
+        usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        os.write(writer, f"3,1,{usec},-;nvme nvme7: Device not ready; aborting reset\n".encode())
+        wait_until(lambda: recorder.exists() and recorder.read_text(), 20, what="the bound action")
+        subject, summary = recorder.read_text().splitlines()[0].split("|", 1)
+        assert subject == "nvme:nvme7"
+        assert drain_reason(summary).startswith(f"{DRAIN_TAG} nvme:nvme7: node fault: NVMe controller lost")
+    finally:
+        engine.stop()
+        os.close(writer)
