@@ -124,3 +124,12 @@ def test_the_kernel_events_page_table_is_the_catalogs() -> None:
     text = (Path(__file__).parent.parent / "docs/kernel-events.md").read_text()
     table = text[text.index(KERNEL_BEGIN):text.index(KERNEL_END) + len(KERNEL_END)] + "\n"
     assert table == kernel_markdown(), "docs/kernel-events.md's table drifted: paste `trainguard kernel --markdown`"
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_xids_are_read_in_every_prefix_form_through_the_same_stripper(form: str) -> None:
+    from trainguard.gpu.xid import XidParser
+
+    line = "NVRM: Xid (PCI:0000:02:00): 79, GPU has fallen off the bus."  # wilicc/gpu-burn#1
+    event = XidParser().feed(FORMS[form].format(line))
+    assert event is not None and (event.xid, event.bus_id) == (79, "0000:02:00")
