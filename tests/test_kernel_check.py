@@ -236,3 +236,13 @@ def test_a_node_fault_runs_the_bound_actions_with_the_drain_reason_naming_it(tmp
     finally:
         engine.stop()
         os.close(writer)
+
+
+def test_an_operator_clear_forgets_the_subject(tmp_path: Path) -> None:
+    check = make(tmp_path)
+    feed(check, ["[11483.115530] nvme nvme2: Device not ready; aborting reset"])
+    assert by_subject(check)["nvme:nvme2"].status is Status.CRITICAL
+    check.clear("nvme:nvme2", time.time())
+    assert "nvme:nvme2" not in by_subject(check) and "nvme:nvme2" not in by_subject(make(tmp_path))
+    feed(check, ["[11508.697971] nvme nvme2: Device not ready; aborting reset"], seq=3)
+    assert by_subject(check)["nvme:nvme2"].status is Status.CRITICAL  # a new one fires as new

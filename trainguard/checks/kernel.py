@@ -117,7 +117,7 @@ def grade(c: KernelClass, e: Entry, now: float, s: KernelSettings, mount_critica
 
 
 class KernelCheck(Check):
-    layer = "node"
+    layer = "hardware"  # a node fault takes down every job on the node: its alerts group with theirs
 
     Settings = KernelSettings
     metrics = METRICS
@@ -153,6 +153,17 @@ class KernelCheck(Check):
 
     def stop(self) -> None:
         self.kernel_log.stop(self.name, self.follower)
+        self._save()
+
+    def clear(self, subject: str, at: float) -> None:
+        """`trainguard clear kernel/SUBJECT` (after the repair): the subject's events are forgotten; a new record of
+        it fires as new. (The follower does not read records again; a one-shot `trainguard check` re-reads the whole
+        buffer and does not know of the clear.)"""
+        with self._lock:
+            gone = [k for k in self.entries if k[1] == subject]
+            for key in gone:
+                del self.entries[key]
+        log.info("kernel events cleared", extra=kv(subject=subject, entries=len(gone)))
         self._save()
 
     def _load(self) -> None:
