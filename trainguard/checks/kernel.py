@@ -38,6 +38,7 @@ ACTIVE = Metric("trainguard_kernel_event_active", "1 while an event of this clas
                 "some subject.", ("class", "kind"))
 METRICS = (EVENTS, ACTIVE)
 STATE_KEY = "kernel-events"
+SAVED_TIMES = 100
 REPLAY_WAIT_S = 5.0
 PCI_KINDS = {"nvidia": "gpu", "mlx5_core": "nic", "nvme": "disk"}
 _MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_123/step_0/task_3 (v1 and v2)
@@ -78,7 +79,8 @@ class Entry:
     def to_json(self) -> dict[str, Any]:
         return {"klass": self.klass, "subject": self.subject, "names": self.names, "line": self.line,
                 "first": self.first, "last": self.last, "count": self.count, "last_seq": self.last_seq,
-                "last_usec": self.last_usec, "cleared": self.cleared, "times": list(self.times)}
+                "last_usec": self.last_usec, "cleared": self.cleared,
+                "times": self.times[-SAVED_TIMES:]}  # enough for a trend after a restart; a storm restarts counting
 
 
 @dataclass(frozen=True)
