@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings, PartialView
-from trainguard.checks.xid import adopt_marks
+from trainguard.checks.xid import KernelLogSettings, adopt_marks
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field
@@ -45,11 +45,8 @@ _MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_1
 _MEMCG_TASK = linear(r"/task_(\d{1,9})(?:/|$)")
 
 
-class KernelSettings(CheckSettings):
+class KernelSettings(KernelLogSettings):
     interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (a kernel event wakes the check at once).")
-    jitter: Duration = Field(0.0, ge=0)
-    kmsg_path: str = Field("/dev/kmsg", description="Kernel log device (shared with the xid check when the same).")
-    journalctl: str = Field("journalctl", description="Fallback when the device can't be read.")
     ignore: list[str] = Field(default_factory=list, description="Event classes counted but never graded above OK "
                               "(`trainguard kernel` lists the classes).")
     critical_mounts: list[str] = Field(default_factory=lambda: ["/", "/tmp", "/var", "/scratch", "/local"],

@@ -61,11 +61,17 @@ XID_BEFORE_START = Metric("trainguard_gpu_xid_before_start",
 METRICS = (XID_ERRORS, XID_LAST, XID_BEFORE_START, SXID_ERRORS, SXID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
 
 
-class XidSettings(CheckSettings):
-    interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (XIDs themselves wake the check at once).")
+class KernelLogSettings(CheckSettings):
+    """Settings of a check that reads the kernel log (xid, kernel): checks reading one device share its reader."""
+
     jitter: Duration = Field(0.0, ge=0)
-    kmsg_path: str = Field("/dev/kmsg", description="Kernel log device.")
+    kmsg_path: str = Field("/dev/kmsg", description="Kernel log device (the checks reading one device share its "
+                           "reader: one cursor, each record read once).")
     journalctl: str = Field("journalctl", description="Fallback when the device can't be read.")
+
+
+class XidSettings(KernelLogSettings):
+    interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (XIDs themselves wake the check at once).")
     hardware: list[int] = Field(default_factory=list, description="XIDs graded as hardware faults whatever NVIDIA's "
                                 "bucket (RESET_GPU): CRITICAL until the node reboots. Empty: `trainguard xid`.")
     application: list[int] = Field(default_factory=list, description="XIDs graded as application faults (RESTART_APP): "
