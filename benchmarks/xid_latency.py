@@ -114,6 +114,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
+    parser.add_argument("--no-kernel", action="store_true", help="without the kernel check (the XID path alone, as "
+                        "before issue 49)")
     parser.add_argument("--slurm", action="store_true", help="also drain: start the tests' one-node SLURM cluster and "
                                                              "time the node turning DRAIN in the controller")
     parser.add_argument("--slurm-job", action="store_true", help="with --slurm: signal a SLURM batch job found "
@@ -146,7 +148,9 @@ def main() -> int:
         jobs = {"sources": ["slurm"], "prolog_dir": ""}  # the node-local source alone, no prolog hook
     raw = {"agent": {"state_dir": state, "node_name": cluster.node if cluster else "bench", "listen": ""},
            "jobs": jobs,
-           "checks": {"xid": {"actions": {"critical": ["signal", "drain"] if cluster else ["signal"]}}},
+           "checks": {"xid": {"actions": {"critical": ["signal", "drain"] if cluster else ["signal"]}},
+                      # the kernel event catalog in the same reader, behind the XID handler (issue 49)
+                      **({} if args.no_kernel else {"kernel": {"actions": {}}})},
            "notifiers": {"console": {"min_severity": "CRITICAL", "send_resolved": False}}}
     engine = Engine(parse_config(raw, "benchmark"))
     engine.store.put(scoped_key("check/xid", CURSOR_KEY), cursor_at_end())

@@ -116,6 +116,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--markdown", action="store_true",
                    help="print the table of docs/runbooks/gpu-xid.md: each response of the default config, its XIDs")
+    p = with_config(sub.add_parser(
+        "kernel", help="the kernel events the agent reads besides XIDs; given lines (or - for stdin), what each is",
+        description="Without lines: the catalog of kernel events (trainguard/node/kernel_events.toml): each class, "
+                    "its status, how it clears, what the operator does. With lines (paste dmesg, journalctl -k or "
+                    "syslog output; - reads stdin): which event each is, what it names, the status, the actions this "
+                    "config runs for it, and why. Lines that are no event are left out."))
+    p.add_argument("lines", nargs="*", metavar="LINE", help="kernel log lines, or - for stdin")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--markdown", action="store_true", help="print the catalog table of docs/kernel-events.md")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     for hook, when in (("slurm-prolog", "starts"), ("slurm-epilog", "ends")):
@@ -253,6 +262,43 @@ def _drain(engine: Engine, critical: list[Result]) -> str | None:
                   Status.CRITICAL, summary, engine.responder.node, now, now)
     record = engine.responder.run_named("drain", event)
     return f"drain: {record['outcome']}: {record['detail']}"
+
+
+def cmd_kernel(config: Config, lines: list[str], as_json: bool, markdown: bool) -> int:
+    from trainguard.checks.kernel import KernelSettings, explain_lines
+    from trainguard.node.kernel_events import catalog
+
+    if markdown:
+        from trainguard.reference import kernel_markdown
+
+        print(kernel_markdown(), end="")
+        return 0
+    name = next((n for n in config.checks if config.kind_of_check(n) == "kernel"), None)
+    settings = config.checks[name] if name is not None else KernelSettings()
+    assert isinstance(settings, KernelSettings)
+    if not lines:
+        rows = [["CLASS", "KIND", "STATUS", "CLEARS", "TITLE"]]
+        rows += [[c.name, c.kind, "counted" if c.counted else c.severity.name, c.clearing()[:60], c.title]
+                 for c in catalog().values() if c.role == "event" and c.pattern is not None]
+        if as_json:
+            print(json.dumps([{"class": r[0], "kind": r[1], "status": r[2], "title": r[4]} for r in rows[1:]], indent=1))
+        else:
+            print(_table(rows))
+        return 0
+    text = sys.stdin.read().splitlines() if lines == ["-"] else lines
+    found = explain_lines(text, settings)
+    if as_json:
+        print(json.dumps(found, indent=1))
+        return 0
+    for e in found:
+        names = ", ".join(f"{k}={v}" for k, v in e["names"].items())
+        print(f"{e['class']} ({e['title']}) on {e['subject']}: {e['status']}"
+              + (" node fault" if e["node_fault"] and e["status"] == "CRITICAL" else "")
+              + f"\n  names: {names}\n  actions: {', '.join(e['actions']) or 'none'}\n  why: {e['why']}"
+              f"\n  lever: {e['lever']}\n  line: {e['line'][:200]}")
+    if not found:
+        print("no kernel event in these lines")
+    return 0
 
 
 def cmd_xid(config: Config, codes: list[int], as_json: bool) -> int:
@@ -501,9 +547,9 @@ def _refused(exc: PermissionError) -> str:
 
 
 def _config(args: argparse.Namespace) -> Config | int:
-    """The config, or the exit code of a config error. `status` and `xid` go on with the built-in defaults when this
-    user may not read the config (/etc/trainguard is root's and the trainguard group's): what any user may see of
-    the agent, and NVIDIA's catalog, need none of it."""
+    """The config, or the exit code of a config error. `status`, `xid` and `kernel` go on with the built-in defaults
+    when this user may not read the config (/etc/trainguard is root's and the trainguard group's): what any user may
+    see of the agent, NVIDIA's catalog and the kernel events' catalog need none of it."""
     from trainguard.pipeline.config import ConfigError
 
     try:
@@ -512,11 +558,11 @@ def _config(args: argparse.Namespace) -> Config | int:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except PermissionError as exc:
-        if args.command not in ("status", "xid"):
+        if args.command not in ("status", "xid", "kernel"):
             raise
         from trainguard.agent.configfile import default_config
 
-        then = ("the default responses (this node's config may differ)" if args.command == "xid"
+        then = ("the default responses (this node's config may differ)" if args.command in ("xid", "kernel")
                 else f"--url {args.url}" if args.url else "the agent's default address (--url for another)")
         print(f"trainguard: {_refused(exc)}: {args.command} goes on with {then}", file=sys.stderr)
         return default_config(nvml_probe=lambda: "not needed by this command")
@@ -538,6 +584,8 @@ def _one_shot(config: Config, args: argparse.Namespace) -> int:
         return cmd_notify_test(config, args.channel)
     if args.command in ("ack", "silence", "clear"):
         return cmd_operator(config, args)
+    if args.command == "kernel":
+        return cmd_kernel(config, args.lines, args.json, args.markdown)
     assert args.command == "xid", args.command
     if args.markdown:
         from trainguard.reference import xid_markdown

@@ -17,6 +17,7 @@ CHECKS: Mapping[str, str] = {
     "gpu": "trainguard.checks.gpu:GpuCheck",
     "gpu_memory": "trainguard.checks.gpu_memory:GpuMemoryCheck",
     "xid": "trainguard.checks.xid:XidCheck",
+    "kernel": "trainguard.checks.kernel:KernelCheck",
     "nvlink": "trainguard.checks.nvlink:NvlinkCheck",
     "pcie": "trainguard.checks.pcie:PcieCheck",
     "gpu_config": "trainguard.checks.gpu_config:GpuConfigCheck",

@@ -24,6 +24,7 @@ from trainguard.jobs.model import Job
 from trainguard.jobs.settings import MAX_LOG_ENTRIES, MAX_LOG_FILES
 from trainguard.jobs.tree import LogFiles, job_log_files
 from trainguard.node.access import NOBODY, Identity
+from trainguard.node.kmsg import KernelLog
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessSnapshots
 
@@ -99,6 +100,7 @@ class CheckContext:
     `state` is this check instance's own store (keys scoped to its name). `xid_history` is the node's XID ledger
     this boot: the xid check records into it and other checks (training_log) read it. `processes` is the node's
     shared /proc snapshot: the checks of one round (job_memory, hang, gpu_memory, memory) share one pass.
+    `kernel_log` is the node's one reader of the kernel log, shared by the xid and kernel checks.
     """
 
     node: str
@@ -110,6 +112,8 @@ class CheckContext:
     state: ScopedState = field(default_factory=lambda: ScopedState(None, "check"))
     xid_history: XidLedger = field(default_factory=lambda: XidLedger(None))
     processes: ProcessSnapshots = field(default_factory=ProcessSnapshots)
+    # The node's one kernel log reader: the xid and kernel checks subscribe to it (one follower, one cursor).
+    kernel_log: KernelLog = field(default_factory=KernelLog)
     # `trainguard check --since`: kernel log records stamped before this (microseconds since boot) do not count.
     kernel_since_usec: int | None = None
 

@@ -29,12 +29,12 @@ from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status, worst
 from trainguard.core.settings import Duration, Field, StatusName, model_validator
 from trainguard.core.units import format_duration
-from trainguard.gpu.faults import XidEntry
+from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState
 from trainguard.gpu.xid import XidParser
 from trainguard.gpu.xid_catalog import describe, describe_sxid, nvlink5_rules, nvlink5_verdict, policy
-from trainguard.node.kmsg import KernelRecord, KmsgFollower, LogPoint
+from trainguard.node.kmsg import KernelRecord, LogPoint
 
 log = logging.getLogger("trainguard.checks.xid")
 
@@ -61,11 +61,17 @@ XID_BEFORE_START = Metric("trainguard_gpu_xid_before_start",
 METRICS = (XID_ERRORS, XID_LAST, XID_BEFORE_START, SXID_ERRORS, SXID_LAST, KMSG_RECORDS, KMSG_LOST, KMSG_UP)
 
 
-class XidSettings(CheckSettings):
-    interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (XIDs themselves wake the check at once).")
+class KernelLogSettings(CheckSettings):
+    """Settings of a check that reads the kernel log (xid, kernel): checks reading one device share its reader."""
+
     jitter: Duration = Field(0.0, ge=0)
-    kmsg_path: str = Field("/dev/kmsg", description="Kernel log device.")
+    kmsg_path: str = Field("/dev/kmsg", description="Kernel log device (the checks reading one device share its "
+                           "reader: one cursor, each record read once).")
     journalctl: str = Field("journalctl", description="Fallback when the device can't be read.")
+
+
+class XidSettings(KernelLogSettings):
+    interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (XIDs themselves wake the check at once).")
     hardware: list[int] = Field(default_factory=list, description="XIDs graded as hardware faults whatever NVIDIA's "
                                 "bucket (RESET_GPU): CRITICAL until the node reboots. Empty: `trainguard xid`.")
     application: list[int] = Field(default_factory=list, description="XIDs graded as application faults (RESTART_APP): "
@@ -312,6 +318,30 @@ MARKS_FILE = "xid-marks.json"  # in the state directory: the ledger's first star
 MARKS_MAX = 1 << 20
 
 
+def adopt_marks(context: CheckContext, ledger: XidLedger) -> None:
+    """One-shot: the running (or last) agent's first start and clears on this boot, if it published them."""
+    path = context.state_dir / MARKS_FILE
+    try:
+        # They silence a drain: the agent's word only (its user's or root's file, in a directory no one else
+        # may write), never a file anyone could have put there.
+        folder = os.stat(context.state_dir)
+        if folder.st_mode & 0o022:
+            raise OSError(f"{context.state_dir}: group or others may write it: its files are not trusted")
+        raw = read_small(path, MARKS_MAX, owners={0, folder.st_uid})
+        if len(raw) >= MARKS_MAX:
+            raise ValueError(f"larger than {MARKS_MAX} bytes: not what the agent writes")
+        data = json.loads(raw)
+    except FileNotFoundError:
+        return  # no agent started with this state directory yet: every record of the boot counts as logged
+    except (OSError, ValueError, RecursionError) as exc:
+        log.warning("XID marks not taken: grading this boot's XIDs as logged", extra=kv(path=path, error=exc))
+        return
+    if ledger.adopt_marks(data):
+        first = ledger.first_start
+        log.info("kernel log records placed by the agent's first start and clears", extra=kv(
+            path=path, kmsg_seq=None if first is None else first.seq, boot_usec=None if first is None else first.usec))
+
+
 class XidCheck(Check):
     layer = "hardware"
 
@@ -323,8 +353,11 @@ class XidCheck(Check):
         super().__init__(name, settings, context)
         self.parser = XidParser()
         self.ledger = context.xid_history
-        self.follower = KmsgFollower(self._on_record, context.state, self.settings.kmsg_path, self.settings.journalctl,
-                                     proc=context.proc)
+        # The node's one kernel log reader, first in line: nothing else runs on a record before its XID is acted on
+        self.kernel_log = context.kernel_log
+        self.follower = self.kernel_log.subscribe(name, self._on_record, path=self.settings.kmsg_path,
+                                                  journalctl=self.settings.journalctl, cursor=context.state,
+                                                  priority=0, kind="xid")
         self.nvml = context.nvml
         self.ledger.rank_by(self._severity)
         self._gpu_names: dict[str, tuple[int | None, str | None]] = {}
@@ -349,10 +382,10 @@ class XidCheck(Check):
                       extra=kv(error=exc))
         finally:
             self._publish_marks()
-            self.follower.start()
+            self.kernel_log.start(self.name, self.follower)
 
     def stop(self) -> None:
-        self.follower.stop()
+        self.kernel_log.stop(self.name, self.follower)
         self.ledger.save(force=True)
 
     def _severity(self, entry: XidEntry) -> int:
@@ -418,29 +451,6 @@ class XidCheck(Check):
             log.warning("XID marks not published: trainguard check grades this boot's XIDs as logged, clears unseen",
                         extra=kv(path=path, error=exc))
 
-    def _adopt_marks(self) -> None:
-        """One-shot: the running (or last) agent's first start and clears on this boot, if it published them."""
-        path = self.context.state_dir / MARKS_FILE
-        try:
-            # They silence a drain: the agent's word only (its user's or root's file, in a directory no one else
-            # may write), never a file anyone could have put there.
-            folder = os.stat(self.context.state_dir)
-            if folder.st_mode & 0o022:
-                raise OSError(f"{self.context.state_dir}: group or others may write it: its files are not trusted")
-            raw = read_small(path, MARKS_MAX, owners={0, folder.st_uid})
-            if len(raw) >= MARKS_MAX:
-                raise ValueError(f"larger than {MARKS_MAX} bytes: not what the agent writes")
-            data = json.loads(raw)
-        except FileNotFoundError:
-            return  # no agent started with this state directory yet: every record of the boot counts as logged
-        except (OSError, ValueError, RecursionError) as exc:
-            log.warning("XID marks not taken: grading this boot's XIDs as logged", extra=kv(path=path, error=exc))
-            return
-        if self.ledger.adopt_marks(data):
-            first = self.ledger.first_start
-            log.info("kernel log records placed by the agent's first start and clears", extra=kv(
-                path=path, kmsg_seq=None if first is None else first.seq, boot_usec=None if first is None else first.usec))
-
     def _gpu(self, bus_id: str) -> tuple[int | None, str | None]:
         """(index, uuid) of a bus id: from the driver's own `GPU at PCI` lines, else NVML."""
         if bus_id not in self._gpu_names or self._gpu_names[bus_id][0] is None:
@@ -456,8 +466,8 @@ class XidCheck(Check):
 
     def run(self) -> Sequence[Result]:
         if not self._started and self.follower.records == 0:  # one-shot `trainguard check`: this boot's buffer,
-            self._adopt_marks()  # with what the agent calls history and what an operator cleared
-            self.follower.read_once()
+            # with what the agent calls history and what an operator cleared (read once for every subscriber)
+            self.kernel_log.read_once(self.follower, lambda: adopt_marks(self.context, self.ledger))
         elif self._started:  # at start the follower replays the buffer: judge the whole of it, not a part
             self.follower.caught_up.wait(min(REPLAY_WAIT_S, self.settings.timeout / 2))
         results = self._results()

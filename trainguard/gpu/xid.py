@@ -9,10 +9,11 @@ from typing import Any
 from trainguard.core.text import linear
 from trainguard.gpu.nvml import normalize_bus_id
 from trainguard.gpu.xid_catalog import NVLINK5_XIDS, nvlink5_verdict
+from trainguard.node.kmsg import strip_prefix
 
-# Prefixes tools add before the kernel's text: dmesg, dmesg -T, dmesg -x, journald/syslog.
-_PREFIX = (r"^(?:\[\s*[\d.]+\]\s*|\[[A-Z][a-z]{2} [^\]]+\]\s*|kern\s*:\s*\w+\s*:\s*(?:\S+\s+)?"
-           r"|(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+\s+\S+\s+|\S+\s+\S+\s+)?kernel:\s*(?:\[\s*[\d.]+\]\s*)?)?")
+# Prefixes tools add before the kernel's text (dmesg in every time format, syslog, journalctl -k, raw /dev/kmsg) are
+# removed by the kernel log's own `strip_prefix`, after the cheap test: the patterns below match the kernel's text.
+_PREFIX = "^"
 _BUS = r"(?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-9a-fA-F])?)"
 _XID = linear(_PREFIX + r"NVRM: Xid \(" + _BUS + r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?\):\s*"
                   r"(?P<xid>\d+),\s*(?P<rest>.*)$")
@@ -25,6 +26,11 @@ _OFF_BUS_ONE = linear(_PREFIX + r"NVRM: GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]
                           r"GPU has fallen off the bus")
 _OFF_BUS_FIRST = linear(_PREFIX + r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
                             r"(?:\.\w)?)\s*$")
+# The same three lines as one record (printk with embedded newlines: what dmesg shows as one stamp and two indented
+# lines), which comes with no XID at all (NVIDIA/NVSentinel#155).
+_OFF_BUS_BLOCK = linear(r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\w)?)\s+"
+                        r"(?:NVRM:\s*)?\(PCI ID: [0-9a-fA-F:]{9}\) installed in this system has\s+(?:NVRM:\s*)?"
+                        r"fallen off the bus")
 _OFF_BUS_LAST = linear(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
 # NVSwitch: `nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up`. The driver prints
 # follow-up records (`..., Data {0x...}`) without the severity word: those are not counted again.
@@ -63,21 +69,26 @@ class XidParser:
         if "NVRM" not in message:  # the cheap test first: most kernel lines are not from the driver
             return self._sxid(message) if "SXid" in message else None
         line = message.rstrip("\n")
-        m = _XID.match(line)
+        text = strip_prefix(line)
+        m = _XID.match(text)
         if m:
             return self._xid(m, line)
-        m = _GPU_UUID.match(line)
+        m = _GPU_UUID.match(text)
         if m:
             self.uuid_by_bus[normalize_bus_id(m.group("bus"))] = m.group("uuid")
             return None
-        m = _OFF_BUS_ONE.match(line)
+        m = _OFF_BUS_ONE.match(text)
         if m:
             return XidEvent(79, normalize_bus_id(m.group("bus")), "GPU has fallen off the bus", line=line)
-        m = _OFF_BUS_FIRST.match(line)
+        m = _OFF_BUS_BLOCK.search(text) if "\n" in text else None
+        if m:
+            return XidEvent(79, normalize_bus_id(m.group("bus")), "GPU has fallen off the bus and is not responding to "
+                            "commands", line=line)
+        m = _OFF_BUS_FIRST.match(text)
         if m:
             self._pending_off_bus = normalize_bus_id(m.group("bus"))
             return None
-        if _OFF_BUS_LAST.match(line) and self._pending_off_bus:
+        if _OFF_BUS_LAST.match(text) and self._pending_off_bus:
             bus, self._pending_off_bus = self._pending_off_bus, None
             return XidEvent(79, bus, "GPU has fallen off the bus and is not responding to commands", line=line)
         return None
@@ -85,7 +96,7 @@ class XidParser:
     @staticmethod
     def _sxid(message: str) -> XidEvent | None:
         line = message.rstrip("\n")
-        m = _SXID.match(line)
+        m = _SXID.match(strip_prefix(line))
         if m is None:
             return None
         fatal = m.group("sev").lower() == "fatal"

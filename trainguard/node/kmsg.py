@@ -11,6 +11,7 @@ container) `journalctl -k -f -o json` is followed instead, with its cursor persi
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -33,6 +34,35 @@ log = logging.getLogger("trainguard.node.kmsg")
 
 CURSOR_KEY = "kmsg.cursor"
 _ESCAPE = linear(rb"\\x([0-9a-fA-F]{2})")
+
+# What tools put before the kernel's text, one layer at a time (they nest: syslog's `host kernel: [  12.3] `):
+# <4> (console level), a raw /dev/kmsg record's `4,123,456,-;`, dmesg's `[  123.456789]` and its caller id `[ T291]`,
+# dmesg -H's `[  +0.000123]`, dmesg -T's `[Sun Nov 29 06:46:19 2026]` (any locale: a bracket holding a time of day),
+# dmesg --time-format iso and rsyslog's RFC 3339 stamps, dmesg -x's `kern  :warn  : `, syslog and journalctl -k's
+# `Nov 29 06:46:19 host kernel: `, a bare `host kernel: `, and pdsh's `host: ` before a dmesg stamp.
+_PREFIX_LAYER = linear(
+    r"^\s*(?:<\d{1,3}>"
+    r"|\d{1,3},\d{1,20},\d{1,20}(?:,[^;\s]{0,16})?;"
+    r"|\[\s*\+?\d{1,12}(?:\.\d{1,9})?\](?:\[\s*[CT]\d{1,9}\])?"
+    r"|\[[^\]\n]{0,48}\d\d:\d\d[^\]\n]{0,24}\]"
+    r"|\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?(?:\s+\S{1,64}\s+kernel:)?"
+    r"|kern\s{0,4}:\s{0,4}[a-z]{1,8}\s{0,4}:"
+    r"|\S{1,12}\.?\s{1,3}\d{1,2}\s{1,3}\d\d:\d\d:\d\d(?:\s+\S{1,64})?\s+kernel:"
+    r"|(?:\S{1,64}\s+)?kernel:"
+    r"|[\w.-]{1,64}:\s{1,8}\[\s*\d{1,12}\.\d{1,9}\])")
+_PREFIX_LAYERS = 6
+
+
+def strip_prefix(line: str) -> str:
+    """The kernel's own text of a line as a tool printed it (dmesg in any of its time formats, syslog, journalctl -k,
+    a raw /dev/kmsg record): the prefixes, however nested, removed. In linear time; a line without one is returned
+    as it is."""
+    for _ in range(_PREFIX_LAYERS):
+        m = _PREFIX_LAYER.match(line)
+        if m is None or m.end() == 0:
+            break
+        line = line[m.end():]
+    return line.lstrip()
 
 
 @dataclass(frozen=True)
@@ -370,3 +400,88 @@ class KmsgFollower:
             self._saved_at = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - a store hiccup must not stop the follower
             log.warning("saving the kernel log cursor failed", extra=kv(error=exc))
+
+
+@dataclass
+class _Reader:
+    follower: KmsgFollower
+    subscribers: list[tuple[int, str, Callable[[KernelRecord], None]]] = field(default_factory=list)
+    kinds: set[str] = field(default_factory=set)
+    cursor_priority: int = 1 << 30
+    started: set[str] = field(default_factory=set)
+    read: bool = False
+
+
+class KernelLog:
+    """The node's one reader of the kernel log: every consumer (the xid check, the kernel check) subscribes, and one
+    follower per device reads each record once, with one cursor and one journal fallback, and hands it to the
+    subscribers in priority order (the XID path first, so nothing else runs before it acts)."""
+
+    def __init__(self, proc: ProcFS | None = None) -> None:
+        self.proc = proc
+        self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._readers: dict[tuple[str, str], _Reader] = {}
+
+    def subscribe(self, name: str, on_record: Callable[[KernelRecord], None], *, path: str = "/dev/kmsg",
+                  journalctl: str = "journalctl", cursor: KeyValue | None = None, priority: int = 10,
+                  kind: str = "") -> KmsgFollower:
+        """The follower of `path` (shared with every subscriber of it); `on_record` gets each record it reads. The
+        cursor of the highest-priority subscriber is the one kept."""
+        with self._lock:
+            reader = self._readers.get((path, journalctl))
+            if reader is None:
+                reader = _Reader(KmsgFollower(lambda r: None, cursor, path, journalctl, proc=self.proc))
+                reader.follower.on_record = functools.partial(self._deliver, reader)
+                self._readers[(path, journalctl)] = reader
+            if cursor is not None and priority < reader.cursor_priority:
+                reader.follower.cursor, reader.cursor_priority = cursor, priority
+            reader.subscribers = sorted([*reader.subscribers, (priority, name, on_record)], key=lambda s: s[0])
+            reader.kinds.add(kind)
+            return reader.follower
+
+    def subscribed(self, follower: KmsgFollower, kind: str) -> bool:
+        """Whether a consumer of this kind (a check type) reads what `follower` reads."""
+        with self._lock:
+            return kind in self._reader(follower).kinds
+
+    @staticmethod
+    def _deliver(reader: _Reader, record: KernelRecord) -> None:
+        for _, name, on_record in reader.subscribers:
+            try:
+                on_record(record)
+            except Exception:  # one consumer's bug must not keep a record from the others
+                log.exception("kernel record handler failed", extra=kv(subscriber=name, seq=record.seq))
+
+    def _reader(self, follower: KmsgFollower) -> _Reader:
+        return next(r for r in self._readers.values() if r.follower is follower)
+
+    def start(self, name: str, follower: KmsgFollower) -> None:
+        """Start following (once, whoever asks first)."""
+        with self._lock:
+            reader = self._reader(follower)
+            first = not reader.started
+            reader.started.add(name)
+        if first:
+            follower.start()
+
+    def stop(self, name: str, follower: KmsgFollower) -> None:
+        """Stop following when the last subscriber that started it stops."""
+        with self._lock:
+            reader = self._reader(follower)
+            reader.started.discard(name)
+            last = not reader.started
+        if last:
+            follower.stop()
+
+    def read_once(self, follower: KmsgFollower, before: Callable[[], None] | None = None) -> int:
+        """One-shot (`trainguard check`): read what the buffer holds now, once for every subscriber; `before` runs
+        first, by whichever subscriber gets here first (the others wait for the read to end)."""
+        with self._read_lock:
+            reader = self._reader(follower)
+            if not reader.read:
+                if before is not None:
+                    before()
+                follower.read_once()
+                reader.read = True
+            return follower.records

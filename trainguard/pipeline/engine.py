@@ -21,6 +21,7 @@ from trainguard.core.worker import Worker
 from trainguard.gpu.faults import XidLedger
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
+from trainguard.node.kmsg import KernelLog
 from trainguard.node.procfs import ProcFS, own_usage
 from trainguard.node.proctable import ProcessSnapshots
 from trainguard.notifiers.base import Notifier
@@ -115,7 +116,7 @@ class Engine:
         # snapshot per round.
         shared = CheckContext(config.agent.node_name, config.agent.state_dir, clock, self.catalog,
                               nvml if nvml is not None else Nvml(), proc, xid_history=XidLedger(self.store, clock, proc=proc),
-                              processes=processes, kernel_since_usec=kernel_since_usec)
+                              processes=processes, kernel_since_usec=kernel_since_usec, kernel_log=KernelLog(proc))
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
             if settings.enabled:

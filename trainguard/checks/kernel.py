@@ -1,0 +1,422 @@
+"""KernelCheck: the node's own faults from the kernel log (hung tasks, lockups, machine checks, PCIe AER, disks and
+file systems, NFS and Lustre, the NIC driver, the OOM killer, NVIDIA driver failures that are not XIDs), graded by
+the catalog in trainguard/node/kernel_events.toml.
+
+It reads through the node's one kernel log reader (the follower the xid check reads XIDs with: one cursor, each
+record parsed once, the XID handler first). One result per subject (a device, a file system, a server, a process);
+the first-start policy is the xid check's: what was logged before the agent's first start on this boot is reported
+but capped at WARNING (not acted on), unless the fault is still there (a file system still mounted read-only).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings, PartialView
+from trainguard.checks.xid import KernelLogSettings, adopt_marks
+from trainguard.core.logs import kv
+from trainguard.core.model import Metric, Result, Status, worst
+from trainguard.core.settings import Duration, Field
+from trainguard.core.text import linear
+from trainguard.core.units import format_duration
+from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
+from trainguard.node.kmsg import KernelRecord, LogPoint
+from trainguard.node.mounts import read_mounts
+
+log = logging.getLogger("trainguard.checks.kernel")
+
+EVENTS = Metric("trainguard_kernel_events_total", "Kernel log events of each class of the kernel event catalog "
+                "(trainguard kernel), by the kind of device they name; corrected errors included.", ("class", "kind"),
+                counter=True)
+ACTIVE = Metric("trainguard_kernel_event_active", "1 while an event of this class is graded WARNING or CRITICAL on "
+                "some subject.", ("class", "kind"))
+METRICS = (EVENTS, ACTIVE)
+STATE_KEY = "kernel-events"
+SAVED_TIMES = 100
+REPLAY_WAIT_S = 5.0
+PCI_KINDS = {"nvidia": "gpu", "mlx5_core": "nic", "nvme": "disk"}
+_MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_123/step_0/task_3 (v1 and v2)
+_MEMCG_TASK = linear(r"/task_(\d{1,9})(?:/|$)")
+
+
+class KernelSettings(KernelLogSettings):
+    interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (a kernel event wakes the check at once).")
+    ignore: list[str] = Field(default_factory=list, description="Event classes counted but never graded above OK "
+                              "(`trainguard kernel` lists the classes).")
+    critical_mounts: list[str] = Field(default_factory=lambda: ["/", "/tmp", "/var", "/scratch", "/local"],
+                                       description="Mount points whose file system read-only or shut down is a node "
+                                       "fault (CRITICAL); elsewhere it is a WARNING.")
+    max_subjects: int = Field(1024, gt=0, description="Subjects kept; the oldest quiet ones go first.")
+    actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]))
+
+
+@dataclass
+class Entry:
+    """One class of event on one subject this boot."""
+
+    klass: str
+    subject: str
+    names: dict[str, Any]
+    line: str
+    first: float
+    last: float
+    count: int = 0
+    last_seq: int = -1
+    last_usec: int = -1
+    cleared: float = 0.0  # when a clearing event (nfs: server X OK) came
+    status: Status = Status.OK  # as graded after the last record (a change wakes the check)
+    times: list[float] = field(default_factory=list)  # counted classes: when, oldest first (bounded, see _record)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"klass": self.klass, "subject": self.subject, "names": self.names, "line": self.line,
+                "first": self.first, "last": self.last, "count": self.count, "last_seq": self.last_seq,
+                "last_usec": self.last_usec, "cleared": self.cleared,
+                "times": self.times[-SAVED_TIMES:]}  # enough for a trend after a restart; a storm restarts counting
+
+
+@dataclass(frozen=True)
+class Grade:
+    status: Status
+    why: str
+
+
+def grade(c: KernelClass, e: Entry, now: float, s: KernelSettings, mount_critical: bool | None,
+          explain: bool = True) -> Grade:
+    """The status one class's events on one subject warrant now, and why (without the first-start policy; without
+    `explain`, the status alone: the per-record path of a storm)."""
+    if c.name in s.ignore:
+        return Grade(Status.OK, "ignored by configuration")
+    if e.cleared >= e.last:
+        return Grade(Status.OK, f"cleared ({' / '.join(c.cleared_by)})")
+    quiet = now - e.last
+    if c.counted:
+        recent = len(e.times) - bisect.bisect_left(e.times, now - c.rate_window)  # O(log n): a storm is cheap
+        burst = len(e.times) - bisect.bisect_left(e.times, now - c.storm_window)
+        if burst >= c.storm_count:
+            return Grade(c.storm_status, f"storm: {burst} in {format_duration(c.storm_window)}" if explain else "")
+        if recent >= c.warning_count:
+            return Grade(Status.WARNING, f"trend: {recent} in {format_duration(c.rate_window)}" if explain else "")
+        return Grade(Status.OK, "" if not explain else f"counted: {recent} in {format_duration(c.rate_window)} "
+                                f"(a trend from {c.warning_count})")
+    if c.clear == "window" or (c.clear == "pair" and c.clear_after):
+        limit = c.clear_after or 3600
+        if quiet > limit:
+            return Grade(Status.OK, f"over: quiet for {format_duration(quiet)}")
+    status = c.severity
+    why = "until the node reboots" if c.clear == "reboot" else c.clearing()
+    if c.mount_fault and status is Status.CRITICAL and not mount_critical:
+        status, why = Status.WARNING, f"{why}; not a critical mount ({', '.join(s.critical_mounts)})"
+    return Grade(status, why)
+
+
+class KernelCheck(Check):
+    layer = "hardware"  # a node fault takes down every job on the node: its alerts group with theirs
+
+    Settings = KernelSettings
+    metrics = METRICS
+    settings: KernelSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.parser = KernelEventParser()
+        self.ledger = context.xid_history  # the node's first start on this boot, shared with the xid check
+        self.kernel_log = context.kernel_log
+        self.follower = self.kernel_log.subscribe(name, self._on_record, path=self.settings.kmsg_path,
+                                                  journalctl=self.settings.journalctl, cursor=context.state,
+                                                  priority=10)
+        self.boot_id = context.proc.boot_id()
+        self.entries: dict[tuple[str, str], Entry] = {}
+        self.totals: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+        self._wake: Callable[[], None] | None = None
+        self._started = False
+        self._boot_time = context.proc.boot_time()
+        self._pci_kind: dict[str, str] = {}
+        self._xid: bool | None = None  # whether an xid check reads the same log (asked once, after all subscribed)
+        self._load()
+
+    # lifecycle ---------------------------------------------------------------------------
+    def start(self, wake: Callable[[], None]) -> None:
+        self._wake, self._started = wake, True
+        try:
+            self.ledger.mark_first_start(lambda: LogPoint.now(self.settings.kmsg_path))
+        except Exception as exc:  # noqa: BLE001 - a store refusing the write: events are still read, all as logged
+            log.error("first start not saved", extra=kv(error=exc))
+        self.kernel_log.start(self.name, self.follower)
+
+    def stop(self) -> None:
+        self.kernel_log.stop(self.name, self.follower)
+        self._save()
+
+    def clear(self, subject: str, at: float) -> None:
+        """`trainguard clear kernel/SUBJECT` (after the repair): the subject's events are forgotten; a new record of
+        it fires as new. (The follower does not read records again; a one-shot `trainguard check` re-reads the whole
+        buffer and does not know of the clear.)"""
+        with self._lock:
+            gone = [k for k in self.entries if k[1] == subject]
+            for key in gone:
+                del self.entries[key]
+        log.info("kernel events cleared", extra=kv(subject=subject, entries=len(gone)))
+        self._save()
+
+    def _load(self) -> None:
+        data = self.load_state(STATE_KEY)
+        if data.get("boot_id") != self.boot_id:
+            return  # another boot: its events are gone with it
+        for raw in data.get("entries", [])[: self.settings.max_subjects]:
+            try:
+                e = Entry(**{**raw, "times": sorted(raw.get("times", []))})
+            except TypeError:
+                continue
+            if e.klass in catalog():
+                self.entries[(e.klass, e.subject)] = e
+        self.totals = {tuple(k.split("|", 1)): v for k, v in data.get("totals", {}).items()}  # type: ignore[misc]
+
+    def _save(self) -> None:
+        with self._lock:
+            data = {"boot_id": self.boot_id, "entries": [e.to_json() for e in self.entries.values()],
+                    "totals": {"|".join(k): v for k, v in self.totals.items()}}
+        self.save_state(STATE_KEY, data)
+
+    # reading -----------------------------------------------------------------------------
+    def _on_record(self, record: KernelRecord) -> None:
+        since = self.context.kernel_since_usec
+        if since is not None and 0 <= record.usec < since:
+            return
+        events = self.parser.feed(record.message, record.usec, record.seq)
+        for event in events:
+            self._record(event, record)
+
+    def _when(self, usec: int) -> float:
+        """Wall time of a kernel timestamp: a record's age counts from when it was logged, not from when read."""
+        return self._boot_time + usec / 1e6 if usec >= 0 and self._boot_time > 0 else self.context.clock()
+
+    def _record(self, event: KernelEvent, record: KernelRecord) -> None:
+        c = catalog()[event.klass]
+        if c.reported_by == "xid" and self._xid_reads():
+            return  # the xid check acts on it (XID 79): no second incident, no run competing with its actions
+        when = min(self._when(record.usec), self.context.clock())
+        with self._lock:
+            if c.role == "clear":
+                for other in c.clears:
+                    e = self.entries.get((other, event.subject))
+                    if e is not None:
+                        e.cleared = when
+                return
+            key = (c.name, event.subject)
+            e = self.entries.get(key)
+            if e is None:
+                self._make_room()
+                e = self.entries[key] = Entry(c.name, event.subject, dict(event.names), event.line, when, when)
+            before = e.status
+            e.count += event.count
+            e.last, e.last_seq, e.last_usec = when, record.seq, record.usec
+            if not event.repeat:
+                e.names, e.line = dict(event.names), event.line
+                if c.block == "oom":
+                    e.names.update(self._job_of(e.names))
+            if c.counted:
+                e.times.extend([max(when, e.times[-1]) if e.times else when] * min(event.count, c.storm_count))
+                keep = max(c.storm_count, c.warning_count)
+                if len(e.times) > 2 * keep:  # trimmed in halves: amortized O(1) a record
+                    del e.times[:-keep]
+            kind = self._kind(c, e)
+            self.totals[(c.name, kind)] = self.totals.get((c.name, kind), 0) + event.count
+            after = e.status = self._grade(c, e, self.context.clock(), explain=False).status
+        if e.count == event.count or e.count % 1000 == 0:
+            log.warning("kernel event", extra=kv(event=c.name, subject=event.subject, count=e.count,
+                                                 line=event.line[:160]))
+        if after.severity > before.severity and self._wake is not None:
+            self._save()
+            self._wake()
+
+    def _job_of(self, names: dict[str, Any]) -> dict[str, str]:
+        """The job (and SLURM task) an OOM kill hit: from the memory cgroup the record names (SLURM's job_N/task_M),
+        else the job whose processes held the pid in the last listing (the process is gone by now)."""
+        memcg, pid = names.get("memcg", ""), names.get("pid", "")
+        job_id, task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
+        out = {"task": task.group(1)} if task else {}
+        view = self.context.jobs.cached() if self.context.jobs is not None else None
+        for job in view.jobs if view is not None else ():
+            if (job_id and job.job_id == job_id.group(1)) or (pid.isdigit() and
+                                                                any(p.pid == int(pid) for p in job.processes)):
+                return {**out, "job": job.key, "job_name": job.name, **({"job_id": job.job_id} if job.job_id else {})}
+        return {**out, "job_id": job_id.group(1)} if job_id else out
+
+    def _make_room(self) -> None:
+        if len(self.entries) < self.settings.max_subjects:
+            return
+        now = self.context.clock()
+        quiet = sorted(self.entries.values(), key=lambda e: (self._grade(catalog()[e.klass], e, now).status.severity,
+                                                             e.last))
+        del self.entries[(quiet[0].klass, quiet[0].subject)]
+
+    def _kind(self, c: KernelClass, e: Entry) -> str:
+        """The device kind: the catalog's, or for a PCI address the driver bound to it (a GPU, an HCA, an NVMe)."""
+        pci = e.names.get("source") or e.names.get("pci")
+        if c.kind != "pcie" or not pci:
+            return c.kind
+        if pci not in self._pci_kind:
+            try:
+                driver = os.path.basename(os.readlink(f"/sys/bus/pci/devices/{pci}/driver"))
+            except OSError:
+                driver = ""
+            self._pci_kind[pci] = PCI_KINDS.get(driver, "pcie")
+        return self._pci_kind[pci]
+
+    # grading -----------------------------------------------------------------------------
+    def _mount_critical(self, e: Entry) -> bool | None:
+        dev = e.names.get("dev")
+        if not dev:
+            return None
+        try:
+            mounts = read_mounts(self.context.proc)
+        except OSError:
+            return None
+        points = [m.mountpoint for m in mounts if os.path.basename(m.device) == dev or m.device.endswith(f"/{dev}")]
+        return any(p in self.settings.critical_mounts for p in points)
+
+    def _grade(self, c: KernelClass, e: Entry, now: float, explain: bool = True) -> Grade:
+        return grade(c, e, now, self.settings, self._mount_critical(e) if c.mount_fault else None, explain)
+
+    def _history(self, c: KernelClass, e: Entry, g: Grade) -> Grade:
+        """The first-start policy: logged before the agent's first start on this boot: at most WARNING (no drain),
+        unless the fault is still there (a file system still mounted read-only)."""
+        first = self.ledger.first_start
+        if g.status is not Status.CRITICAL or first is None or not first.before(e.last_seq, e.last_usec):
+            return g
+        if c.mount_fault and self._still_read_only(e):
+            return Grade(g.status, f"{g.why}; logged before trainguard started and still mounted read-only")
+        return Grade(Status.WARNING, f"logged at boot+{format_duration(max(e.last_usec, 0) / 1e6)}, before trainguard "
+                                     f"started: reported, not acted on; {g.status.name} if logged now ({g.why})")
+
+    def _still_read_only(self, e: Entry) -> bool:
+        dev = e.names.get("dev", "")
+        try:
+            text = self.context.proc.mountinfo()
+        except OSError:
+            return False
+        return any(f"/{dev} " in line and " ro," in line for line in text.splitlines() if dev)
+
+    def run(self) -> Sequence[Result]:
+        if not self._started and self.follower.records == 0:  # one-shot `trainguard check`: this boot's buffer
+            self.kernel_log.read_once(self.follower, lambda: adopt_marks(self.context, self.ledger))
+        elif self._started:
+            self.follower.caught_up.wait(min(REPLAY_WAIT_S, self.settings.timeout / 2))
+        results = self._results()
+        if self._started and not self.follower.caught_up.is_set():
+            return PartialView(results, f"replaying the kernel log ({self.follower.records} records so far)")
+        self._save()
+        return results
+
+    def _results(self) -> list[Result]:
+        now = self.context.clock()
+        skip = {name for name, c in catalog().items() if c.reported_by == "xid"} if self._xid_reads() else set()
+        by_subject: dict[str, list[tuple[KernelClass, Entry, Grade]]] = {}
+        with self._lock:
+            entries = list(self.entries.values())
+            totals = dict(self.totals)
+        for e in entries:
+            c = catalog()[e.klass]
+            if c.name in skip:
+                continue
+            g = self._history(c, e, self._grade(c, e, now))
+            by_subject.setdefault(e.subject, []).append((c, e, g))
+        results = []
+        active: set[tuple[str, str]] = set()
+        for subject, graded in sorted(by_subject.items()):
+            status = worst(g.status for _, _, g in graded)
+            bad = sorted(((c, e, g) for c, e, g in graded if g.status is not Status.OK),
+                         key=lambda t: -t[2].status.severity)
+            active |= {(c.name, self._kind(c, e)) for c, e, _ in bad}
+            details: dict[str, Any] = {"events": [
+                {"class": c.name, "title": c.title, "count": e.count, "first": e.first, "last": e.last,
+                 "status": g.status.name, "why": g.why, "names": e.names, "line": e.line, "lever": c.lever,
+                 "node_fault": c.node_fault and g.status is Status.CRITICAL} for c, e, g in graded]}
+            if bad:
+                details["next_step"] = bad[0][0].lever
+            results.append(self.result(subject, status, self._summary(subject, graded, bad), details))
+        samples = [EVENTS(v, {"class": k, "kind": kind}) for (k, kind), v in sorted(totals.items())]
+        samples += [ACTIVE(1 if key in active else 0, {"class": key[0], "kind": key[1]}) for key in sorted(totals)]
+        f = self.follower
+        head = f"reading {f.source}: {f.records} records, {sum(totals.values())} kernel events"
+        results.insert(0, self.result("kernel-log", Status.OK, head, {"source": f.source, "records": f.records},
+                                      samples))
+        return results
+
+    def _xid_reads(self) -> bool:
+        """Whether an xid check reads this log too (then it acts on the classes it grades as XIDs)."""
+        if self._xid is None:
+            self._xid = self.kernel_log.subscribed(self.follower, "xid")
+        return self._xid
+
+    @staticmethod
+    def _summary(subject: str, graded: list[tuple[KernelClass, Entry, Grade]],
+                 bad: list[tuple[KernelClass, Entry, Grade]]) -> str:
+        if not bad:
+            total = sum(e.count for _, e, _ in graded)
+            return f"{subject}: no active kernel event ({total} recorded)"
+        parts = []
+        for c, e, g in bad:
+            count = f" x{e.count}" if e.count > 1 else ""
+            fault = "node fault: " if c.node_fault and g.status is Status.CRITICAL else ""
+            parts.append(f"{fault}{_victim(e)}{c.title}{count} ({g.why}): {e.line[:160]}")
+        return f"{subject}: " + "; ".join(parts)
+
+
+def _victim(e: Entry) -> str:
+    """Whom an OOM kill hit, in words, when the record or the job catalog says ("job 123 task 3: ")."""
+    n = e.names
+    job = f"job {n['job_id']}" if n.get("job_id") else f"job {n['job_name']}" if n.get("job_name") else ""
+    task = f"task {n['task']}" if n.get("task") else ""
+    anon = f", {int(n['anon_kb'].replace(',', '')) / 2**20:.1f} GiB anon" if n.get("anon_kb") else ""
+    who = " ".join(x for x in (job, task) if x)
+    return f"{who} ({n.get('comm', '?')}, pid {n.get('pid', '?')}{anon}) killed: " if who else ""
+
+
+def explain_lines(lines: Sequence[str], s: KernelSettings) -> list[dict[str, Any]]:
+    """What the kernel check makes of pasted kernel log lines (`trainguard kernel LINE`, `-` for stdin): per event, its
+    class, what it names, the status a fresh one gets, the actions that status runs, and why."""
+    parser = KernelEventParser()
+    out: list[dict[str, Any]] = []
+    for record in join_continuations(lines):
+        events = parser.feed(record)
+        for event in events:
+            c = event.cls
+            if c.role == "clear":
+                status, why = Status.OK, f"ends {' / '.join(c.clears)} of {event.subject}"
+            elif c.counted:
+                status, why = Status.OK, c.clearing()
+            elif c.name in s.ignore:
+                status, why = Status.OK, "ignored by configuration"
+            else:
+                status = c.severity
+                why = c.clearing() + ("; CRITICAL on a critical mount (" + ", ".join(s.critical_mounts) + "), "
+                                      "WARNING elsewhere" if c.mount_fault else "")
+            if c.reported_by:
+                why += f"; acted on by the {c.reported_by} check (XID 79)"
+            out.append({"line": record, "class": c.name, "title": c.title, "kind": c.kind, "subject": event.subject,
+                        "names": dict(event.names), "status": status.name, "node_fault": c.node_fault,
+                        "actions": s.actions.for_status(status), "why": why, "lever": c.lever})
+    return out
+
+
+def join_continuations(lines: Sequence[str]) -> list[str]:
+    """Pasted lines as records: an indented line without a prefix of its own continues the record before it (dmesg
+    prints a record of several lines so: NVRM's fallen off the bus)."""
+    from trainguard.node.kmsg import strip_prefix
+
+    records: list[str] = []
+    for raw in lines:
+        line = raw.rstrip("\n")
+        if records and line[:1].isspace() and strip_prefix(line) == line.strip():
+            records[-1] += "\n" + line
+        elif line.strip():
+            records.append(line)
+    return records
