@@ -45,12 +45,12 @@ from trainguard.jobs.tree import (
     job_processes,
     read_heartbeat,
 )
-from trainguard.logscan.collectives import ADVICE, Story, gather, observe, tell
+from trainguard.logscan.collectives import ADVICE, Story, gather, observe, observe_all, tell
 from trainguard.logscan.context import finite_loss, last_step, oom_gpu, relaunched
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
 from trainguard.logscan.launcher import BLOCK, root_cause
 from trainguard.logscan.lines import plain, timestamp, unwrap
-from trainguard.logscan.nccl import diagnose_nccl_error
+from trainguard.logscan.nccl import MID_RUN, NETWORK, diagnose_nccl_error
 from trainguard.logscan.oom import IMPOSSIBLE, GpuContext, classify, explain, parse_oom
 from trainguard.logscan.reader import LogTail, Look, Position, look
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
@@ -105,6 +105,12 @@ _NAN_NORM = linear(r"(?i)grad[_ ]norm['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
 _NAN_LOSS = linear(r"(?i)\bloss['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
 _ZERO_LOSS = linear(r"""\bloss['"]?\s{0,40}[:=]\s{0,40}['"]?0(?:\.0{1,8})?(?:[,\s}|]|$)""")
 _COLLECTIVE = ("nccl_timeout", "nccl_progress", "collective_failure")
+# PyTorch prints an NCCL error's class on the line after the error (`ncclRemoteError: A call failed ...`): part of
+# the finding above it, not one of its own
+_NCCL_CLASS_LINE = linear(r"^nccl[A-Z]\w{1,30}: ")
+# What the NCCL watchdog acts on: its abort (SIGABRT) of the process is their effect, whatever the lines' order
+_GENERIC_NCCL = ("remote", "internal", "system")
+_WATCHED = ("nccl_timeout", "nccl_progress", "nccl_error", "collective_failure", "cuda_error")
 
 
 def _unparsed_timeout(text: str) -> bool:
@@ -134,9 +140,12 @@ def _when(f: dict[str, Any]) -> tuple[float, int]:
 
 def _knock_ons(findings: list[dict[str, Any]]) -> set[int]:
     """The causes that came after an echo (a collective timeout, a peer gone) by the lines' timestamps, or later on
-    the same rank's log: knock-on effects of that failure (an OOM after a NCCL timeout), not its cause."""
+    the same rank's log: knock-on effects of that failure (an OOM after a NCCL timeout), not its cause. A worker
+    that torchrun saw die of SIGABRT, in a job whose logs show what the NCCL watchdog acts on (a timeout, an NCCL or
+    CUDA error), was aborted by that watchdog: its effect, wherever its line stands."""
     echoes = [f for f in findings if _tier(f) == ECHO]
-    late = set()
+    watched = any(f["signature"] in _WATCHED for f in findings)
+    late = {i for i, f in enumerate(findings) if watched and _aborted(f)}
     for i, f in enumerate(findings):
         if _tier(f) != CAUSE or f["signature"] == "nan_loss":
             continue
@@ -148,6 +157,10 @@ def _knock_ons(findings: list[dict[str, Any]]) -> set[int]:
                 late.add(i)
                 break
     return late
+
+
+def _aborted(f: dict[str, Any]) -> bool:
+    return f["signature"] == "launcher" and (f.get("fields") or {}).get("signal") == "SIGABRT"
 
 
 def _written(path: str, identity: Identity) -> float:
@@ -442,11 +455,19 @@ class TrainingLogCheck(JobCheck):
         now = self.context.clock()
         finding: dict[str, Any] = {"signature": name, "rank": rank, "path": path, "at": now, "line": text[:500],
                                    "status": hit.signature.status.name, "ts": timestamp(line), "pos": base + hit.offset}
-        if name in _COLLECTIVE and (obs := observe(line)) is not None:
-            gather(self._collectives.setdefault(job.key, {}), obs)
+        if name in _COLLECTIVE:
+            for obs in observe_all(line):
+                gather(self._collectives.setdefault(job.key, {}), obs)
         if name == "device_assert":
-            self._pending_assert[job.key] = text
+            if not self._assert_after(job.key, text):  # PyTorch prints the assertion before or after the error
+                self._pending_assert[job.key] = text
             return consumed
+        wrapper = self._wrapper(job.key, path, finding["pos"]) if name == "nccl_error" else None
+        if wrapper is not None and _NCCL_CLASS_LINE.search(text):
+            return consumed
+        if name in ("nccl_timeout", "nccl_error", "nan_loss"):
+            end = data.find(b"\n", hit.offset)
+            finding["step"] = self._step_at(job, path, data, len(data) if end < 0 else end)
         if name == "fp16_overflow":
             if counts[name] != self.settings.overflow_burst:
                 return consumed
@@ -474,6 +495,14 @@ class TrainingLogCheck(JobCheck):
             e = diagnose_nccl_error(text)
             finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields},
                            tier=ECHO if e.effect else CAUSE)
+            if (wrapper is not None and e.kind in NETWORK and wrapper["fields"]["class"] in _GENERIC_NCCL
+                    and wrapper.get("rank") in (rank, None)):
+                # PyTorch's generic error, then NCCL's `Last error:`, the network plugin's own: one error, told by it
+                wrapper.update({k: finding[k] for k in ("title", "advice", "fields", "tier")})
+                return consumed
+            step = finding["step"]
+            if e.kind == "system" and not e.fields.get("mid_run") and step and step > self.settings.warmup_steps:
+                finding.update(title=f"{e.title}, mid-run", advice=MID_RUN)  # the run had been working: not setup
         elif name == "launcher":
             cause = root_cause(data[hit.offset:hit.offset + BLOCK].decode("utf-8", errors="replace"))
             if cause is None:
@@ -494,8 +523,9 @@ class TrainingLogCheck(JobCheck):
             critical = row >= self.settings.nan_limit
             collapsed = "; the loss collapsed to 0" if _ZERO_LOSS.search(text) else ""
             what = "NaN/Inf grad norm" if _NAN_NORM.search(text) and not _NAN_LOSS.search(text) else "NaN/Inf loss"
+            at = f" at step {finding['step']}" if finding["step"] is not None else ""
             finding.update(status=(Status.CRITICAL if critical else Status.WARNING).name, in_a_row=row,
-                           title=f"{what}, {row} in a row ({counts[name]} in all): divergence{collapsed}",
+                           title=f"{what}, {row} in a row ({counts[name]} in all){at}: divergence{collapsed}",
                            advice=hit.signature.advice)
         elif name == "traceback":
             exc = final_exception(data, hit.offset)
@@ -521,20 +551,41 @@ class TrainingLogCheck(JobCheck):
         if name == "nan_loss":
             kept[:] = [f for f in kept if f["signature"] != "nan_loss"]
         same = next((f for f in kept if f["signature"] == name and f.get("title") == finding.get("title")
-                     and f.get("rank") == finding.get("rank")), None)
+                     and f.get("rank") in (finding.get("rank"), None)), None)
         if same is not None:
+            # the same error told again with its rank (a CUDA error, then the `[Rank 1]` watchdog line about it)
+            same["rank"] = same.get("rank") or finding.get("rank")
             same["count"] = same.get("count", 1) + 1
         elif sum(f["signature"] == name for f in kept) < MAX_PER_SIGNATURE:
             kept.append(finding)
+
+    def _assert_after(self, key: str, text: str) -> bool:
+        """A device-side assertion printed after its CUDA error: told in that error's finding; whether there was one."""
+        crash = next((f for f in reversed(self._findings.get(key, [])) if f["signature"] == "cuda_error"
+                      and (f.get("fields") or {}).get("error") == "device-side assert"
+                      and "condition" not in f["fields"]), None)
+        if crash is None:
+            return False
+        d = diagnose_cuda(crash["line"], text)
+        crash.update(title=d.title, advice=d.advice, fields=d.fields)
+        return True
+
+    def _wrapper(self, key: str, path: str, pos: int, window: int = 2048) -> dict[str, Any] | None:
+        """The NCCL error finding of the job read just before `pos` in the same log (the error this line goes on
+        telling), or None."""
+        return next((f for f in reversed(self._findings.get(key, [])) if f["signature"] == "nccl_error"
+                     and f.get("path") == path and 0 < pos - int(f.get("pos", -1)) <= window), None)
 
     def _oom(self, job: Job, path: str, hit: Hit, data: bytes, text: str) -> dict[str, Any]:
         """The OOM's diagnosis, with what NVML knows of that GPU now and the step it came at."""
         report = parse_oom(text)
         pids = {p.pid for p in job_processes(job)}
         gpu = oom_gpu(self.nvml, report.gpu, pids, self.context.proc, self._job_of_pid)
-        rule, facts = classify(report, gpu)
+        # the job's own processes, whatever they hold, are its ranks, not co-tenants
+        mine = replace(gpu or GpuContext(), own_pids=frozenset(pids), user=job.user)
+        rule, facts = classify(report, mine)
         d = explain(report, rule, facts)
-        step = self._oom_step(job, path, hit, data)
+        step = self._step_at(job, path, data, hit.offset)
         when = ("step unknown" if step is None else f"at step {step}: static sizing (first steps)"
                 if step <= self.settings.warmup_steps else f"mid-run at step {step}: a growing working set "
                 "or progressive fragmentation")
@@ -552,9 +603,10 @@ class TrainingLogCheck(JobCheck):
                 return other.label()
         return None
 
-    def _oom_step(self, job: Job, path: str, hit: Hit, data: bytes) -> int | None:
-        """The step the OOM came at: the last step line before it, else the heartbeat's step."""
-        step = last_step(data, hit.offset) if data else None
+    def _step_at(self, job: Job, path: str, data: bytes, end: int) -> int | None:
+        """The step a finding came at: the last step line before `end`, else the log's last step read, else the
+        heartbeat's step."""
+        step = last_step(data, end) if data else None
         if step is None:
             step = self._steps.get((job.key, path))
         if step is None and (beat := heartbeat_path(job)):
@@ -596,12 +648,19 @@ class TrainingLogCheck(JobCheck):
             lead = {**lead, "title": lead["title"] + " (after a collective failure: its knock-on)"}
         rank = f" (rank {lead['rank']})" if lead.get("rank") is not None else ""
         text = f"{job.label()}{rank}: {lead['title']}"
+        if lead.get("step") is not None and "step" not in lead["title"]:
+            text += f" at step {lead['step']}"
         story = self._story(job)
         if story is not None and tiers[lead_at] in (ECHO, KNOCK_ON) and lead["signature"] != "nccl_error":
-            text = f"{job.label()}: {story.title}"  # the story names the ranks
+            step = next((f["step"] for f in findings if f["signature"] in _COLLECTIVE and f.get("step") is not None),
+                        None)
+            text = f"{job.label()}: {story.title}" + (f"; at step {step}" if step is not None else "")
             lead = {**lead, "advice": story.advice}
         elif story is not None:  # the lead is the cause; the collective that timed out after it is its echo
             text += f"; then {story.echo}"
+        aborts = [f for i, f in enumerate(findings) if i in late and i != lead_at and _aborted(f)]
+        if aborts:  # the effect, after its cause
+            text += f"; then the watchdog's abort: {aborts[0]['title']}"
         if lead.get("xids"):
             text += f"; on this node meanwhile: {', '.join(lead['xids'][:3])}"
         if lead.get("advice"):
