@@ -46,7 +46,7 @@ from trainguard.jobs.tree import (
     read_heartbeat,
 )
 from trainguard.logscan.collectives import ADVICE, Story, gather, observe, observe_all, tell
-from trainguard.logscan.context import finite_loss, last_step, oom_gpu, relaunched
+from trainguard.logscan.context import STEP_WINDOW, finite_loss, last_step, oom_gpu, relaunched
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
 from trainguard.logscan.launcher import BLOCK, root_cause
 from trainguard.logscan.lines import plain, timestamp, unwrap
@@ -71,6 +71,7 @@ FINDINGS_KEY = "logscan.findings"
 COLLECTIVES_KEY = "logscan.collectives"
 LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
+NEAR_STEP = 4096  # a timeout's or NaN's step: a step line this close before it (those lines come in floods)
 MAX_PER_SIGNATURE = 8  # per job and signature: a flood of one kind (25 ranks' timeouts) never crowds out another
 
 
@@ -465,9 +466,9 @@ class TrainingLogCheck(JobCheck):
         wrapper = self._wrapper(job.key, path, finding["pos"]) if name == "nccl_error" else None
         if wrapper is not None and _NCCL_CLASS_LINE.search(text):
             return consumed
-        if name in ("nccl_timeout", "nccl_error", "nan_loss"):
+        if name in ("nccl_timeout", "nccl_error", "nan_loss"):  # lines that come in floods: a step line just above
             end = data.find(b"\n", hit.offset)
-            finding["step"] = self._step_at(job, path, data, len(data) if end < 0 else end)
+            finding["step"] = self._step_at(job, path, data, len(data) if end < 0 else end, NEAR_STEP)
         if name == "fp16_overflow":
             if counts[name] != self.settings.overflow_burst:
                 return consumed
@@ -603,13 +604,13 @@ class TrainingLogCheck(JobCheck):
                 return other.label()
         return None
 
-    def _step_at(self, job: Job, path: str, data: bytes, end: int) -> int | None:
-        """The step a finding came at: the last step line before `end`, else the log's last step read, else the
-        heartbeat's step."""
-        step = last_step(data, end) if data else None
+    def _step_at(self, job: Job, path: str, data: bytes, end: int, near: int | None = None) -> int | None:
+        """The step a finding came at: the last step line before `end`, else the log's last step read, else (unless
+        only a step line `near` it counts) the heartbeat's step."""
+        step = last_step(data, end, near or STEP_WINDOW) if data else None
         if step is None:
             step = self._steps.get((job.key, path))
-        if step is None and (beat := heartbeat_path(job)):
+        if step is None and near is None and (beat := heartbeat_path(job)):
             step = read_heartbeat(beat, self.identity(job))[0]
         return step
 

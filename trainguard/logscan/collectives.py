@@ -18,6 +18,7 @@ from trainguard.logscan.lines import plain
 from trainguard.node.flight import Stall, ranges
 
 MAX_RANKS = 4096
+FAR = 10  # collectives: a rank that timed out this many before the others' is far behind
 _PG = r"\[(?:PG (?:ID (\d{1,7}) PG GUID (\d{1,7})[^\]]{0,80}|(\d{1,7})[^\]]{0,80}) )?Rank (\d{1,7})\]"
 _TIMEOUT = linear(r"\[Rank (\d{1,7})\] Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d{1,12}), "
                       r"OpType=(\w{1,40})[^)]{0,200}?Timeout\(ms\)=(\d{1,12})\) ran for (\d{1,15}) milliseconds")
@@ -93,6 +94,10 @@ def gather(record: dict[str, Any], obs: Observation) -> None:
     key = str(obs.rank)
     if obs.kind == "timeout":
         table = record.setdefault("timeouts", {})
+        # a rank that timed out in several collectives (several process groups, or work queued behind the first)
+        # stands at the furthest: a rank is behind only when even that is behind the others
+        if key in table and int(table[key]["seq"]) > (obs.seq or 0):
+            return
         if key in table or len(table) < MAX_RANKS:
             table[key] = {"seq": obs.seq, "op": obs.op, "timeout_ms": obs.timeout_ms, "ran_ms": obs.ran_ms}
     elif obs.kind == "progress":
@@ -184,7 +189,8 @@ def _first(timeouts: dict[str, dict[str, Any]], progress: dict[str, dict[str, An
             clause += f"; ranks {ranges(waiting)} completed #{seq - 1} and wait in #{seq}"
         return clause, tuple(sorted(behind)), fields
     if lagging:
-        told = ", ".join(f"rank {r} timed out far behind, in {op} #{s} ({seq - s} collectives before #{seq})"
+        told = ", ".join(f"rank {r} timed out {'far ' if seq - s >= FAR else ''}behind, in {op} #{s} ({seq - s} "
+                         f"collective{'s' if seq - s > 1 else ''} before #{seq})"
                          for r, s in sorted(lagging.items(), key=lambda kv: kv[1])[:4])
         return (f"{told}: the first suspect (it stopped first), or a rank of a different process group (whose "
                 "collectives count on their own): read its log first"), tuple(sorted(lagging)), fields
