@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.logs import kv
@@ -158,6 +158,17 @@ def _knock_ons(findings: list[dict[str, Any]]) -> set[int]:
                 late.add(i)
                 break
     return late
+
+
+class _Seen(NamedTuple):
+    """One hit as `_record` read it: the line (a wrapped one joined), its message, and the signature's count."""
+
+    job: Job
+    hit: Hit
+    data: bytes
+    line: str
+    text: str
+    count: int
 
 
 def _aborted(f: dict[str, Any]) -> bool:
@@ -452,97 +463,120 @@ class TrainingLogCheck(JobCheck):
             if joined is not None:
                 line, consumed = joined
         p = plain(line)
-        rank, text = p.rank, p.text
         now = self.context.clock()
-        finding: dict[str, Any] = {"signature": name, "rank": rank, "path": path, "at": now, "line": text[:500],
+        finding: dict[str, Any] = {"signature": name, "rank": p.rank, "path": path, "at": now, "line": p.text[:500],
                                    "status": hit.signature.status.name, "ts": timestamp(line), "pos": base + hit.offset}
         if name in _COLLECTIVE:
             for obs in observe_all(line):
                 gather(self._collectives.setdefault(job.key, {}), obs)
-        if name == "device_assert":
-            if not self._assert_after(job.key, text):  # PyTorch prints the assertion before or after the error
-                self._pending_assert[job.key] = text
-            return consumed
-        wrapper = self._wrapper(job.key, path, finding["pos"]) if name == "nccl_error" else None
-        if wrapper is not None and _NCCL_CLASS_LINE.search(text):
-            return consumed
         if name in ("nccl_timeout", "nccl_error", "nan_loss"):  # lines that come in floods: a step line just above
             end = data.find(b"\n", hit.offset)
             finding["step"] = self._step_at(job, path, data, len(data) if end < 0 else end, NEAR_STEP)
-        if name == "fp16_overflow":
-            if counts[name] != self.settings.overflow_burst:
-                return consumed
-            finding.update(status=Status.WARNING.name, title=f"{counts[name]} fp16 overflow steps skipped",
-                           advice="a long run of loss-scale overflows means divergence: lower the learning rate "
-                                  "or use bf16")
-        elif name == "cuda_oom":
-            finding.update(self._oom(job, path, hit, data, text))
-            if finding["fields"].get("diagnosis") == IMPOSSIBLE:
-                finding["tier"] = KNOCK_ON
-            if _CAUGHT.search(text, 0, max(0, text.find("out of memory"))):  # the trainer caught it and went on
-                finding.update(status=Status.WARNING.name,
-                               title=finding["title"] + "; caught and logged as a warning (training went on)")
-        elif name == "nccl_progress":  # the story tells it across ranks; alone, it says which work failed
-            obs = observe(line)
-            if obs is None:
-                return consumed
-            finding.update(title=f"NCCL work #{obs.seq} failed or timed out on rank {obs.rank} (last completed "
-                                 f"#{obs.completed})", advice=ADVICE, fields={"seq": obs.seq, "rank": obs.rank})
-            finding["tier"] = ECHO
-        elif name == "nccl_timeout":
-            d = diagnose_nccl(text)
-            finding.update(title=d.title, advice=d.advice, fields=d.fields)
-        elif name == "nccl_error":
-            e = diagnose_nccl_error(text)
-            finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields},
-                           tier=ECHO if e.effect else CAUSE)
-            if (wrapper is not None and e.kind in NETWORK and wrapper["fields"]["class"] in _GENERIC_NCCL
-                    and wrapper.get("rank") in (rank, None)):
-                # PyTorch's generic error, then NCCL's `Last error:`, the network plugin's own: one error, told by it
-                wrapper.update({k: finding[k] for k in ("title", "advice", "fields", "tier")})
-                return consumed
-            step = finding["step"]
-            if e.kind == "system" and not e.fields.get("mid_run") and step and step > self.settings.warmup_steps:
-                finding.update(title=f"{e.title}, mid-run", advice=MID_RUN)  # the run had been working: not setup
-        elif name == "launcher":
-            cause = root_cause(data[hit.offset:hit.offset + BLOCK].decode("utf-8", errors="replace"))
-            if cause is None:
-                return consumed
-            # a signal says more than the rank's own traceback does; an exit code says less (read its exception)
-            finding.update(title=cause.title, advice=cause.advice, fields=cause.fields,
-                           rank=str(cause.rank) if cause.rank is not None else rank,
-                           tier=END if cause.fields["signal"] is not None else GENERIC)
-        elif name == "collective_failure":
-            obs = observe(line)
-            finding.update(title=f"collective failure: {text[:200]}", advice=ADVICE,
-                           fields={"rank": obs.rank if obs else None})
-        elif name == "cuda_error":
-            d = diagnose_cuda(text, self._pending_assert.pop(job.key, None))
-            finding.update(title=d.title, advice=d.advice, fields=d.fields, hardware=d.hardware)
-        elif name == "nan_loss":
-            row = max(self._nan_streaks.get(job.key, {}).values(), default=1)
-            critical = row >= self.settings.nan_limit
-            collapsed = "; the loss collapsed to 0" if _ZERO_LOSS.search(text) else ""
-            what = "NaN/Inf grad norm" if _NAN_NORM.search(text) and not _NAN_LOSS.search(text) else "NaN/Inf loss"
-            at = f" at step {finding['step']}" if finding["step"] is not None else ""
-            finding.update(status=(Status.CRITICAL if critical else Status.WARNING).name, in_a_row=row,
-                           title=f"{what}, {row} in a row ({counts[name]} in all){at}: divergence{collapsed}",
-                           advice=hit.signature.advice)
-        elif name == "traceback":
-            exc = final_exception(data, hit.offset)
-            if exc is not None and "ChildFailedError" in exc:  # the launcher's own: its root cause is the failure
-                return consumed
-            finding.update(title=f"the job crashed: {exc or 'Python traceback'}", exception=exc,
-                           advice="read the traceback in the log; the final exception says what failed",
-                           tier=END if exc else GENERIC)
-        else:
-            finding.update(title=f"{name}: {text[:200]}", advice=hit.signature.advice)
+        tell = self._TELL.get(name)
+        if tell is not None and not tell(self, _Seen(job, hit, data, line, p.text, counts[name]), finding):
+            return consumed
+        if tell is None:
+            finding.update(title=f"{name}: {p.text[:200]}", advice=hit.signature.advice)
         xids = self._xids_near(now)
         if xids and name in ("cuda_error", "nccl_timeout", "cuda_oom", "collective_failure", "nccl_error"):
             finding["xids"] = xids
         finding["n"] = sum(counts.values())  # the order read, for findings without a timestamp
         self._keep(self._findings.setdefault(job.key, []), finding)
         return consumed
+
+    # What each signature's line says, into its finding; False: no finding of its own (yet)
+    def _device_assert(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        if not self._assert_after(s.job.key, s.text):  # PyTorch prints the assertion before or after the error
+            self._pending_assert[s.job.key] = s.text
+        return False
+
+    def _fp16_overflow(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        finding.update(status=Status.WARNING.name, title=f"{s.count} fp16 overflow steps skipped",
+                       advice="a long run of loss-scale overflows means divergence: lower the learning rate or use bf16")
+        return s.count == self.settings.overflow_burst
+
+    def _cuda_oom(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        finding.update(self._oom(s.job, finding["path"], s.hit, s.data, s.text))
+        if finding["fields"].get("diagnosis") == IMPOSSIBLE:
+            finding["tier"] = KNOCK_ON
+        if _CAUGHT.search(s.text, 0, max(0, s.text.find("out of memory"))):  # the trainer caught it and went on
+            finding.update(status=Status.WARNING.name,
+                           title=finding["title"] + "; caught and logged as a warning (training went on)")
+        return True
+
+    def _nccl_progress(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        """The story tells it across ranks; alone, it says which work failed."""
+        obs = observe(s.line)
+        if obs is not None:
+            finding.update(title=f"NCCL work #{obs.seq} failed or timed out on rank {obs.rank} (last completed "
+                                 f"#{obs.completed})", advice=ADVICE, fields={"seq": obs.seq, "rank": obs.rank},
+                           tier=ECHO)
+        return obs is not None
+
+    def _nccl_timeout(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        d = diagnose_nccl(s.text)
+        finding.update(title=d.title, advice=d.advice, fields=d.fields)
+        return True
+
+    def _nccl_error(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        wrapper = self._wrapper(s.job.key, finding["path"], finding["pos"])
+        if wrapper is not None and _NCCL_CLASS_LINE.search(s.text):  # the class line of the error above
+            return False
+        e = diagnose_nccl_error(s.text)
+        finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields},
+                       tier=ECHO if e.effect else CAUSE)
+        if (wrapper is not None and e.kind in NETWORK and wrapper["fields"]["class"] in _GENERIC_NCCL
+                and wrapper.get("rank") in (finding["rank"], None)):
+            # PyTorch's generic error, then NCCL's `Last error:`, the network plugin's own: one error, told by it
+            wrapper.update({k: finding[k] for k in ("title", "advice", "fields", "tier")})
+            return False
+        step = finding["step"]
+        if e.kind == "system" and not e.fields.get("mid_run") and step and step > self.settings.warmup_steps:
+            finding.update(title=f"{e.title}, mid-run", advice=MID_RUN)  # the run had been working: not setup
+        return True
+
+    def _launcher(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        cause = root_cause(s.data[s.hit.offset:s.hit.offset + BLOCK].decode("utf-8", errors="replace"))
+        if cause is not None:
+            # a signal says more than the rank's own traceback does; an exit code says less (read its exception)
+            finding.update(title=cause.title, advice=cause.advice, fields=cause.fields,
+                           rank=str(cause.rank) if cause.rank is not None else finding["rank"],
+                           tier=END if cause.fields["signal"] is not None else GENERIC)
+        return cause is not None
+
+    def _collective_failure(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        obs = observe(s.line)
+        finding.update(title=f"collective failure: {s.text[:200]}", advice=ADVICE,
+                       fields={"rank": obs.rank if obs else None})
+        return True
+
+    def _cuda_error(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        d = diagnose_cuda(s.text, self._pending_assert.pop(s.job.key, None))
+        finding.update(title=d.title, advice=d.advice, fields=d.fields, hardware=d.hardware)
+        return True
+
+    def _nan_loss(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        row = max(self._nan_streaks.get(s.job.key, {}).values(), default=1)
+        collapsed = "; the loss collapsed to 0" if _ZERO_LOSS.search(s.text) else ""
+        what = "NaN/Inf grad norm" if _NAN_NORM.search(s.text) and not _NAN_LOSS.search(s.text) else "NaN/Inf loss"
+        at = f" at step {finding['step']}" if finding["step"] is not None else ""
+        finding.update(status=(Status.CRITICAL if row >= self.settings.nan_limit else Status.WARNING).name,
+                       in_a_row=row, title=f"{what}, {row} in a row ({s.count} in all){at}: divergence{collapsed}",
+                       advice=s.hit.signature.advice)
+        return True
+
+    def _traceback(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        exc = final_exception(s.data, s.hit.offset)
+        finding.update(title=f"the job crashed: {exc or 'Python traceback'}", exception=exc,
+                       advice="read the traceback in the log; the final exception says what failed",
+                       tier=END if exc else GENERIC)
+        return exc is None or "ChildFailedError" not in exc  # the launcher's own: its root cause is the failure
+
+    _TELL: ClassVar[dict[str, Callable[[TrainingLogCheck, _Seen, dict[str, Any]], bool]]] = {
+        "device_assert": _device_assert, "fp16_overflow": _fp16_overflow, "cuda_oom": _cuda_oom,
+        "nccl_progress": _nccl_progress, "nccl_timeout": _nccl_timeout, "nccl_error": _nccl_error,
+        "launcher": _launcher, "collective_failure": _collective_failure, "cuda_error": _cuda_error,
+        "nan_loss": _nan_loss, "traceback": _traceback}
 
     @staticmethod
     def _keep(kept: list[dict[str, Any]], finding: dict[str, Any]) -> None:
