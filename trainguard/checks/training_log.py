@@ -51,6 +51,7 @@ from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
 from trainguard.logscan.launcher import BLOCK, root_cause
 from trainguard.logscan.lines import plain, timestamp, unwrap
 from trainguard.logscan.nccl import MID_RUN, NETWORK, diagnose_nccl_error
+from trainguard.logscan.nccl import PATTERN as NCCL_ERROR
 from trainguard.logscan.oom import IMPOSSIBLE, GpuContext, classify, explain, parse_oom
 from trainguard.logscan.reader import LogTail, Look, Position, look
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
@@ -523,8 +524,10 @@ class TrainingLogCheck(JobCheck):
         if wrapper is not None and _NCCL_CLASS_LINE.search(s.text):  # the class line of the error above
             return False
         e = diagnose_nccl_error(s.text)
-        finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields},
-                       tier=ECHO if e.effect else CAUSE)
+        # a peer gone (a socket it closed, a flushed IB completion) is an echo, but one that names the peer: over a
+        # bare echo or a traceback cut before its exception, under what failed on some rank
+        tier = (GENERIC if e.kind in NETWORK else ECHO) if e.effect else CAUSE
+        finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields}, tier=tier)
         if (wrapper is not None and e.kind in NETWORK and wrapper["fields"]["class"] in _GENERIC_NCCL
                 and wrapper.get("rank") in (finding["rank"], None)):
             # PyTorch's generic error, then NCCL's `Last error:`, the network plugin's own: one error, told by it
@@ -567,9 +570,10 @@ class TrainingLogCheck(JobCheck):
 
     def _traceback(self, s: _Seen, finding: dict[str, Any]) -> bool:
         exc = final_exception(s.data, s.hit.offset)
+        # an NCCL error raised to Python is told by its own finding (that line is one), with what NCCL said after it
+        tier = (ECHO if NCCL_ERROR.search(exc) else END) if exc else GENERIC
         finding.update(title=f"the job crashed: {exc or 'Python traceback'}", exception=exc,
-                       advice="read the traceback in the log; the final exception says what failed",
-                       tier=END if exc else GENERIC)
+                       advice="read the traceback in the log; the final exception says what failed", tier=tier)
         return exc is None or "ChildFailedError" not in exc  # the launcher's own: its root cause is the failure
 
     _TELL: ClassVar[dict[str, Callable[[TrainingLogCheck, _Seen, dict[str, Any]], bool]]] = {
@@ -595,15 +599,14 @@ class TrainingLogCheck(JobCheck):
             kept.append(finding)
 
     def _assert_after(self, key: str, text: str) -> bool:
-        """A device-side assertion printed after its CUDA error: told in that error's finding; whether there was one."""
-        crash = next((f for f in reversed(self._findings.get(key, [])) if f["signature"] == "cuda_error"
-                      and (f.get("fields") or {}).get("error") == "device-side assert"
-                      and "condition" not in f["fields"]), None)
-        if crash is None:
-            return False
-        d = diagnose_cuda(crash["line"], text)
-        crash.update(title=d.title, advice=d.advice, fields=d.fields)
-        return True
+        """A device-side assertion printed after its CUDA error (and the watchdog's lines about it): told in those
+        errors' findings; whether there were any."""
+        crashes = [f for f in self._findings.get(key, []) if f["signature"] == "cuda_error"
+                   and (f.get("fields") or {}).get("error") == "device-side assert" and "condition" not in f["fields"]]
+        for crash in crashes:
+            d = diagnose_cuda(crash["line"], text)
+            crash.update(title=d.title, advice=d.advice, fields=d.fields)
+        return bool(crashes)
 
     def _wrapper(self, key: str, path: str, pos: int, window: int = 2048) -> dict[str, Any] | None:
         """The NCCL error finding of the job read just before `pos` in the same log (the error this line goes on

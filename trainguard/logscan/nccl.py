@@ -35,12 +35,14 @@ from trainguard.core.text import linear
 NEEDLES: tuple[bytes, ...] = (
     b"unhandled system error", b"ncclSystemError", b"remote process exited", b"ncclRemoteError",
     b"internal error - please report", b"unhandled cuda error", b"Cuda failure", b"Got completion",
-    b"Detected mismatch between collectives", b"Call to recv", b"Connection closed by remote peer",
+    b"Detected mismatch between collectives", b"Call to recv", b"Call to send", b"Call to write",
+    b"Connection closed by remote peer",
     b"completed with error")
 PATTERN = linear(r"unhandled system error|ncclSystemError|remote process exited or there was a network error"
                  r"|ncclRemoteError|internal error - please report|unhandled cuda error|NCCL WARN Cuda failure"
                  r"|Got completion (?:from peer \S{1,100} )?with (?:error |status=)\d"
-                 r"|Detected mismatch between collectives|Call to recv from \S{1,100} failed"
+                 r"|Detected mismatch between collectives|Call to (?:recv|send|write) from \S{1,100} failed"
+                 r"|NCCL WARN Call to (?:recv|send|write) failed"
                  r"|Connection closed by remote peer|NET/OFI .{0,120}completed with error")
 
 _VERSION = linear(r"NCCL version (\d{1,3}\.\d{1,3}\.\d{1,3})")
@@ -48,10 +50,13 @@ _COMPLETION = linear(r"Got completion (?:from peer (\S{1,100}) )?with (?:error |
                      r"(?:.{0,80}?vendor err (\d{1,5}))?")
 # aws-ofi-nccl: `NET/OFI Request 0x7f.. completed with error. RC: 113. Error: 2 (UNDELIVERABLE)` (RC: the errno, 113
 # EHOSTUNREACH; Error: the provider's code and its name, EFA's `Unresponsive receiver ... Peer EFA addr: ...`)
-_OFI = linear(r"NET/OFI .{0,120}?completed with error\.? ?RC: (-?\d{1,6})\.? ?(?:Error: (-?\d{1,6}) \(([^)\n]{1,160}))?")
+# (older plugins: `Error: unknown error.`)
+_OFI = linear(r"NET/OFI .{0,120}?completed with error\.? ?RC: (-?\d{1,6})\.? ?"
+              r"(?:Error: (?:-?\d{1,6} \(([^)\n]{1,160})|([A-Za-z][^.\n]{0,80})))?")
 _OFI_PEER = linear(r"Peer (?:EFA addr|host id): (\S{1,120})")
-# NCCL's sockets: `Call to recv from 10.0.0.1<58355> failed : Broken pipe`, `Connection closed by remote peer node2<42830>`
-_SOCKET = linear(r"Call to (?:recv|send|write|read) from (\S{1,120}) failed ?: ?([A-Za-z][A-Za-z ]{0,40})"
+# NCCL's sockets: `Call to recv from 10.0.0.1<58355> failed : Broken pipe`, `Connection closed by remote peer node2<42830>`,
+# older NCCL without the peer: `Call to recv failed : Connection reset by peer`
+_SOCKET = linear(r"Call to (?:recv|send|write|read)(?: from (\S{1,120}))? failed ?: ?([A-Za-z][A-Za-z ]{0,40})"
                  r"|Connection closed by remote peer (\S{1,120})")
 # a system error raised by a collective the run had issued (asynchronously: the watchdog's), not at init
 _ASYNC = linear(r"WorkNCCL\(SeqNum=(\d{1,12}), OpType=(\w{1,40}).{0,300}?raised the following async exception"
@@ -120,7 +125,7 @@ def _network(text: str, f: dict[str, Any]) -> NcclError | None:
                          DEAD_PEER if flushed else IB_NETWORK, flushed, f)
     if (m := _OFI.search(text)) is not None:
         peer = _OFI_PEER.search(text)
-        error = m.group(3).strip() if m.group(3) else None
+        error = (m.group(2) or m.group(3) or "").strip() or None
         f.update(ofi_rc=int(m.group(1)), ofi_error=error, peer=peer.group(1) if peer else None)
         what = f"libfabric/OFI completion error RC {m.group(1)}" + (f" ({error})" if error else "")
         return NcclError("ofi", _talking(f["peer"], what), OFI_NETWORK, False, f)
