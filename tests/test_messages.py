@@ -98,6 +98,7 @@ OUTCOMES = {
     "current_cap_hip": (NOT_WORKING_SET, "cap"),
     "current_free_unusable_hip": (NOT_WORKING_SET, "free memory unusable"),
     "current_free_above_total_hip": ("OOM", "inconsistent numbers"),
+    "own_ranks_returnn": (NOT_WORKING_SET, "the job's own ranks"),  # 15 alike, consecutive pids: told by their look
 }
 
 
@@ -278,12 +279,7 @@ def test_the_jobs_own_ranks_are_not_co_tenants() -> None:
     """awslabs/keys_values#92: ranks 1-3 of the job each hold 414 MiB on GPU 0 (pids 1374763-5), beside one other
     process; known from the job's process tree they are its ranks, and the lever is the rank-to-device placement;
     unknown, three processes of one size are not enough to tell (not consecutive with the fourth): co-tenants."""
-    message = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 572.00 MiB. GPU 0 has a total capacity of "
-               "39.49 GiB of which 321.31 MiB is free. Process 3721648 has 414.00 MiB memory in use. Including "
-               "non-PyTorch memory, this process has 37.46 GiB memory in use. Process 1374765 has 414.00 MiB memory in "
-               "use. Process 1374763 has 414.00 MiB memory in use. Process 1374764 has 414.00 MiB memory in use. Of the "
-               "allocated memory 36.04 GiB is allocated by PyTorch, and 321.37 MiB is reserved by PyTorch but "
-               "unallocated.")
+    message = text("oom", "current_cotenants")
     mine = diagnose_oom(message, GpuContext(own_pids=frozenset({1374763, 1374764, 1374765})))
     assert (mine.kind, mine.cause) == (NOT_WORKING_SET, "the job's own ranks"), mine.title
     assert "3 processes of the job itself (pids 1374763-1374765" in mine.title and "pid 3721648" in mine.title
@@ -294,3 +290,13 @@ def test_the_jobs_own_ranks_are_not_co_tenants() -> None:
     others = (CoTenant(1374763, 414 * MiB, "python", "alice"), CoTenant(1374764, 414 * MiB, "python", "alice"))
     assert diagnose_oom(message, GpuContext(others=others, user="alice")).cause == "the job's own ranks"
     assert diagnose_oom(message, GpuContext(others=others, user="root")).cause == "co-tenant"
+
+
+def test_another_jobs_ranks_that_look_alike_are_co_tenants() -> None:
+    """rwth-i6/returnn#1469's 15 processes of 1.19 GiB with consecutive pids look like the job's own ranks; named by
+    the node as another job's, they are co-tenants."""
+    message = text("oom", "own_ranks_returnn")
+    assert diagnose_oom(message).cause == "the job's own ranks"
+    pids = [int(p) for p in message.split("Process ")[1:] for p in [p.split()[0]]]
+    theirs = tuple(CoTenant(pid, None, "python", "bob", "slurm job 77 (train)") for pid in pids)
+    assert diagnose_oom(message, GpuContext(others=theirs)).cause == "co-tenant"

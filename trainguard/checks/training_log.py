@@ -487,7 +487,7 @@ class TrainingLogCheck(JobCheck):
 
     # What each signature's line says, into its finding; False: no finding of its own (yet)
     def _device_assert(self, s: _Seen, finding: dict[str, Any]) -> bool:
-        if not self._assert_after(s.job.key, s.text):  # PyTorch prints the assertion before or after the error
+        if not self._assert_after(s.job.key, s.text, finding["rank"]):  # printed before or after the error
             self._pending_assert[s.job.key] = s.text
         return False
 
@@ -598,14 +598,14 @@ class TrainingLogCheck(JobCheck):
         elif sum(f["signature"] == name for f in kept) < MAX_PER_SIGNATURE:
             kept.append(finding)
 
-    def _assert_after(self, key: str, text: str) -> bool:
+    def _assert_after(self, key: str, text: str, rank: str | None) -> bool:
         """A device-side assertion printed after its CUDA error (and the watchdog's lines about it): told in those
         errors' findings; whether there were any."""
         crashes = [f for f in self._findings.get(key, []) if f["signature"] == "cuda_error"
                    and (f.get("fields") or {}).get("error") == "device-side assert" and "condition" not in f["fields"]]
         for crash in crashes:
             d = diagnose_cuda(crash["line"], text)
-            crash.update(title=d.title, advice=d.advice, fields=d.fields)
+            crash.update(title=d.title, advice=d.advice, fields=d.fields, rank=crash.get("rank") or rank)
         return bool(crashes)
 
     def _wrapper(self, key: str, path: str, pos: int, window: int = 2048) -> dict[str, Any] | None:

@@ -22,12 +22,13 @@ FAR = 10  # collectives: a rank that timed out this many before the others' is f
 _PG = r"\[(?:PG (?:ID (\d{1,7}) PG GUID (\d{1,7})[^\]]{0,80}|(\d{1,7})[^\]]{0,80}) )?Rank (\d{1,7})\]"
 _TIMEOUT = linear(r"\[Rank (\d{1,7})\] Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d{1,12}), "
                       r"OpType=(\w{1,40})[^)]{0,200}?Timeout\(ms\)=(\d{1,12})\) ran for (\d{1,15}) milliseconds")
+# (a rank that completed nothing yet says -1)
 _PROGRESS = linear(_PG + r"\s{1,4}(?:Exception \(either an error or timeout\) detected by watchdog at work: (\d{1,12}), "
-                       r"last enqueued NCCL work: (\d{1,12}), last completed NCCL work: (\d{1,12})"
+                       r"last enqueued NCCL work: (-?\d{1,12}), last completed NCCL work: (-?\d{1,12})"
                        r"|failure detected by watchdog at work sequence id: (\d{1,12}) PG status: last enqueued work: "
-                       r"(\d{1,12}), last completed work: (\d{1,12})"
-                       r"|Timeout at NCCL work: (\d{1,12}), last enqueued NCCL work: (\d{1,12}), last completed NCCL "
-                       r"work: (\d{1,12}))")
+                       r"(-?\d{1,12}), last completed work: (-?\d{1,12})"
+                       r"|Timeout at NCCL work: (\d{1,12}), last enqueued NCCL work: (-?\d{1,12}), last completed NCCL "
+                       r"work: (-?\d{1,12}))")
 _BARRIER = linear(r"\[Rank (\d{1,7})\]: Ranks? ([\d, ]{1,200}) failed to pass monitoredBarrier in (\d{1,12}) ms")
 _PEER = linear(r"Connection closed by peer \[([^\]]{1,100})\]:(\d{1,5})")
 _GLOO_TIMEOUT = linear(r"Timed out waiting (\d{1,12})ms for (recv|send) operation")

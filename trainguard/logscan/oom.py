@@ -258,7 +258,7 @@ def _own(others: tuple[CoTenant, ...], ctx: GpuContext) -> tuple[tuple[CoTenant,
                  or (ctx.user not in (None, "root") and o.user == ctx.user and o.job is None))
     if mine:
         return mine, tuple(o for o in others if o not in mine), True
-    if _lookalike_ranks(others):
+    if all(o.job is None for o in others) and _lookalike_ranks(others):  # another job's ranks look alike too
         return others, (), False
     return (), others, False
 
