@@ -10,7 +10,7 @@ in #1580). The per-job `Gathered` record is bounded (MAX_RANKS ranks) and JSON-a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainguard.core.text import linear
@@ -33,6 +33,8 @@ _BARRIER = linear(r"\[Rank (\d{1,7})\]: Ranks? ([\d, ]{1,200}) failed to pass mo
 _PEER = linear(r"Connection closed by peer \[([^\]]{1,100})\]:(\d{1,5})")
 _GLOO_TIMEOUT = linear(r"Timed out waiting (\d{1,12})ms for (recv|send) operation")
 _DIGITS = linear(r"\d{1,7}")
+# PyTorch 2.2+'s prefix names the global rank; the message's own `[Rank N]` is the rank in its process group
+_GLOBAL = linear(r"\[rank(\d{1,7})\]:")
 
 ADVICE = ("a collective hang: one rank died, hung or OOMed and the others waited in the next collective until their "
           "watchdog fired; the rank that stopped first is the cause: read its log, and the XIDs of its node")
@@ -77,7 +79,10 @@ def observe_all(text: str) -> list[Observation]:
         found.append((m.start(), Observation("progress", int(g[3]), int(seq), pg=pg, enqueued=int(enqueued),
                                              completed=int(completed))))
     if found:
-        return [obs for _, obs in sorted(found, key=lambda f: f[0])]
+        found.sort(key=lambda f: f[0])
+        prefixes = [(m.start(), int(m.group(1))) for m in _GLOBAL.finditer(text)]
+        # each message's global rank: the last `[rankN]:` before it (two glued lines carry one each)
+        return [replace(obs, rank=next((r for p, r in reversed(prefixes) if p < at), obs.rank)) for at, obs in found]
     if (m := _BARRIER.search(text)) is not None:
         culprits = tuple(int(r) for r in _DIGITS.findall(m.group(2)))[:MAX_RANKS]
         return [Observation("barrier", int(m.group(1)), timeout_ms=int(m.group(3)), culprits=culprits)]
