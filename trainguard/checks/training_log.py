@@ -172,6 +172,12 @@ class _Seen(NamedTuple):
     count: int
 
 
+def _meaning(f: dict[str, Any]) -> Any:
+    """What a finding says, to tell a repeat: its title; a CUDA error's name (the watchdog's line about an error
+    whose assertion was told with the error: the same error)."""
+    return ("cuda", (f.get("fields") or {}).get("error")) if f["signature"] == "cuda_error" else f.get("title")
+
+
 def _aborted(f: dict[str, Any]) -> bool:
     return f["signature"] == "launcher" and (f.get("fields") or {}).get("signal") == "SIGABRT"
 
@@ -589,7 +595,7 @@ class TrainingLogCheck(JobCheck):
         name = finding["signature"]
         if name == "nan_loss":
             kept[:] = [f for f in kept if f["signature"] != "nan_loss"]
-        same = next((f for f in kept if f["signature"] == name and f.get("title") == finding.get("title")
+        same = next((f for f in kept if f["signature"] == name and _meaning(f) == _meaning(finding)
                      and f.get("rank") in (finding.get("rank"), None)), None)
         if same is not None:
             # the same error told again with its rank (a CUDA error, then the `[Rank 1]` watchdog line about it)
