@@ -110,8 +110,9 @@ _COLLECTIVE = ("nccl_timeout", "nccl_progress", "collective_failure")
 # PyTorch prints an NCCL error's class on the line after the error (`ncclRemoteError: A call failed ...`): part of
 # the finding above it, not one of its own
 _NCCL_CLASS_LINE = linear(r"^nccl[A-Z]\w{1,30}: ")
-# What the NCCL watchdog acts on: its abort (SIGABRT) of the process is their effect, whatever the lines' order
+# PyTorch's own NCCL error classes, which a network plugin's `Last error:` line below them tells more precisely
 _GENERIC_NCCL = ("remote", "internal", "system")
+# What the NCCL watchdog acts on: its abort (SIGABRT) of the process is their effect, whatever the lines' order
 _WATCHED = ("nccl_timeout", "nccl_progress", "nccl_error", "collective_failure", "cuda_error")
 
 
@@ -478,7 +479,8 @@ class TrainingLogCheck(JobCheck):
                 gather(self._collectives.setdefault(job.key, {}), obs)
         if name in ("nccl_timeout", "nccl_error", "nan_loss"):  # lines that come in floods: a step line just above
             end = data.find(b"\n", hit.offset)
-            finding["step"] = self._step_at(job, path, data, len(data) if end < 0 else end, NEAR_STEP)
+            finding["step"] = (self._step_at(job, path, data, len(data) if end < 0 else end, NEAR_STEP) if data
+                               else last_step(line.encode()))  # the heartbeat's NaN says its step
         tell = self._TELL.get(name)
         if tell is not None and not tell(self, _Seen(job, hit, data, line, p.text, counts[name]), finding):
             return consumed

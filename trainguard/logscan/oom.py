@@ -9,8 +9,8 @@
 Outcomes: *fragmentation* (the allocator's own free blocks hold the request), *true OOM* (the job's working set
 fills its GPU), and *not this job's working set*: a cap on the allocator, free memory the allocator could not use,
 the job's own other ranks on the card (rank-to-device placement), other processes on the card, or memory held outside
-the job's PyTorch pool. Only a true OOM gets "a smaller
-micro-batch": whenever the card had room, the batch is not the lever.
+the job's PyTorch pool. Only a true OOM gets "a smaller micro-batch": whenever the card had room, the batch is not
+the lever.
 
 Text is hostile input: every regex here is linear (no nested or adjacent unbounded quantifiers over the same
 characters) and runs over at most `MAX_TEXT` characters; a number that does not parse is left out, never raised.
