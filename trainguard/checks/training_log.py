@@ -72,7 +72,6 @@ FINDINGS_KEY = "logscan.findings"
 COLLECTIVES_KEY = "logscan.collectives"
 LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
-NEAR_STEP = 4096  # a timeout's or NaN's step: a step line this close before it (those lines come in floods)
 MAX_PER_SIGNATURE = 8  # per job and signature: a flood of one kind (25 ranks' timeouts) never crowds out another
 
 
@@ -225,6 +224,8 @@ class TrainingLogCheck(JobCheck):
         self._counts: dict[str, dict[str, int]] = {}
         self._pending_assert: dict[str, str] = {}
         self._steps: dict[tuple[str, str], int] = {}  # (job, log path) -> step of its last step line read
+        # (job, log path) -> how far the log was searched for the step of a line that comes in floods, and that step
+        self._near: dict[tuple[str, str], tuple[int, int | None]] = {}
         self._nan_streaks: dict[str, dict[str, int]] = {}  # job -> "path|rank" (or "heartbeat") -> NaNs in a row
         self._beat_steps: dict[str, int] = {}  # job -> heartbeat step last looked at
         self._lives: dict[str, int] = {k: v for k, v in self.load_state(LIVES_KEY).items() if isinstance(v, int)}
@@ -281,6 +282,7 @@ class TrainingLogCheck(JobCheck):
             for key in set(self._positions) - paths:  # bounded state: only the logs of jobs still here
                 del self._positions[key]
                 self._steps.pop(key, None)
+                self._near.pop(key, None)
             for key in set(self._first) - paths:
                 del self._first[key]
             for path in set(self._earlier) - {path for _, path in paths}:  # kept while a job here names the log
@@ -477,9 +479,9 @@ class TrainingLogCheck(JobCheck):
         if name in _COLLECTIVE:
             for obs in observe_all(line):
                 gather(self._collectives.setdefault(job.key, {}), obs)
-        if name in ("nccl_timeout", "nccl_error", "nan_loss"):  # lines that come in floods: a step line just above
+        if name in ("nccl_timeout", "nccl_error", "nan_loss"):
             end = data.find(b"\n", hit.offset)
-            finding["step"] = (self._step_at(job, path, data, len(data) if end < 0 else end, NEAR_STEP) if data
+            finding["step"] = (self._flood_step(job, path, data, len(data) if end < 0 else end, base) if data
                                else last_step(line.encode()))  # the heartbeat's NaN says its step
         tell = self._TELL.get(name)
         if tell is not None and not tell(self, _Seen(job, hit, data, line, p.text, counts[name]), finding):
@@ -649,13 +651,25 @@ class TrainingLogCheck(JobCheck):
                 return other.label()
         return None
 
-    def _step_at(self, job: Job, path: str, data: bytes, end: int, near: int | None = None) -> int | None:
-        """The step a finding came at: the last step line before `end`, else the log's last step read, else (unless
-        only a step line `near` it counts) the heartbeat's step."""
-        step = last_step(data, end, near or STEP_WINDOW) if data else None
+    def _flood_step(self, job: Job, path: str, data: bytes, end: int, base: int) -> int | None:
+        """The step of a line that comes in floods (NaN losses, every rank's timeout): the last step line before
+        `end` (data[end] is at `base + end` in the log), else the log's last step read. Each byte is searched once
+        however many such lines follow: the search goes on from where the one before stopped."""
+        done, step = self._near.get((job.key, path), (-1, None))
+        if done - base < end - STEP_WINDOW:  # what was found before is too far back
+            step = None
+        if (found := last_step(data, end, done - base)) is not None:
+            step = found
+        self._near[(job.key, path)] = (base + end, step)
+        return step if step is not None else self._steps.get((job.key, path))
+
+    def _step_at(self, job: Job, path: str, data: bytes, end: int) -> int | None:
+        """The step a finding came at: the last step line before `end`, else the log's last step read, else the
+        heartbeat's step."""
+        step = last_step(data, end) if data else None
         if step is None:
             step = self._steps.get((job.key, path))
-        if step is None and near is None and (beat := heartbeat_path(job)):
+        if step is None and (beat := heartbeat_path(job)):
             step = read_heartbeat(beat, self.identity(job))[0]
         return step
 

@@ -22,11 +22,11 @@ _STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(
 _FINITE_LOSS = linear(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
 
 
-def last_step(data: bytes, end: int | None = None, window: int = STEP_WINDOW) -> int | None:
-    """The step of the last step line in `data` before `end` (within `window` bytes), or None."""
+def last_step(data: bytes, end: int | None = None, start: int = 0) -> int | None:
+    """The step of the last step line in data[start:end] (within STEP_WINDOW bytes before `end`), or None."""
     end = len(data) if end is None else end
     found = None
-    for found in _STEP.finditer(data, max(0, end - window), end):  # noqa: B007 - the last one is wanted
+    for found in _STEP.finditer(data, max(0, start, end - STEP_WINDOW), end):  # noqa: B007 - the last one is wanted
         pass
     if found is None:
         return None
