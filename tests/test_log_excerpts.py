@@ -112,3 +112,35 @@ def test_the_rank_that_stopped_first_is_found_across_the_nodes_logs(tmp_path: Pa
     assert ("rank 1 never entered ALLREDUCE #1580 (last enqueued: #1579); ranks 0,3 completed #1579 and wait in "
             "#1580") in result.summary, result.summary
     assert result.details["collectives"]["first"] == [1]
+
+
+def test_a_watchdog_abort_is_the_timeouts_effect_whatever_the_order(tmp_path: Path, job_marker: str) -> None:
+    """huggingface/picotron_tutorial#6: the watchdog's timeout took the ranks down (exit code -6, SIGABRT). torchrun's
+    summary read first (its own file, or before the ranks' lines in one) does not make the abort the cause."""
+    lines = excerpt("timeout_then_watchdog_abort_picotron")
+    ranks, launcher = "\n".join(lines[:7]) + "\n", "\n".join(lines[7:]) + "\n"
+    for where, files in (("two_files", {"launcher.log": launcher, "rank.log": ranks}),
+                         ("launcher_first", {"rank.log": launcher + ranks})):
+        result = read_logs(tmp_path / where, job_marker, files)
+        head = result.summary.split(" — ")[0]
+        assert ": NCCL collective timeout: ALLREDUCE #1 timed out on ranks 2-3" in head, result.summary
+        assert head.endswith("; then the watchdog's abort: torchrun: rank 0 failed first: killed by signal 6 (SIGABRT) "
+                             "(on 472a4389fceb)"), result.summary
+
+
+def test_two_watchdog_lines_glued_on_one_terminal_line_are_two_ranks(tmp_path: Path, job_marker: str) -> None:
+    """A terminal that lost a newline glues two ranks' watchdog messages (hiyouga/LlamaFactory#7396's rank 0 and rank
+    4 lines, and rank 0's and rank 3's progress lines): each is its rank's, and both count in the story."""
+    from .test_messages import CORPUS
+
+    timeout0, timeout4, progress0, progress3 = CORPUS["nccl"]["v24_four_ranks"]["lines"]
+    result = read_logs(tmp_path, job_marker, {"rank.log": timeout0 + timeout4 + "\n" + progress0 + progress3 + "\n"})
+    assert "ALLREDUCE #1580 timed out on ranks 0,3-4" in result.summary, result.summary
+    assert result.details["collectives"]["seen"] == [0, 3, 4]
+
+
+def test_the_step_of_a_timeout_is_named(tmp_path: Path, job_marker: str) -> None:
+    """pytorch/pytorch#118369: Lightning's bar, glued to the first watchdog line, says global_step=3.2e+4."""
+    result = read_logs(tmp_path, job_marker, {"rank.log": "\n".join(excerpt("timeout_far_behind_nemo")) + "\n"})
+    assert "; at step 32000 — " in result.summary, result.summary
+    assert result.details["collectives"]["first"] == [7]

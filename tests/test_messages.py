@@ -98,6 +98,7 @@ OUTCOMES = {
     "current_cap_hip": (NOT_WORKING_SET, "cap"),
     "current_free_unusable_hip": (NOT_WORKING_SET, "free memory unusable"),
     "current_free_above_total_hip": ("OOM", "inconsistent numbers"),
+    "own_ranks_returnn": (NOT_WORKING_SET, "the job's own ranks"),  # 15 alike, consecutive pids: told by their look
 }
 
 
@@ -202,8 +203,13 @@ def test_nccl_timeouts_from_several_ranks_name_the_collective() -> None:
     assert "the rank that stopped first reported nothing here" in s.title
     new = story("nccl", "v27_pg_status")  # 2.7's "failure detected by watchdog at work sequence id"
     assert new.fields["seq"] == 2847 and new.fields["seen"] == [0, 2]
-    old = story("nccl", "old_one_rank")  # timeouts of two process groups: sequence numbers are not compared
-    assert old.first == () and old.fields["seq"] == 96120
+    # rank 7 timed out 32,032 collectives behind rank 0 (pytorch/pytorch#118369): the first suspect, or a rank of
+    # another process group; the story says both
+    old = story("nccl", "old_one_rank")
+    assert old.first == (7,) and old.fields["seq"] == 96120
+    assert old.title.startswith("rank 7 timed out far behind, in ALLREDUCE #64088 (32032 collectives before #96120): "
+                                "the first suspect (it stopped first), or a rank of a different process group")
+    assert "; then NCCL collective timeout: ALLREDUCE #96120 timed out on rank 0" in old.title
 
 
 def test_a_rank_whose_last_enqueued_collective_is_older_stopped_first() -> None:
@@ -267,3 +273,30 @@ def test_each_watchdog_timeout_line(section: str, name: str, line: int, fields: 
     for key, value in fields.items():
         assert d.fields[key] == value, (key, d.fields)
     assert d.title.startswith(f"NCCL collective timeout on rank {fields['rank']}: {fields['op']} #{fields['seq']}")
+
+
+def test_the_jobs_own_ranks_are_not_co_tenants() -> None:
+    """awslabs/keys_values#92: ranks 1-3 of the job each hold 414 MiB on GPU 0 (pids 1374763-5), beside one other
+    process; known from the job's process tree they are its ranks, and the lever is the rank-to-device placement;
+    unknown, three processes of one size are not enough to tell (not consecutive with the fourth): co-tenants."""
+    message = text("oom", "current_cotenants")
+    mine = diagnose_oom(message, GpuContext(own_pids=frozenset({1374763, 1374764, 1374765})))
+    assert (mine.kind, mine.cause) == (NOT_WORKING_SET, "the job's own ranks"), mine.title
+    assert "3 processes of the job itself (pids 1374763-1374765" in mine.title and "pid 3721648" in mine.title
+    assert "torch.cuda.set_device" in mine.advice and "stop them" not in mine.advice
+    unknown = diagnose_oom(message)
+    assert (unknown.kind, unknown.cause) == (NOT_WORKING_SET, "co-tenant")
+    # a process of the job's user in no other job is the job's; root's are not (services, other jobs' helpers)
+    others = (CoTenant(1374763, 414 * MiB, "python", "alice"), CoTenant(1374764, 414 * MiB, "python", "alice"))
+    assert diagnose_oom(message, GpuContext(others=others, user="alice")).cause == "the job's own ranks"
+    assert diagnose_oom(message, GpuContext(others=others, user="root")).cause == "co-tenant"
+
+
+def test_another_jobs_ranks_that_look_alike_are_co_tenants() -> None:
+    """rwth-i6/returnn#1469's 15 processes of 1.19 GiB with consecutive pids look like the job's own ranks; named by
+    the node as another job's, they are co-tenants."""
+    message = text("oom", "own_ranks_returnn")
+    assert diagnose_oom(message).cause == "the job's own ranks"
+    pids = [int(p) for p in message.split("Process ")[1:] for p in [p.split()[0]]]
+    theirs = tuple(CoTenant(pid, None, "python", "bob", "slurm job 77 (train)") for pid in pids)
+    assert diagnose_oom(message, GpuContext(others=theirs)).cause == "co-tenant"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
 from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
@@ -45,12 +45,13 @@ from trainguard.jobs.tree import (
     job_processes,
     read_heartbeat,
 )
-from trainguard.logscan.collectives import ADVICE, Story, gather, observe, tell
-from trainguard.logscan.context import finite_loss, last_step, oom_gpu, relaunched
+from trainguard.logscan.collectives import ADVICE, Story, gather, observe, observe_all, tell
+from trainguard.logscan.context import STEP_WINDOW, finite_loss, last_step, oom_gpu, relaunched
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
 from trainguard.logscan.launcher import BLOCK, root_cause
 from trainguard.logscan.lines import plain, timestamp, unwrap
-from trainguard.logscan.nccl import diagnose_nccl_error
+from trainguard.logscan.nccl import MID_RUN, NETWORK, diagnose_nccl_error
+from trainguard.logscan.nccl import PATTERN as NCCL_ERROR
 from trainguard.logscan.oom import IMPOSSIBLE, GpuContext, classify, explain, parse_oom
 from trainguard.logscan.reader import LogTail, Look, Position, look
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
@@ -107,6 +108,13 @@ _NAN_NORM = linear(r"(?i)grad[_ ]norm['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
 _NAN_LOSS = linear(r"(?i)\bloss['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
 _ZERO_LOSS = linear(r"""\bloss['"]?\s{0,40}[:=]\s{0,40}['"]?0(?:\.0{1,8})?(?:[,\s}|]|$)""")
 _COLLECTIVE = ("nccl_timeout", "nccl_progress", "collective_failure")
+# PyTorch prints an NCCL error's class on the line after the error (`ncclRemoteError: A call failed ...`): part of
+# the finding above it, not one of its own
+_NCCL_CLASS_LINE = linear(r"^nccl[A-Z]\w{1,30}: ")
+# PyTorch's own NCCL error classes, which a network plugin's `Last error:` line below them tells more precisely
+_GENERIC_NCCL = ("remote", "internal", "system")
+# What the NCCL watchdog acts on: its abort (SIGABRT) of the process is their effect, whatever the lines' order
+_WATCHED = ("nccl_timeout", "nccl_progress", "nccl_error", "collective_failure", "cuda_error")
 
 
 def _unparsed_timeout(text: str) -> bool:
@@ -136,9 +144,12 @@ def _when(f: dict[str, Any]) -> tuple[float, int]:
 
 def _knock_ons(findings: list[dict[str, Any]]) -> set[int]:
     """The causes that came after an echo (a collective timeout, a peer gone) by the lines' timestamps, or later on
-    the same rank's log: knock-on effects of that failure (an OOM after a NCCL timeout), not its cause."""
+    the same rank's log: knock-on effects of that failure (an OOM after a NCCL timeout), not its cause. A worker
+    that torchrun saw die of SIGABRT, in a job whose logs show what the NCCL watchdog acts on (a timeout, an NCCL or
+    CUDA error), was aborted by that watchdog: its effect, wherever its line stands."""
     echoes = [f for f in findings if _tier(f) == ECHO]
-    late = set()
+    watched = any(f["signature"] in _WATCHED for f in findings)
+    late = {i for i, f in enumerate(findings) if watched and _aborted(f)}
     for i, f in enumerate(findings):
         if _tier(f) != CAUSE or f["signature"] == "nan_loss":
             continue
@@ -150,6 +161,27 @@ def _knock_ons(findings: list[dict[str, Any]]) -> set[int]:
                 late.add(i)
                 break
     return late
+
+
+class _Seen(NamedTuple):
+    """One hit as `_record` read it: the line (a wrapped one joined), its message, and the signature's count."""
+
+    job: Job
+    hit: Hit
+    data: bytes
+    line: str
+    text: str
+    count: int
+
+
+def _meaning(f: dict[str, Any]) -> Any:
+    """What a finding says, to tell a repeat: its title; a CUDA error's name (the watchdog's line about an error
+    whose assertion was told with the error: the same error)."""
+    return ("cuda", (f.get("fields") or {}).get("error")) if f["signature"] == "cuda_error" else f.get("title")
+
+
+def _aborted(f: dict[str, Any]) -> bool:
+    return f["signature"] == "launcher" and (f.get("fields") or {}).get("signal") == "SIGABRT"
 
 
 def _written(path: str, identity: Identity) -> float:
@@ -194,6 +226,8 @@ class TrainingLogCheck(JobCheck):
         self._counts: dict[str, dict[str, int]] = {}
         self._pending_assert: dict[str, str] = {}
         self._steps: dict[tuple[str, str], int] = {}  # (job, log path) -> step of its last step line read
+        # (job, log path) -> how far the log was searched for the step of a line that comes in floods, and that step
+        self._near: dict[tuple[str, str], tuple[int, int | None]] = {}
         self._nan_streaks: dict[str, dict[str, int]] = {}  # job -> "path|rank" (or "heartbeat") -> NaNs in a row
         self._beat_steps: dict[str, int] = {}  # job -> heartbeat step last looked at
         self._lives: dict[str, int] = {k: v for k, v in self.load_state(LIVES_KEY).items() if isinstance(v, int)}
@@ -305,6 +339,7 @@ class TrainingLogCheck(JobCheck):
         for log_key in set(self._positions) - paths:  # a log no longer read (gone, or past the newest) is forgotten
             del self._positions[log_key]
             self._steps.pop(log_key, None)
+            self._near.pop(log_key, None)
         for log_key in set(self._first) - paths:
             del self._first[log_key]
         for path in set(self._earlier) - {path for _, path in paths}:  # kept while a job here names the log
@@ -499,80 +534,124 @@ class TrainingLogCheck(JobCheck):
             if joined is not None:
                 line, consumed = joined
         p = plain(line)
-        rank, text = p.rank, p.text
         now = self.context.clock()
-        finding: dict[str, Any] = {"signature": name, "rank": rank, "path": path, "at": now, "line": text[:500],
+        finding: dict[str, Any] = {"signature": name, "rank": p.rank, "path": path, "at": now, "line": p.text[:500],
                                    "status": hit.signature.status.name, "ts": timestamp(line), "pos": base + hit.offset}
-        if name in _COLLECTIVE and (obs := observe(line)) is not None:
-            gather(self._collectives.setdefault(job.key, {}), obs)
-        if name == "device_assert":
-            self._pending_assert[job.key] = text
+        if name in _COLLECTIVE:
+            for obs in observe_all(line):
+                gather(self._collectives.setdefault(job.key, {}), obs)
+        if name in ("nccl_timeout", "nccl_error", "nan_loss"):
+            end = data.find(b"\n", hit.offset)
+            finding["step"] = (self._flood_step(job, path, data, len(data) if end < 0 else end, base) if data
+                               else last_step(line.encode()))  # the heartbeat's NaN says its step
+        tell = self._TELL.get(name)
+        if tell is not None and not tell(self, _Seen(job, hit, data, line, p.text, counts[name]), finding):
             return consumed
-        if name == "fp16_overflow":
-            if counts[name] != self.settings.overflow_burst:
-                return consumed
-            finding.update(status=Status.WARNING.name, title=f"{counts[name]} fp16 overflow steps skipped",
-                           advice="a long run of loss-scale overflows means divergence: lower the learning rate "
-                                  "or use bf16")
-        elif name == "cuda_oom":
-            finding.update(self._oom(job, path, hit, data, text))
-            if finding["fields"].get("diagnosis") == IMPOSSIBLE:
-                finding["tier"] = KNOCK_ON
-            if _CAUGHT.search(text, 0, max(0, text.find("out of memory"))):  # the trainer caught it and went on
-                finding.update(status=Status.WARNING.name,
-                               title=finding["title"] + "; caught and logged as a warning (training went on)")
-        elif name == "nccl_progress":  # the story tells it across ranks; alone, it says which work failed
-            obs = observe(line)
-            if obs is None:
-                return consumed
-            finding.update(title=f"NCCL work #{obs.seq} failed or timed out on rank {obs.rank} (last completed "
-                                 f"#{obs.completed})", advice=ADVICE, fields={"seq": obs.seq, "rank": obs.rank})
-            finding["tier"] = ECHO
-        elif name == "nccl_timeout":
-            d = diagnose_nccl(text)
-            finding.update(title=d.title, advice=d.advice, fields=d.fields)
-        elif name == "nccl_error":
-            e = diagnose_nccl_error(text)
-            finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields},
-                           tier=ECHO if e.effect else CAUSE)
-        elif name == "launcher":
-            cause = root_cause(data[hit.offset:hit.offset + BLOCK].decode("utf-8", errors="replace"))
-            if cause is None:
-                return consumed
-            # a signal says more than the rank's own traceback does; an exit code says less (read its exception)
-            finding.update(title=cause.title, advice=cause.advice, fields=cause.fields,
-                           rank=str(cause.rank) if cause.rank is not None else rank,
-                           tier=END if cause.fields["signal"] is not None else GENERIC)
-        elif name == "collective_failure":
-            obs = observe(line)
-            finding.update(title=f"collective failure: {text[:200]}", advice=ADVICE,
-                           fields={"rank": obs.rank if obs else None})
-        elif name == "cuda_error":
-            d = diagnose_cuda(text, self._pending_assert.pop(job.key, None))
-            finding.update(title=d.title, advice=d.advice, fields=d.fields, hardware=d.hardware)
-        elif name == "nan_loss":
-            row = max(self._nan_streaks.get(job.key, {}).values(), default=1)
-            critical = row >= self.settings.nan_limit
-            collapsed = "; the loss collapsed to 0" if _ZERO_LOSS.search(text) else ""
-            what = "NaN/Inf grad norm" if _NAN_NORM.search(text) and not _NAN_LOSS.search(text) else "NaN/Inf loss"
-            finding.update(status=(Status.CRITICAL if critical else Status.WARNING).name, in_a_row=row,
-                           title=f"{what}, {row} in a row ({counts[name]} in all): divergence{collapsed}",
-                           advice=hit.signature.advice)
-        elif name == "traceback":
-            exc = final_exception(data, hit.offset)
-            if exc is not None and "ChildFailedError" in exc:  # the launcher's own: its root cause is the failure
-                return consumed
-            finding.update(title=f"the job crashed: {exc or 'Python traceback'}", exception=exc,
-                           advice="read the traceback in the log; the final exception says what failed",
-                           tier=END if exc else GENERIC)
-        else:
-            finding.update(title=f"{name}: {text[:200]}", advice=hit.signature.advice)
+        if tell is None:
+            finding.update(title=f"{name}: {p.text[:200]}", advice=hit.signature.advice)
         xids = self._xids_near(now)
         if xids and name in ("cuda_error", "nccl_timeout", "cuda_oom", "collective_failure", "nccl_error"):
             finding["xids"] = xids
         finding["n"] = sum(counts.values())  # the order read, for findings without a timestamp
         self._keep(self._findings.setdefault(job.key, []), finding)
         return consumed
+
+    # What each signature's line says, into its finding; False: no finding of its own (yet)
+    def _device_assert(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        if not self._assert_after(s.job.key, s.text, finding["rank"]):  # printed before or after the error
+            self._pending_assert[s.job.key] = s.text
+        return False
+
+    def _fp16_overflow(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        finding.update(status=Status.WARNING.name, title=f"{s.count} fp16 overflow steps skipped",
+                       advice="a long run of loss-scale overflows means divergence: lower the learning rate or use bf16")
+        return s.count == self.settings.overflow_burst
+
+    def _cuda_oom(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        finding.update(self._oom(s.job, finding["path"], s.hit, s.data, s.text))
+        if finding["fields"].get("diagnosis") == IMPOSSIBLE:
+            finding["tier"] = KNOCK_ON
+        if _CAUGHT.search(s.text, 0, max(0, s.text.find("out of memory"))):  # the trainer caught it and went on
+            finding.update(status=Status.WARNING.name,
+                           title=finding["title"] + "; caught and logged as a warning (training went on)")
+        return True
+
+    def _nccl_progress(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        """The story tells it across ranks; alone, it says which work failed."""
+        obs = observe(s.line)
+        if obs is not None:
+            finding.update(title=f"NCCL work #{obs.seq} failed or timed out on rank {obs.rank} (last completed "
+                                 f"#{obs.completed})", advice=ADVICE, fields={"seq": obs.seq, "rank": obs.rank},
+                           tier=ECHO)
+        return obs is not None
+
+    def _nccl_timeout(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        d = diagnose_nccl(s.text)
+        finding.update(title=d.title, advice=d.advice, fields=d.fields)
+        return True
+
+    def _nccl_error(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        wrapper = self._wrapper(s.job.key, finding["path"], finding["pos"])
+        if wrapper is not None and _NCCL_CLASS_LINE.search(s.text):  # the class line of the error above
+            return False
+        e = diagnose_nccl_error(s.text)
+        # a peer gone (a socket it closed, a flushed IB completion) is an echo, but one that names the peer: over a
+        # bare echo or a traceback cut before its exception, under what failed on some rank
+        tier = (GENERIC if e.kind in NETWORK else ECHO) if e.effect else CAUSE
+        finding.update(title=e.title, advice=e.advice, fields={"class": e.kind, **e.fields}, tier=tier)
+        if (wrapper is not None and e.kind in NETWORK and wrapper["fields"]["class"] in _GENERIC_NCCL
+                and wrapper.get("rank") in (finding["rank"], None)):
+            # PyTorch's generic error, then NCCL's `Last error:`, the network plugin's own: one error, told by it
+            wrapper.update({k: finding[k] for k in ("title", "advice", "fields", "tier")})
+            return False
+        step = finding["step"]
+        if e.kind == "system" and not e.fields.get("mid_run") and step and step > self.settings.warmup_steps:
+            finding.update(title=f"{e.title}, mid-run", advice=MID_RUN)  # the run had been working: not setup
+        return True
+
+    def _launcher(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        cause = root_cause(s.data[s.hit.offset:s.hit.offset + BLOCK].decode("utf-8", errors="replace"))
+        if cause is not None:
+            # a signal says more than the rank's own traceback does; an exit code says less (read its exception)
+            finding.update(title=cause.title, advice=cause.advice, fields=cause.fields,
+                           rank=str(cause.rank) if cause.rank is not None else finding["rank"],
+                           tier=END if cause.fields["signal"] is not None else GENERIC)
+        return cause is not None
+
+    def _collective_failure(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        obs = observe(s.line)
+        finding.update(title=f"collective failure: {s.text[:200]}", advice=ADVICE,
+                       fields={"rank": obs.rank if obs else None})
+        return True
+
+    def _cuda_error(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        d = diagnose_cuda(s.text, self._pending_assert.pop(s.job.key, None))
+        finding.update(title=d.title, advice=d.advice, fields=d.fields, hardware=d.hardware)
+        return True
+
+    def _nan_loss(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        row = max(self._nan_streaks.get(s.job.key, {}).values(), default=1)
+        collapsed = "; the loss collapsed to 0" if _ZERO_LOSS.search(s.text) else ""
+        what = "NaN/Inf grad norm" if _NAN_NORM.search(s.text) and not _NAN_LOSS.search(s.text) else "NaN/Inf loss"
+        at = f" at step {finding['step']}" if finding["step"] is not None else ""
+        finding.update(status=(Status.CRITICAL if row >= self.settings.nan_limit else Status.WARNING).name,
+                       in_a_row=row, title=f"{what}, {row} in a row ({s.count} in all){at}: divergence{collapsed}",
+                       advice=s.hit.signature.advice)
+        return True
+
+    def _traceback(self, s: _Seen, finding: dict[str, Any]) -> bool:
+        exc = final_exception(s.data, s.hit.offset)
+        # an NCCL error raised to Python is told by its own finding (that line is one), with what NCCL said after it
+        tier = (ECHO if NCCL_ERROR.search(exc) else END) if exc else GENERIC
+        finding.update(title=f"the job crashed: {exc or 'Python traceback'}", exception=exc,
+                       advice="read the traceback in the log; the final exception says what failed", tier=tier)
+        return exc is None or "ChildFailedError" not in exc  # the launcher's own: its root cause is the failure
+
+    _TELL: ClassVar[dict[str, Callable[[TrainingLogCheck, _Seen, dict[str, Any]], bool]]] = {
+        "device_assert": _device_assert, "fp16_overflow": _fp16_overflow, "cuda_oom": _cuda_oom,
+        "nccl_progress": _nccl_progress, "nccl_timeout": _nccl_timeout, "nccl_error": _nccl_error,
+        "launcher": _launcher, "collective_failure": _collective_failure, "cuda_error": _cuda_error,
+        "nan_loss": _nan_loss, "traceback": _traceback}
 
     @staticmethod
     def _keep(kept: list[dict[str, Any]], finding: dict[str, Any]) -> None:
@@ -581,21 +660,41 @@ class TrainingLogCheck(JobCheck):
         name = finding["signature"]
         if name == "nan_loss":
             kept[:] = [f for f in kept if f["signature"] != "nan_loss"]
-        same = next((f for f in kept if f["signature"] == name and f.get("title") == finding.get("title")
-                     and f.get("rank") == finding.get("rank")), None)
+        same = next((f for f in kept if f["signature"] == name and _meaning(f) == _meaning(finding)
+                     and f.get("rank") in (finding.get("rank"), None)), None)
         if same is not None:
+            # the same error told again with its rank (a CUDA error, then the `[Rank 1]` watchdog line about it)
+            same["rank"] = same.get("rank") or finding.get("rank")
             same["count"] = same.get("count", 1) + 1
         elif sum(f["signature"] == name for f in kept) < MAX_PER_SIGNATURE:
             kept.append(finding)
+
+    def _assert_after(self, key: str, text: str, rank: str | None) -> bool:
+        """A device-side assertion printed after its CUDA error (and the watchdog's lines about it): told in those
+        errors' findings; whether there were any."""
+        crashes = [f for f in self._findings.get(key, []) if f["signature"] == "cuda_error"
+                   and (f.get("fields") or {}).get("error") == "device-side assert" and "condition" not in f["fields"]]
+        for crash in crashes:
+            d = diagnose_cuda(crash["line"], text)
+            crash.update(title=d.title, advice=d.advice, fields=d.fields, rank=crash.get("rank") or rank)
+        return bool(crashes)
+
+    def _wrapper(self, key: str, path: str, pos: int, window: int = 2048) -> dict[str, Any] | None:
+        """The NCCL error finding of the job read just before `pos` in the same log (the error this line goes on
+        telling), or None."""
+        return next((f for f in reversed(self._findings.get(key, [])) if f["signature"] == "nccl_error"
+                     and f.get("path") == path and 0 < pos - int(f.get("pos", -1)) <= window), None)
 
     def _oom(self, job: Job, path: str, hit: Hit, data: bytes, text: str) -> dict[str, Any]:
         """The OOM's diagnosis, with what NVML knows of that GPU now and the step it came at."""
         report = parse_oom(text)
         pids = {p.pid for p in job_processes(job)}
         gpu = oom_gpu(self.nvml, report.gpu, pids, self.context.proc, self._job_of_pid)
-        rule, facts = classify(report, gpu)
+        # the job's own processes, whatever they hold, are its ranks, not co-tenants
+        mine = replace(gpu or GpuContext(), own_pids=frozenset(pids), user=job.user)
+        rule, facts = classify(report, mine)
         d = explain(report, rule, facts)
-        step = self._oom_step(job, path, hit, data)
+        step = self._step_at(job, path, data, hit.offset)
         when = ("step unknown" if step is None else f"at step {step}: static sizing (first steps)"
                 if step <= self.settings.warmup_steps else f"mid-run at step {step}: a growing working set "
                 "or progressive fragmentation")
@@ -613,9 +712,22 @@ class TrainingLogCheck(JobCheck):
                 return other.label()
         return None
 
-    def _oom_step(self, job: Job, path: str, hit: Hit, data: bytes) -> int | None:
-        """The step the OOM came at: the last step line before it, else the heartbeat's step."""
-        step = last_step(data, hit.offset) if data else None
+    def _flood_step(self, job: Job, path: str, data: bytes, end: int, base: int) -> int | None:
+        """The step of a line that comes in floods (NaN losses, every rank's timeout): the last step line before
+        `end` (data[end] is at `base + end` in the log), else the log's last step read. Each byte is searched once
+        however many such lines follow: the search goes on from where the one before stopped."""
+        done, step = self._near.get((job.key, path), (-1, None))
+        if done - base < end - STEP_WINDOW:  # what was found before is too far back
+            step = None
+        if (found := last_step(data, end, done - base)) is not None:
+            step = found
+        self._near[(job.key, path)] = (base + end, step)
+        return step if step is not None else self._steps.get((job.key, path))
+
+    def _step_at(self, job: Job, path: str, data: bytes, end: int) -> int | None:
+        """The step a finding came at: the last step line before `end`, else the log's last step read, else the
+        heartbeat's step."""
+        step = last_step(data, end) if data else None
         if step is None:
             step = self._steps.get((job.key, path))
         if step is None and (beat := heartbeat_path(job)):
@@ -667,12 +779,19 @@ class TrainingLogCheck(JobCheck):
             lead = {**lead, "title": lead["title"] + " (after a collective failure: its knock-on)"}
         rank = f" (rank {lead['rank']})" if lead.get("rank") is not None else ""
         text = f"{job.label()}{rank}: {lead['title']}"
+        if lead.get("step") is not None and "step" not in lead["title"]:
+            text += f" at step {lead['step']}"
         story = self._story(job)
         if story is not None and tiers[lead_at] in (ECHO, KNOCK_ON) and lead["signature"] != "nccl_error":
-            text = f"{job.label()}: {story.title}"  # the story names the ranks
+            step = next((f["step"] for f in findings if f["signature"] in _COLLECTIVE and f.get("step") is not None),
+                        None)
+            text = f"{job.label()}: {story.title}" + (f"; at step {step}" if step is not None else "")
             lead = {**lead, "advice": story.advice}
         elif story is not None:  # the lead is the cause; the collective that timed out after it is its echo
             text += f"; then {story.echo}"
+        aborts = [f for i, f in enumerate(findings) if i in late and i != lead_at and _aborted(f)]
+        if aborts:  # the effect, after its cause
+            text += f"; then the watchdog's abort: {aborts[0]['title']}"
         if lead.get("xids"):
             text += f"; on this node meanwhile: {', '.join(lead['xids'][:3])}"
         if lead.get("advice"):

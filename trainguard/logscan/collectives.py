@@ -10,7 +10,7 @@ in #1580). The per-job `Gathered` record is bounded (MAX_RANKS ranks) and JSON-a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainguard.core.text import linear
@@ -18,19 +18,23 @@ from trainguard.logscan.lines import plain
 from trainguard.node.flight import Stall, ranges
 
 MAX_RANKS = 4096
+FAR = 10  # collectives: a rank that timed out this many before the others' is far behind
 _PG = r"\[(?:PG (?:ID (\d{1,7}) PG GUID (\d{1,7})[^\]]{0,80}|(\d{1,7})[^\]]{0,80}) )?Rank (\d{1,7})\]"
 _TIMEOUT = linear(r"\[Rank (\d{1,7})\] Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d{1,12}), "
                       r"OpType=(\w{1,40})[^)]{0,200}?Timeout\(ms\)=(\d{1,12})\) ran for (\d{1,15}) milliseconds")
+# (a rank that completed nothing yet says -1)
 _PROGRESS = linear(_PG + r"\s{1,4}(?:Exception \(either an error or timeout\) detected by watchdog at work: (\d{1,12}), "
-                       r"last enqueued NCCL work: (\d{1,12}), last completed NCCL work: (\d{1,12})"
+                       r"last enqueued NCCL work: (-?\d{1,12}), last completed NCCL work: (-?\d{1,12})"
                        r"|failure detected by watchdog at work sequence id: (\d{1,12}) PG status: last enqueued work: "
-                       r"(\d{1,12}), last completed work: (\d{1,12})"
-                       r"|Timeout at NCCL work: (\d{1,12}), last enqueued NCCL work: (\d{1,12}), last completed NCCL "
-                       r"work: (\d{1,12}))")
+                       r"(-?\d{1,12}), last completed work: (-?\d{1,12})"
+                       r"|Timeout at NCCL work: (\d{1,12}), last enqueued NCCL work: (-?\d{1,12}), last completed NCCL "
+                       r"work: (-?\d{1,12}))")
 _BARRIER = linear(r"\[Rank (\d{1,7})\]: Ranks? ([\d, ]{1,200}) failed to pass monitoredBarrier in (\d{1,12}) ms")
 _PEER = linear(r"Connection closed by peer \[([^\]]{1,100})\]:(\d{1,5})")
 _GLOO_TIMEOUT = linear(r"Timed out waiting (\d{1,12})ms for (recv|send) operation")
 _DIGITS = linear(r"\d{1,7}")
+# PyTorch 2.2+'s prefix names the global rank; the message's own `[Rank N]` is the rank in its process group
+_GLOBAL = linear(r"\[rank(\d{1,7})\]:")
 
 ADVICE = ("a collective hang: one rank died, hung or OOMed and the others waited in the next collective until their "
           "watchdog fired; the rank that stopped first is the cause: read its log, and the XIDs of its node")
@@ -55,25 +59,38 @@ class Observation:
 
 def observe(text: str) -> Observation | None:
     """The observation in one line (at most its first 2 KiB), or None."""
-    text = text[:2048]
+    found = observe_all(text)
+    return found[0] if found else None
+
+
+def observe_all(text: str) -> list[Observation]:
+    """Every observation in one line, in order: a terminal that lost a newline glues two ranks' watchdog messages
+    onto one line, and each is its rank's (at most the line's first 4 KiB)."""
+    text = text[:4096]
     named = plain(text).rank
     rank = int(named) if named else None
-    if (m := _TIMEOUT.search(text)) is not None:
-        return Observation("timeout", int(m.group(1)), int(m.group(2)), m.group(3), timeout_ms=int(m.group(4)),
-                           ran_ms=int(m.group(5)))
-    if (m := _PROGRESS.search(text)) is not None:
+    found = [(m.start(), Observation("timeout", int(m.group(1)), int(m.group(2)), m.group(3),
+                                     timeout_ms=int(m.group(4)), ran_ms=int(m.group(5))))
+             for m in _TIMEOUT.finditer(text)]
+    for m in _PROGRESS.finditer(text):
         g = m.groups()
         pg = g[1] or g[0] or g[2]
         seq, enqueued, completed = next((g[i], g[i + 1], g[i + 2]) for i in (4, 7, 10) if g[i] is not None)
-        return Observation("progress", int(g[3]), int(seq), pg=pg, enqueued=int(enqueued), completed=int(completed))
+        found.append((m.start(), Observation("progress", int(g[3]), int(seq), pg=pg, enqueued=int(enqueued),
+                                             completed=int(completed))))
+    if found:
+        found.sort(key=lambda f: f[0])
+        prefixes = [(m.start(), int(m.group(1))) for m in _GLOBAL.finditer(text)]
+        # each message's global rank: the last `[rankN]:` before it (two glued lines carry one each)
+        return [replace(obs, rank=next((r for p, r in reversed(prefixes) if p < at), obs.rank)) for at, obs in found]
     if (m := _BARRIER.search(text)) is not None:
         culprits = tuple(int(r) for r in _DIGITS.findall(m.group(2)))[:MAX_RANKS]
-        return Observation("barrier", int(m.group(1)), timeout_ms=int(m.group(3)), culprits=culprits)
+        return [Observation("barrier", int(m.group(1)), timeout_ms=int(m.group(3)), culprits=culprits)]
     if (m := _PEER.search(text)) is not None:
-        return Observation("peer_closed", rank, peer=f"{m.group(1)}:{m.group(2)}")
+        return [Observation("peer_closed", rank, peer=f"{m.group(1)}:{m.group(2)}")]
     if (m := _GLOO_TIMEOUT.search(text)) is not None:
-        return Observation("gloo_timeout", rank, timeout_ms=int(m.group(1)), op=m.group(2))
-    return None
+        return [Observation("gloo_timeout", rank, timeout_ms=int(m.group(1)), op=m.group(2))]
+    return []
 
 
 def gather(record: dict[str, Any], obs: Observation) -> None:
@@ -83,6 +100,10 @@ def gather(record: dict[str, Any], obs: Observation) -> None:
     key = str(obs.rank)
     if obs.kind == "timeout":
         table = record.setdefault("timeouts", {})
+        # a rank that timed out in several collectives (several process groups, or work queued behind the first)
+        # stands at the furthest: a rank is behind only when even that is behind the others
+        if key in table and int(table[key]["seq"]) > (obs.seq or 0):
+            return
         if key in table or len(table) < MAX_RANKS:
             table[key] = {"seq": obs.seq, "op": obs.op, "timeout_ms": obs.timeout_ms, "ran_ms": obs.ran_ms}
     elif obs.kind == "progress":
@@ -122,17 +143,37 @@ def tell(record: dict[str, Any], stall: Stall | None = None) -> Story | None:
     progress: dict[str, dict[str, Any]] = record.get("progress", {})
     if not timeouts and not progress:
         return _gloo(record, stall)
-    # The collective most ranks time out in, and the ranks that report it
-    by_seq: dict[int, set[int]] = {}
-    for rank, t in timeouts.items():
-        by_seq.setdefault(int(t["seq"]), set()).add(int(rank))
-    for rank, p in progress.items():
-        by_seq.setdefault(int(p["seq"]), set()).add(int(rank))
-    seq = max(by_seq, key=lambda s: (len(by_seq[s]), s))
-    op = next((t["op"] for t in timeouts.values() if t["seq"] == seq), None) or "collective"
-    reporting = by_seq[seq]
     if (split := _desync(timeouts)) is not None:
         return split
+    # The collective most ranks time out in, and the ranks that report it
+    by_seq: dict[int, set[int]] = {}
+    for table in (timeouts, progress):
+        for rank, t in table.items():
+            by_seq.setdefault(int(t["seq"]), set()).add(int(rank))
+    seq = max(by_seq, key=lambda s: (len(by_seq[s]), s))
+    op = next((t["op"] for t in timeouts.values() if t["seq"] == seq), None) or "collective"
+    limit = next((t["timeout_ms"] for t in timeouts.values() if t["seq"] == seq and t.get("timeout_ms")), None)
+    echo = f"{op} #{seq} timed out on rank{'s' if len(by_seq[seq]) > 1 else ''} {ranges(by_seq[seq])}"
+    title = f"NCCL collective timeout: {echo}" + (f" (timeout {limit // 1000}s)" if limit else "")
+    evidence, first, fields = _first(timeouts, progress, seq, op)
+    # the cause first, then its effect: the rank that stopped first, then the collective the others timed out in
+    title = f"{evidence}; then {title}" if first else f"{title}; {evidence}"
+    ran = max((t.get("ran_ms") or 0 for t in timeouts.values() if t["seq"] == seq), default=0)
+    if limit and ran > 2 * limit:  # the watchdog fires once the limit is past: far past it, the watchdog was stuck
+        title += (f"; it ran {ran // 60000} min against a {limit // 60000} min timeout: the watchdog itself was held "
+                  "up (a hung GPU or driver call, a stopped or starved process)")
+    fields.update(seq=seq, op=op, timed_out=sorted(by_seq[seq]), first=list(first))
+    if stall is not None:
+        check, agreed = _cross_check(stall, seq, set(first))
+        title += f"; {check}"
+        fields["flight_recorder"] = {**stall.fields(), "agrees": agreed}
+        first = first or tuple(t.rank for t in stall.missing)
+    return Story(title, ADVICE, fields, first, echo)
+
+
+def _first(timeouts: dict[str, dict[str, Any]], progress: dict[str, dict[str, Any]], seq: int,
+           op: str) -> tuple[str, tuple[int, ...], dict[str, Any]]:
+    """The evidence for the rank that stopped first, as a clause of the story: (clause, ranks, fields)."""
     # Sequence numbers count per process group, and a timeout line does not name its group: only a rank's own
     # "last enqueued" in the group of the collective shows it never entered it.
     group = next((p["pg"] for p in progress.values() if p["seq"] == seq), None)
@@ -141,35 +182,28 @@ def tell(record: dict[str, Any], stall: Stall | None = None) -> Story | None:
     far = {r: p["completed"] for r, p in mine.items()
            if r not in behind and p.get("completed") is not None and p["completed"] < seq - 1}
     waiting = {r for r, p in mine.items() if p.get("completed") == seq - 1 and r not in behind}
+    # A rank whose own watchdog fired in an older collective of the same type waits far behind the others
+    lagging = {int(r): int(t["seq"]) for r, t in timeouts.items() if int(t["seq"]) < seq and int(r) not in behind}
     seen = _ints(timeouts) | _ints(progress)
-    first = tuple(sorted(behind))
-    limit = next((t["timeout_ms"] for t in timeouts.values() if t["seq"] == seq and t.get("timeout_ms")), None)
-    echo = f"{op} #{seq} timed out on rank{'s' if len(reporting) > 1 else ''} {ranges(reporting)}"
-    title = f"NCCL collective timeout: {echo}" + (f" (timeout {limit // 1000}s)" if limit else "")
-    if first:  # the evidence: what the others completed and wait in, what the first never entered
-        last = {mine[r]["enqueued"] for r in first}
-        title += (f"; rank {ranges(first)} never entered {op} #{seq} (last enqueued: "
+    fields: dict[str, Any] = {"seen": sorted(seen), "far_behind": {str(r): c for r, c in far.items()},
+                              "waiting": sorted(waiting), "lagging": {str(r): s for r, s in lagging.items()}}
+    if behind:  # the evidence: what the others completed and wait in, what the first never entered
+        last = {mine[r]["enqueued"] for r in behind}
+        clause = (f"rank {ranges(behind)} never entered {op} #{seq} (last enqueued: "
                   f"#{', #'.join(str(x) for x in sorted(last))})")
         if waiting:
-            title += f"; ranks {ranges(waiting)} completed #{seq - 1} and wait in #{seq}"
-    elif far:
-        title += "; far behind: " + ", ".join(f"rank {r} (last completed #{c})" for r, c in sorted(far.items())[:8])
-        first = tuple(sorted(far))
-    else:
-        title += f"; the rank that stopped first reported nothing here (seen: ranks {ranges(seen)})"
-    ran = max((t.get("ran_ms") or 0 for t in timeouts.values() if t["seq"] == seq), default=0)
-    if limit and ran > 2 * limit:  # the watchdog fires once the limit is past: far past it, the watchdog was stuck
-        title += (f"; it ran {ran // 60000} min against a {limit // 60000} min timeout: the watchdog itself was held "
-                  "up (a hung GPU or driver call, a stopped or starved process)")
-    fields: dict[str, Any] = {"seq": seq, "op": op, "timed_out": sorted(reporting), "first": list(first),
-                              "seen": sorted(seen), "far_behind": {str(r): c for r, c in far.items()},
-                              "waiting": sorted(waiting)}
-    if stall is not None:
-        check, agreed = _cross_check(stall, seq, set(first))
-        title += f"; {check}"
-        fields["flight_recorder"] = {**stall.fields(), "agrees": agreed}
-        first = first or tuple(t.rank for t in stall.missing)
-    return Story(title, ADVICE, fields, first, echo)
+            clause += f"; ranks {ranges(waiting)} completed #{seq - 1} and wait in #{seq}"
+        return clause, tuple(sorted(behind)), fields
+    if lagging:
+        told = ", ".join(f"rank {r} timed out {'far ' if seq - s >= FAR else ''}behind, in {op} #{s} ({seq - s} "
+                         f"collective{'s' if seq - s > 1 else ''} before #{seq})"
+                         for r, s in sorted(lagging.items(), key=lambda kv: kv[1])[:4])
+        return (f"{told}: the first suspect (it stopped first), or a rank of a different process group (whose "
+                "collectives count on their own): read its log first"), tuple(sorted(lagging)), fields
+    if far:
+        told = ", ".join(f"rank {r} (last completed #{c})" for r, c in sorted(far.items())[:8])
+        return f"far behind: {told}", tuple(sorted(far)), fields
+    return f"the rank that stopped first reported nothing here (seen: ranks {ranges(seen)})", (), fields
 
 
 DESYNC_ADVICE = ("the ranks wait in different collectives: a desync in the training code (a rank-dependent branch "

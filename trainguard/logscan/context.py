@@ -8,7 +8,6 @@ from collections.abc import Callable, Collection
 import psutil
 
 from trainguard.core.text import linear
-from trainguard.core.units import bounded_int
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
 from trainguard.logscan.oom import CoTenant, GpuContext
@@ -16,18 +15,24 @@ from trainguard.node.procfs import ProcFS
 
 STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one is close by
 # `step 100`, `Step: 100`, `global_step=100`, Megatron's `iteration      100/  500000`; not `Skipping step.`
-_STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d+)")
+# Lightning's progress bar prints it in scientific notation: `global_step=3.2e+4`; mmengine's iteration is the first
+# number in its second bracket: `Epoch(train) [1][240/735]`
+_STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d{1,15}(?:\.\d{1,6}e\+?\d{1,2})?)"
+               rb"|Epoch\(train\) {0,4}\[\d{1,9}\]\[(\d{1,12})/")
 _FINITE_LOSS = linear(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
 
 
-def last_step(data: bytes, end: int | None = None) -> int | None:
-    """The step of the last step line in `data` before `end` (within STEP_WINDOW bytes), or None (also when its number
-    is not a non-negative int64: a 10,000-digit step is no step)."""
+def last_step(data: bytes, end: int | None = None, start: int = 0) -> int | None:
+    """The step of the last step line in data[start:end] (within STEP_WINDOW bytes before `end`), or None (also when
+    its number is 1e15 or more: a 10,000-digit step is no step)."""
     end = len(data) if end is None else end
     found = None
-    for found in _STEP.finditer(data, max(0, end - STEP_WINDOW), end):  # noqa: B007 - the last one is wanted
+    for found in _STEP.finditer(data, max(0, start, end - STEP_WINDOW), end):  # noqa: B007 - the last one is wanted
         pass
-    return bounded_int(found.group(1)) if found else None
+    if found is None:
+        return None
+    step = float(found.group(1) or found.group(2))
+    return int(step) if step < 1e15 else None
 
 
 # The trainer helper's relaunch loop, when it starts the job's command again for a restart in place (its stderr, in

@@ -54,20 +54,32 @@ _CUDA_ERRORS = (  # (needle, name, hardware?, advice)
         "XIDs at that time")),
     ("CUBLAS_STATUS_", "cuBLAS error", False, CUBLAS_ADVICE),
 )
+# What the kernels' assertions say, in the data's terms (the condition names the bound that was broken)
+_ASSERTIONS = (
+    ("n_classes", "a label out of range: a target outside [0, number of classes) reached the loss (nll_loss / "
+                  "cross_entropy): check the labels against the model's classes or vocabulary (an ignore index other "
+                  "than -100, a tokenizer larger than the embedding, 1-based labels); not the GPU"),
+    ("srcIndex < srcSelectDimSize", "an index out of range in an index_select / embedding lookup: a token or index "
+                                    "id at or above the table's size (tokenizer vs embedding size); not the GPU"),
+    ("index out of bounds", "an index out of range in a gather/scatter or indexing kernel: check the indices "
+                            "against the tensor's size; not the GPU"),
+)
 _ASSERT = linear(r"(\S+:\d+): (\w+).*Assertion `(.+)` failed")
 _CUBLAS = linear(r"CUBLAS_STATUS_[A-Z_]{2,40}")
 _CUDA_GENERIC = linear(r"CUDA (?:driver )?error: ([^.\n]+)")
 
 
 def diagnose_cuda(text: str, assertion: str | None = None) -> Diagnosis:
-    for needle, label, hardware, advice in _CUDA_ERRORS:
+    for needle, label, hardware, lever in _CUDA_ERRORS:
         if needle in text:
+            advice = lever
             name = m.group(0) if needle == "CUBLAS_STATUS_" and (m := _CUBLAS.search(text)) else label
             f: dict[str, Any] = {"error": name}
             title = f"CUDA error: {name}"
             if assertion and (m := _ASSERT.search(assertion)):
                 f.update(assert_at=m.group(1), kernel=m.group(2), condition=m.group(3))
                 title += f" ({m.group(3)} in {m.group(2)} at {m.group(1)})"
+                advice = next((a for needle, a in _ASSERTIONS if needle in m.group(3)), advice)
             return Diagnosis("cuda_error", title, advice, f, hardware)
     m = _CUDA_GENERIC.search(text)
     return Diagnosis("cuda_error", f"CUDA error: {m.group(1) if m else 'unknown'}",

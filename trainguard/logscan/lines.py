@@ -25,8 +25,9 @@ _PREFIX = linear(r"^(?:\s{1,200}|\[default(\d{1,7})\]:|\[rank(\d{1,7})\]:|(\d{1,
 _BAR = linear(r"^.{0,600}?\[\d{1,4}:\d{2}(?::\d{2})?<[^\]\n]{0,60}(?:it/s|s/it)\]")
 # PyTorch's own rank inside the message: `[Rank 5]`, `[PG 3 Rank 5]`, `[PG ID 0 PG GUID 0(default_pg) Rank 1]`
 _INNER_RANK = linear(r"\[(?:PG [^\]\n]{1,80} )?Rank (\d{1,7})\]")
-# glog `[E1016 03:33:45.317536384`, ISO `2024-05-11 14:10:52.224`, torchrun's `2025-05-21_15:43:03`
-_GLOG = linear(r"\[[EWIF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2}(?:\.\d{1,9})?)")
+# glog `[E1016 03:33:45.317536384` (months before October unpadded: `[E814 01:57:12`), ISO `2024-05-11 14:10:52.224`,
+# torchrun's `2025-05-21_15:43:03`
+_GLOG = linear(r"\[[EWIF](\d{1,2})(\d{2}) (\d{2}):(\d{2}):(\d{2}(?:\.\d{1,9})?)")
 _ISO = linear(r"\b\d{4}-(\d{2})-(\d{2})[ T_](\d{2}):(\d{2}):(\d{2}(?:[.,]\d{1,9})?)")
 
 

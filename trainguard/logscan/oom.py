@@ -8,8 +8,9 @@
 
 Outcomes: *fragmentation* (the allocator's own free blocks hold the request), *true OOM* (the job's working set
 fills its GPU), and *not this job's working set*: a cap on the allocator, free memory the allocator could not use,
-other processes on the card, or memory held outside the job's PyTorch pool. Only a true OOM gets "a smaller
-micro-batch": whenever the card had room, the batch is not the lever.
+the job's own other ranks on the card (rank-to-device placement), other processes on the card, or memory held outside
+the job's PyTorch pool. Only a true OOM gets "a smaller micro-batch": whenever the card had room, the batch is not
+the lever.
 
 Text is hostile input: every regex here is linear (no nested or adjacent unbounded quantifiers over the same
 characters) and runs over at most `MAX_TEXT` characters; a number that does not parse is left out, never raised.
@@ -182,6 +183,9 @@ class GpuContext:
     others: tuple[CoTenant, ...] = ()  # processes other than the job's holding memory on it now
     faults: tuple[str, ...] = ()  # ECC, row remapping, retired pages (gpu.health.gpu_faults)
     mig: bool = False  # the job sees a MIG slice (CUDA_VISIBLE_DEVICES=MIG-...)
+    own_pids: frozenset[int] = frozenset()  # the job's own processes (its process tree), whatever they hold
+    user: str | None = None  # the job's user: a process of that user in no other job is the job's (root's are not:
+    # system services and other jobs' helpers run as root)
 
 
 CONTEXT_ALLOWANCE = GiB  # a CUDA context plus library workspaces: what a process holds outside PyTorch's pool
@@ -212,6 +216,10 @@ class OomFacts:
     faults: tuple[str, ...]
     mig: bool
     impossible: bool = False
+    own: tuple[CoTenant, ...] = ()  # processes of this job other than the failing one (its other ranks)
+    own_bytes: int = 0
+    own_known: bool = False  # from the job's process tree or user; else told by their look (near-identical sizes,
+    # consecutive pids: ranks that each created a context on this GPU)
 
 
 def _others_from_message(r: OomReport) -> tuple[CoTenant, ...]:
@@ -228,28 +236,55 @@ def _others_from_message(r: OomReport) -> tuple[CoTenant, ...]:
     return tuple(listed)
 
 
+# Ranks of one job that each created a CUDA context on the same GPU (before torch.cuda.set_device) look alike: several
+# processes of near-identical size with pids close together (one launcher started them at once).
+RANKS_MIN = 3
+RANKS_SIZE_SLACK = 0.05  # of the largest, or 64 MiB
+RANKS_PID_SPREAD = 4  # the pids lie within this many per process
+
+
+def _lookalike_ranks(others: tuple[CoTenant, ...]) -> bool:
+    sizes = [o.bytes for o in others if o.bytes is not None]
+    if len(others) < RANKS_MIN or len(sizes) != len(others):
+        return False
+    pids = [o.pid for o in others]
+    return (max(sizes) - min(sizes) <= max(64 * MiB, max(sizes) * RANKS_SIZE_SLACK)
+            and max(pids) - min(pids) <= RANKS_PID_SPREAD * len(pids))
+
+
+def _own(others: tuple[CoTenant, ...], ctx: GpuContext) -> tuple[tuple[CoTenant, ...], tuple[CoTenant, ...], bool]:
+    """(the job's own processes, the others, whether the job's own were known rather than told by their look)."""
+    mine = tuple(o for o in others if o.pid in ctx.own_pids
+                 or (ctx.user not in (None, "root") and o.user == ctx.user and o.job is None))
+    if mine:
+        return mine, tuple(o for o in others if o not in mine), True
+    if all(o.job is None for o in others) and _lookalike_ranks(others):  # another job's ranks look alike too
+        return others, (), False
+    return (), others, False
+
+
 def facts(r: OomReport, ctx: GpuContext | None = None) -> OomFacts:
     ctx = ctx or GpuContext()
     others = _others_from_message(r)
-    own = r.this_process if r.this_process is not None else r.reserved
-    room = r.total - r.free - own if r.total is not None and r.free is not None and own is not None else None
+    this = r.this_process if r.this_process is not None else r.reserved
+    room = r.total - r.free - this if r.total is not None and r.free is not None and this is not None else None
+    now = not others and bool(ctx.others)
     if others and ctx.others:  # the message gives the bytes at the failure; the node can name who they are
         named = {o.pid: o for o in ctx.others}
         others = tuple(replace(named[o.pid], bytes=o.bytes) if o.pid in named else o for o in others)
-        others_bytes = sum(o.bytes or 0 for o in others)
-    elif ctx.others:  # NVML tells who holds the GPU now; at the failure they held at most what the message leaves
+    elif now:  # NVML tells who holds the GPU now; at the failure they held at most what the message leaves
         others = ctx.others
-        others_bytes = sum(o.bytes or 0 for o in others)
-        others_bytes = min(others_bytes, max(0, room)) if room is not None else others_bytes
-    else:
-        others_bytes = sum(o.bytes or 0 for o in others)
+    mine, others, known = _own(others, ctx)
+    own_bytes, others_bytes = sum(o.bytes or 0 for o in mine), sum(o.bytes or 0 for o in others)
+    if now and room is not None:
+        own_bytes, others_bytes = min(own_bytes, max(0, room)), min(others_bytes, max(0, room - own_bytes))
     outside = unowned = None
     if room is not None:
-        outside = max(0, room - others_bytes)
+        outside = max(0, room - others_bytes - own_bytes)
         unowned = max(0, outside - (0 if r.this_process is not None else CONTEXT_ALLOWANCE))
     shortfall = r.tried - r.free if r.tried is not None and r.free is not None else None
     return OomFacts(r.tried, r.total, r.free, r.reserved, r.reserved_unallocated, r.allowed, shortfall, others,
-                    others_bytes, outside, unowned, ctx.faults, ctx.mig, r.impossible)
+                    others_bytes, outside, unowned, ctx.faults, ctx.mig, r.impossible, mine, own_bytes, known)
 
 
 def _inconsistent(f: OomFacts) -> bool:
@@ -273,6 +308,10 @@ def _free_unusable(f: OomFacts) -> bool:
 def _cotenants(f: OomFacts) -> bool:
     big = f.others_bytes >= COTENANT_MIN or (f.total is not None and f.others_bytes >= f.total * COTENANT_SHARE)
     return big and f.shortfall is not None and f.others_bytes >= f.shortfall
+
+
+def _own_ranks(f: OomFacts) -> bool:
+    return bool(f.own) and f.shortfall is not None and f.own_bytes >= f.shortfall
 
 
 def _outside(f: OomFacts) -> bool:
@@ -308,6 +347,7 @@ RULES: tuple[Rule, ...] = (
     Rule(TRUE_OOM, "larger than the GPU", _larger_than_gpu),
     Rule(NOT_WORKING_SET, "cap", _capped),
     Rule(NOT_WORKING_SET, "free memory unusable", _free_unusable),
+    Rule(NOT_WORKING_SET, "the job's own ranks", _own_ranks),
     Rule(NOT_WORKING_SET, "co-tenant", _cotenants),
     Rule(NOT_WORKING_SET, "outside PyTorch", _outside),
     Rule(FRAGMENTATION, None, _fragmented),
@@ -360,6 +400,13 @@ def _advice(rule: Rule, f: OomFacts) -> str:
                 "(NCCL buffers, cuBLAS/cuDNN workspaces outside PyTorch's pool), memory released just after the "
                 "failure, or a faulty GPU; check its ECC and row-remap state and the node's XIDs before rerunning; "
                 f"{NO_BATCH}")
+    if rule.cause == "the job's own ranks":
+        how = "" if f.own_known else " (their near-identical sizes and consecutive pids tell)"
+        return (f"{len(f.own)} other processes of this job hold {b(f.own_bytes)} on this GPU{how}: its ranks each "
+                "created a CUDA context here, so the lever is rank-to-device placement: call "
+                "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before any CUDA call (model, tensors, "
+                "init_process_group's device_id), or give each rank its own CUDA_VISIBLE_DEVICES; not co-tenants "
+                f"to stop; {NO_BATCH}")
     if rule.cause == "co-tenant":
         contexts = len(f.others) > 1 and all(o.bytes is not None and o.bytes < GiB for o in f.others)
         hint = ("; several processes of about one CUDA context each are usually other ranks touching this GPU: "
@@ -390,6 +437,10 @@ def _title(r: OomReport, rule: Rule, f: OomFacts) -> str:
         parts.append(f"this job's PyTorch memory {format_bytes(f.reserved)}")
     if r.reserved_unallocated is not None:
         parts.append(f"{format_bytes(r.reserved_unallocated)} of it reserved but unallocated")
+    if f.own:
+        sizes = sorted({format_bytes(o.bytes) for o in f.own if o.bytes})
+        parts.append(f"{len(f.own)} processes of the job itself (pids {min(o.pid for o in f.own)}-"
+                     f"{max(o.pid for o in f.own)}, {'/'.join(sizes[:3])} each)")
     if f.others:
         parts.append("other processes: " + ", ".join(o.describe() for o in f.others[:6]))
     elif rule.cause == "outside PyTorch" and f.outside:
