@@ -17,7 +17,9 @@ STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one
 # `step 100`, `Step: 100`, `global_step=100`, Megatron's `iteration      100/  500000`; not `Skipping step.`
 # Lightning's progress bar prints it in scientific notation: `global_step=3.2e+4`; mmengine's iteration is the first
 # number in its second bracket: `Epoch(train) [1][240/735]`
-_STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d{1,15}(?:\.\d{1,6}e\+?\d{1,2})?)"
+# The digit after the number (group 2) is captured to refuse a longer one: RE2 has no lookahead, and the first 15
+# digits of a 10,000-digit "step" are no step.
+_STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d{1,15}(?:\.\d{1,6}e\+?\d{1,2})?)(\d?)"
                rb"|Epoch\(train\) {0,4}\[\d{1,9}\]\[(\d{1,12})/")
 _FINITE_LOSS = linear(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
 
@@ -29,9 +31,9 @@ def last_step(data: bytes, end: int | None = None, start: int = 0) -> int | None
     found = None
     for found in _STEP.finditer(data, max(0, start, end - STEP_WINDOW), end):  # noqa: B007 - the last one is wanted
         pass
-    if found is None:
+    if found is None or found.group(2):
         return None
-    step = float(found.group(1) or found.group(2))
+    step = float(found.group(1) or found.group(3))
     return int(step) if step < 1e15 else None
 
 
