@@ -447,3 +447,26 @@ def test_sighup_reloads_a_good_config_and_refuses_a_bad_one(
     assert agent.output().count("event=fired") == fired  # the incident was kept, not fired again
     agent.signal(signal.SIGTERM)
     assert agent.wait() == 0
+
+
+def test_a_paused_watchdog_neither_pings_nor_calls_the_engine_stuck(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A reload swaps the engine: meanwhile the pinger says nothing (the old engine, stopping, is not "not making
+    progress"); it pings again once resumed."""
+    sock_path = tmp_path / "n.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "200000"})
+    pinger = WatchdogPinger(notifier, lambda: False)
+    pinger.pause(True)
+    with caplog.at_level("ERROR"):
+        pinger.start()
+        sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            sock.recv(100)
+        assert not [r for r in caplog.records if "not making progress" in r.getMessage()]
+        pinger.pause(False)
+        wait_until(lambda: [r for r in caplog.records if "not making progress" in r.getMessage()], 2,
+                   what="the pinger judging the engine again")
+    pinger.stop()
+    sock.close()

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import requests
 
-from tests.conftest import AgentProcess, free_port, require_root
+from tests.conftest import AgentProcess, control_status, free_port, require_root
 from tests.slurm_cluster import JOB_USER, SlurmCluster, ensure_user
 from tests.test_training_log import OOM_H100
 
@@ -150,5 +150,7 @@ interval = "1s"
     assert "hunter3" not in agent.output()
     status = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
     assert "hunter3" not in str(status) and status["details"] is False
-    assert all(not i["details"] for i in status["incidents"])
+    assert all(not i.get("details") and not i.get("summary") for i in status["incidents"])  # TCP: no job's text
+    full = control_status(tmp_path / "state")  # root's view: the agent never read the file to begin with
+    assert full["details"] is True and "hunter3" not in str(full)
     assert secret.read_text() == "RuntimeError: password=hunter3\n"

@@ -152,7 +152,11 @@ def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> in
             os.read(wake_r, 512)  # the handler has run, or runs before the next bytecode: `stop` says
         if hangup.is_set() and not stop.is_set() and reload is not None:
             hangup.clear()
-            serving = _reload(serving, reload, systemd)
+            pinger.pause(True)
+            try:
+                serving = _reload(serving, reload, systemd)
+            finally:
+                pinger.pause(False)
             pending = serving.engine.pending()
         if pending:
             now_pending = serving.engine.pending()

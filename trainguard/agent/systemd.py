@@ -52,7 +52,16 @@ class WatchdogPinger:
         self._notifier = notifier
         self._healthy = healthy
         self._stop = threading.Event()
+        self._paused = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def pause(self, paused: bool) -> None:
+        """While paused (a reload swapping the engine), neither ping nor say the engine is stuck: the watchdog still
+        ends an agent whose reload takes longer than WatchdogSec."""
+        if paused:
+            self._paused.set()
+        else:
+            self._paused.clear()
 
     def start(self) -> None:
         if self._notifier.watchdog_s is None:
@@ -64,6 +73,8 @@ class WatchdogPinger:
         assert self._notifier.watchdog_s is not None
         period = self._notifier.watchdog_s / 2
         while not self._stop.wait(period):
+            if self._paused.is_set():
+                continue
             if self._healthy():
                 self._notifier.notify("WATCHDOG=1")
             else:
