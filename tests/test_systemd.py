@@ -448,8 +448,10 @@ def test_systemctl_reload_refuses_a_bad_config_and_applies_a_good_one(service: S
     service.wait_serving()
 
 
-# What must differ on a test node from the docs' lines: a follow that never ends is bounded.
-ON_A_TEST_NODE = {"journalctl -u trainguard -f": "timeout 2 journalctl -u trainguard -f"}
+# What must differ on a test node from the docs' lines: a follow that never ends is bounded, the operator is a user
+# the node has.
+ON_A_TEST_NODE = {"journalctl -u trainguard -f": "timeout 2 journalctl -u trainguard -f",
+                  "usermod -aG trainguard alice": f"usermod -aG trainguard {JOB_USER}"}  # the test node's operator
 # What the docs say a line prints (their comment on it).
 PRINTS = {"systemctl status trainguard": 'Status: "watching ', "curl -s localhost:9721/healthz": "ok\n",
           "journalctl -u trainguard -n 5": "msg=reloaded",
@@ -479,6 +481,9 @@ def test_the_docs_walked_on_the_node(service: Service) -> None:
             raise AssertionError(f"{line!r} exited {tried[-1].returncode}, printed:\n{tried[-1].stdout[-2000:]}"
                                  f"{tried[-1].stderr[-2000:]}") from None
     assert service.show("UnitFileState")["UnitFileState"] == "enabled"
+    # The operator added to the group reads everything over the control socket (install.md says so).
+    status = c.run(["trainguard", "status"], user=JOB_USER).stdout
+    assert "(/run/trainguard/control.sock)" in status and "last results" in status, status
 
 
 def test_uninstall(service: Service) -> None:
