@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import pwd
 import re
 import signal
 import socket
@@ -299,7 +300,7 @@ def test_status_command_against_a_running_agent(tmp_path: Path, agent_process: C
     assert "node testnode" in proc.stdout
     assert "incidents (1 firing, 0 pending)" in proc.stdout
     assert re.search(r"firing\s+CRITICAL\s+scratch", proc.stdout)
-    assert re.search(r"^IDLE\s+ib\s+-\s+no InfiniBand or RoCE device under .*/no-infiniband$", proc.stdout, re.M)
+    assert re.search(r"^IDLE\s+ib\s+-\s+\d+s\s+no InfiniBand or RoCE device under .*/no-infiniband$", proc.stdout, re.M)
     agent.wait_for("check=ib", count=1)
     assert agent.output().count("check idle: what it watches is absent here") == 1  # once, not every second
     # over TCP (what any local user gets): the same table, the summaries left to the control socket
@@ -311,6 +312,47 @@ def test_status_command_against_a_running_agent(tmp_path: Path, agent_process: C
     unreachable = subprocess.run([sys.executable, "-m", "trainguard", "status", "--url", f"http://127.0.0.1:{free_port()}"],
                                  capture_output=True, text=True, timeout=30, cwd=REPO)
     assert unreachable.returncode == 3 and "cannot reach the agent" in unreachable.stderr
+
+
+def test_status_says_how_old_each_result_is_and_which_jobs_ended(tmp_path: Path,
+                                                                   agent_process: Callable[..., AgentProcess]) -> None:
+    """A result is its check's last run, up to an interval ago: `status` gives each its AGE, and a job check's result
+    about a job that has ended since is marked "(job ended)" (the hang check runs once an hour here, so the result
+    stays), not shown as the job's state now."""
+    marker = f"tg-ending-job-{os.getpid()}"
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
+    port = free_port()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\nlisten = "127.0.0.1:{port}"\n'
+                      f'control_socket = "{tmp_path}/state/control.sock"\n[jobs]\nsources = []\n'
+                      f'[jobs.processes.ending]\ncmdline = "{marker}"\nuser = "{pwd.getpwuid(os.getuid()).pw_name}"\n'
+                      '[checks.hang]\ninterval = "1h"\nstale_after = "1h"\nstacks = false\n')
+    row = re.compile(r"^OK\s+hang\s+process:ending\s+(\d+)s\s+(.*)$", re.M)
+
+    def status() -> str:
+        proc = subprocess.run([sys.executable, "-m", "trainguard", "status", "--config", str(config)],
+                              capture_output=True, text=True, timeout=30, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    try:
+        agent_process(config).wait_for("msg=ready")
+        found = wait_until(lambda: row.search(status()), 20, 0.3, what="the hang check's result for the job")
+        assert isinstance(found, re.Match) and found[2].startswith("process job ending: progressing ("), found[0]
+        before = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]["hang"]
+        assert before["results"][0].get("job_ended") is None
+    finally:
+        job.kill()
+        job.wait(timeout=10)
+    time.sleep(2)
+    found = row.search(status())
+    assert found is not None and found[2].startswith("(job ended) process job ending: progressing ("), found
+    assert int(found[1]) >= 2  # measured from the run, which came before the sleep
+    after = requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()  # the TCP view says so too
+    assert after["checks"]["hang"]["last_run"] == before["last_run"]  # the same run's result: no run since
+    assert after["checks"]["hang"]["results"] == [{"check": "hang", "subject": "process:ending", "status": "OK",
+                                                   "job_ended": True}]
+    assert after["now"] - after["checks"]["hang"]["last_run"] >= 2
 
 
 def _check_cmd(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:

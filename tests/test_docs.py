@@ -4,7 +4,9 @@ staged install), every repo path they name exists or `trainguard install` create
 the code's.
 
 A block that only illustrates (a fragment, output, a command for another machine) carries the marker
-`<!-- illustrative -->` on the line before it.
+`<!-- illustrative: why -->` on the line before it. On the pages a newcomer follows (README, install.md,
+operations.md, slurm.md) every other shell line runs in the suite (tests/docblocks.py says where): a doc that
+drifts from the product fails.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,57 +26,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from tests.conftest import REPO, AgentProcess, free_port, http_get, wait_until
+from tests.conftest import REPO, AgentProcess, free_port, http_get, require_tool, wait_until
+from tests.docblocks import DOCS, MAKE, PAGES, SHELLS, blocks, commands, node_walk, runner, shell_lines
 from tests.peers import slack_emulator
 from trainguard.agent.configfile import parse_config
 from trainguard.cli import main
 from trainguard.install import Installer
 from trainguard.reference import XID_BEGIN, XID_END, xid_markdown
-
-ILLUSTRATIVE = "<!-- illustrative -->"
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[\w-]*)[ ]*\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.M | re.S)
-SHELLS = ("sh", "shell", "bash", "console")
-CONTROL = ("||", "&&", "|", ";", ">", ">>", "2>&1")
-# The spellings of the trainguard command in the docs: on PATH (install.md links it), in a checkout, in /opt.
-COMMAND = re.compile(r"^(?:exec\s+)?(?:trainguard|\.venv/bin/trainguard|/opt/trainguard/bin/trainguard)(?:\s|$)")
-
-
-@dataclass(frozen=True)
-class Block:
-    path: Path
-    line: int
-    lang: str
-    body: str
-    illustrative: bool
-
-    @property
-    def where(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
-
-
-def blocks() -> Iterator[Block]:
-    for path in DOCS:
-        text = path.read_text()
-        for m in FENCE.finditer(text):
-            before = text[:m.start()].rstrip().rsplit("\n", 1)[-1].strip()
-            body = "\n".join(line[len(m["indent"]):] for line in m["body"].splitlines())
-            yield Block(path, text.count("\n", 0, m.start()) + 1, m["lang"], body, before == ILLUSTRATIVE)
-
-
-def commands() -> Iterator[tuple[Block, list[str]]]:
-    """Each `trainguard ...` command line of the shell blocks (a `$ ` prompt marks one in an output block)."""
-    for block in blocks():
-        if block.illustrative or block.lang not in (*SHELLS, ""):
-            continue
-        for line in block.body.splitlines():
-            if block.lang == "" and not line.startswith("$ "):
-                continue
-            command = line.removeprefix("$ ").split(" #", 1)[0].strip()
-            if COMMAND.match(command):
-                argv = shlex.split(command)  # the trainguard command itself, up to a `|| true` or `&& ...` after it
-                cut = next((i for i, word in enumerate(argv) if word in CONTROL), len(argv))
-                yield block, argv[:cut]
 
 
 def test_the_docs_have_blocks_of_each_kind() -> None:
@@ -85,6 +41,32 @@ def test_the_docs_have_blocks_of_each_kind() -> None:
     assert sum(b.lang == "toml" for b in found) >= 14
     assert len(list(commands())) >= 6
     assert any(b.illustrative for b in found)
+
+
+def test_every_shell_line_of_the_pages_runs_or_says_why_not() -> None:
+    """Each command line of a shell block on README, install.md, operations.md and slurm.md is run by the suite
+    (tests/docblocks.py's `runner`: the systemd container, a test agent, a make dry run); a block that cannot run
+    (another machine's hardware, a package index, a destructive step) is marked illustrative with its reason."""
+    unrun = [f"{b.where}: {line}" for b, line in shell_lines(PAGES) if runner(b, line) is None]
+    assert not unrun, "shell lines no test runs: run them, or mark the block <!-- illustrative: why -->\n" + \
+        "\n".join(unrun)
+    unexplained = [b.where for b in blocks(PAGES) if b.illustrative and b.lang in SHELLS and not b.reason]
+    assert not unexplained, f"illustrative without a reason: {unexplained}"
+    kinds = [runner(b, line) for b, line in shell_lines(PAGES)]
+    install, walk = node_walk()
+    assert install.page == "docs/install.md" and len(walk) >= 9 and kinds.count("trainguard") >= 3, (kinds, walk)
+
+
+def test_the_documented_make_targets_exist() -> None:
+    """`make run`, `make test`, `make wheelhouse` as the docs write them: each target exists and its recipe expands
+    (a dry run: `make test` is this suite, `make run` an agent in the foreground; tests/test_packaging.py runs
+    `make wheelhouse` for real)."""
+    make = require_tool("make")
+    targets = [m[1] for b, line in shell_lines(PAGES) if (m := MAKE.match(line))]
+    assert {"run", "test", "wheelhouse"} <= set(targets), targets
+    for target in targets:
+        proc = subprocess.run([make, "-n", "-C", str(REPO), target], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"make {target}: {proc.stderr}"
 
 
 def _stand_ins(body: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -120,6 +102,13 @@ def staged(tmp_path: Path) -> Path:
     """What `trainguard install` writes, under a staging root: the docs' absolute paths are looked up here."""
     root = tmp_path / "root"
     Installer(root, with_dropins=("switch-files", "native-stacks", "run-as-root")).install()
+    # The configs the docs show by their path (`# /etc/trainguard/prolog.toml`), with a state dir of the test's own.
+    for block in blocks():
+        named = re.match(r"# (/etc/trainguard/[\w-]+\.toml)\n", block.body)
+        if block.lang == "toml" and named and not block.illustrative:
+            body = block.body if "\n[agent]\n" in block.body else f"{block.body}\n[agent]\n"
+            state = tmp_path / "state" / Path(named[1]).stem
+            (root / named[1].lstrip("/")).write_text(body.replace("\n[agent]\n", f'\n[agent]\nstate_dir = "{state}"\n', 1))
     return root
 
 

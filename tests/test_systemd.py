@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.docblocks import node_walk
 from tests.packaging import Dists
 from tests.systemd_container import SystemdContainer, missing_tools
 from trainguard import __version__
@@ -36,6 +37,7 @@ JOB_USER = "tgjob"
 UNIT = "trainguard.service"
 DROPIN_DIR = f"/etc/systemd/system/{UNIT}.d"
 MAX_EXPOSURE = 2.5
+WHEELHOUSE = "/mnt/wheelhouse"  # install.md's `wheelhouse/`, in the directory the install block runs from
 
 CONFIG = """
 [agent]
@@ -205,14 +207,13 @@ def service(dists: Dists, tmp_path_factory: pytest.TempPathFactory, kmsg_unlimit
     require(not missing, f"needs {', '.join(missing)} (Debian: systemd-container, util-linux)")
     require(Path(NODE_PYTHON).exists(), f"needs {NODE_PYTHON}, the node's Python the venv is made with")
     wheels = wheelhouse(dists, tmp_path_factory.mktemp("systemd") / "wheelhouse")
-    binds = {wheels: "/mnt/wheelhouse", REPO / "tests" / "helpers": "/mnt/helpers"}
+    binds = {wheels: WHEELHOUSE, REPO / "tests" / "helpers": "/mnt/helpers"}
     with SystemdContainer(bind_ro=binds) as c:
-        c.run([NODE_PYTHON, "-m", "venv", VENV])
-        c.run([f"{VENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/mnt/wheelhouse", "trainguard"],
-              timeout=300)
+        # install.md's install block to the letter (venv, pip from the wheelhouse, `trainguard install`, the link),
+        # from the directory that holds wheelhouse/.
+        install = c.run(["sh", "-ec", f"cd {WHEELHOUSE.rsplit('/', 1)[0]}\n{node_walk()[0].body}"], timeout=300).stdout
         if c.run(["id", JOB_USER], check=False).returncode != 0:
             c.run(["useradd", "--create-home", JOB_USER])
-        install = c.run([TG, "install"]).stdout
         c.write("/etc/trainguard/trainguard.toml", CONFIG, mode="0640", owner="root:trainguard")
         c.write(f"{DROPIN_DIR}/zz-test.conf", TEST_DROPIN)
         c.run(["systemctl", "daemon-reload"])
@@ -445,6 +446,44 @@ def test_systemctl_reload_refuses_a_bad_config_and_applies_a_good_one(service: S
     wait_until(lambda: "msg=reloaded" in service.journal(invocation), 30, 0.2, what="the reload in the journal")
     assert service.main_pid() == pid
     service.wait_serving()
+
+
+# What must differ on a test node from the docs' lines: a follow that never ends is bounded, the operator is a user
+# the node has.
+ON_A_TEST_NODE = {"journalctl -u trainguard -f": "timeout 2 journalctl -u trainguard -f",
+                  "usermod -aG trainguard alice": f"usermod -aG trainguard {JOB_USER}"}  # the test node's operator
+# What the docs say a line prints (their comment on it).
+PRINTS = {"systemctl status trainguard": 'Status: "watching ', "curl -s localhost:9721/healthz": "ok\n",
+          "journalctl -u trainguard -n 5": "msg=reloaded",
+          "curl -s localhost:9721/metrics | grep trainguard_check_status": "trainguard_check_status{"}
+
+
+def test_the_docs_walked_on_the_node(service: Service) -> None:
+    """After install.md's install block (the fixture runs it): the rest of install.md, operations.md's config change
+    and README's scrape, each line as the docs write it (`trainguard` through the link install.md makes), in the
+    order a reader meets them (tests/docblocks.py). Each exits 0 and prints what the doc says it prints; a line
+    gets a few seconds (a reader types slower than a test: the reload answers before the agent logs it)."""
+    c = service.c
+    _, walk = node_walk()
+    assert set(ON_A_TEST_NODE) | set(PRINTS) <= set(walk), walk  # the docs changed: say how the walk runs them
+    assert c.run(["readlink", "/usr/local/bin/trainguard"]).stdout.strip() == TG
+    service.wait_serving()
+    for line in walk:
+        tried: list[subprocess.CompletedProcess[str]] = []
+
+        def ran(line: str = line, tried: list[subprocess.CompletedProcess[str]] = tried) -> bool:
+            tried.append(proc := c.run(["sh", "-c", ON_A_TEST_NODE.get(line, line)], check=False, timeout=30))
+            done = proc.returncode == 0 or (line in ON_A_TEST_NODE and proc.returncode == 124)
+            return done and PRINTS.get(line, "") in proc.stdout
+        try:
+            wait_until(ran, 10, 0.5, what=line)
+        except AssertionError:
+            raise AssertionError(f"{line!r} exited {tried[-1].returncode}, printed:\n{tried[-1].stdout[-2000:]}"
+                                 f"{tried[-1].stderr[-2000:]}") from None
+    assert service.show("UnitFileState")["UnitFileState"] == "enabled"
+    # The operator added to the group reads everything over the control socket (install.md says so).
+    status = c.run(["trainguard", "status"], user=JOB_USER).stdout
+    assert "(/run/trainguard/control.sock)" in status and "last results" in status, status
 
 
 def test_uninstall(service: Service) -> None:

@@ -15,7 +15,7 @@ from trainguard import PLAIN_SETTINGS_ENV, __version__
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import Status, worst
 from trainguard.core.text import one_line
-from trainguard.core.units import parse_duration
+from trainguard.core.units import format_duration, parse_duration
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `run` holds no pydantic (main)
     from trainguard.core.model import Result
@@ -411,34 +411,45 @@ def cmd_status(config: Config, url: str | None, as_json: bool) -> int:
     print(f"node {data['node']}  version {data['version']}  pid {data['pid']}  "
           f"healthy {'yes' if data['healthy'] else 'NO'}  ({where}"
           + ("" if data.get("details", True) else f": no summaries, no job names; {ON_THE_SOCKET}") + ")")
-    incidents = data.get("incidents", [])
-    print(f"\nincidents ({sum(1 for i in incidents if i['firing'])} firing, "
-          f"{sum(1 for i in incidents if not i['firing'])} pending)")
-    if incidents:
-        print(_table([["STATE", "STATUS", "CHECK", "SUBJECT", "SUMMARY"]] + [
-            ["firing" if i["firing"] else "pending", i["status"], i["check"], i["subject"], _said(i, "summary")]
-            for i in incidents]))
-        for i in incidents:
-            if i.get("acked"):
-                print(one_line(f"  {i['check']}/{i['subject']}: acknowledged by {i['acked']['by']}"
-                               + _said(i["acked"], "reason", ": ")))
-            for a in i.get("actions", []):
-                print(one_line(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}"
-                               + _said(a, "detail", ": ")))
+    _print_incidents(data.get("incidents", []))
     for s in data.get("silences", []):
         until = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["until"]))
         print("\n" + one_line(f"silenced: {s['check']}" + (f"/{s['subject']}" if s.get("subject") else "")
                               + f" until {until} by {s['by']}{_said(s, 'reason', ': ')}"))
     if data.get("jobs"):
         _print_jobs(data["jobs"])
-    rows = [["STATUS", "CHECK", "SUBJECT", "SUMMARY"]]
-    for name, chk in data.get("checks", {}).items():
-        rows += [[r["status"], name, r["subject"], _said(r, "summary")] for r in chk.get("results", [])]
-        if chk.get("outcome") == "idle":
-            rows.append(["IDLE", name, "-", chk.get("idle_reason") or ""])
-    print("\nlast results")
-    print(_table(rows))
+    print("\nlast results (AGE: since the run that said it)\n" + _table(_result_rows(data)))
     return 0
+
+
+def _print_incidents(incidents: list[dict[str, Any]]) -> None:
+    print(f"\nincidents ({sum(1 for i in incidents if i['firing'])} firing, "
+          f"{sum(1 for i in incidents if not i['firing'])} pending)")
+    if incidents:
+        print(_table([["STATE", "STATUS", "CHECK", "SUBJECT", "SUMMARY"]] + [
+            ["firing" if i["firing"] else "pending", i["status"], i["check"], i["subject"], _said(i, "summary")]
+            for i in incidents]))
+    for i in incidents:
+        if i.get("acked"):
+            print(one_line(f"  {i['check']}/{i['subject']}: acknowledged by {i['acked']['by']}"
+                           + _said(i["acked"], "reason", ": ")))
+        for a in i.get("actions", []):
+            print(one_line(f"  {i['check']}/{i['subject']}: action {a['action']} {a['outcome']}"
+                           + _said(a, "detail", ": ")))
+
+
+def _result_rows(data: dict[str, Any]) -> list[list[str]]:
+    """Each check's last results with their age: a summary ("progressing (heartbeat step 12, 0s ago)") speaks as of
+    its run, up to a check interval ago; a result about a job that has ended since says so."""
+    now = data.get("now") or time.time()  # the agent's clock (a document of an older agent lacks it: ours)
+    rows = [["STATUS", "CHECK", "SUBJECT", "AGE", "SUMMARY"]]
+    for name, chk in data.get("checks", {}).items():
+        age = format_duration(now - chk["last_run"]) if chk.get("last_run") else "-"
+        rows += [[r["status"], name, r["subject"], age, ("(job ended) " if r.get("job_ended") else "")
+                  + _said(r, "summary")] for r in chk.get("results", [])]
+        if chk.get("outcome") == "idle":
+            rows.append(["IDLE", name, "-", age, chk.get("idle_reason") or ""])
+    return rows
 
 
 ON_THE_SOCKET = "they are on the control socket (root or the trainguard group)"

@@ -7,6 +7,8 @@ from dataclasses import asdict
 from typing import Any
 
 from trainguard import __version__
+from trainguard.core.model import Result
+from trainguard.jobs.catalog import JobView
 from trainguard.pipeline.engine import Engine
 
 # What /status over TCP keeps (`details=False`): any local user reads it, so nothing a job's user wrote (log lines,
@@ -18,6 +20,7 @@ INCIDENT_KEYS = ("id", "check", "subject", "status", "since", "bad_runs", "firin
 JOB_KEYS = ("key", "source", "state", "job_id", "array_job_id", "array_task_id", "start_time", "end_time",
             "exit_code")
 SILENCE_KEYS = ("id", "check", "subject", "until", "by", "at")
+ENDED_PROBE_MAX = 64  # a job's listed processes looked at to tell it ended: /status costs the same whatever the job
 
 
 def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
@@ -30,6 +33,7 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
         "version": __version__,
         "pid": os.getpid(),
         "started": snap.started,
+        "now": snap.agent.get("now"),  # what a result's `last_run` is measured against: its age, whatever the reader's clock
         "healthy": engine.healthy(),
         "checks": {
             name: {
@@ -42,7 +46,7 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
                 "partial": st.last.partial if st.last else None,  # why the last run saw only part of its sources
                 "runs": st.runs,
                 "timeouts": st.timeouts,
-                "results": [_only(r.to_dict(), details, RESULT_KEYS) for r in st.last.results] if st.last else [],
+                "results": [_result(r, details, view) for r in st.last.results] if st.last else [],
             }
             for name, st in snap.checks.items()
         },
@@ -56,6 +60,27 @@ def status_document(engine: Engine, details: bool = True) -> dict[str, Any]:
                      if s.until > snap.agent.get("now", 0.0)],
         "outbox": {ch: {"queued": n, "oldest": oldest} for ch, (n, oldest) in snap.outbox.items()},
     }
+
+
+def _result(result: Result, details: bool, view: JobView | None) -> dict[str, Any]:
+    """A job check's result stays its last until the check runs again (up to its interval): one about a job that has
+    ended since says so (`job_ended`), so that it is not read as the job's state now."""
+    data = _only(result.to_dict(), details, RESULT_KEYS)
+    key = result.details.get("job_key")
+    if key and view is not None and _ended(key, view):
+        data["job_ended"] = True
+    return data
+
+
+def _ended(key: str, view: JobView) -> bool:
+    """Not running in the last listing (a check or an action listed the jobs after the result's run), or every process
+    the listing had for it gone (no listing since: /status lists nothing itself, so that no reader drives the job
+    sources)."""
+    job = next((j for j in view.on_node() if j.key == key), None)
+    if job is None:
+        return True
+    refs = job.processes
+    return 0 < len(refs) <= ENDED_PROBE_MAX and all(ref.gone() for ref in refs)
 
 
 def _only(data: dict[str, Any], details: bool, keys: tuple[str, ...]) -> dict[str, Any]:

@@ -33,6 +33,16 @@ class ProcessRef:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
             return None
 
+    def gone(self) -> bool:
+        """It has exited (or its pid was reused). One this process may not read counts as alive: unsure is not
+        gone."""
+        try:
+            return abs(psutil.Process(self.pid).create_time() - self.create_time) >= 0.01
+        except (psutil.NoSuchProcess, ValueError):  # a zombie (NoSuchProcess's subclass) has exited too
+            return True
+        except psutil.AccessDenied:
+            return False
+
     def matches(self) -> bool:
         try:
             return abs(psutil.Process(self.pid).create_time() - self.create_time) < 0.01
