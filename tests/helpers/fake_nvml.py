@@ -60,6 +60,7 @@ NVMLError_Unknown = _error("NVMLError_Unknown", 999, "Unknown Error")
 class FakeGpu:
     uuid: str
     name: str = "NVIDIA H100 80GB HBM3"
+    serial: str = ""  # "": derived from the uuid (a board serial is 13 digits)
     bus_id: bytes = b"00000000:18:00.0"
     total: int = 80 * 2**30
     used: int = 2 * 2**30
@@ -127,6 +128,10 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, h: int) -> str:  # noqa: N802
         return self._gpu("nvmlDeviceGetUUID", h).uuid
+
+    def nvmlDeviceGetSerial(self, h: int) -> str:  # noqa: N802
+        g = self._gpu("nvmlDeviceGetSerial", h)
+        return g.serial or "1320" + "".join(c for c in g.uuid if c.isdigit())[-9:].rjust(9, "0")
 
     def nvmlDeviceGetName(self, h: int) -> str:  # noqa: N802
         return self._gpu("nvmlDeviceGetName", h).name

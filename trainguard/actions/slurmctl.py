@@ -136,6 +136,10 @@ class ResumeAction(Action):
             raise ActionSkippedError(f"{ctx.node} drained by someone else ({reason!r}): left alone")
         if ctx.others_critical:
             raise ActionSkippedError(f"{ctx.node} left drained: still critical: {', '.join(ctx.others_critical)}")
+        for gate in ctx.resume_gates:
+            ok, why = gate.check(ctx)
+            if not ok:
+                raise ActionSkippedError(f"{ctx.node} left drained: {gate.name}: {why}")
         _slurm("resume", ctx.slurm.resume, ctx.node)
         return f"resumed {ctx.node} (was: {reason})"
 

@@ -28,6 +28,8 @@ from trainguard.pipeline.config import (
     ConfigError,
     resolve_config_path,
 )
+from trainguard.pipeline.ledger import LedgerSettings
+from trainguard.pipeline.lemon import NAME as LEMON_NAME
 from trainguard.pipeline.selfcheck import NAME as SELF_NAME
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 
@@ -80,16 +82,17 @@ def _validate_table(section: str, raw: Any, base: type, lookup: Any, problems: l
 def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_REGISTRY) -> Config:
     problems: list[str] = []
     for key in raw:
-        if key not in ("agent", "checks", "notifiers", "jobs", "actions"):
-            problems.append(f"{key}: unknown key (expected agent, checks, notifiers, jobs, actions)")
+        if key not in ("agent", "checks", "notifiers", "jobs", "actions", "ledger"):
+            problems.append(f"{key}: unknown key (expected agent, checks, notifiers, jobs, actions, ledger)")
     agent = None
     try:
         agent = AgentSettings.model_validate(raw.get("agent", {}))
     except ValidationError as exc:
         problems.extend(_format_validation_error("agent", exc))
     checks = _validate_table("checks", raw.get("checks", {}), CheckSettings, registry.check_class, problems)
-    if SELF_NAME in checks:
-        problems.append(f"checks.{SELF_NAME}: the name is reserved for the agent's own health check; choose another")
+    for reserved, what in ((SELF_NAME, "the agent's own health check"), (LEMON_NAME, "the lemon policy's hold")):
+        if reserved in checks:
+            problems.append(f"checks.{reserved}: the name is reserved for {what}; choose another")
     notifiers = _validate_table("notifiers", raw.get("notifiers", {}), NotifierSettings,
                                 registry.notifier_class, problems)
     jobs = JobsSettings()
@@ -97,19 +100,26 @@ def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_
         jobs = JobsSettings.model_validate(raw.get("jobs", {}))
     except ValidationError as exc:
         problems.extend(_format_validation_error("jobs", exc))
+    ledger = LedgerSettings()
+    try:
+        ledger = LedgerSettings.model_validate(raw.get("ledger", {}))
+    except ValidationError as exc:
+        problems.extend(_format_validation_error("ledger", exc))
     raw_actions = raw.get("actions", {})
     merged = {**{k: dict(v) for k, v in BUILTIN_ACTIONS.items()}, **raw_actions} if isinstance(raw_actions, dict) \
         else raw_actions
     actions = _validate_table("actions", merged, ActionSettings, registry.action_class, problems)
-    for name, settings in checks.items():
+    bindings = {f"checks.{name}": settings.actions for name, settings in checks.items()}
+    for where, binding in {**bindings, "ledger": ledger.actions}.items():
         for level in ("warning", "critical", "resolved"):
-            for action in getattr(settings.actions, level):
+            for action in getattr(binding, level):
                 if action not in merged:
-                    problems.append(f"checks.{name}.actions.{level}: unknown action {action!r} "
+                    problems.append(f"{where}.actions.{level}: unknown action {action!r} "
                                     f"(defined: {', '.join(sorted(merged))})")
     if problems or agent is None:
         raise ConfigError(source, problems)
-    return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source), jobs=jobs, actions=actions)
+    return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source), jobs=jobs, actions=actions,
+                  ledger=ledger)
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; more is not one
@@ -196,4 +206,4 @@ def default_config(registry: Registry = DEFAULT_REGISTRY, nvml_probe: Callable[[
             log.info("GPU checks off", extra=kv(reason=reason))
     config = parse_config(raw, "(built-in default)", registry)
     return Config(agent=agent, checks=config.checks, notifiers=config.notifiers, source=None, jobs=config.jobs,
-                  actions=config.actions)
+                  actions=config.actions, ledger=config.ledger)
