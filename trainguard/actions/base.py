@@ -141,6 +141,9 @@ class ActionContext:
     # What the `resume` action asks, in order, before it lifts a drain (ResumeGate): the lemon hold, then the
     # validation the site configured. Empty: none.
     resume_gates: tuple[ResumeGate, ...] = ()
+    # A lemon rule holds the node (trainguard.pipeline.ledger): a drain gives this reason, whatever incident asked
+    # for it, so that the node's SLURM reason says why it stays out (two drains at once would race otherwise).
+    held_reason: str = ""
 
     def done(self) -> None:
         """The event's actions are over: the reports this list asked for or joined served them."""

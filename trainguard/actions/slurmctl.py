@@ -98,11 +98,12 @@ class DrainAction(Action):
     settings: DrainSettings
 
     def plan(self, ctx: ActionContext) -> str:
-        return (f"drain node {ctx.node} reason={drain_reason(ctx.event.summary)!r} unless {self.settings.max_drained} "
+        return (f"drain node {ctx.node} reason={drain_reason(ctx.held_reason or ctx.event.summary)!r} unless "
+                f"{self.settings.max_drained} "
                 "of its partitions are already drained by trainguard")
 
     def run(self, ctx: ActionContext) -> str:
-        reason = drain_reason(ctx.event.summary)
+        reason = drain_reason(ctx.held_reason or ctx.event.summary)
         # One query of the node table per drain (a rare event), never per round.
         view = partition_view(_slurm("drain", ctx.slurm.run, "sinfo", "-h", "-N", "-o", "%N|%P|%T|%E"), ctx.node)
         limit = self.settings.limit(view.nodes)

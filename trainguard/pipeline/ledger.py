@@ -332,6 +332,11 @@ class Ledger:
                 continue
         return out
 
+    def held_reason(self) -> str:
+        """The reason of the oldest hold standing, "" for none: what a drain of the node says meanwhile."""
+        holds = sorted(self.held().values(), key=lambda h: h.since)
+        return holds[0].reason if holds else ""
+
     def release(self, subject: str) -> Hold | None:
         """An operator cleared the hold."""
         with self._lock:

@@ -236,7 +236,7 @@ class Responder:
             others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                            if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
             ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports,
-                                resume_gates=self.resume_gates)
+                                resume_gates=self.resume_gates, held_reason=self._held_reason())
             self._watch_again(ctx, reports or {})
             self._keep(list_id, {**entry, "jobs": [_brief(j) for j in jobs], "reports": self._reports_asked(ctx)})
             self._run_list(ctx, names, list_id)
@@ -397,6 +397,13 @@ class Responder:
                     log.error("forgetting the subject's history failed", extra=kv(
                         check=event.check, subject=event.subject, error=exc))
 
+    def _held_reason(self) -> str:
+        try:
+            return self.ledger.held_reason() if self.ledger is not None else ""
+        except Exception as exc:  # noqa: BLE001 - the drain goes on with the incident's own reason
+            log.error("reading the lemon holds failed", extra=kv(error=exc))
+            return ""
+
     def _to_ledger(self, event: Event, action: Action, record: dict[str, Any]) -> None:
         if self.ledger is None:
             return
@@ -411,7 +418,7 @@ class Responder:
         if name not in self.actions:
             return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd, self.reports,
-                            resume_gates=self.resume_gates)
+                            resume_gates=self.resume_gates, held_reason=self._held_reason())
         try:
             return self.run_one(self.actions[name], ctx)
         finally:
