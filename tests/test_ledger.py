@@ -22,7 +22,7 @@ from trainguard.core.model import Status
 from trainguard.gpu.nvml import Nvml
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.incidents import Operator
-from trainguard.pipeline.ledger import DAY, Component, Ledger, LedgerSettings, read_history
+from trainguard.pipeline.ledger import DAY, Component, Ledger, LedgerSettings, LemonRule, read_history
 from trainguard.pipeline.lemon import NAME as LEMON
 from trainguard.pipeline.lemon import HoldGate
 from trainguard.pipeline.store import SCHEMA_VERSION, SchemaTooNewError, Store
@@ -184,8 +184,9 @@ def test_a_lemon_is_held_drained_resume_refuses_until_an_operator_clears_it(site
         model = ("model", "NVIDIA H100 80GB HBM3")
         assert samples[("trainguard_lemon_held", (("rule", "repeat-fault"),))] == 1
         assert samples[("trainguard_lemon_held", (("rule", "repeat-drain"),))] == 0
-        assert samples[("trainguard_ledger_faults", (("class", "gpu"), ("kind", "gpu"), model, ("window", "7d")))] == 2
-        assert samples[("trainguard_ledger_faults", (("class", "gpu"), ("kind", "gpu"), model, ("window", "1d")))] == 2
+        for window in ("1d", "7d", "30d"):
+            labels = (("class", "gpu"), ("kind", "gpu"), model, ("severity", "critical"), ("window", window))
+            assert samples[("trainguard_ledger_faults", labels)] == 2
         assert samples[("trainguard_ledger_components", (("kind", "gpu"), model))] == 1
         e.run_check(LEMON)  # the hold's own incident (the daemon's schedule runs it at once)
         for thread in list(e.responder.threads):
@@ -225,13 +226,14 @@ def incident_id_of(e: Engine, check: str) -> str:
 
 def ledger_at(tmp_path: Path, **settings: Any) -> tuple[Ledger, Clock]:
     clock = Clock()
+    tmp_path.mkdir(exist_ok=True)
     boot = tmp_path / "boot_id"
     boot.write_text("b1\n")
     return Ledger(Store(tmp_path), "node1", LedgerSettings(boot_id_path=boot, **settings), clock), clock
 
 
-def fault(clock: Clock, details: dict[str, Any], check: str = "xid") -> Event:
-    return Event(EventKind.FIRED, f"i{clock.now}", check, "s", Status.CRITICAL, "a fault", "node1", clock.now,
+def fault(clock: Clock, details: dict[str, Any], check: str = "xid", status: Status = Status.CRITICAL) -> Event:
+    return Event(EventKind.FIRED, f"i{clock.now}", check, "s", status, "a fault", "node1", clock.now,
                  clock.now, details=details)
 
 
@@ -249,6 +251,20 @@ def test_repeat_fault_counts_one_component_and_one_fault_seen_twice_once(tmp_pat
     clock.now += DAY
     [hold] = ledger.on_event(fault(clock, gpu), "xid")
     assert hold.reason == "GPU 1320...0009 XID 79 2x in 7d: RMA" and hold.rule == "repeat-fault"
+
+
+def test_warnings_are_recorded_but_count_only_for_a_rule_that_asks_for_them(tmp_path: Path) -> None:
+    ledger, clock = ledger_at(tmp_path)
+    app = {"uuid": "GPU-1", "serial": "1320000000009", "xids": [{"xid": 31}]}  # an application's MMU fault
+    for _ in range(3):
+        assert ledger.on_event(fault(clock, app, status=Status.WARNING), "xid") == []
+        clock.now += 3600
+    assert [r.data["status"] for r in ledger.history()] == ["WARNING"] * 3
+    strict, clock = ledger_at(tmp_path / "strict", rules={"xid31": LemonRule(severity="warning", count=3)})
+    for _ in range(3):
+        held = strict.on_event(fault(clock, app, status=Status.WARNING), "xid")
+        clock.now += 3600
+    assert [h.reason for h in held] == ["GPU 1320...0009 XID 31 3x in 2h: inspect"]
 
 
 def test_nic_flap_holds_an_hca_after_three_degradations_in_an_hour(tmp_path: Path) -> None:

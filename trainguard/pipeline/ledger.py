@@ -36,6 +36,8 @@ HELD_KEY = "ledger.held"
 IDENTITIES_KEY = "ledger.identities"
 KINDS = ("gpu", "hca", "nvswitch", "node")
 RECORDED = {EventKind.FIRED: "fault", EventKind.ESCALATED: "escalate", EventKind.RESOLVED: "resolve"}
+FAULTS = ("fault", "escalate")  # an incident that fired, or got worse: what the rules and the metrics count
+SEVERITY = {"critical": ("CRITICAL",), "warning": ("CRITICAL", "WARNING")}  # counted at each rule's `severity`
 PRUNE_EVERY_S = 3600.0
 HISTORY_IN_HOLD = 10  # the latest entries a hold (and its alert) quotes
 
@@ -53,6 +55,9 @@ class LemonRule(SettingsModel):
     count: int = Field(2, ge=1, le=1000, description="Held at this many within `within`.")
     within: Duration = Field(7 * DAY, gt=0, description="The window the count is over.")
     verdict: str = Field("inspect", max_length=40, description="What to do, the drain reason's last words.")
+    severity: Literal["critical", "warning"] = Field(
+        "critical", description="The least severe fault counted: `critical` (a GPU off the bus, a failed row remap, a "
+                                "link down), or `warning` too (an application's XID 31, a pending row remap).")
 
     @field_validator("kinds")
     @classmethod
@@ -262,7 +267,7 @@ class Ledger:
         data = {"check": event.check, "subject": event.subject, "status": event.status.name,
                 "incident": event.incident_id, "label": fault_label(cls, event.details)}
         self._add(component, what, cls, event.summary, data, at=event.at)
-        return self.judge(component, "fault") if what == "fault" else []
+        return self.judge(component, "fault") if what in FAULTS else []
 
     def on_action(self, event: Event, kind: str, record: Mapping[str, Any]) -> list[Hold]:
         """An action's outcome: a drain or resume done is recorded against the node, and a drain judged."""
@@ -297,8 +302,9 @@ class Ledger:
             if subject in held or any(h.subject == subject for h in new):
                 continue
             rows = self.store.ledger_rows(now - rule.within, None if whole else component.id,
-                                          events=("fault",) if event == "fault" else ("drain",))
-            rows = [r for r in rows if not rule.kinds or r.kind in rule.kinds]
+                                          events=FAULTS if event == "fault" else ("drain",))
+            rows = [r for r in rows if (not rule.kinds or r.kind in rule.kinds)
+                    and (event != "fault" or r.data.get("status") in SEVERITY[rule.severity])]
             firsts = episodes((r.at for r in rows), self.settings.same_fault_within)
             if len(firsts) < rule.count:
                 continue

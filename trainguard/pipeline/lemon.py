@@ -11,13 +11,15 @@ from trainguard.actions.base import ActionContext
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.core.model import Metric, Result, Status
 from trainguard.pipeline.ledger import DAY, Hold, Ledger, LedgerSettings, episodes
+from trainguard.pipeline.ledger import FAULTS as LEDGER_FAULTS
 
 NAME = "lemon"  # reserved: no configured check may take it
 HELD = Metric("trainguard_lemon_held", "1 while a lemon rule holds this node drained (until an operator clears it), "
                                        "by rule; 0 for each other rule.", ("rule",))
 FAULTS = Metric("trainguard_ledger_faults", "Hardware faults in this node's ledger over the window, by component kind, "
-                                            "fault class (the check type) and model (a GPU's name); one fault seen by "
-                                            "several checks counts once.", ("kind", "class", "model", "window"))
+                                            "fault class (the check type), model (a GPU's name) and severity "
+                                            "(critical, warning); one fault seen by several checks counts once.",
+                ("kind", "class", "model", "severity", "window"))
 COMPONENTS = Metric("trainguard_ledger_components", "GPUs of this node the ledger knows this boot, by model: with "
                                                     "trainguard_ledger_faults, the MTBF per model.", ("kind", "model"))
 WINDOWS = {"1d": DAY, "7d": 7 * DAY, "30d": 30 * DAY}
@@ -52,17 +54,20 @@ class LemonCheck(Check):
 
     def fault_samples(self) -> list:  # type: ignore[type-arg]
         now = self.context.clock()
-        rows = self.ledger.store.ledger_rows(now - max(WINDOWS.values()), events=("fault",))
-        per: dict[tuple[str, str, str, str], list[float]] = {}
+        rows = self.ledger.store.ledger_rows(now - max(WINDOWS.values()), events=LEDGER_FAULTS)
+        per: dict[tuple[str, str, str, str, str], list[float]] = {}
         for r in rows:
-            per.setdefault((r.kind, r.cls, r.model, r.component), []).append(r.at)
-        counts: Counter[tuple[str, str, str, str]] = Counter()
-        for (kind, cls, model, _), times in per.items():
+            severity = str(r.data.get("status") or "").lower()
+            if severity in ("critical", "warning"):
+                per.setdefault((r.kind, r.cls, r.model, severity, r.component), []).append(r.at)
+        counts: Counter[tuple[str, str, str, str, str]] = Counter()
+        for (kind, cls, model, severity, _), times in per.items():
             for first in episodes(times, self.gap):
                 for window, size in WINDOWS.items():
                     if first >= now - size:
-                        counts[(kind, cls, model, window)] += 1
-        samples = [FAULTS(n, {"kind": k, "class": c, "model": m, "window": w}) for (k, c, m, w), n in sorted(counts.items())]
+                        counts[(kind, cls, model or "unknown", severity, window)] += 1
+        samples = [FAULTS(n, {"kind": k, "class": c, "model": m, "severity": s, "window": w})
+                   for (k, c, m, s, w), n in sorted(counts.items())]
         models = Counter(self.ledger.present())
         samples += [COMPONENTS(n, {"kind": "gpu", "model": m}) for m, n in sorted(models.items())]
         return samples
