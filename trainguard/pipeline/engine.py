@@ -432,6 +432,8 @@ class Engine:
             self.ledger.on_event(event, self._states[event.check].kind)
         except Exception as exc:  # noqa: BLE001 - the ledger is history: the alert and its actions go on
             log.error("recording the incident in the ledger failed", extra=kv(check=event.check, error=exc))
+            return
+        self.trigger(LEMON_NAME)  # its gauges count the fault now, not at its next run a minute on
 
     # operators -------------------------------------------------------------------
     def _refuse_if_stopping(self) -> None:
