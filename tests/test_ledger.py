@@ -27,6 +27,7 @@ from trainguard.pipeline.lemon import NAME as LEMON
 from trainguard.pipeline.lemon import HoldGate
 from trainguard.pipeline.store import SCHEMA_VERSION, SchemaTooNewError, Store
 
+from .conftest import AgentProcess, wait_until
 from .helpers.fake_nvml import FakeGpu, FakeNvml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,6 +159,58 @@ def test_the_ledger_outlives_a_restart_and_a_reboot_and_a_swapped_gpu_starts_cle
     table = subprocess.run([sys.executable, "-m", "trainguard", "history", "-c", str(site["config"]), "--node"],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and " reboot " in table.stdout and " drain " in table.stdout, table
+
+
+def test_the_agent_keeps_its_ledger_across_a_restart_and_records_a_reboot(
+        tmp_path: Path, agent_process: Any) -> None:
+    """The daemon itself (its settings passed as plain values): a GPU whose row remap failed, two restarts, a new
+    boot id before the second."""
+    boot = tmp_path / "boot_id"
+    boot.write_text("22222222-aaaa-4bbb-8ccc-000000000001\n")
+    state = tmp_path / "state"
+    config = tmp_path / "trainguard.toml"
+    config.write_text(f"""
+[agent]
+state_dir = "{state}"
+listen = ""
+node_name = "node7"
+[jobs]
+sources = []
+[checks.gpu]
+interval = "1s"
+jitter = "0s"
+actions = {{ critical = [], warning = [] }}
+[ledger]
+boot_id_path = "{boot}"
+[notifiers.console]
+""")
+    env = {"TRAINGUARD_FAKE_GPUS": "2", "TRAINGUARD_FAKE_GPU_FAULT": "remap_failed"}
+
+    def faults() -> list[Any]:
+        return [r for r in read_history(state, 0)[0] if r.event == "fault" and r.data["status"] == "CRITICAL"]
+
+    def run(log: str, until: Any) -> None:
+        agent: AgentProcess = agent_process(config, env=env, log_name=log, module="tests.helpers.fake_gpu_agent")
+        agent.wait_for("first round done", timeout=30)  # the gpu check ran and its results went in
+        wait_until(until, 30, what=f"the ledger's entries ({log})")
+        agent.signal(15)
+        assert agent.wait(20) == 0
+
+    run("first.log", faults)
+    [fault] = faults()
+    assert fault.kind == "gpu" and fault.component.startswith("1320") and len(fault.component) == 13
+    assert "row remapping failed" in fault.summary and fault.model == "NVIDIA H100 80GB HBM3"
+    run("second.log", lambda: True)  # a restart: the incident is still the one fired, no second fault, no reboot
+    assert faults() == [fault] and not [r for r in read_history(state, 0)[0] if r.event == "reboot"]
+    boot.write_text("22222222-aaaa-4bbb-8ccc-000000000002\n")
+    run("third.log", lambda: [r for r in read_history(state, 0)[0] if r.event == "reboot"])
+    assert faults() == [fault]
+    out = subprocess.run([sys.executable, "-m", "trainguard", "history", "-c", str(config), "--node", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [reboot] = json.loads(out.stdout)["entries"]
+    assert (reboot["event"], reboot["component"], reboot["data"]["previous"]) == (
+        "reboot", "node7", "22222222-aaaa-4bbb-8ccc-000000000001")
 
 
 def test_a_lemon_is_held_drained_resume_refuses_until_an_operator_clears_it(site: dict[str, Any]) -> None:

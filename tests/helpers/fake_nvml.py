@@ -6,6 +6,7 @@ Only tests import it; the product always loads the real pynvml.
 from __future__ import annotations
 
 import ctypes
+import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -131,7 +132,7 @@ class FakeNvml:
 
     def nvmlDeviceGetSerial(self, h: int) -> str:  # noqa: N802
         g = self._gpu("nvmlDeviceGetSerial", h)
-        return g.serial or "1320" + "".join(c for c in g.uuid if c.isdigit())[-9:].rjust(9, "0")
+        return g.serial or f"1320{zlib.crc32(g.uuid.encode()) % 10**9:09d}"  # a board serial is 13 digits
 
     def nvmlDeviceGetName(self, h: int) -> str:  # noqa: N802
         return self._gpu("nvmlDeviceGetName", h).name
