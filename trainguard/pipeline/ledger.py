@@ -180,6 +180,7 @@ class Ledger:
         self.on_hold = on_hold
         self.boot_id = read_boot_id(settings.boot_id_path)
         self._lock = threading.Lock()
+        self._judging = threading.Lock()  # one judgement at a time: two checks' faults at once hold a part once
         self._pruned_at = -PRUNE_EVERY_S
         ids = self._load(IDENTITIES_KEY)
         self._serials: dict[str, dict[str, str]] = dict(ids.get("uuid") or {})  # uuid -> serial, model
@@ -291,6 +292,13 @@ class Ledger:
     def judge(self, component: Component, event: str) -> list[Hold]:
         """The rules that count `event`s, on the entries of `component` (or the node); new holds are kept, recorded
         and announced through `on_hold`."""
+        with self._judging:
+            new = self._judge(component, event)
+        if new and self.on_hold is not None:
+            self.on_hold()
+        return new
+
+    def _judge(self, component: Component, event: str) -> list[Hold]:
         now = self.clock()
         held = self.held()
         new: list[Hold] = []
@@ -325,8 +333,6 @@ class Ledger:
             self._add(Component(hold.kind, hold.component), "lemon", hold.rule, hold.reason, {"rule": hold.rule})
             log.warning("lemon: held drained until an operator clears it", extra=kv(
                 rule=hold.rule, component=hold.component, reason=hold.reason))
-        if self.on_hold is not None:
-            self.on_hold()
         return new
 
     def held(self) -> dict[str, Hold]:
