@@ -18,7 +18,7 @@ import pytest
 
 from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
-from trainguard.core.model import Status
+from trainguard.core.model import Result, Status
 from trainguard.gpu.nvml import Nvml
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.incidents import Operator
@@ -277,11 +277,11 @@ def incident_id_of(e: Engine, check: str) -> str:
     return str(events[-1].data["incident"])
 
 
-def ledger_at(tmp_path: Path, **settings: Any) -> tuple[Ledger, Clock]:
+def ledger_at(tmp_path: Path, boot_id: str = "b1", **settings: Any) -> tuple[Ledger, Clock]:
     clock = Clock()
     tmp_path.mkdir(exist_ok=True)
     boot = tmp_path / "boot_id"
-    boot.write_text("b1\n")
+    boot.write_text(boot_id + "\n")
     return Ledger(Store(tmp_path), "node1", LedgerSettings(boot_id_path=boot, **settings), clock), clock
 
 
@@ -318,6 +318,17 @@ def test_warnings_are_recorded_but_count_only_for_a_rule_that_asks_for_them(tmp_
         held = strict.on_event(fault(clock, app, status=Status.WARNING), "xid")
         clock.now += 3600
     assert [h.reason for h in held] == ["GPU 1320...0009 XID 31 3x in 2h: inspect"]
+
+
+def test_an_xid_that_names_only_the_bus_is_the_gpu_that_answered_there_this_boot(tmp_path: Path) -> None:
+    ledger, _ = ledger_at(tmp_path)
+    ledger.learn([Result("gpu", "GPU-7", Status.OK, "GPU 0", {"uuid": "GPU-7", "serial": "1320000000777",
+                                                               "name": "NVIDIA H200", "bus_id": "0000:18:00"})])
+    lost = {"bus_id": "0000:18:00", "uuid": None, "xids": [{"xid": 79}]}  # off the bus: the driver names no uuid
+    assert ledger.identify(lost) == Component("gpu", "1320000000777", "GPU-7", "0000:18:00", "NVIDIA H200")
+    again, _ = ledger_at(tmp_path, "b2")  # after a reboot the slot may hold another board
+    assert again.identify(lost) == Component("gpu", "pci:0000:18:00", bus_id="0000:18:00")
+    assert again.identify({"uuid": "GPU-7"}).id == "1320000000777"  # a UUID is the board's, whatever the boot
 
 
 def test_nic_flap_holds_an_hca_after_three_degradations_in_an_hour(tmp_path: Path) -> None:

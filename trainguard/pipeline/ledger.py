@@ -236,6 +236,8 @@ class Ledger:
                              model=str(details.get("hca_type") or ""))
         if details.get("switch") and bus:
             return Component("nvswitch", bus, bus_id=bus)
+        if bus:  # a GPU that never answered NVML this boot (off the bus at start): its slot is all there is
+            return Component("gpu", f"pci:{bus}", bus_id=bus)
         return Component("node", self.node)
 
     # recording -----------------------------------------------------------------------------------------------
