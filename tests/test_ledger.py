@@ -313,11 +313,13 @@ def test_warnings_are_recorded_but_count_only_for_a_rule_that_asks_for_them(tmp_
         assert ledger.on_event(fault(clock, app, status=Status.WARNING), "xid") == []
         clock.now += 3600
     assert [r.data["status"] for r in ledger.history()] == ["WARNING"] * 3
-    strict, clock = ledger_at(tmp_path / "strict", rules={"xid31": LemonRule(severity="warning", count=3)})
-    for _ in range(3):
-        held = strict.on_event(fault(clock, app, status=Status.WARNING), "xid")
+    strict, clock = ledger_at(tmp_path / "strict", rules={"xid31": LemonRule(severity="warning", count=3,
+                                                                               classes=["xid"])})
+    for check in ("xid", "gpu_config", "xid", "xid"):  # a config warning is not of the class counted
+        held = strict.on_event(fault(clock, app if check == "xid" else {"uuid": "GPU-1"}, check,
+                                     status=Status.WARNING), check)
         clock.now += 3600
-    assert [h.reason for h in held] == ["GPU 1320...0009 XID 31 3x in 2h: inspect"]
+    assert [h.reason for h in held] == ["GPU 1320...0009 XID 31 3x in 3h: inspect"]
 
 
 def test_an_xid_that_names_only_the_bus_is_the_gpu_that_answered_there_this_boot(tmp_path: Path) -> None:

@@ -52,6 +52,9 @@ class LemonRule(SettingsModel):
                                                                     "a hardware check firing) or drains of the node.")
     kinds: list[str] = Field(default_factory=list, description="Component kinds counted (gpu, hca, nvswitch, node); "
                                                                "empty: every kind.")
+    classes: list[str] = Field(default_factory=list, description="Fault classes counted: the hardware checks' types "
+                                                                 "(xid, gpu, nvlink, pcie, infiniband, fabric, ...); "
+                                                                 "empty: every class.")
     count: int = Field(2, ge=1, le=1000, description="Held at this many within `within`.")
     within: Duration = Field(7 * DAY, gt=0, description="The window the count is over.")
     verdict: str = Field("inspect", max_length=40, description="What to do, the drain reason's last words.")
@@ -314,7 +317,8 @@ class Ledger:
             rows = self.store.ledger_rows(now - rule.within, None if whole else component.id,
                                           events=FAULTS if event == "fault" else ("drain",))
             rows = [r for r in rows if (not rule.kinds or r.kind in rule.kinds)
-                    and (event != "fault" or r.data.get("status") in SEVERITY[rule.severity])]
+                    and (event != "fault" or (r.data.get("status") in SEVERITY[rule.severity]
+                                              and (not rule.classes or r.cls in rule.classes)))]
             firsts = episodes((r.at for r in rows), self.settings.same_fault_within)
             if len(firsts) < rule.count:
                 continue
