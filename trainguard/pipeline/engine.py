@@ -134,13 +134,8 @@ class Engine:
             refused = lambda: self.responder.refused()  # noqa: E731, PLW0108
             self.checks[SELF_NAME] = AgentCheck(shared, self.store, config.warnings(), refused=refused,
                                                 usage=self.own_usage)
-        self.ledger: Ledger | None = None
-        gates: list[ResumeGate] = []
-        if ledger:
-            self.ledger = Ledger(self.store, self.node, config.ledger, clock, on_hold=lambda: self.trigger(LEMON_NAME))
-            self.checks[LEMON_NAME] = LemonCheck(shared, self.ledger, config.ledger)
-            gates.append(HoldGate(self.ledger))
-        gates.extend(resume_gates)
+        self.ledger = self._with_ledger(shared) if ledger else None
+        gates = ([HoldGate(self.ledger)] if self.ledger else []) + list(resume_gates)
         self.runners = {name: CheckRunner(check, clock, self._wake_at) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
                                          c.settings.interval) for name, c in self.checks.items()}
@@ -168,6 +163,12 @@ class Engine:
         self._late_pending: set[str] = set()  # checks with a late report waiting for `_late`
         # subjects whose history a check forgets before its next run (asked while a run was blocked past its timeout)
         self._forgotten: dict[str, list[tuple[str, float]]] = {name: [] for name in self.checks}
+
+    def _with_ledger(self, context: CheckContext) -> Ledger:
+        """The node ledger, and the check of the agent's own that holds a lemon (trainguard.pipeline.lemon)."""
+        ledger = Ledger(self.store, self.node, self.config.ledger, self.clock, on_hold=lambda: self.trigger(LEMON_NAME))
+        self.checks[LEMON_NAME] = LemonCheck(context, ledger, self.config.ledger)
+        return ledger
 
     @staticmethod
     def _build_check(registry: Registry, kind: str, name: str, settings: CheckSettings,
