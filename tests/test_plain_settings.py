@@ -262,7 +262,7 @@ def test_a_validator_that_gives_no_answer_is_not_a_config_error(tmp_path: Path, 
 RUN_PROBE = """
 import json, os, sys, types
 from trainguard import cli
-def run_daemon(config):  # in place of the daemon: what `run` hands it, and in what process
+def run_daemon(config, reload=None):  # in place of the daemon: what `run` hands it, and in what process
     from trainguard.core.settings import PLAIN
     print(json.dumps({"plain": PLAIN, "switch": os.environ.get("TRAINGUARD_PLAIN_SETTINGS"),
                       "pydantic": "pydantic" in sys.modules, "checks": sorted(config.checks)}))

@@ -28,6 +28,9 @@ EXIT_CONFIG = 2
 # trainguard group's). Apart from 0-3 (`check`'s Nagios codes, the operator commands') and 4 (sent, not
 # answered), so that a script never reads it as a status.
 EXIT_NOPERM = 77
+# sysexits.h's EX_DATAERR: the state database is a newer release's; the agent refuses the downgrade (the unit's
+# RestartPreventExitStatus keeps systemd from trying again every 5 s).
+EXIT_SCHEMA = 65
 OPERATOR_EXIT = (" Exit code: 0 done, 1 refused (the message says why), 3 the agent was not reached or the "
                  "exchange failed, 4 sent and not answered yet (do not run it again: `trainguard status`), "
                  f"{EXIT_NOPERM} this user may not (root and the trainguard group only).")
@@ -86,6 +89,21 @@ def _parser() -> argparse.ArgumentParser:
                                                + OPERATOR_EXIT))
     p.add_argument("target", metavar="CHECK/SUBJECT")
     p.add_argument("--reason", required=True, help="what was fixed (recorded and announced)")
+    p = with_config(sub.add_parser(
+        "history", help="the node ledger: faults, drains, resumes, reboots and repairs, by component",
+        description="Print this node's ledger from the state database (read only; root, or the service user): every "
+                    "hardware fault, drain, resume, reboot, lemon hold and operator's clear, against the component's "
+                    "identity (a GPU's serial, an HCA's node GUID, the node), and the lemon holds standing "
+                    "(docs/node-lifecycle.md). Exit code: 0, 1 no state database, "
+                    f"{EXIT_SCHEMA} a newer release's database, {EXIT_NOPERM} this user may not read it."))
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--gpu", metavar="SERIAL|UUID", help="only this GPU")
+    which.add_argument("--component", metavar="ID", help="only this component (an HCA's node GUID, an NVSwitch's "
+                                                         "PCI address)")
+    which.add_argument("--node", action="store_true", help="only the node's own entries (drains, resumes, reboots)")
+    p.add_argument("--since", default="30d", type=duration_arg, metavar="DURATION",
+                   help="entries newer than this (default 30d; the ledger keeps ledger.retention, 90d)")
+    p.add_argument("--json", action="store_true", help="print JSON")
     with_config(sub.add_parser("validate", help="check a config file and print the effective config",
                                description="Validate a config file and print the effective config (secrets redacted)."))
     p = with_config(sub.add_parser("notify-test", help="send a test message through the configured channels",
@@ -203,6 +221,14 @@ def since_arg(value: str) -> float | None:
         return parse_duration(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, or 'boot'") from None
+
+
+def duration_arg(value: str) -> str:
+    try:
+        parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def kernel_since_usec(seconds: float | None) -> int | None:
@@ -501,6 +527,37 @@ def cmd_operator(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_history(config: Config, args: argparse.Namespace) -> int:
+    import time
+    from dataclasses import asdict
+
+    from trainguard.pipeline.ledger import read_history
+    from trainguard.pipeline.store import SchemaTooNewError
+
+    component = args.gpu or args.component or (config.agent.node_name if args.node else None)
+    try:
+        rows, held = read_history(config.agent.state_dir, time.time() - parse_duration(args.since), component,
+                                  "gpu" if args.gpu else None)
+    except SchemaTooNewError as exc:
+        print(f"trainguard history: {exc}", file=sys.stderr)
+        return EXIT_SCHEMA
+    except FileNotFoundError as exc:
+        print(f"trainguard history: {exc}: the agent has not run here with this config", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"held": [asdict(h) for h in held], "entries": [asdict(r) for r in rows]}, indent=2))
+        return 0
+    for hold in held:
+        print(f"HELD ({hold.rule}): {hold.reason}; trainguard clear lemon/{hold.subject} --reason ... once repaired")
+    if not rows:
+        print("no entries" + (f" for {component}" if component else "") + f" in the last {args.since}")
+        return 0
+    print(_table([["WHEN (UTC)", "KIND", "COMPONENT", "EVENT", "CLASS", "SUMMARY"]] + [
+        [time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.at)), r.kind, r.component, r.event, r.cls or "-",
+         one_line(r.summary, 120)] for r in rows]))
+    return 0
+
+
 def cmd_install(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -549,8 +606,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"trainguard: {args.command} needs root or the trainguard group ({_refused(exc)})", file=sys.stderr)
         return EXIT_NOPERM
     from trainguard.agent.daemon import run_daemon
+    from trainguard.pipeline.store import SchemaTooNewError
 
-    return run_daemon(config, reload=_reloader(args))
+    try:
+        return run_daemon(config, reload=_reloader(args))
+    except SchemaTooNewError as exc:  # a downgrade: refused in one line, the database left as it is
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return EXIT_SCHEMA
 
 
 def _refused(exc: PermissionError) -> str:
@@ -597,6 +659,8 @@ def _one_shot(config: Config, args: argparse.Namespace) -> int:
         return cmd_operator(config, args)
     if args.command == "kernel":
         return cmd_kernel(config, args.lines, args.json, args.markdown)
+    if args.command == "history":
+        return cmd_history(config, args)
     assert args.command == "xid", args.command
     if args.markdown:
         from trainguard.reference import xid_markdown

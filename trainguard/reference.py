@@ -23,6 +23,7 @@ from trainguard.core.model import Metric
 from trainguard.jobs.settings import JobsSettings
 from trainguard.notifiers.base import NotifierSettings
 from trainguard.pipeline.config import AgentSettings
+from trainguard.pipeline.ledger import LedgerSettings
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 
 HEADER = """# Configuration reference
@@ -123,9 +124,10 @@ def _type_doc(cls: Any) -> str:
 
 def markdown(registry: Registry = DEFAULT_REGISTRY) -> str:
     seen: set[type[BaseModel]] = set()
-    out = [HEADER, "## Agent and jobs\n"]
+    out = [HEADER, "## Agent, jobs and the ledger\n"]
     out += _table("agent", AgentSettings, seen=seen)
     out += _table("jobs", JobsSettings, seen=seen)
+    out += _table("ledger", LedgerSettings, seen=seen)
     out.append("## Checks\n")
     out.append("Each `[checks.NAME]` table runs one check; `type` defaults to NAME. Every check has these keys:\n")
     out += _table("checks.NAME", CheckSettings, seen=seen)

@@ -6,6 +6,7 @@ Only tests import it; the product always loads the real pynvml.
 from __future__ import annotations
 
 import ctypes
+import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +61,7 @@ NVMLError_Unknown = _error("NVMLError_Unknown", 999, "Unknown Error")
 class FakeGpu:
     uuid: str
     name: str = "NVIDIA H100 80GB HBM3"
+    serial: str = ""  # "": derived from the uuid (a board serial is 13 digits)
     bus_id: bytes = b"00000000:18:00.0"
     total: int = 80 * 2**30
     used: int = 2 * 2**30
@@ -127,6 +129,10 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, h: int) -> str:  # noqa: N802
         return self._gpu("nvmlDeviceGetUUID", h).uuid
+
+    def nvmlDeviceGetSerial(self, h: int) -> str:  # noqa: N802
+        g = self._gpu("nvmlDeviceGetSerial", h)
+        return g.serial or f"1320{zlib.crc32(g.uuid.encode()) % 10**9:09d}"  # a board serial is 13 digits
 
     def nvmlDeviceGetName(self, h: int) -> str:  # noqa: N802
         return self._gpu("nvmlDeviceGetName", h).name

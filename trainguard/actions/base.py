@@ -113,6 +113,18 @@ class Reports:
             report.close()
 
 
+class ResumeGate(Protocol):
+    """What must hold before the `resume` action lifts a drain, asked in order after the node's other CRITICAL
+    incidents. `check` returns (True, "") to let the resume go on, or (False, why) to keep the node drained: the
+    resume is then skipped with `why` on the incident. Gates: the lemon hold (trainguard.pipeline.lemon.HoldGate);
+    a repair's validation (run the configured diagnostics, pass or keep drained) plugs in here too. A gate may take
+    as long as the resume action's `timeout` allows, and must not raise for a failing test (say so in `why`)."""
+
+    name: str
+
+    def check(self, ctx: ActionContext) -> tuple[bool, str]: ...
+
+
 @dataclass(frozen=True)
 class ActionContext:
     event: Event
@@ -126,6 +138,12 @@ class ActionContext:
     # (`requeue`): the agent's, shared by its lists; this list's hold on them ends with done().
     reports: Reports = field(default_factory=Reports)
     actions: ActionList = field(default_factory=ActionList)
+    # What the `resume` action asks, in order, before it lifts a drain (ResumeGate): the lemon hold, then the
+    # validation the site configured. Empty: none.
+    resume_gates: tuple[ResumeGate, ...] = ()
+    # A lemon rule holds the node (trainguard.pipeline.ledger): a drain gives this reason, whatever incident asked
+    # for it, so that the node's SLURM reason says why it stays out (two drains at once would race otherwise).
+    held_reason: str = ""
 
     def done(self) -> None:
         """The event's actions are over: the reports this list asked for or joined served them."""

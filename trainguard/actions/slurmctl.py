@@ -98,11 +98,12 @@ class DrainAction(Action):
     settings: DrainSettings
 
     def plan(self, ctx: ActionContext) -> str:
-        return (f"drain node {ctx.node} reason={drain_reason(ctx.event.summary)!r} unless {self.settings.max_drained} "
+        return (f"drain node {ctx.node} reason={drain_reason(ctx.held_reason or ctx.event.summary)!r} unless "
+                f"{self.settings.max_drained} "
                 "of its partitions are already drained by trainguard")
 
     def run(self, ctx: ActionContext) -> str:
-        reason = drain_reason(ctx.event.summary)
+        reason = drain_reason(ctx.held_reason or ctx.event.summary)
         # One query of the node table per drain (a rare event), never per round.
         view = partition_view(_slurm("drain", ctx.slurm.run, "sinfo", "-h", "-N", "-o", "%N|%P|%T|%E"), ctx.node)
         limit = self.settings.limit(view.nodes)
@@ -136,6 +137,10 @@ class ResumeAction(Action):
             raise ActionSkippedError(f"{ctx.node} drained by someone else ({reason!r}): left alone")
         if ctx.others_critical:
             raise ActionSkippedError(f"{ctx.node} left drained: still critical: {', '.join(ctx.others_critical)}")
+        for gate in ctx.resume_gates:
+            ok, why = gate.check(ctx)
+            if not ok:
+                raise ActionSkippedError(f"{ctx.node} left drained: {gate.name}: {why}")
         _slurm("resume", ctx.slurm.resume, ctx.node)
         return f"resumed {ctx.node} (was: {reason})"
 

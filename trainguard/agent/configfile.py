@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -28,10 +28,13 @@ from trainguard.pipeline.config import (
     ConfigError,
     resolve_config_path,
 )
+from trainguard.pipeline.ledger import LedgerSettings
+from trainguard.pipeline.lemon import NAME as LEMON_NAME
 from trainguard.pipeline.selfcheck import NAME as SELF_NAME
 from trainguard.registry import BUILTIN_ACTIONS, DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("trainguard.config")
+M = TypeVar("M", bound=BaseModel)
 
 
 def _format_validation_error(prefix: str, exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
@@ -77,39 +80,51 @@ def _validate_table(section: str, raw: Any, base: type, lookup: Any, problems: l
     return out
 
 
+def _section(name: str, model: type[M], raw: dict[str, Any], problems: list[str]) -> M:
+    """One section of plain settings (`[jobs]`, `[ledger]`): validated, or its defaults and the problems said."""
+    try:
+        return model.model_validate(raw.get(name, {}))
+    except ValidationError as exc:
+        problems.extend(_format_validation_error(name, exc))
+        return model()
+
+
+def _unknown_actions(bindings: dict[str, Any], defined: Iterable[str]) -> list[str]:
+    """Each action a binding names that no `[actions.NAME]` (nor a built-in one) defines."""
+    known = sorted(defined)
+    return [f"{where}.actions.{level}: unknown action {action!r} (defined: {', '.join(known)})"
+            for where, binding in bindings.items() for level in ("warning", "critical", "resolved")
+            for action in getattr(binding, level) if action not in known]
+
+
 def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_REGISTRY) -> Config:
     problems: list[str] = []
     for key in raw:
-        if key not in ("agent", "checks", "notifiers", "jobs", "actions"):
-            problems.append(f"{key}: unknown key (expected agent, checks, notifiers, jobs, actions)")
+        if key not in ("agent", "checks", "notifiers", "jobs", "actions", "ledger"):
+            problems.append(f"{key}: unknown key (expected agent, checks, notifiers, jobs, actions, ledger)")
     agent = None
     try:
         agent = AgentSettings.model_validate(raw.get("agent", {}))
     except ValidationError as exc:
         problems.extend(_format_validation_error("agent", exc))
     checks = _validate_table("checks", raw.get("checks", {}), CheckSettings, registry.check_class, problems)
-    if SELF_NAME in checks:
-        problems.append(f"checks.{SELF_NAME}: the name is reserved for the agent's own health check; choose another")
+    for reserved, what in ((SELF_NAME, "the agent's own health check"), (LEMON_NAME, "the lemon policy's hold")):
+        if reserved in checks:
+            problems.append(f"checks.{reserved}: the name is reserved for {what}; choose another")
     notifiers = _validate_table("notifiers", raw.get("notifiers", {}), NotifierSettings,
                                 registry.notifier_class, problems)
-    jobs = JobsSettings()
-    try:
-        jobs = JobsSettings.model_validate(raw.get("jobs", {}))
-    except ValidationError as exc:
-        problems.extend(_format_validation_error("jobs", exc))
+    jobs = _section("jobs", JobsSettings, raw, problems)
+    ledger = _section("ledger", LedgerSettings, raw, problems)
     raw_actions = raw.get("actions", {})
     merged = {**{k: dict(v) for k, v in BUILTIN_ACTIONS.items()}, **raw_actions} if isinstance(raw_actions, dict) \
         else raw_actions
     actions = _validate_table("actions", merged, ActionSettings, registry.action_class, problems)
-    for name, settings in checks.items():
-        for level in ("warning", "critical", "resolved"):
-            for action in getattr(settings.actions, level):
-                if action not in merged:
-                    problems.append(f"checks.{name}.actions.{level}: unknown action {action!r} "
-                                    f"(defined: {', '.join(sorted(merged))})")
+    problems += _unknown_actions({**{f"checks.{n}": c.actions for n, c in checks.items()}, "ledger": ledger.actions},
+                                 merged)
     if problems or agent is None:
         raise ConfigError(source, problems)
-    return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source), jobs=jobs, actions=actions)
+    return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source), jobs=jobs, actions=actions,
+                  ledger=ledger)
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; more is not one
@@ -196,4 +211,4 @@ def default_config(registry: Registry = DEFAULT_REGISTRY, nvml_probe: Callable[[
             log.info("GPU checks off", extra=kv(reason=reason))
     config = parse_config(raw, "(built-in default)", registry)
     return Config(agent=agent, checks=config.checks, notifiers=config.notifiers, source=None, jobs=config.jobs,
-                  actions=config.actions)
+                  actions=config.actions, ledger=config.ledger)

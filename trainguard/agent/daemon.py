@@ -51,7 +51,7 @@ class _Serving:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.engine = Engine(config, self_check=True)
+        self.engine = Engine(config, self_check=True, ledger=config.ledger.enabled)
         if not self.engine.store.persistent:
             log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))
         self.endpoint: HttpEndpoint | None = None
@@ -96,7 +96,7 @@ def changes(old: Config, new: Config) -> dict[str, str]:
                             ("changed", sorted(n for n in set(before) & set(after) if before[n] != after[n]))):
             if names:
                 out[f"{part}_{what}"] = ",".join(names)
-    for part in ("agent", "jobs"):
+    for part in ("agent", "jobs", "ledger"):
         if getattr(old, part) != getattr(new, part):
             out[f"{part}_changed"] = "yes"
     return out

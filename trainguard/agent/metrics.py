@@ -15,6 +15,7 @@ from trainguard import __version__
 from trainguard.core.events import jobs_of
 from trainguard.core.model import Metric, Sample, Status
 from trainguard.pipeline.engine import CheckState, Snapshot
+from trainguard.pipeline.lemon import LemonCheck
 from trainguard.pipeline.runner import RunReport
 from trainguard.pipeline.selfcheck import AgentCheck
 
@@ -65,7 +66,7 @@ MAX_TASKS = Metric("trainguard_agent_max_tasks", "The agent's service's limit on
 AGENT_METRICS = (BUILD_INFO, CHECK_STATUS, CHECK_DURATION, CHECK_LAST_RUN, CHECK_SUCCESS, CHECK_IDLE, CHECK_RUNS,
                  CHECK_TIMEOUTS, INCIDENTS_FIRING, INCIDENT_FIRING, INCIDENT_ACKED, INCIDENT_SILENCED, QUEUED,
                  OLDEST_QUEUED, SENT, FAILED, DROPPED, NOT_ROUTED, START_TIME, RSS, CPU, OPEN_FDS, MAX_FDS,
-                 THREADS, MAX_TASKS, *AgentCheck.metrics)
+                 THREADS, MAX_TASKS, *AgentCheck.metrics, *LemonCheck.metrics)
 
 
 # The text format every Prometheus reads (0.0.4); what is rendered below is exactly that format: declared

@@ -174,7 +174,8 @@ class InfinibandCheck(Check):
         samples += [PORT_ERRORS(v, {**labels, "counter": c}) for c, v in sorted(port.counters.items())]
         details: dict[str, Any] = {"device": port.device, "port": port.port, "state": port.state,
                                    "phys_state": port.phys_state, "rate": port.rate_text, "link_layer": port.link_layer,
-                                   "hca_type": port.hca_type, "fw_ver": port.fw_ver, "counters": port.counters,
+                                   "hca_type": port.hca_type, "fw_ver": port.fw_ver, "node_guid": port.node_guid,
+                                   "counters": port.counters,
                                    "link_downed_recent": downed, "errors_in_window": grown, "notes": notes}
         return self.result(port.key, status, summary, details, samples)
 

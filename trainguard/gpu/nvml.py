@@ -58,6 +58,7 @@ class GpuState:
     clock_event_reasons: int | None = None  # bitmask; see CLOCK_EVENTS
     processes: tuple[GpuProcess, ...] | None = None  # compute processes; None: not supported
     error: str | None = None
+    serial: str = ""  # the board's serial number (the node ledger's identity of the GPU); "" where NVML has none
 
 
 # Clock-event ("throttle") reasons worth a person's attention, by NVML bit.
@@ -300,6 +301,7 @@ class Nvml:
             temp = self._optional(lambda: lib.nvmlDeviceGetTemperature(handle, lib.NVML_TEMPERATURE_GPU))
             health = self._health(lib, handle)
             procs = self._optional(lambda: lib.nvmlDeviceGetComputeRunningProcesses(handle))
+            serial = self._optional(lambda: lib.nvmlDeviceGetSerial(handle))
         except lib.NVMLError as exc:
             if self._is(exc, "NVMLError_GpuIsLost", "NVMLError_ResetRequired"):
                 return GpuState(index, uuid, name, bus, lost=True, error=str(exc))
@@ -309,7 +311,7 @@ class Nvml:
             total, used = int(mem.total), int(mem.used)
         temperature = int(temp) if temp is not None and 0 <= temp < 200 else None
         return GpuState(index, uuid, name, bus, memory_total=total, memory_used=used, temperature_c=temperature,
-                        processes=_processes(procs), **health)
+                        processes=_processes(procs), serial=_text(serial).strip()[:64] if serial else "", **health)
 
     def _health(self, lib: Any, handle: Any) -> dict[str, Any]:
         """ECC, retirement, remapping, clock events: each omitted where the GPU doesn't support it."""

@@ -91,6 +91,7 @@ class IbPort:
     counters: dict[str, int] = field(default_factory=dict)
     hca_type: str = ""
     fw_ver: str = ""
+    node_guid: str = ""  # the HCA's identity (the node ledger's): a swapped card is a new one in the same slot
 
     @property
     def key(self) -> str:
@@ -120,6 +121,7 @@ def infiniband_ports(root: str | Path, counters: Iterable[str] = ()) -> list[IbP
     for device in _entries(root):
         base = join(root, device)
         hca, fw = read_small(join(base, "hca_type")) or "", read_small(join(base, "fw_ver")) or ""
+        guid = read_small(join(base, "node_guid")) or ""
         for port in _entries(join(base, "ports")):
             number = _int(port)
             if number is None:
@@ -133,5 +135,5 @@ def infiniband_ports(root: str | Path, counters: Iterable[str] = ()) -> list[IbP
             rate = read_small(join(p, "rate")) or ""
             out.append(IbPort(device, number, parse_state(read_small(join(p, "state"))),
                               parse_state(read_small(join(p, "phys_state"))), parse_rate(rate), rate,
-                              read_small(join(p, "link_layer")) or "", values, hca, fw))
+                              read_small(join(p, "link_layer")) or "", values, hca, fw, guid))
     return out

@@ -18,6 +18,7 @@ from trainguard.core.units import format_duration
 from trainguard.jobs.settings import JobsSettings
 from trainguard.jobs.slurmnode import cluster_name
 from trainguard.notifiers.base import NotifierSettings
+from trainguard.pipeline.ledger import LedgerSettings
 
 
 def default_state_dir() -> Path:
@@ -115,6 +116,7 @@ class Config:
     source: Path | None = None
     jobs: JobsSettings = field(default_factory=JobsSettings)
     actions: Mapping[str, ActionSettings] = field(default_factory=dict)
+    ledger: LedgerSettings = field(default_factory=LedgerSettings)
 
     def warnings(self) -> list[str]:
         """What is valid but almost surely not meant: said by `validate`, logged at start and reported by the agent's
@@ -146,4 +148,5 @@ class Config:
             "jobs": self.jobs.model_dump(mode="json", by_alias=True),
             "actions": {n: {"type": self.kind_of_action(n), **s.model_dump(mode="json", by_alias=True, exclude={"type"})}
                         for n, s in self.actions.items()},
+            "ledger": self.ledger.model_dump(mode="json", by_alias=True),
         }

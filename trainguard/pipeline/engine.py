@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainguard.actions.base import ResumeGate
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
@@ -28,6 +29,9 @@ from trainguard.notifiers.base import Notifier
 from trainguard.pipeline.config import Config
 from trainguard.pipeline.dispatch import Dispatcher
 from trainguard.pipeline.incidents import Incident, IncidentPolicy, IncidentTracker, Operator, Silence
+from trainguard.pipeline.ledger import Ledger
+from trainguard.pipeline.lemon import NAME as LEMON_NAME
+from trainguard.pipeline.lemon import HoldGate, LemonCheck
 from trainguard.pipeline.responder import Responder
 from trainguard.pipeline.runner import CheckRunner, RunReport
 from trainguard.pipeline.schedule import LATE_EVERY_S, TICK_S, Schedule
@@ -103,7 +107,11 @@ class Engine:
         nvml: Nvml | None = None,
         self_check: bool = False,
         kernel_since_usec: int | None = None,
+        ledger: bool = False,
+        resume_gates: Sequence[ResumeGate] = (),
     ) -> None:
+        """`ledger`: keep the node ledger and apply the lemon policy (the daemon); `resume_gates`: what the `resume`
+        action asks after the lemon hold (a repair's validation)."""
         self.config = config
         self.clock = clock
         self.node = config.agent.node_name
@@ -127,6 +135,8 @@ class Engine:
             refused = lambda: self.responder.refused()  # noqa: E731, PLW0108
             self.checks[SELF_NAME] = AgentCheck(shared, self.store, config.warnings(), refused=refused,
                                                 usage=self.own_usage)
+        self.ledger = self._with_ledger(shared) if ledger else None
+        gates = ([HoldGate(self.ledger)] if self.ledger else []) + list(resume_gates)
         self.runners = {name: CheckRunner(check, clock, self._wake_at) for name, check in self.checks.items()}
         self._states = {name: CheckState(config.kind_of_check(name) if name in config.checks else name,
                                          c.settings.interval) for name, c in self.checks.items()}
@@ -137,7 +147,7 @@ class Engine:
         self.tracker = IncidentTracker(self.store, self.node, clock)
         self.dispatcher = Dispatcher(self.store, self.notifiers, clock, annotator=self._actions_taken)
         self.responder = Responder(config, registry, self.catalog, self.tracker, clock, forget=self._forget,
-                                   state=self.store)
+                                   state=self.store, ledger=self.ledger, resume_gates=gates)
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
         self._started = clock()
@@ -154,6 +164,12 @@ class Engine:
         self._late_pending: set[str] = set()  # checks with a late report waiting for `_late`
         # subjects whose history a check forgets before its next run (asked while a run was blocked past its timeout)
         self._forgotten: dict[str, list[tuple[str, float]]] = {name: [] for name in self.checks}
+
+    def _with_ledger(self, context: CheckContext) -> Ledger:
+        """The node ledger, and the check of the agent's own that holds a lemon (trainguard.pipeline.lemon)."""
+        ledger = Ledger(self.store, self.node, self.config.ledger, self.clock, on_hold=lambda: self.trigger(LEMON_NAME))
+        self.checks[LEMON_NAME] = LemonCheck(context, ledger, self.config.ledger)
+        return ledger
 
     @staticmethod
     def _build_check(registry: Registry, kind: str, name: str, settings: CheckSettings,
@@ -320,6 +336,8 @@ class Engine:
             state.seq = max(state.seq, report.seq)
         s = check.settings
         policy = IncidentPolicy(s.fire_after, s.fire_after_runs, s.repeat_interval, s.alert_on_unknown)
+        if self.ledger is not None and check.layer == "hardware":
+            self.ledger.learn(report.results)  # which serial each GPU is, which sits where
         results, withheld = self._spoken(check, self._placed(report))
         self._emit(self.tracker.observe(report.check, results, policy, report.complete, self.dispatcher.route,
                                         withheld))
@@ -402,9 +420,22 @@ class Engine:
                                                 status=event.status.name, incident=event.incident_id))
             check = self.checks.get(event.check)
             if check is not None:
+                self._to_ledger(event, check)
                 self.responder.handle(event, check.settings.actions)
         if events:
             self.dispatcher.wake()
+
+    def _to_ledger(self, event: Event, check: Check) -> None:
+        """A hardware check's incident fired, escalated or resolved: into the node ledger, before its actions run
+        (a lemon rule it completes holds the node before a `resume` asks)."""
+        if self.ledger is None or check.layer != "hardware":
+            return
+        try:
+            self.ledger.on_event(event, self._states[event.check].kind)
+        except Exception as exc:  # noqa: BLE001 - the ledger is history: the alert and its actions go on
+            log.error("recording the incident in the ledger failed", extra=kv(check=event.check, error=exc))
+            return
+        self.trigger(LEMON_NAME)  # its gauges count the fault now, not at its next run a minute on
 
     # operators -------------------------------------------------------------------
     def _refuse_if_stopping(self) -> None:
@@ -444,6 +475,8 @@ class Engine:
         # start under the ingest lock, where a stop waits for them.
         with self._between_runs(check) as between, self._ingest_locks[check]:
             self._refuse_if_stopping()  # again: a stop may have begun while it waited for the run
+            if self.ledger is not None:  # before the history goes: a lemon's hold names the component repaired
+                self.ledger.on_clear(check, subject, who.by, who.uid, who.reason)
             self._clear_history(check, subject, between)
             events = self.tracker.clear(check, subject, who, self.dispatcher.route)
             self._emit(events)
@@ -521,19 +554,25 @@ class Engine:
 
     @property
     def configured(self) -> list[str]:
-        """The checks the config asked for (the agent's own health check aside)."""
-        return [name for name in self.checks if name != SELF_NAME]
+        """The checks the config asked for (the agent's own health and lemon checks aside)."""
+        return [name for name in self.checks if name not in (SELF_NAME, LEMON_NAME)]
 
     def pending(self) -> list[str]:
         """The configured checks whose first run has not finished yet (the agent is up; they have nothing to say
         so far)."""
         with self._lock:
-            return [name for name, state in self._states.items() if state.runs == 0 and name != SELF_NAME]
+            return [name for name, state in self._states.items() if state.runs == 0
+                    and name not in (SELF_NAME, LEMON_NAME)]
 
     # lifecycle -----------------------------------------------------------------
     def start(self) -> None:
         """Starts the scheduler and returns: each check's first run is its first scheduled run, due at once, so a
         slow one (squeue timing out) delays nobody, READY included (`pending()` names those not done yet)."""
+        if self.ledger is not None:
+            try:
+                self.ledger.note_boot()
+            except Exception as exc:  # noqa: BLE001 - a reboot unrecorded costs history, not the agent
+                log.error("recording the boot in the ledger failed", extra=kv(error=exc))
         self.dispatcher.start()
         for notifier in self.notifiers.values():
             notifier.start(self.firing_events)

@@ -24,7 +24,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from trainguard.actions.base import Action, ActionContext, ActionError, ActionRefusedError, ActionSkippedError, Reports
+from trainguard.actions.base import (
+    Action,
+    ActionContext,
+    ActionError,
+    ActionRefusedError,
+    ActionSkippedError,
+    Reports,
+    ResumeGate,
+)
 from trainguard.actions.savereport import SaveReport
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
@@ -36,6 +44,7 @@ from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
 from trainguard.pipeline.config import Config
 from trainguard.pipeline.incidents import IncidentTracker
+from trainguard.pipeline.ledger import Ledger
 from trainguard.registry import Registry
 
 log = logging.getLogger("trainguard.actions")
@@ -126,7 +135,8 @@ def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WA
 class Responder:
     def __init__(self, config: Config, registry: Registry, catalog: JobCatalog | None, tracker: IncidentTracker,
                  clock: Callable[[], float] = time.time,
-                 forget: Callable[[str, str], None] | None = None, state: KeyValue | None = None) -> None:
+                 forget: Callable[[str, str], None] | None = None, state: KeyValue | None = None,
+                 ledger: Ledger | None = None, resume_gates: Sequence[ResumeGate] = ()) -> None:
         self.actions: dict[str, Action] = {
             name: registry.action_class(config.kind_of_action(name))(name, settings)
             for name, settings in config.actions.items()}
@@ -145,6 +155,8 @@ class Responder:
         self._refused: dict[tuple[str, str], dict[str, Any]] = {}
         self._refused_lock = threading.Lock()
         self.state = state  # where the lists under way are kept (None: not kept, as in tests of one action)
+        self.ledger = ledger  # where drains and resumes done are recorded (None: not recorded)
+        self.resume_gates = tuple(resume_gates)  # what `resume` asks first (ActionContext.resume_gates)
         self._lists: dict[str, dict[str, Any]] = {}  # list id -> its event, actions, jobs and the next action's index
         self._lists_lock = threading.Lock()
 
@@ -223,7 +235,8 @@ class Responder:
                 jobs = _same_lives(earlier, jobs)
             others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                            if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
-            ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports)
+            ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports,
+                                resume_gates=self.resume_gates, held_reason=self._held_reason())
             self._watch_again(ctx, reports or {})
             self._keep(list_id, {**entry, "jobs": [_brief(j) for j in jobs], "reports": self._reports_asked(ctx)})
             self._run_list(ctx, names, list_id)
@@ -374,6 +387,7 @@ class Responder:
                 # (an action cut short at shutdown returns after the store closed)
                 log.error("recording the action's outcome failed", extra=kv(
                     action=name, incident=event.incident_id, outcome=record["outcome"], error=exc))
+            self._to_ledger(event, action, record)
             if action.fresh_start and record["outcome"] == "ok" and self.forget is not None:
                 # The job started afresh: what the check learned about it (a NaN streak in the log it still writes,
                 # samples of the processes gone) is the earlier start's, and must not hold the incident open.
@@ -383,12 +397,28 @@ class Responder:
                     log.error("forgetting the subject's history failed", extra=kv(
                         check=event.check, subject=event.subject, error=exc))
 
+    def _held_reason(self) -> str:
+        try:
+            return self.ledger.held_reason() if self.ledger is not None else ""
+        except Exception as exc:  # noqa: BLE001 - the drain goes on with the incident's own reason
+            log.error("reading the lemon holds failed", extra=kv(error=exc))
+            return ""
+
+    def _to_ledger(self, event: Event, action: Action, record: dict[str, Any]) -> None:
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.on_action(event, type(action).__name__, record)
+        except Exception as exc:  # noqa: BLE001 - the ledger is history: the next actions still run
+            log.error("recording the action in the ledger failed", extra=kv(action=action.name, error=exc))
+
     def run_named(self, name: str, event: Event, jobs: tuple[Job, ...] = (),
                   others_critical: tuple[str, ...] = ()) -> dict[str, Any]:
         """Run one configured action for `event` now (the `check --drain` path, tests); its outcome record."""
         if name not in self.actions:
             return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
-        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd, self.reports)
+        ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd, self.reports,
+                            resume_gates=self.resume_gates, held_reason=self._held_reason())
         try:
             return self.run_one(self.actions[name], ctx)
         finally:

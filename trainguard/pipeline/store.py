@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,61 @@ CREATE TABLE IF NOT EXISTS outbox (
 CREATE INDEX IF NOT EXISTS outbox_channel ON outbox (channel, id);
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# The node ledger (trainguard.pipeline.ledger): faults, drains, resumes, boots and repairs by hardware identity, kept
+# across reboots for `ledger.retention`.
+LEDGER_SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    boot_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    component TEXT NOT NULL,
+    uuid TEXT NOT NULL DEFAULT '',
+    bus_id TEXT NOT NULL DEFAULT '',
+    model TEXT NOT NULL DEFAULT '',
+    event TEXT NOT NULL,
+    class TEXT NOT NULL DEFAULT '',
+    summary TEXT NOT NULL DEFAULT '',
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS ledger_component ON ledger (component, at);
+CREATE INDEX IF NOT EXISTS ledger_at ON ledger (at);
+"""
+# The schema's version (PRAGMA user_version). Version 1 is the unversioned schema of the releases before the ledger
+# (user_version 0); each step up is MIGRATIONS[from], run in order at open. A database of a newer version is refused:
+# an older agent would write rows the newer one misreads, or drop what it does not know.
+SCHEMA_VERSION = 2
+MIGRATIONS: dict[int, str] = {1: LEDGER_SCHEMA}
+
+
+class SchemaTooNewError(Exception):
+    """The state database was written by a newer trainguard: this one refuses it rather than downgrade it."""
+
+    def __init__(self, path: object, found: int) -> None:
+        self.found = found
+        super().__init__(f"state database {path} is schema version {found}, newer than this trainguard's "
+                         f"{SCHEMA_VERSION}: a downgrade is refused; run the newer release, or move the file aside "
+                         "to start with no state")
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    row = conn.execute("PRAGMA user_version").fetchone()
+    return int(row[0]) if row else 0
+
+
+def ensure_schema(conn: sqlite3.Connection, where: object = "(memory)") -> None:
+    """Create what is missing and migrate forward to SCHEMA_VERSION, in one transaction; SchemaTooNewError for a
+    database of a later release."""
+    found = schema_version(conn)
+    if found > SCHEMA_VERSION:
+        raise SchemaTooNewError(where, found)
+    if found == SCHEMA_VERSION:
+        conn.executescript(SCHEMA + LEDGER_SCHEMA)  # IF NOT EXISTS: a no-op unless a table was dropped by hand
+        return
+    script = SCHEMA + "".join(MIGRATIONS[v] for v in range(max(found, 1), SCHEMA_VERSION))
+    conn.executescript(f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {SCHEMA_VERSION};\nCOMMIT;")
+    if found:
+        log.warning("state database migrated", extra=kv(path=where, from_version=found, to_version=SCHEMA_VERSION))
 
 
 @dataclass(frozen=True)
@@ -52,6 +107,65 @@ class OutboxRow:
     attempts: int
     next_attempt: float
     last_error: str | None
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """One entry of the node ledger (trainguard.pipeline.ledger says what each field holds)."""
+
+    at: float
+    boot_id: str
+    kind: str  # the component's kind: gpu, hca, nvswitch, node
+    component: str  # its hardware identity: a GPU's serial (else its UUID), an HCA's node GUID, the node's name
+    event: str  # fault, escalate, resolve, drain, resume, reboot, clear, lemon
+    cls: str = ""  # a fault's class: the check's type (xid, gpu, nvlink, pcie, infiniband, ...)
+    summary: str = ""
+    uuid: str = ""
+    bus_id: str = ""
+    model: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+    id: int = 0
+
+
+def ledger_query(conn: sqlite3.Connection, since: float = 0.0, component: str | None = None, kind: str | None = None,
+                 events: Iterable[str] = ()) -> list[LedgerRow]:
+    """Ledger entries since `since`, oldest first: of one component (its id, or a GPU's UUID), one kind, some events."""
+    sql = ("SELECT id, at, boot_id, kind, component, uuid, bus_id, model, event, class, summary, data FROM ledger "
+           "WHERE at >= ?")
+    args: list[Any] = [since]
+    if component is not None:
+        sql += " AND (component = ? OR uuid = ?)"
+        args += [component, component]
+    if kind is not None:
+        sql += " AND kind = ?"
+        args.append(kind)
+    wanted = list(events)
+    if wanted:
+        sql += f" AND event IN ({','.join('?' * len(wanted))})"
+        args += wanted
+    out = []
+    for r in conn.execute(sql + " ORDER BY at, id", args).fetchall():
+        try:
+            data = json.loads(r[11])
+        except ValueError:
+            data = {}
+        out.append(LedgerRow(id=r[0], at=r[1], boot_id=r[2], kind=r[3], component=r[4], uuid=r[5], bus_id=r[6],
+                             model=r[7], event=r[8], cls=r[9], summary=r[10], data=data if isinstance(data, dict) else {}))
+    return out
+
+
+def open_read_only(state_dir: Path) -> sqlite3.Connection:
+    """The state database as it is, for reading only (`trainguard history`): nothing is created or migrated.
+    FileNotFoundError without one; SchemaTooNewError for a newer release's."""
+    path = state_dir / Store.FILENAME
+    if not path.exists():
+        raise FileNotFoundError(f"no state database at {path}")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    found = schema_version(conn)
+    if found > SCHEMA_VERSION:
+        conn.close()
+        raise SchemaTooNewError(path, found)
+    return conn
 
 
 RECOVER_HEADROOM = 256 << 10
@@ -127,7 +241,7 @@ class Store:
                         disk.backup(mem)
                     finally:
                         disk.close()
-                    mem.executescript(SCHEMA)
+                    ensure_schema(mem, self.path)
                     break
                 except sqlite3.Error as exc:
                     error = exc
@@ -168,8 +282,8 @@ class Store:
                 row = conn.execute("PRAGMA quick_check").fetchone()
                 if row is None or row[0] != "ok":
                     raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else 'no answer'}")
-            conn.executescript(SCHEMA)
-        except sqlite3.DatabaseError:
+            ensure_schema(conn, target)
+        except (sqlite3.DatabaseError, SchemaTooNewError):
             conn.close()
             raise
         return conn
@@ -335,6 +449,23 @@ class Store:
         with self._lock:
             rows = self._conn.execute("SELECT channel, COUNT(*), MIN(created) FROM outbox GROUP BY channel").fetchall()
         return {channel: (count, oldest) for channel, count, oldest in rows}
+
+    # ledger -----------------------------------------------------------------
+    def ledger_add(self, rows: Iterable[LedgerRow]) -> None:
+        """Append entries to the node ledger, in one transaction."""
+        values = [(r.at, r.boot_id, r.kind, r.component, r.uuid, r.bus_id, r.model, r.event, r.cls, r.summary,
+                   json.dumps(r.data)) for r in rows]
+        self._write(self._in_transaction(lambda conn: conn.executemany(
+            "INSERT INTO ledger (at, boot_id, kind, component, uuid, bus_id, model, event, class, summary, data) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)))
+
+    def ledger_rows(self, since: float = 0.0, component: str | None = None, kind: str | None = None,
+                    events: Iterable[str] = ()) -> list[LedgerRow]:
+        with self._lock:
+            return ledger_query(self._conn, since, component, kind, events)
+
+    def ledger_prune(self, before: float) -> None:
+        self._write(lambda conn: conn.execute("DELETE FROM ledger WHERE at < ?", (before,)))
 
     # key/value -------------------------------------------------------------
     def get(self, key: str) -> str | None:

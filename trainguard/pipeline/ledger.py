@@ -1,0 +1,406 @@
+"""The node ledger: every fault, drain, resume, reboot and operator's clear of this node, recorded against the
+component's hardware identity and kept across reboots (`ledger.retention`, 90 days by default), in the state
+database. It answers `trainguard history`, and the lemon policy (`ledger.rules`) reads it when a fault or a drain is
+recorded: a component or node that failed again and again is held drained until an operator clears it
+(docs/node-lifecycle.md).
+
+Identity: a GPU is its board serial from NVML (its UUID where NVML has no serial), an HCA its node GUID, an NVSwitch
+its PCI address, anything else the node. A swapped part is a new component with a clean record, even in the same
+slot: the PCI bus id names where a part sits, never which part it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from trainguard.checks.base import ActionBinding
+from trainguard.core.events import Event, EventKind
+from trainguard.core.logs import kv
+from trainguard.core.model import Result
+from trainguard.core.settings import Duration, Field, SettingsModel, field_validator
+from trainguard.pipeline.store import LedgerRow, Store, ledger_query, open_read_only
+
+log = logging.getLogger("trainguard.ledger")
+
+DAY = 86400.0
+BOOT_KEY = "ledger.boot_id"
+HELD_KEY = "ledger.held"
+IDENTITIES_KEY = "ledger.identities"
+KINDS = ("gpu", "hca", "nvswitch", "node")
+RECORDED = {EventKind.FIRED: "fault", EventKind.ESCALATED: "escalate", EventKind.RESOLVED: "resolve"}
+FAULTS = ("fault", "escalate")  # an incident that fired, or got worse: what the rules and the metrics count
+SEVERITY = {"critical": ("CRITICAL",), "warning": ("CRITICAL", "WARNING")}  # counted at each rule's `severity`
+PRUNE_EVERY_S = 3600.0
+HISTORY_IN_HOLD = 10  # the latest entries a hold (and its alert) quotes
+
+
+class LemonRule(SettingsModel):
+    """One lemon rule: `count` faults (or drains) within `within` hold the node drained until an operator clears it."""
+
+    scope: Literal["component", "node"] = Field(
+        "component", description="`component`: counts the faults of one component (a GPU by its serial, an HCA by "
+                                 "its GUID); `node`: counts those of the whole node.")
+    event: Literal["fault", "drain"] = Field("fault", description="What is counted: hardware faults (an incident of "
+                                                                    "a hardware check firing) or drains of the node.")
+    kinds: list[str] = Field(default_factory=list, description="Component kinds counted (gpu, hca, nvswitch, node); "
+                                                               "empty: every kind.")
+    classes: list[str] = Field(default_factory=list, description="Fault classes counted: the hardware checks' types "
+                                                                 "(xid, gpu, nvlink, pcie, infiniband, fabric, ...); "
+                                                                 "empty: every class.")
+    count: int = Field(2, ge=1, le=1000, description="Held at this many within `within`.")
+    within: Duration = Field(7 * DAY, gt=0, description="The window the count is over.")
+    verdict: str = Field("inspect", max_length=40, description="What to do, the drain reason's last words.")
+    severity: Literal["critical", "warning"] = Field(
+        "critical", description="The least severe fault counted: `critical` (a GPU off the bus, a failed row remap, a "
+                                "link down), or `warning` too (an application's XID 31, a pending row remap).")
+
+    @field_validator("kinds")
+    @classmethod
+    def _kinds(cls, value: list[str]) -> list[str]:
+        unknown = [k for k in value if k not in KINDS]
+        if unknown:
+            raise ValueError(f"unknown component kind {', '.join(unknown)} (expected {', '.join(KINDS)})")
+        return value
+
+
+def default_rules() -> dict[str, LemonRule]:
+    """Defaults from the peers' figures (docs/node-lifecycle.md): gpud escalates an XID to inspection after 2 reboots
+    that did not fix it, NVSentinel flags multiple remediations of a node within 7 days and repeated NIC degradation
+    (3 in an hour)."""
+    return {
+        "repeat-fault": LemonRule(kinds=["gpu", "nvswitch"], count=2, within=7 * DAY, verdict="RMA"),
+        "nic-flap": LemonRule(kinds=["hca"], count=3, within=3600.0, verdict="replace the HCA or its cable"),
+        "repeat-drain": LemonRule(scope="node", event="drain", count=3, within=30 * DAY, verdict="inspect the node"),
+    }
+
+
+class LedgerSettings(SettingsModel):
+    """The node ledger and its lemon policy (docs/node-lifecycle.md)."""
+
+    enabled: bool = Field(True, description="Keep the ledger and apply the lemon rules (the daemon only).")
+    retention: Duration = Field(90 * DAY, gt=0, description="Entries older than this are pruned.")
+    same_fault_within: Duration = Field(
+        600.0, ge=0, description="Faults of one component this close together count once for the lemon rules: one "
+                                 "fault is often several incidents (a GPU off the bus is `xid` and `gpu`).")
+    boot_id_path: Path = Field(Path("/proc/sys/kernel/random/boot_id"),
+                               description="Where this boot's id is read; a new one is recorded as a reboot.")
+    rules: dict[str, LemonRule] = Field(
+        default_factory=default_rules,
+        description="The lemon rules, by name; a table given here replaces the defaults (`rules = {}`: none).",
+        json_schema_extra={"default_doc": "`repeat-fault` (a GPU or NVSwitch, 2 faults in 7d: RMA), `nic-flap` (an "
+                                          "HCA, 3 faults in 1h), `repeat-drain` (the node, 3 drains in 30d)"})
+    actions: ActionBinding = Field(
+        default_factory=lambda: ActionBinding(critical=["drain"], resolved=["resume"]),
+        description="The actions of the `lemon` incident: it fires when a rule holds the node, and resolves when an "
+                    "operator clears it (`trainguard clear lemon/SUBJECT --reason ...`).")
+
+
+@dataclass(frozen=True)
+class Component:
+    kind: str  # gpu, hca, nvswitch, node
+    id: str  # serial (else UUID), node GUID, PCI address, node name
+    uuid: str = ""
+    bus_id: str = ""
+    model: str = ""
+
+    def label(self) -> str:
+        name = {"gpu": "GPU", "hca": "HCA", "nvswitch": "NVSwitch", "node": "node"}.get(self.kind, self.kind)
+        return f"{name} {short(self.id)}"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A lemon rule matched: the node stays drained for `reason` until an operator clears `subject`."""
+
+    subject: str
+    rule: str
+    kind: str
+    component: str
+    reason: str
+    since: float
+    history: list[str]
+
+
+def short(ident: str) -> str:
+    """`1320...0004` for a long serial or GUID: a drain reason is one short line."""
+    return ident if len(ident) <= 12 else f"{ident[:4]}...{ident[-4:]}"
+
+
+def span(seconds: float) -> str:
+    """`6d`, `5h`, `12m`: how long a run of faults took, for a reason."""
+    for unit, size in (("d", DAY), ("h", 3600.0), ("m", 60.0)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def fault_label(cls: str, details: Mapping[str, Any]) -> str:
+    """What a fault was, in a few words: `XID 79`, `NVLink`."""
+    if cls == "xid":
+        xids = sorted({e.get("xid") for e in details.get("xids") or () if isinstance(e, dict)
+                       and isinstance(e.get("xid"), int)})
+        return "XID " + ",".join(map(str, xids)) if xids else "XID"
+    names = {"gpu": "GPU fault", "nvlink": "NVLink", "pcie": "PCIe", "infiniband": "link", "fabric": "fabric"}
+    return names.get(cls, cls or "fault")
+
+
+def episodes(times: Iterable[float], gap: float) -> list[float]:
+    """The first time of each run of `times` (sorted) less than `gap` apart: one fault seen several ways."""
+    out: list[float] = []
+    last = None
+    for t in sorted(times):
+        if last is None or t - last >= gap:
+            out.append(t)
+        last = t
+    return out
+
+
+def read_boot_id(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()[:64]
+    except OSError:
+        return ""
+
+
+class Ledger:
+    """Records into the store's `ledger` table and keeps the holds (kv `ledger.held`). Thread-safe: checks' threads
+    and actions' threads record at once. `on_hold` is called (outside the lock) when a rule holds something new."""
+
+    def __init__(self, store: Store, node: str, settings: LedgerSettings, clock: Callable[[], float] = time.time,
+                 on_hold: Callable[[], None] | None = None) -> None:
+        self.store = store
+        self.node = node
+        self.settings = settings
+        self.clock = clock
+        self.on_hold = on_hold
+        self.boot_id = read_boot_id(settings.boot_id_path)
+        self._lock = threading.Lock()
+        self._judging = threading.Lock()  # one judgement at a time: two checks' faults at once hold a part once
+        self._pruned_at = -PRUNE_EVERY_S
+        ids = self._load(IDENTITIES_KEY)
+        self._serials: dict[str, dict[str, str]] = dict(ids.get("uuid") or {})  # uuid -> serial, model
+        # bus id -> uuid, this boot's only: a part can only be swapped with the power off
+        self._slots: dict[str, str] = dict(ids.get("bus") or {}) if ids.get("boot_id") == self.boot_id else {}
+
+    def _load(self, key: str) -> dict[str, Any]:
+        try:
+            data = json.loads(self.store.get(key) or "{}")
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    # identity ------------------------------------------------------------------------------------------------
+    def learn(self, results: Sequence[Result]) -> None:
+        """A hardware check's results: which serial each GPU UUID is, and which UUID sits at each bus id this boot
+        (an XID names the bus; a lost GPU no longer answers for its serial)."""
+        changed = False
+        with self._lock:
+            for r in results:
+                uuid, bus = r.details.get("uuid"), r.details.get("bus_id")
+                if not isinstance(uuid, str) or not uuid:
+                    continue
+                known = {"serial": str(r.details.get("serial") or ""), "model": str(r.details.get("name") or "")}
+                old = self._serials.get(uuid, {})
+                merged = {k: known[k] or old.get(k, "") for k in known}
+                if merged != old:
+                    self._serials[uuid], changed = merged, True
+                if isinstance(bus, str) and bus and self._slots.get(bus) != uuid:
+                    self._slots[bus], changed = uuid, True
+            data = json.dumps({"uuid": self._serials, "bus": self._slots, "boot_id": self.boot_id})
+        if changed:
+            self.store.put(IDENTITIES_KEY, data)
+
+    def present(self) -> list[str]:
+        """The model of each GPU seen this boot (one entry per GPU)."""
+        with self._lock:
+            return [self._serials.get(uuid, {}).get("model") or "unknown" for uuid in self._slots.values()]
+
+    def identify(self, details: Mapping[str, Any]) -> Component:
+        uuid = str(details.get("uuid") or "")
+        bus = str(details.get("bus_id") or "")
+        with self._lock:
+            if not uuid and bus and not details.get("switch"):
+                uuid = self._slots.get(bus, "")
+            known = self._serials.get(uuid, {}) if uuid else {}
+        if uuid:
+            serial = str(details.get("serial") or known.get("serial") or "")
+            model = str(details.get("name") or known.get("model") or "")
+            return Component("gpu", serial or uuid, uuid, bus, model)
+        if details.get("node_guid"):
+            return Component("hca", str(details["node_guid"]), bus_id=str(details.get("device") or ""),
+                             model=str(details.get("hca_type") or ""))
+        if details.get("switch") and bus:
+            return Component("nvswitch", bus, bus_id=bus)
+        if bus:  # a GPU that never answered NVML this boot (off the bus at start): its slot is all there is
+            return Component("gpu", f"pci:{bus}", bus_id=bus)
+        return Component("node", self.node)
+
+    # recording -----------------------------------------------------------------------------------------------
+    def _add(self, component: Component, event: str, cls: str = "", summary: str = "",
+             data: Mapping[str, Any] | None = None, at: float | None = None) -> None:
+        self.store.ledger_add([LedgerRow(self.clock() if at is None else at, self.boot_id, component.kind, component.id,
+                                         event, cls, summary[:500], component.uuid, component.bus_id, component.model,
+                                         dict(data or {}))])
+
+    def note_boot(self) -> bool:
+        """At the agent's start: a boot id unlike the last one recorded is a reboot (the first start ever is not)."""
+        last = self.store.get(BOOT_KEY)
+        if last == self.boot_id or not self.boot_id:
+            return False
+        self.store.put(BOOT_KEY, self.boot_id)
+        if last is None:
+            return False
+        self._add(Component("node", self.node), "reboot", summary=f"booted (boot id {self.boot_id[:8]}, was "
+                                                                   f"{last[:8]})", data={"previous": last})
+        log.info("reboot recorded in the ledger", extra=kv(boot_id=self.boot_id, previous=last))
+        return True
+
+    def on_event(self, event: Event, cls: str) -> list[Hold]:
+        """A hardware check's incident fired, escalated or resolved: recorded against its component; a fault is
+        judged by the lemon rules."""
+        what = RECORDED.get(event.kind)
+        if what is None:
+            return []
+        component = self.identify(event.details)
+        data = {"check": event.check, "subject": event.subject, "status": event.status.name,
+                "incident": event.incident_id, "label": fault_label(cls, event.details)}
+        self._add(component, what, cls, event.summary, data, at=event.at)
+        return self.judge(component, "fault") if what in FAULTS else []
+
+    def on_action(self, event: Event, kind: str, record: Mapping[str, Any]) -> list[Hold]:
+        """An action's outcome: a drain or resume done is recorded against the node, and a drain judged."""
+        what = {"DrainAction": "drain", "ResumeAction": "resume"}.get(kind)
+        if what is None or record.get("outcome") != "ok":
+            return []
+        node = Component("node", self.node)
+        self._add(node, what, summary=str(record.get("detail") or ""), data={
+            "action": record.get("action"), "check": event.check, "subject": event.subject,
+            "incident": event.incident_id})
+        return self.judge(node, "drain") if what == "drain" else []
+
+    def on_clear(self, check: str, subject: str, by: str, uid: int, reason: str) -> None:
+        """An operator's clear: the repair, recorded against the component held (or the node)."""
+        held = self.held().get(subject) if check == "lemon" else None
+        component = Component(held.kind, held.component) if held else Component("node", self.node)
+        self._add(component, "clear", check, f"cleared {check}/{subject} by {by}: {reason}",
+                  {"by": by, "uid": uid, "reason": reason, "check": check, "subject": subject})
+
+    # the lemon policy ----------------------------------------------------------------------------------------
+    def judge(self, component: Component, event: str) -> list[Hold]:
+        """The rules that count `event`s, on the entries of `component` (or the node); new holds are kept, recorded
+        and announced through `on_hold`."""
+        with self._judging:
+            new = self._judge(component, event)
+        if new and self.on_hold is not None:
+            self.on_hold()
+        return new
+
+    def _judge(self, component: Component, event: str) -> list[Hold]:
+        now = self.clock()
+        held = self.held()
+        new: list[Hold] = []
+        for name, rule in self.settings.rules.items():
+            if rule.event != event or (rule.kinds and component.kind not in rule.kinds):
+                continue
+            whole = rule.scope == "node"
+            subject = self.node if whole else component.id
+            if subject in held or any(h.subject == subject for h in new):
+                continue
+            rows = self.store.ledger_rows(now - rule.within, None if whole else component.id,
+                                          events=FAULTS if event == "fault" else ("drain",))
+            rows = [r for r in rows if (not rule.kinds or r.kind in rule.kinds)
+                    and (event != "fault" or (r.data.get("status") in SEVERITY[rule.severity]
+                                              and (not rule.classes or r.cls in rule.classes)))]
+            firsts = episodes((r.at for r in rows), self.settings.same_fault_within)
+            if len(firsts) < rule.count:
+                continue
+            labels = sorted({str(r.data.get("label") or r.cls or r.event) for r in rows})
+            who = Component("node", self.node) if whole else component
+            what = ",".join(labels) if event == "fault" else "drained"
+            reason = f"{who.label()} {what} {len(firsts)}x in {span(now - firsts[0])}: {rule.verdict}"
+            history = [f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(r.at))} {r.event} {short(r.component)} "
+                       f"{r.summary}"[:200] for r in rows[-HISTORY_IN_HOLD:]]
+            new.append(Hold(subject, name, who.kind, who.id, reason, now, history))
+        if not new:
+            return []
+        with self._lock:
+            data = {k: asdict(h) for k, h in self.held().items()}
+            data.update({h.subject: asdict(h) for h in new})
+            self.store.put(HELD_KEY, json.dumps(data))
+        for hold in new:
+            self._add(Component(hold.kind, hold.component), "lemon", hold.rule, hold.reason, {"rule": hold.rule})
+            log.warning("lemon: held drained until an operator clears it", extra=kv(
+                rule=hold.rule, component=hold.component, reason=hold.reason))
+        return new
+
+    def held(self) -> dict[str, Hold]:
+        out = {}
+        for subject, raw in self._load(HELD_KEY).items():
+            try:
+                out[subject] = Hold(**raw)
+            except TypeError:
+                continue
+        return out
+
+    def held_reason(self) -> str:
+        """The reason of the oldest hold standing, "" for none: what a drain of the node says meanwhile."""
+        holds = sorted(self.held().values(), key=lambda h: h.since)
+        return holds[0].reason if holds else ""
+
+    def release(self, subject: str) -> Hold | None:
+        """An operator cleared the hold."""
+        with self._lock:
+            holds = self.held()
+            gone = holds.pop(subject, None)
+            if gone is not None:
+                self.store.put(HELD_KEY, json.dumps({k: asdict(h) for k, h in holds.items()}))
+        return gone
+
+    # upkeep and reading --------------------------------------------------------------------------------------
+    def prune(self) -> None:
+        """Entries past the retention go (at most once an hour)."""
+        now = time.monotonic()
+        if now - self._pruned_at < PRUNE_EVERY_S:
+            return
+        self._pruned_at = now
+        self.store.ledger_prune(self.clock() - self.settings.retention)
+
+    def history(self, since: float = 0.0, component: str | None = None, kind: str | None = None) -> list[LedgerRow]:
+        return self.store.ledger_rows(since, component, kind)
+
+
+def read_history(state_dir: Path, since: float, component: str | None = None,
+                 kind: str | None = None) -> tuple[list[LedgerRow], list[Hold]]:
+    """`trainguard history`: the entries and the holds standing, read from the state database without changing it
+    (a database from before the ledger has neither). PermissionError when this user may not read it."""
+    path = state_dir / Store.FILENAME
+    if path.exists() and not os.access(path, os.R_OK):
+        raise PermissionError(13, "permission denied", str(path))
+    conn = open_read_only(state_dir)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "ledger" not in tables:
+            return [], []
+        rows = ledger_query(conn, since, component, kind)
+        row = conn.execute("SELECT value FROM kv WHERE key = ?", (HELD_KEY,)).fetchone()
+    finally:
+        conn.close()
+    held = []
+    try:
+        raw = json.loads(row[0]) if row else {}
+    except ValueError:
+        raw = {}
+    for value in raw.values() if isinstance(raw, dict) else ():
+        try:
+            held.append(Hold(**value))
+        except TypeError:
+            continue
+    return rows, held
