@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
+from tests.slurm_cluster import SlurmCluster, sh
+from tests.test_slurm_jobs import engine_for, event, run_action
 from trainguard.actions.base import ActionContext, ActionError, ActionSkippedError
 from trainguard.actions.diag import DiagAction, DiagSettings, run_level
 from trainguard.actions.slurmctl import ResumeAction, ResumeSettings
@@ -22,6 +24,7 @@ from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.gpu import diagtools
 from trainguard.jobs.slurm import SlurmError
+from trainguard.pipeline.engine import Engine
 
 DATA = Path(__file__).parent / "data" / "diag"
 REPO = Path(__file__).resolve().parent.parent
@@ -359,3 +362,45 @@ def test_ibstat_on_a_node_without_hca() -> None:
     said = "ibpanic: [2137592] main: stat of IB device 'mthca0' failed: No such file or directory\n"
     assert diagtools.read_ibstat(255, said).status is Status.OK
     assert diagtools.read_ibstat(255, said, ("mlx5_0",)).status is Status.CRITICAL
+
+
+def test_a_bad_repair_on_real_slurm_keeps_the_node_drained_and_the_job_pending(
+        slurm: SlurmCluster, tmp_path: Path, tools: Path) -> None:
+    """The real controller: a resume whose diagnostics fail leaves the node drained with the failed test in its
+    reason, and a job submitted meanwhile waits; a running job's steps (`scontrol listpids`) refuse the run; once
+    the diagnostics pass, the resume lifts the drain and the job starts."""
+    cat(tools, "dcgmi", "dcgmi-r1-fail-gb10.json", rc=226)
+    engine: Engine = engine_for(slurm, tmp_path, {}, actions={"resume": {"tool_dir": str(tools), "gpus": 1}})
+    job = None
+    try:
+        busy = slurm.submit("sleep 300", name="tg-diag-busy")
+        slurm.wait_state(busy, ("RUNNING",))
+        sh("scontrol", "update", f"nodename={slurm.node}", "state=drain", "reason=trainguard: GPU 0 XID 79")
+        wait_until(lambda: slurm.job(busy).get("JobState") == "RUNNING" and busy in sh("scontrol", "listpids"),
+                   what="the job's steps listed on this node")
+        record = run_action(engine, "resume", event(), ())
+        assert record["outcome"] == "skipped" and f"SLURM job {busy}" in record["detail"], record
+        assert ran(tools) == [] and "DRAIN" in slurm.node_info()["State"]
+        sh("scancel", busy)
+        wait_until(lambda: not sh("scontrol", "listpids", check=False).strip().splitlines()[1:], 30,
+                   what="the job's steps gone")
+
+        record = run_action(engine, "resume", event(), ())
+        assert record["outcome"] == "failed", record
+        node = slurm.node_info()
+        assert "DRAIN" in node["State"]
+        assert node["Reason"].startswith("trainguard: quick diag failed: dcgmi diag -r 1: failed software"), node
+        job = slurm.submit("true", name="tg-diag-waits")
+        slurm.wait_state(job, ("PENDING",))
+        time.sleep(3)  # a scheduling pass or two: the drained node takes nothing
+        assert slurm.job(job)["JobState"] == "PENDING"
+
+        cat(tools, "dcgmi", "dcgmi-r3-pass-8gpu.json")
+        record = run_action(engine, "resume", event(), ())
+        assert record["outcome"] == "ok", record
+        slurm.wait_state(job, ("RUNNING", "COMPLETING", "COMPLETED"), timeout=60)
+    finally:
+        engine.stop()
+        if job:
+            sh("scancel", job, check=False)
+        slurm.resume_node()
