@@ -111,6 +111,15 @@ def test_ib_write_bw_table_with_perftests_own_warning_inside() -> None:
     assert failed.status is Status.CRITICAL and "18515" in failed.summary
 
 
+def test_perftest_latency_and_mib_tables() -> None:
+    lat = diagtools.read_perftest("ib_read_lat", "mlx5_0", 0, text("ib_send_lat-ndr.txt"), expected=2.0)
+    assert lat.status is Status.OK and lat.details["latency_us"] == 1.27
+    assert diagtools.read_perftest("ib_read_lat", "mlx5_0", 0, text("ib_send_lat-ndr.txt"), 1.0).status is \
+        Status.CRITICAL
+    mib = diagtools.read_perftest("ib_send_bw", "mlx5_0", 0, text("ib_send_bw-mib.txt"))
+    assert mib.details["gbits"] == pytest.approx(46557.03 * 8 * 1.048576 / 1000)  # ~390.6 Gb/s
+
+
 def test_ibstat_port_states() -> None:
     ok = diagtools.read_ibstat(0, text("ibstat-active.txt"), ("mlx5_0",), min_rate=200)
     assert ok.status is Status.OK

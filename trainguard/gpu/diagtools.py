@@ -277,9 +277,10 @@ def parse_perftest(out: str) -> tuple[str, list[list[float]]]:
 
 
 def read_perftest(tool: str, device: str, rc: int, out: str, expected: float = 0.0) -> Result:
-    """A perftest loopback run on `device`. Bandwidth tests (`*_bw`): the average (Gb/s, or MB/s converted) of the
-    largest message against `expected` Gb/s, a minimum. Latency tests (`*_lat`): the typical latency (usec) against
-    `expected` usec, a maximum. A run that printed no table failed: CRITICAL (a healthy HCA's loopback does not)."""
+    """A perftest loopback run on `device`. Bandwidth tests (`*_bw`): the average (Gb/s; MB/s and MiB/s are
+    converted) of the largest message against `expected` Gb/s, a minimum. Latency tests (`*_lat`): the typical
+    latency (usec) against `expected` usec, a maximum. A run that printed no table failed: CRITICAL (a healthy
+    HCA's loopback does not)."""
     subject = f"{tool} {device}"
     header, rows = parse_perftest(out)
     if rc != 0 or not rows:
@@ -293,7 +294,7 @@ def read_perftest(tool: str, device: str, rc: int, out: str, expected: float = 0
         bad = bool(expected) and value > expected
     else:
         # #bytes #iterations BW peak BW average MsgRate
-        value = last[3] * (8 / 1000 if "MB/sec" in header else 1)
+        value = last[3] * (8 * 1.048576 / 1000 if "MiB/sec" in header else 8 / 1000 if "MB/sec" in header else 1)
         details = {"rc": rc, "gbits": value, "bytes": int(last[0]), "expected": expected}
         text = f"{subject}: {value:g} Gb/s average at {int(last[0])} B" + (
             f" (expected {expected:g})" if expected else "")
