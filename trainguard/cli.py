@@ -1,5 +1,5 @@
 """The `trainguard` command: run, check, status, ack, silence, clear, validate, notify-test, install, uninstall,
-config-reference, metrics-reference, slurm-prolog, slurm-epilog."""
+config-reference, metrics-reference, slurm-prolog, slurm-epilog, diag."""
 
 from __future__ import annotations
 
@@ -143,6 +143,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("lines", nargs="*", metavar="LINE", help="kernel log lines, or - for stdin")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--markdown", action="store_true", help="print the catalog table of docs/kernel-events.md")
+    p = with_config(sub.add_parser(
+        "diag", help="run the active diagnostics (dcgmi, nvidia-smi, all_reduce_perf, perftest, ibstat) now",
+        description="Run a diagnostics level with the tools and figures of the `diag` action's settings "
+                    "(docs/diagnostics.md), one test after another within the level's budget. Refused while a "
+                    "job holds the GPUs. Exit code: 0 passed, 1 a warning, 2 a test failed, 3 a test gave no "
+                    "result or the run was refused."))
+    p.add_argument("--level", choices=["quick", "standard", "long"], help="default: the `diag` action's level")
+    p.add_argument("--action", default="diag", metavar="NAME", help="the diag action whose settings to use")
+    p.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     for hook, when in (("slurm-prolog", "starts"), ("slurm-epilog", "ends")):
@@ -325,6 +334,28 @@ def cmd_kernel(config: Config, lines: list[str], as_json: bool, markdown: bool) 
     if not found:
         print("no kernel event in these lines")
     return 0
+
+
+def cmd_diag(config: Config, action: str, level: str | None, as_json: bool) -> int:
+    from trainguard.actions.diag import DiagToolSettings, gpu_holders, run_level
+    from trainguard.jobs.slurm import SlurmClient
+
+    settings = config.actions.get(action)
+    if not isinstance(settings, DiagToolSettings):
+        print(f"trainguard: no diag action {action!r} in {config.source or '(built-in default)'}", file=sys.stderr)
+        return EXIT_CONFIG
+    chosen = level or getattr(settings, "level", None) or getattr(settings, "validation", "quick")
+    chosen = "quick" if chosen == "none" else chosen
+    slurm = SlurmClient(config.jobs.slurm_timeout, config.jobs.slurm_bin_dir)
+    report = run_level(settings, chosen, lambda: gpu_holders(slurm, config.jobs.slurm_node))
+    if as_json:
+        print(json.dumps({"node": config.agent.node_name, **report.to_dict()}, indent=1))
+    else:
+        rows = [["STATUS", "TEST", "SUMMARY"]] + [[r.status.name, r.subject, r.summary] for r in report.results]
+        if len(rows) > 1:
+            print(_table(rows) + "\n")
+        print(f"{config.agent.node_name}: {report.summary()}")
+    return int(report.status)
 
 
 def cmd_xid(config: Config, codes: list[int], as_json: bool) -> int:
@@ -661,6 +692,8 @@ def _one_shot(config: Config, args: argparse.Namespace) -> int:
         return cmd_kernel(config, args.lines, args.json, args.markdown)
     if args.command == "history":
         return cmd_history(config, args)
+    if args.command == "diag":
+        return cmd_diag(config, args.action, args.level, args.json)
     assert args.command == "xid", args.command
     if args.markdown:
         from trainguard.reference import xid_markdown

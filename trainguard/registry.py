@@ -41,6 +41,7 @@ ACTIONS: Mapping[str, str] = {
     "restart": "trainguard.actions.restart:RestartAction",
     "array": "trainguard.actions.slurmctl:ArrayPendingAction",
     "exec": "trainguard.actions.exec:ExecAction",
+    "diag": "trainguard.actions.diag:DiagAction",
 }
 
 # Named actions every config has; `[actions.NAME]` adds more or redefines these.
@@ -53,6 +54,7 @@ BUILTIN_ACTIONS: Mapping[str, Mapping[str, str]] = {
     "requeue": {"type": "requeue"},
     "restart": {"type": "restart"},
     "hold-array": {"type": "array", "mode": "hold"},
+    "diag": {"type": "diag"},
 }
 
 # Where jobs come from (`[jobs] sources`): each a class built with (JobsSettings, node name, SlurmClient,

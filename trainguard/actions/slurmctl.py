@@ -17,6 +17,7 @@ from trainguard.actions.base import (
     ActionSkippedError,
     slurm_jobs,
 )
+from trainguard.actions.diag import LEVEL_HELP, DiagToolSettings, Level, reason_of, validate_before_resume
 from trainguard.core.settings import Duration, Field, field_validator, model_validator
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.model import Job
@@ -118,10 +119,28 @@ class DrainAction(Action):
         return f"drained {ctx.node}: {reason}"
 
 
+class ResumeSettings(DiagToolSettings):
+    timeout: Duration = Field(180.0, gt=0, description="An action still running after this is reported as failed; "
+                                                       "longer than the validation level's budget.")
+    validation: Literal["none", "quick", "standard", "long"] = Field(
+        "quick", description=f"Diagnostics run before the node is resumed (docs/diagnostics.md): {LEVEL_HELP}. "
+                             "Resumed only on a pass; a failure keeps the node drained, the failed test in the "
+                             "drain reason. Tools this node lacks are skipped (a node without any resumes as with "
+                             "`none`). While a job still holds the GPUs nothing runs and the node stays drained.")
+
+    @model_validator(mode="after")
+    def _level_fits(self) -> ResumeSettings:
+        self.fits(None if self.validation == "none" else self.validation)
+        return self
+
+
 class ResumeAction(Action):
-    """Lifts only drains trainguard set: an administrator's drain is never undone."""
+    """Lifts only drains trainguard set: an administrator's drain is never undone; and only once the configured
+    diagnostics passed (`validation`)."""
 
     needs_jobs = False
+    Settings = ResumeSettings
+    settings: ResumeSettings
 
     def plan(self, ctx: ActionContext) -> str:
         return f"resume node {ctx.node} if its drain reason starts with {DRAIN_TAG!r}"
@@ -141,8 +160,21 @@ class ResumeAction(Action):
             ok, why = gate.check(ctx)
             if not ok:
                 raise ActionSkippedError(f"{ctx.node} left drained: {gate.name}: {why}")
+        if self.settings.validation != "none":
+            self._validate(ctx, self.settings.validation)
         _slurm("resume", ctx.slurm.resume, ctx.node)
         return f"resumed {ctx.node} (was: {reason})"
+
+    def _validate(self, ctx: ActionContext, level: Level) -> None:
+        """A resume is a test, not a hope: the level's diagnostics pass, or the node stays drained, the failed
+        test in its reason (still trainguard's drain: a later pass lifts it)."""
+        report = validate_before_resume(self.settings, level, ctx)
+        if report.refused:
+            raise ActionSkippedError(f"{ctx.node} left drained: {report.summary()}")
+        if not report.passed:
+            reason = drain_reason(f"{level} diag failed: {reason_of(report)}")
+            _slurm("drain", ctx.slurm.drain, ctx.node, reason)
+            raise ActionError(f"{ctx.node} left drained ({reason}): {report.summary()}")
 
 
 class WaitExitSettings(ActionSettings):
