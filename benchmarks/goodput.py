@@ -251,6 +251,9 @@ class Run:
         # it has none). Faults that leave every node usable restart the ranks in place; the time limit needs a
         # requeue.
         c["xid"].update(kmsg_path=str(fifo), actions={"critical": ["drain", "restart_elsewhere"]})
+        # The kernel events read the same node's kernel log: the real /dev/kmsg is the host's, where every node's
+        # XID is written (a lost GPU of n1 would be a node fault of all four), and other tests' records are.
+        c.setdefault("kernel", {}).update(kmsg_path=str(fifo))
         c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["restart"]})
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})

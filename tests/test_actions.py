@@ -723,3 +723,40 @@ def test_only_the_actions_that_need_a_record_wait_for_it(tmp_path: Path) -> None
             assert (catalog.settled is not None, "incomplete" in job.extra) == (waits, not waits), names
     finally:
         engine.store.close()
+
+
+def test_the_trainer_holds_its_own_arrays_pending_tasks_once_on_a_stop_switch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop switch: rank 0 of an array task holds the pending tasks (squeue, then scontrol uhold, as the agent's
+    hold-array does) before it exits, once; not without the switch, not outside an array, not on another rank, not
+    with TRAINGUARD_HOLD_ARRAY=0."""
+    calls, bin_dir = tmp_path / "calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f'#!/bin/sh\necho "squeue $*" >> {calls}\necho "2-5%1"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for var in ("RANK", "SLURM_PROCID", "TRAINGUARD_HOLD_ARRAY"):
+        monkeypatch.delenv(var, raising=False)
+    switch = tmp_path / "sw"
+    switch.mkdir()
+
+    def stop_seen(**env: str) -> str:
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            calls.unlink(missing_ok=True)
+            trainer = Trainer(switch_dir=switch)
+            trainer.should_stop()
+            trainer.should_stop()  # once per process, however often the loop asks
+            return calls.read_text() if calls.exists() else ""
+
+    assert stop_seen(SLURM_ARRAY_JOB_ID="77") == ""  # no switch: nothing
+    (switch / "stop").touch()
+    assert stop_seen(SLURM_ARRAY_JOB_ID="77") == ("squeue --noheader --jobs=77 --states=PENDING --format=%K\n"
+                                                  "scontrol uhold 77_[2-5]\n")
+    assert stop_seen() == ""  # not an array task
+    assert stop_seen(SLURM_ARRAY_JOB_ID="77", RANK="1") == ""  # rank 0 holds for all
+    assert stop_seen(SLURM_ARRAY_JOB_ID="77", TRAINGUARD_HOLD_ARRAY="0") == ""  # the user's burn-through
+    assert stop_seen(SLURM_ARRAY_JOB_ID="77;rm -rf") == ""  # an id is digits

@@ -216,8 +216,9 @@ def test_installed_config_stops_an_array_and_holds_the_rest(
 def test_a_trainer_that_exits_at_once_still_gets_its_array_held(
         slurm: SlurmCluster, tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
     """The trainer saves nothing and exits within ~50 ms of `touch stop` (0.05 s steps): polled every 2 s, the hold
-    came after the task ended and the next task started in one of two runs. The agent now runs the switch check the
-    moment the file appears (inotify), so the pending tasks are held before the running one is gone; twice."""
+    came after the task ended and the next task started in one of two runs. Even relayed at once (inotify), SLURM
+    starts the next task as this one ends, before the agent's hold: the trainer helper holds its own array's pending
+    tasks as it sees the switch, before it exits; twice."""
     port = free_port()
     agent = agent_process(installed_config(tmp_path, slurm, port))
     agent.wait_for("msg=ready", timeout=30)
@@ -278,7 +279,8 @@ def test_burn_through_configured_each_task_exits_without_a_checkpoint(
     engines.append(engine)
     engine.start()
     workdir = slurm.workdir()
-    array = slurm.submit(toy(slurm, workdir), "--array=0-2%1", workdir=workdir, name="tg-burn")
+    array = slurm.submit(toy(slurm, workdir), "--array=0-2%1", "--export=ALL,TRAINGUARD_HOLD_ARRAY=0", workdir=workdir,
+                         name="tg-burn")  # and the trainer helper's own hold turned off, as the job's user may
     try:
         slurm.wait_state(f"{array}_0", ("RUNNING",))
         wait_until((workdir / ".trainguard" / "heartbeat.json").exists, 20, what="first heartbeat")

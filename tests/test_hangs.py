@@ -203,8 +203,17 @@ def python_procs(tmp_path: Path, children: list[subprocess.Popen[str]]) -> tuple
 
 
 def _spies(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """This process's children other than the dumped `procs`: the py-spy runs (`exec sleep` once hung), zombies too."""
-    return [c for c in psutil.Process().children(recursive=True) if c.pid not in {p.pid for p in procs}]
+    """This process's children started since the dumped `procs`, other than them: the py-spy runs (`exec sleep` once
+    hung), zombies too; not what an earlier test's fixture left running under this process (a SLURM cluster)."""
+    since = min(p.create_time() for p in procs)
+    mine = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.pid not in {p.pid for p in procs} and c.create_time() >= since:
+                mine.append(c)
+        except psutil.NoSuchProcess:
+            continue
+    return mine
 
 
 def _fds() -> int:

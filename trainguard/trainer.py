@@ -65,6 +65,37 @@ __all__ = ["Trainer", "flight_recorder", "heartbeat", "install", "relaunch", "re
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per process: hours of a typical job's recent history
 
 
+HOLD_ARRAY_ENV = "TRAINGUARD_HOLD_ARRAY"  # "0": a stop switch lets the array's waiting tasks start (and exit at once)
+SLURM_TIMEOUT_S = 10.0
+
+
+def hold_own_array() -> str:
+    """A stop switch stays where it is, so each pending task of this job's array would start, see it and end: hold
+    them (a user hold, which the job's owner lifts with `scontrol release` after removing the switch) before this
+    task exits, so that none starts in the moment between its exit and the agent's `hold-array`, which a task that
+    stops within milliseconds of the switch otherwise loses. Global rank 0 of an array task only; the tasks held
+    ("" when none, outside an array, or when SLURM did not answer). Only for the switch file: a stop by signal (the
+    agent's time-limit save, a requeue) is not the run's end. $TRAINGUARD_HOLD_ARRAY=0 keeps the waiting tasks free."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID", "")
+    if (not array.isdigit() or os.environ.get(HOLD_ARRAY_ENV, "1") == "0"
+            or os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0"):
+        return ""
+    try:  # the same two calls as the agent's hold-array (trainguard.jobs.slurm: this module imports none of it)
+        listed = subprocess.run(["squeue", "--noheader", f"--jobs={array}", "--states=PENDING", "--format=%K"],
+                                capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, check=False).stdout
+        tasks = ",".join(line.strip().split("%")[0] for line in listed.splitlines() if line.strip())
+        if tasks:
+            subprocess.run(["scontrol", "uhold", f"{array}_[{tasks}]"], capture_output=True, timeout=SLURM_TIMEOUT_S,
+                           check=False)
+    except (OSError, subprocess.SubprocessError) as exc:  # the agent's hold-array is still bound: it does it then
+        print(f"trainguard.trainer: could not hold array {array}'s pending tasks: {exc}", file=sys.stderr)
+        return ""
+    if tasks:
+        print(f"trainguard.trainer: stop switch: held {array}_[{tasks}] (to go on: remove the switch, then "
+              f"scontrol release {array}_[{tasks}])", file=sys.stderr, flush=True)
+    return tasks
+
+
 def _signals(names: Iterable[str]) -> list[signal.Signals]:
     return [signal.Signals["SIG" + n.upper().removeprefix("SIG")] for n in names]
 
@@ -82,6 +113,7 @@ class Trainer:
         self._restart_seen = self.restart_request()  # a request older than this process is not for it
         self._signalled_seen = self._request(self.signalled_name)
         self._answering = False  # the stop under way was decided while the agent asked for a report
+        self._array_held = False  # this process held its array's pending tasks for a stop switch (once)
 
     def install(self, save_and_stop: Iterable[str] = ("USR1",), save: Iterable[str] = ("USR2",),
                 stop: Iterable[str] = ("TERM",)) -> Trainer:
@@ -137,7 +169,11 @@ class Trainer:
         return self._save.is_set() or self._switch("save") is not None or stop
 
     def should_stop(self) -> bool:
-        stop = self._stop.is_set() or self._switch("stop") is not None
+        switched = self._switch("stop") is not None
+        if switched and not self._array_held:
+            self._array_held = True
+            hold_own_array()
+        stop = self._stop.is_set() or switched
         if stop and not self._answering:
             # The checkpoint this stop takes answers the agent (saved()) only if a request was there as the stop was
             # decided: a checkpoint already under way then is not the one asked for, and the agent would end the job
