@@ -62,3 +62,47 @@ def test_prolog_refuses_a_node_with_a_critical_gpu_fault(hooks: SlurmCluster, tm
         assert "rolog" in hooks.node_info()["Reason"]  # SLURM's own reason: "Prolog error"
     finally:
         sh("scancel", job_id, check=False)
+
+
+@pytest.fixture
+def epilog_gate(hooks: SlurmCluster, tmp_path: Path) -> Iterator[Path]:
+    """`slurm-epilog --check` as the cluster's Epilog (docs/slurm.md): one script, the record first, the gate's exit
+    code last. Yields the file its output goes to (what slurmd would log)."""
+    out = tmp_path / "epilog.out"
+    hooks.set_hook("epilog", trainguard(hooks, "trainguard", "slurm-epilog", "--check", "--dir", str(tmp_path / "jobs"),
+                                        "--gate-dir", str(tmp_path / "gates"), "--grace", "1s", "--tmp",
+                                        str(tmp_path)) + f" > {out} 2>&1")
+    hooks.use_epilog(True)
+    try:
+        yield out
+    finally:
+        hooks.set_hook("epilog", "exit 0")
+        hooks.use_epilog(False)
+
+
+def test_a_job_that_leaves_a_process_drains_the_node_in_its_epilog_before_the_next_job(
+        hooks: SlurmCluster, epilog_gate: Path) -> None:
+    """The issue's goal: a job's task escapes the step (setsid -f: reparented to init, proctrack/linuxproc loses it)
+    and keeps running after the job; the epilog gate names it and fails, slurmd drains the node ("Epilog error"), and
+    the next job, queued behind the first, does not start there."""
+    tag = uuid.uuid4().hex[:6]
+    workdir = hooks.workdir()
+    first = hooks.submit("setsid -f sleep 300 < /dev/null > /dev/null 2>&1\necho ran > first", workdir=workdir,
+                         name=f"tg-leftover-{tag}")
+    second = hooks.submit("echo ran > second", f"--dependency=afterany:{first}", workdir=workdir,
+                          name=f"tg-next-{tag}")
+    leftover: list[int] = []
+    try:
+        wait_until(lambda: "DRAIN" in hooks.node_info()["State"], 60, interval=0.5, what="the epilog to drain the node")
+        assert "pilog" in hooks.node_info()["Reason"]  # SLURM's own: "Epilog error"
+        text = epilog_gate.read_text()
+        leftover = [int(p) for p in sh("pgrep", "-u", "tgjob", "-f", "^sleep 300$", check=False).split()]
+        assert f"trainguard epilog gate: FAIL: job {first}: 1 process(es) of the job left: pid {leftover[0]} 'sleep'" \
+            in text, text
+        assert (workdir / "first").exists() and not (workdir / "second").exists()
+        time.sleep(2)  # the dependency is satisfied: only the drain keeps the next job off the node
+        assert hooks.job(second).get("JobState") == "PENDING" and not (workdir / "second").exists()
+    finally:
+        sh("scancel", second, check=False)
+        for pid in leftover or sh("pgrep", "-u", "tgjob", "-f", "^sleep 300$", check=False).split():
+            sh("kill", "-9", str(pid), check=False)
