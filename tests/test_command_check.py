@@ -103,6 +103,8 @@ def test_settings_refuse_a_relative_path_and_a_timeout_longer_than_the_checks(tm
         CommandCheck.Settings.model_validate({"command": ["check_disk"]})
     with pytest.raises(ValidationError, match="command_timeout"):
         CommandCheck.Settings.model_validate({"command": ["/bin/true"], "command_timeout": "20s"})
+    # unset, the script's timeout leaves the check's last fifth to kill, reap and report: a shorter timeout alone is valid
+    assert CommandCheck.Settings.model_validate({"command": ["/bin/true"], "timeout": "5s"}).kill_after == 4.0
 
 
 def test_perfdata_of_real_plugins_parses() -> None:

@@ -106,3 +106,29 @@ def test_a_job_that_leaves_a_process_drains_the_node_in_its_epilog_before_the_ne
         sh("scancel", second, check=False)
         for pid in leftover or sh("pgrep", "-u", "tgjob", "-f", "^sleep 300$", check=False).split():
             sh("kill", "-9", str(pid), check=False)
+
+
+def test_the_prolog_gate_refuses_a_node_with_a_critical_gpu_after_writing_the_record(hooks: SlurmCluster,
+                                                                                     tmp_path: Path) -> None:
+    """`slurm-prolog --check` as the Prolog (docs/slurm.md): the job's record first, then the gate; its exit 2 makes
+    slurmd drain the node ("Prolog error") and requeue the job, which never starts here."""
+    config = tmp_path / "prolog.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}"\nlisten = ""\n')
+    out, records = tmp_path / "prolog.out", tmp_path / "jobs"
+    hooks.set_hook("prolog", trainguard(hooks, "tests.helpers.fake_gpu_agent", "slurm-prolog", "--check", "--config",
+                                        str(config), "--checks", "gpu", "--dir", str(records), "--gate-dir",
+                                        str(tmp_path / "gates"),
+                                        env="TRAINGUARD_FAKE_GPUS=2 TRAINGUARD_FAKE_GPU_FAULT=remap_failed")
+                   + f" > {out} 2>&1")
+    workdir = hooks.workdir()
+    job_id = hooks.submit("echo ran > started", workdir=workdir, name=f"tg-gate-{uuid.uuid4().hex[:6]}")
+    try:
+        wait_until(lambda: "DRAIN" in hooks.node_info()["State"], 30, interval=0.5, what="the prolog gate to refuse")
+        text = out.read_text()
+        assert "trainguard prolog gate: FAIL: gpu: GPU 1: row remapping failed: hardware fault, RMA the GPU" in text
+        assert (records / f"{job_id}.json").exists()  # the record was written before the gate ran
+        assert "rolog" in hooks.node_info()["Reason"]
+        assert hooks.job(job_id).get("JobState") in ("PENDING", "REQUEUED", "REQUEUE_HOLD")
+        assert not (workdir / "started").exists()
+    finally:
+        sh("scancel", job_id, check=False)

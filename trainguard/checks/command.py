@@ -56,8 +56,9 @@ class CommandSettings(CheckSettings):
                                          "check's name.")
     user: str = Field("", description="Run it as this user (name or uid); empty: the agent's own. Another user "
                                       "needs the agent to run as root (the run-as-root.conf drop-in).")
-    command_timeout: Duration = Field(8.0, gt=0, description="Its process group is killed after this: UNKNOWN "
-                                                             "\"timed out\". Shorter than `timeout`.")
+    command_timeout: Duration | None = Field(None, gt=0, description="Its process group is killed after this: "
+                                                                    "UNKNOWN \"timed out\". Shorter than `timeout`; "
+                                                                    "default: 80% of it.")
     output_limit: Size = Field(parse_size("64KiB"), ge=1, description="Output read from each of stdout and "
                                                                       "stderr; the rest is discarded and counted.")
     max_labels: int = Field(32, ge=0, le=1000, description="Distinct perfdata labels exported for this check; "
@@ -72,9 +73,14 @@ class CommandSettings(CheckSettings):
             raise ValueError(f"{argv[0]!r}: give the script's absolute path")
         return argv
 
+    @property
+    def kill_after(self) -> float:
+        """The script's own timeout: the check's leaves time to kill and reap it and report."""
+        return self.command_timeout if self.command_timeout is not None else self.timeout * 0.8
+
     @model_validator(mode="after")
     def _fits(self) -> CommandSettings:
-        if self.command_timeout >= self.timeout:
+        if self.command_timeout is not None and self.command_timeout >= self.timeout:
             raise ValueError(f"command_timeout ({self.command_timeout:g}s) must be shorter than timeout "
                              f"({self.timeout:g}s)")
         return self
@@ -241,7 +247,7 @@ class CommandCheck(Check):
         except (KeyError, ValueError):
             return [self._unknown(f"no such user {s.user!r}")]
         try:
-            finished = run_bounded(s.command, s.command_timeout, s.output_limit, run_as=run_as,
+            finished = run_bounded(s.command, s.kill_after, s.output_limit, run_as=run_as,
                                    env=self._environment(entry))
         except FileNotFoundError:
             return [self._unknown(f"{s.command[0]}: not found")]
@@ -251,7 +257,7 @@ class CommandCheck(Check):
             return [self._unknown(f"{s.command[0]}: not executable ({exc.strerror})")]
         except OSError as exc:
             return [self._unknown(f"{s.command[0]}: cannot run: {exc.strerror or exc}")]
-        status, why = status_of(finished, s.command_timeout)
+        status, why = status_of(finished, s.kill_after)
         out = finished.stdout.decode("utf-8", "replace")
         parsed = parse_output(out if out.strip() else finished.stderr.decode("utf-8", "replace"))
         summary = one_line(parsed.summary, SUMMARY_MAX) or f"no output (exit {finished.code})"
