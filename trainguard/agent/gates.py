@@ -149,7 +149,7 @@ class EpilogJob:
         if not (job_id.isascii() and job_id.isdigit() and len(job_id) <= 10):
             return None
         uid = env.get("SLURM_JOB_UID", "")
-        raw = env.get("SLURM_JOB_GPUS", env.get("CUDA_VISIBLE_DEVICES", ""))
+        raw = env.get("SLURM_JOB_GPUS", "")  # set by slurmd for Prolog and Epilog (its CUDA_VISIBLE_DEVICES is not the job's)
         gpus = tuple(int(g) for g in raw.split(",") if g.strip().isdigit()) if raw.strip() else None
         return EpilogJob(job_id, int(uid) if uid.isdigit() else None, gpus)
 
