@@ -69,7 +69,7 @@ min_severity = "critical"
     ("[checks.disk]\nfree_warning = '12XB'\n", "checks.disk.free_warning: invalid size '12XB'"),
     ("[checks.disk]\npaths = '/'\n", "checks.disk.paths: Input should be a valid list"),
     ("[checks.disk]\nbogus = 1\n", "checks.disk.bogus: unknown key"),
-    ("[checks.gpu0]\ntype = 'nope'\n", "checks.gpu0.type: unknown check type 'nope' (known: disk, fabric, gpu, "),
+    ("[checks.gpu0]\ntype = 'nope'\n", "checks.gpu0.type: unknown check type 'nope' (known: command, disk, fabric, gpu, "),
     ("[checks.memory]\ntop = 'five'\n", "checks.memory.top: Input should be a valid integer"),
     ("[checks.disk]\ntimeout = '5s'\nmount_timeout = '10s'\n", "must be shorter than timeout"),
     ("[notifiers.console]\nmin_severity = 'loud'\n", "notifiers.console.min_severity: invalid status 'loud'"),

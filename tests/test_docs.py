@@ -213,8 +213,8 @@ def test_the_readme_lists_every_command() -> None:
 
 
 def test_the_documented_prolog_config_calls_no_slurm_command(tmp_path: Path) -> None:
-    """A prolog that calls SLURM can deadlock slurmd (docs/slurm.md says so): the prolog config it recommends runs
-    `trainguard check` without a single scontrol, squeue, sinfo or sacct, on a node where they are installed."""
+    """A prolog that calls SLURM can deadlock slurmd (docs/slurm.md says so): the prolog gate with the config it
+    recommends runs without a single scontrol, squeue, sinfo or sacct, on a node where they are installed."""
     text = (REPO / "docs" / "slurm.md").read_text()
     block = re.search(r"```toml\n(# /etc/trainguard/prolog\.toml\n.*?)```", text, re.S)
     assert block is not None, "the prolog config block in docs/slurm.md"
@@ -226,9 +226,10 @@ def test_the_documented_prolog_config_calls_no_slurm_command(tmp_path: Path) -> 
         fake.chmod(0o755)
     config = tmp_path / "prolog.toml"
     config.write_text(block.group(1).replace('[agent]\n', f'[agent]\nstate_dir = "{tmp_path / "state"}"\n', 1))
-    proc = subprocess.run([sys.executable, "-m", "trainguard", "check", "--critical-only", "--since", "1h",
-                           "--config", str(config)], capture_output=True, text=True, timeout=60, cwd=REPO,
-                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"})
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "slurm-prolog", "--check", "--config", str(config),
+                           "--dir", str(tmp_path / "jobs"), "--gate-dir", str(tmp_path / "gates")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "SLURM_JOB_ID": "7"})
     assert proc.returncode in (0, 2), proc.stderr[-2000:]
-    assert "xid" in proc.stdout, proc.stdout
+    assert (tmp_path / "jobs" / "7.json").exists() and (tmp_path / "gates" / "prolog.json").exists(), proc.stderr
     assert not calls.exists(), calls.read_text()

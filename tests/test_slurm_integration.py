@@ -62,3 +62,73 @@ def test_prolog_refuses_a_node_with_a_critical_gpu_fault(hooks: SlurmCluster, tm
         assert "rolog" in hooks.node_info()["Reason"]  # SLURM's own reason: "Prolog error"
     finally:
         sh("scancel", job_id, check=False)
+
+
+@pytest.fixture
+def epilog_gate(hooks: SlurmCluster, tmp_path: Path) -> Iterator[Path]:
+    """`slurm-epilog --check` as the cluster's Epilog (docs/slurm.md): one script, the record first, the gate's exit
+    code last. Yields the file its output goes to (what slurmd would log)."""
+    out = tmp_path / "epilog.out"
+    hooks.set_hook("epilog", trainguard(hooks, "trainguard", "slurm-epilog", "--check", "--dir", str(tmp_path / "jobs"),
+                                        "--gate-dir", str(tmp_path / "gates"), "--grace", "1s", "--tmp",
+                                        str(tmp_path)) + f" > {out} 2>&1")
+    hooks.use_epilog(True)
+    try:
+        yield out
+    finally:
+        hooks.set_hook("epilog", "exit 0")
+        hooks.use_epilog(False)
+
+
+def test_a_job_that_leaves_a_process_drains_the_node_in_its_epilog_before_the_next_job(
+        hooks: SlurmCluster, epilog_gate: Path) -> None:
+    """The issue's goal: a job's task escapes the step (setsid -f: reparented to init, proctrack/linuxproc loses it)
+    and keeps running after the job; the epilog gate names it and fails, slurmd drains the node ("Epilog error"), and
+    the next job, queued behind the first, does not start there."""
+    tag = uuid.uuid4().hex[:6]
+    workdir = hooks.workdir()
+    first = hooks.submit("setsid -f sleep 300 < /dev/null > /dev/null 2>&1\necho ran > first", workdir=workdir,
+                         name=f"tg-leftover-{tag}")
+    second = hooks.submit("echo ran > second", f"--dependency=afterany:{first}", workdir=workdir,
+                          name=f"tg-next-{tag}")
+    leftover: list[int] = []
+    try:
+        wait_until(lambda: "DRAIN" in hooks.node_info()["State"], 60, interval=0.5, what="the epilog to drain the node")
+        assert "pilog" in hooks.node_info()["Reason"]  # SLURM's own: "Epilog error"
+        text = epilog_gate.read_text()
+        leftover = [int(p) for p in sh("pgrep", "-u", "tgjob", "-f", "^sleep 300$", check=False).split()]
+        assert f"trainguard epilog gate: FAIL: job {first}: 1 process(es) of the job left: pid {leftover[0]} 'sleep'" \
+            in text, text
+        assert (workdir / "first").exists() and not (workdir / "second").exists()
+        time.sleep(2)  # the dependency is satisfied: only the drain keeps the next job off the node
+        assert hooks.job(second).get("JobState") == "PENDING" and not (workdir / "second").exists()
+    finally:
+        sh("scancel", second, check=False)
+        for pid in leftover or sh("pgrep", "-u", "tgjob", "-f", "^sleep 300$", check=False).split():
+            sh("kill", "-9", str(pid), check=False)
+
+
+def test_the_prolog_gate_refuses_a_node_with_a_critical_gpu_after_writing_the_record(hooks: SlurmCluster,
+                                                                                     tmp_path: Path) -> None:
+    """`slurm-prolog --check` as the Prolog (docs/slurm.md): the job's record first, then the gate; its exit 2 makes
+    slurmd drain the node ("Prolog error") and requeue the job, which never starts here."""
+    config = tmp_path / "prolog.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}"\nlisten = ""\n')
+    out, records = tmp_path / "prolog.out", tmp_path / "jobs"
+    hooks.set_hook("prolog", trainguard(hooks, "tests.helpers.fake_gpu_agent", "slurm-prolog", "--check", "--config",
+                                        str(config), "--checks", "gpu", "--dir", str(records), "--gate-dir",
+                                        str(tmp_path / "gates"),
+                                        env="TRAINGUARD_FAKE_GPUS=2 TRAINGUARD_FAKE_GPU_FAULT=remap_failed")
+                   + f" > {out} 2>&1")
+    workdir = hooks.workdir()
+    job_id = hooks.submit("echo ran > started", workdir=workdir, name=f"tg-gate-{uuid.uuid4().hex[:6]}")
+    try:
+        wait_until(lambda: "DRAIN" in hooks.node_info()["State"], 30, interval=0.5, what="the prolog gate to refuse")
+        text = out.read_text()
+        assert "trainguard prolog gate: FAIL: gpu: GPU 1: row remapping failed: hardware fault, RMA the GPU" in text
+        assert (records / f"{job_id}.json").exists()  # the record was written before the gate ran
+        assert "rolog" in hooks.node_info()["Reason"]
+        assert hooks.job(job_id).get("JobState") in ("PENDING", "REQUEUED", "REQUEUE_HOLD")
+        assert not (workdir / "started").exists()
+    finally:
+        sh("scancel", job_id, check=False)

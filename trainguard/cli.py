@@ -15,7 +15,8 @@ from trainguard import PLAIN_SETTINGS_ENV, __version__
 from trainguard.core.logs import setup_logging
 from trainguard.core.model import Status, worst
 from trainguard.core.text import one_line
-from trainguard.core.units import format_duration, parse_duration
+from trainguard.core.units import format_duration, parse_duration, parse_size
+from trainguard.jobs.prolog import GATE_DIR
 
 if TYPE_CHECKING:  # imported where used: one-shot commands start faster, and `run` holds no pydantic (main)
     from trainguard.core.model import Result
@@ -155,14 +156,58 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("config-reference", help="print the configuration reference (markdown) generated from the code")
     sub.add_parser("metrics-reference", help="print every metric the agent exports (markdown), from their declarations")
     for hook, when in (("slurm-prolog", "starts"), ("slurm-epilog", "ends")):
-        p = sub.add_parser(hook, help=f"SLURM {hook[6:].capitalize()} hook: record the job that {when} for the agent",
-                           description=f"Run by slurmd (as root, from a Prolog=/Epilog= script) when a job {when} on "
-                                       "this node: writes what slurmd's environment says of the job to a small file "
-                                       "the agent reads (docs/slurm.md). Reads no config, calls no SLURM command, "
-                                       "always exits 0.")
+        p = with_config(sub.add_parser(
+            hook, help=f"SLURM {hook[6:].capitalize()} hook: record the job that {when} for the agent; with --check, "
+                       "gate the node",
+            description=f"Run by slurmd (as root, from a Prolog=/Epilog= script) when a job {when} on this node: "
+                        "writes what slurmd's environment says of the job to a small file the agent reads "
+                        "(docs/slurm.md). Reads no config, calls no SLURM command, always exits 0. With --check, "
+                        "then gates the node, still without a SLURM command, and exits 2 when it fails (SLURM "
+                        "drains the node): " + ("the config's gate checks within --budget" if hook == "slurm-prolog"
+                                                else "no process of the job left, GPU memory back, /dev/shm clean")
+                        + "."))
         p.add_argument("--dir", default="/run/trainguard/jobs", metavar="DIR",
                        help="where the records go: the agent's [jobs] prolog_dir (default: /run/trainguard/jobs)")
+        p.add_argument("--check", action="store_true", help="after the record, gate the node (exit 2 on failure)")
+        p.add_argument("--gate-dir", default=GATE_DIR, metavar="DIR",
+                       help=f"where the gates leave their verdicts and the GPU memory baseline (default: {GATE_DIR})")
+        if hook == "slurm-prolog":
+            p.add_argument("--checks", default="", metavar="NAMES",
+                           help="comma-separated checks of the config to run (default: gpu, xid and the disk checks "
+                                "that name paths)")
+            p.add_argument("--budget", default="10s", type=parse_duration, metavar="DURATION",
+                           help="past this the gate lets the job start (default 10s)")
+            p.add_argument("--since", default="1h", type=since_arg, metavar="DURATION|boot",
+                           help="count only kernel log records newer than this (default 1h)")
+        else:
+            p.add_argument("--shm-max", default="64MiB", type=parse_size, metavar="SIZE",
+                           help="the job user's files allowed to remain in each --tmp dir (default 64MiB)")
+            p.add_argument("--tmp", action="append", metavar="DIR",
+                           help="a directory where the job's user must leave no more than --shm-max (repeatable; "
+                                "default /dev/shm)")
+            p.add_argument("--gpu-memory-slack", default="512MiB", type=parse_size, metavar="SIZE",
+                           help="GPU memory in use allowed above the prolog gate's baseline (default 512MiB)")
+            p.add_argument("--grace", default="3s", type=parse_duration, metavar="DURATION",
+                           help="how long the job's processes may take to exit before they count (default 3s)")
     return parser
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    """`slurm-prolog --check` / `slurm-epilog --check`: the record was written; now the node's verdict."""
+    from trainguard.agent import gates
+
+    if args.command == "slurm-epilog":
+        return gates.run_epilog_gate(os.environ, args.gate_dir, args.tmp or ["/dev/shm"], args.shm_max,
+                                     args.gpu_memory_slack, args.grace)
+    config = _config(args)
+    if isinstance(config, int):
+        return config
+    try:
+        gated = gates.gate_config(config, [n for n in args.checks.split(",") if n])
+    except KeyError as exc:
+        print(f"trainguard prolog gate: {exc.args[0]}", file=sys.stderr)
+        return EXIT_CONFIG
+    return gates.run_prolog_gate(gated, args.gate_dir, args.budget, kernel_since_usec(args.since))
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -619,7 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("slurm-prolog", "slurm-epilog"):
         from trainguard.jobs.prolog import run_hook
 
-        return run_hook(args.dir, os.environ, ended=args.command == "slurm-epilog")
+        recorded = run_hook(args.dir, os.environ, ended=args.command == "slurm-epilog")  # always first, always 0
+        return cmd_gate(args) if args.check else recorded
     if args.command in ("install", "uninstall"):
         return cmd_install(args)
     if args.command in ("config-reference", "metrics-reference"):

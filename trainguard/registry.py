@@ -30,6 +30,7 @@ CHECKS: Mapping[str, str] = {
     "hang": "trainguard.checks.hang:HangCheck",
     "quota": "trainguard.checks.quota:QuotaCheck",
     "training_log": "trainguard.checks.training_log:TrainingLogCheck",
+    "command": "trainguard.checks.command:CommandCheck",
 }
 
 ACTIONS: Mapping[str, str] = {

@@ -5,7 +5,9 @@ fabric); GPU 0 has a pending row remap and a few NVLink and PCIe replays so that
 TRAINGUARD_FAKE_GPU_FAULT=remap_failed makes the last GPU fail its row remapping (a CRITICAL fault);
 TRAINGUARD_FAKE_NVML=missing makes NVML fail to load, as on a node without the driver;
 TRAINGUARD_FAKE_GPU_DOMAIN=00a1 puts the GPUs in that PCI domain (several agents on one host, each its own GPUs);
-TRAINGUARD_FAKE_GPU_HEALTHY=1 leaves GPU 0 without its remap and replays."""
+TRAINGUARD_FAKE_GPU_HEALTHY=1 leaves GPU 0 without its remap and replays;
+TRAINGUARD_FAKE_GPU_PROCS="0:PID:BYTES,..." lists compute processes on GPUs (and adds their memory to the GPU's used);
+TRAINGUARD_FAKE_GPU_USED="0:BYTES,..." sets GPUs' memory in use."""
 
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ def main() -> int:
         gpus[0].pcie_replays = 2
         if os.environ.get("TRAINGUARD_FAKE_GPU_FAULT") == "remap_failed":
             gpus[-1].remap = (0, 1, 0, 1)
+    for item in filter(None, os.environ.get("TRAINGUARD_FAKE_GPU_USED", "").split(",")):
+        index, used = item.split(":")
+        gpus[int(index)].used = int(used)
+    for item in filter(None, os.environ.get("TRAINGUARD_FAKE_GPU_PROCS", "").split(",")):
+        index, pid, used = item.split(":")
+        gpus[int(index)].processes.append((int(pid), int(used)))
+        gpus[int(index)].used += int(used)
     missing = NVMLError_LibraryNotFound if os.environ.get("TRAINGUARD_FAKE_NVML") == "missing" else None
     sys.modules["pynvml"] = FakeNvml(gpus, init_error=missing)  # type: ignore[assignment]
     from trainguard.cli import main as trainguard

@@ -24,6 +24,7 @@ from pathlib import Path
 from trainguard.core.files import read_small, replace_file
 
 RECORDS_DIR = "/run/trainguard/jobs"
+GATE_DIR = "/run/trainguard/gates"  # the gates' verdicts and GPU memory baseline (trainguard.agent.gates)
 RECORD_MAX = 64 << 10
 FIELD_MAX = 4096
 KEEP_ENDED_S = 3600.0  # an ended job's record is removed by a later hook after this
