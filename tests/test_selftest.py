@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.conftest import REPO, AgentProcess, control_status, free_port, require, require_root, wait_until
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, alertmanager_server, slack_emulator, smtp_server
@@ -140,6 +141,8 @@ def test_a_failing_channel_is_named_and_the_exit_code_says_so(
     assert "trainguard selftest: FAILED slack delivered: slack: 500 internal_error" in done.stderr, done.stderr
     assert "email delivered" in done.stdout and "250 accepted" in done.stdout, done.stdout
     assert "selftest FAILED" in done.stdout
+    assert [m for m in mailbox.messages if MARKER in m["Subject"]]  # the other channel still got it
+    assert "undelivered test message(s) dropped from the outbox" in done.stdout, done.stdout
     # the failed channel's test messages are not left to go out later
     slack.script = []
     time.sleep(3)  # past the dispatcher's first retry (2 s)
@@ -158,8 +161,6 @@ def test_alertmanager_gets_test_alerts_that_resolve(
         done = selftest(path)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "alertmanager delivered" in done.stdout and "alertmanager resolved delivered" in done.stdout
-        import requests
-
         alerts = [a for a in requests.get(f"{url}/api/v2/alerts?active=true&inhibited=true&silenced=true"
                                           "&unprocessed=true", timeout=5).json()
                   if a["labels"].get("check") == "selftest"]
@@ -183,7 +184,7 @@ def test_the_responder_never_acts_on_a_test_event(tmp_path: Path) -> None:
     marked = Result("scratch", "/test", Status.WARNING, f"{MARK} TEST: x", {"test": True})
     real = Result("scratch", "/real", Status.WARNING, "x")
     engine.ingest(RunReport("scratch", now, 0.0, "ok", (marked, real)))
-    wait_until(lambda: ran.exists(), 10, what="the real incident's action")
+    wait_until(ran.exists, 10, what="the real incident's action")
     engine.responder.finish(10)
     assert ran.read_text().split() == ["/real"]
     assert {i.subject for i in engine.tracker.incidents() if i.firing} == {"/test", "/real"}
