@@ -3,7 +3,7 @@ reader, a disk threshold on a scratch directory, the incidents, their events to 
 and Debian's Alertmanager, the series on /metrics, the resolution; everything marked as a test, no action run, nothing
 left. A channel that fails is named, and the command exits non-zero. The responder never acts on a test event.
 
-Writes one record to /dev/kmsg (not XID-shaped): run under `flock /tmp/trainguard-tests.lock`."""
+The first test writes one record to /dev/kmsg (not XID-shaped): run under `flock /tmp/trainguard-tests.lock`."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ def peers(tmp_path: Path) -> Iterator[tuple[SlackEmulator, Mailbox, int, Path]]:
         yield slack, mailbox, port, cert
 
 
-def config(tmp_path: Path, slack: SlackEmulator, smtp_port: int, cert: Path, alertmanager: str = "") -> Path:
-    """An installed-like config: the xid check (no actions: the kernel log is shared with other tests), a disk
-    check, and an exec action bound to both that would leave a file if any action ran."""
+def config(tmp_path: Path, slack: SlackEmulator, smtp_port: int, cert: Path, alertmanager: str = "",
+           xid: bool = False) -> Path:
+    """An installed-like config: a disk check with an exec action bound to every status that would leave a file if
+    an action ran, and with `xid` the xid check, bound to no action (the kernel log is shared with other tests:
+    their XIDs fire here too)."""
     (tmp_path / "watched").mkdir(exist_ok=True)
     path = tmp_path / "trainguard.toml"
     am = f'[notifiers.alertmanager]\nurls = ["{alertmanager}"]\n' if alertmanager else ""
@@ -47,9 +49,9 @@ node_name = "st-node"
 state_dir = "{tmp_path / 'state'}"
 listen = "127.0.0.1:{free_port()}"
 [checks.xid]
+enabled = {str(xid).lower()}
 [checks.xid.actions]
-warning = ["mark"]
-critical = ["mark"]
+critical = []
 [checks.scratch]
 type = "disk"
 paths = ["{tmp_path / 'watched'}"]
@@ -99,7 +101,7 @@ def test_selftest_shows_every_hop_marks_everything_runs_no_action_and_leaves_not
         agent_process: Callable[..., AgentProcess]) -> None:
     kernel_log_writable()
     slack, mailbox, port, cert = peers
-    path = config(tmp_path, slack, port, cert)
+    path = config(tmp_path, slack, port, cert, xid=True)
     started(agent_process, path)
     done = selftest(path)
     out = done.stdout
@@ -138,6 +140,7 @@ def test_a_failing_channel_is_named_and_the_exit_code_says_so(
     done = selftest(path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "slack delivered" in done.stdout and "FAILED  slack: 500 internal_error" in done.stdout, done.stdout
+    assert "kernel   detected                     skipped no configured check follows the kernel log" in done.stdout
     assert "trainguard selftest: FAILED slack delivered: slack: 500 internal_error" in done.stderr, done.stderr
     assert "email delivered" in done.stdout and "250 accepted" in done.stdout, done.stdout
     assert "selftest FAILED" in done.stdout

@@ -127,6 +127,7 @@ class SelfTest:
         # (channel, incident id, kind) -> the peer's answer, and when (since the start)
         self.delivered: dict[tuple[str, str, str], tuple[str, float]] = {}
         self.failed: dict[tuple[str, str], tuple[str, float]] = {}  # (channel, kind) -> its first error, and when
+        self.ahead: dict[str, tuple[str, float]] = {}  # channel -> its error on an older message queued before ours
         self._changed = threading.Condition()
         self._readers: dict[str, KmsgFollower] = {}
         self._untap: list[Callable[[], None]] = []
@@ -265,11 +266,14 @@ class SelfTest:
             keys = [(channel, e.incident_id, e.kind.value) for e in mine]
             with self._changed:
                 before = self.failed.get((channel, EventKind.FIRED.value)) if kind is EventKind.RESOLVED else None
-                while (before is None and (channel, kind.value) not in self.failed
+                while (before is None and (channel, kind.value) not in self.failed and channel not in self.ahead
                        and not all(k in self.delivered for k in keys) and time.monotonic() < deadline):
                     self._changed.wait(deadline - time.monotonic())
                 answers = [self.delivered[k] for k in keys if k in self.delivered]
                 error = self.failed.get((channel, kind.value))
+                if error is None and channel in self.ahead and len(answers) < len(keys):
+                    failing, when = self.ahead[channel]
+                    error = (f"{failing} (on an older message queued ahead of the test's)", when)
             if before is not None:  # it waits behind the firing message, which the channel keeps refusing
                 self._hop("channels", f"{channel} {delivered_hop}", False,
                           f"not sent: the channel failed the firing message ({before[0]})")
@@ -292,10 +296,13 @@ class SelfTest:
     def _answered(self, channel: str, events: list[Event], answer: str | None, error: str | None) -> None:
         """From a channel's delivery worker: how the delivery of events (ours among them, or not) went."""
         mine = [e for e in events if e.details.get("selftest") == self.id]
-        if not mine:
-            return
         at = time.monotonic() - self.started
         with self._changed:
+            if not mine:  # an older message: the test's wait behind it, and a channel failing on it fails the test
+                if error is not None:
+                    self.ahead.setdefault(channel, (error, at))
+                    self._changed.notify_all()
+                return
             if error is not None:
                 for e in mine:
                     self.failed.setdefault((channel, e.kind.value), (error, at))
