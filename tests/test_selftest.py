@@ -21,7 +21,8 @@ from tests.conftest import REPO, AgentProcess, control_status, free_port, requir
 from tests.peers import SMTP_PASSWORD, SMTP_USER, Mailbox, SlackEmulator, alertmanager_server, slack_emulator, smtp_server
 from trainguard.agent.configfile import parse_config
 from trainguard.core.model import Result, Status
-from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.engine import Engine, OperatorError
+from trainguard.pipeline.incidents import Operator
 from trainguard.pipeline.runner import RunReport
 from trainguard.pipeline.selftest import MARK
 from trainguard.pipeline.store import Store
@@ -191,3 +192,27 @@ def test_the_responder_never_acts_on_a_test_event(tmp_path: Path) -> None:
     engine.responder.finish(10)
     assert ran.read_text().split() == ["/real"]
     assert {i.subject for i in engine.tracker.incidents() if i.firing} == {"/test", "/real"}
+
+
+def test_one_selftest_at_a_time_in_process_and_nothing_left(tmp_path: Path) -> None:
+    """The engine's own path (settings built as pydantic models here): a second self-test is refused while one runs,
+    the hops end with the cleanup, and the engine holds nothing of it afterwards."""
+    conf = parse_config({"agent": {"node_name": "n", "state_dir": str(tmp_path / "state"), "listen": ""},
+                         "checks": {"memory": {}}, "notifiers": {"console": {}}}, "t.toml")
+    engine = Engine(conf, store=Store(tmp_path / "state"))
+    engine.start()
+    try:
+        who = Operator("root", 0, "test")
+        first = engine.selftest(who, kmsg=False, metrics=lambda: b'trainguard_check_status{check="selftest"} 1\n')
+        with pytest.raises(OperatorError, match=f"under way already \\(id {first['id']}"):
+            engine.selftest(who, kmsg=False, metrics=bytes)
+        wait_until(lambda: (engine.selftest_status() or {}).get("done"), 20, what="the self-test's end")
+        test = engine.selftest_status()
+        assert test is not None and test["ok"], test
+        hops = [(h["path"], h["hop"], h["ok"]) for h in test["hops"]]
+        assert ("channels", "console delivered", True) in hops and ("cleanup", "cleanup", True) == hops[-1], hops
+        assert "selftest" not in engine.checks and "selftest" not in engine.snapshot().checks
+        assert not [i for i in engine.tracker.incidents() if i.check == "selftest"]
+        assert not list((tmp_path / "state").glob("selftest-*"))
+    finally:
+        engine.stop()
