@@ -151,13 +151,14 @@ class SelfTest:
     # start and end ----------------------------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
         """Attaches the check and the watchers, starts the test's thread: the document (with the record to write)."""
-        self.scratch.mkdir(mode=0o700)
-        context = replace(self.engine.shared, state=ScopedState(None, f"check/{NAME}"))
-        self.check = SelfTestCheck(context, self.scratch, self.id)
         try:
+            self.scratch.mkdir(mode=0o700)
+            context = replace(self.engine.shared, state=ScopedState(None, f"check/{NAME}"))
+            self.check = SelfTestCheck(context, self.scratch, self.id)
             self.engine.attach(self.check, NAME)
-        except Exception:
-            self.check.stop()
+        except Exception:  # refused (the command says why): nothing is left, and a next one may start
+            if self.check is not None:
+                self.check.stop()
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.done = True
             raise
