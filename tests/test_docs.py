@@ -138,7 +138,7 @@ def test_every_documented_trainguard_command_runs(tmp_path: Path, staged: Path, 
         config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\nlisten = "127.0.0.1:{port}"\n'
                           f'control_socket = "{tmp_path}/state/control.sock"\n[jobs]\nsources = []\n'
                           '[checks.memory]\n[notifiers.console]\n'
-                          f'[notifiers.slack]\nwebhook_url = "{slack.url}"\n')
+                          f'[notifiers.slack]\nwebhook_url = "{slack.url}"\ngroup_window = "0s"\n')  # selftest waits for it
         config.chmod(0o600)
         # The staged install's config is the one the docs validate; the agent the docs talk to runs on `config`.
         monkeypatch.setenv("TRAINGUARD_CONFIG", str(config))

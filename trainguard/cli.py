@@ -1,5 +1,5 @@
-"""The `trainguard` command: run, check, status, ack, silence, clear, validate, notify-test, install, uninstall,
-config-reference, metrics-reference, slurm-prolog, slurm-epilog, diag."""
+"""The `trainguard` command: run, check, status, ack, silence, clear, validate, notify-test, selftest, install,
+uninstall, config-reference, metrics-reference, slurm-prolog, slurm-epilog, diag, kernel, history."""
 
 from __future__ import annotations
 
@@ -111,6 +111,16 @@ def _parser() -> argparse.ArgumentParser:
                                    description="Send one test message through each configured notification channel "
                                                "(or one) and print each outcome. Exit code 1 if any failed."))
     p.add_argument("--channel", metavar="NAME", help="only this channel")
+    with_config(sub.add_parser(
+        "selftest", help="prove the running agent works end to end: a test fault through each real path",
+        description="The running agent injects a harmless test fault through each real path and this command shows "
+                    "each hop as it happens: a record in the kernel log read by the xid check's reader (written "
+                    "when run as root), a disk threshold on a scratch directory, the incidents, their events, each "
+                    "channel's answer, the series on /metrics, then the resolution and its messages. Everything "
+                    "sent says [trainguard selftest] TEST (Alertmanager: label test=\"true\"); no action ever runs "
+                    "for it, and nothing is left afterwards. Over the control socket: root and the trainguard group. "
+                    f"Exit code: 0 every hop passed, 1 a hop failed (named), 3 the agent was not reached, "
+                    f"{EXIT_NOPERM} this user may not."))
     p = sub.add_parser("install", help="install the systemd unit, a commented config and the service user",
                        description="Install /etc/systemd/system/trainguard.service (ExecStart: this trainguard), "
                                    "the drop-ins asked for, /etc/trainguard (0750) with trainguard.toml (0640, kept "
@@ -634,6 +644,55 @@ def cmd_history(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_selftest(config: Config) -> int:
+    from trainguard.agent.client import AgentUnreachableError, CommandPendingError, CommandRefusedError, command
+    from trainguard.pipeline.selftest import GIVE_UP_S
+
+    kmsg = os.access("/dev/kmsg", os.W_OK)  # root: the kernel path is tested too
+    try:
+        test, where = command(config, "/selftest", {"kmsg": kmsg, "reason": "trainguard selftest"})
+        print(f"trainguard selftest {test['id']} on {test['node']} ({where}): everything it sends says "
+              "[trainguard selftest] TEST; no action runs for it")
+        if kmsg and test.get("kernel_readers"):
+            _write_kmsg(test["record"])
+        shown, deadline = 0, time.monotonic() + GIVE_UP_S
+        while True:
+            for hop in test["hops"][shown:]:
+                mark = {True: "ok", False: "FAILED", None: "skipped"}[hop["ok"]]
+                print(one_line(f"{hop['at']:7.2f}s  {hop['path']:<8} {hop['hop']:<28} {mark:<7} {hop['detail']}", 2000))
+            shown = len(test["hops"])
+            if test["done"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+            test, _ = command(config, "/selftest", None)
+    except CommandRefusedError as exc:
+        print(f"trainguard selftest: {exc}", file=sys.stderr)
+        return 1
+    except (AgentUnreachableError, CommandPendingError) as exc:
+        print(f"trainguard selftest: cannot reach the agent: {exc}", file=sys.stderr)
+        return 3
+    failed = [f"{h['hop']}: {h['detail']}" for h in test["hops"] if h["ok"] is False]
+    if not test["done"]:
+        failed.append(f"not finished after {GIVE_UP_S:g}s (`trainguard selftest` again shows it once done)")
+    for line in failed:
+        print(one_line(f"trainguard selftest: FAILED {line}", 2000), file=sys.stderr)
+    print(f"selftest {'FAILED' if failed else 'passed'}: {len(test['hops']) - len(failed)} of {len(test['hops'])} "
+          "hops passed" + (" (skipped ones say why)" if any(h["ok"] is None for h in test["hops"]) else ""))
+    return 1 if failed else 0
+
+
+def _write_kmsg(record: str) -> None:
+    """The test record, at priority info: a line in `dmesg` that says what it is, shaped like no fault."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, f"<6>{record}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:  # the agent's kernel hop fails, and says so: this says why
+        print(f"trainguard selftest: writing the test record to /dev/kmsg failed: {exc}", file=sys.stderr)
+
+
 def cmd_install(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -740,6 +799,8 @@ def _one_shot(config: Config, args: argparse.Namespace) -> int:
         return cmd_history(config, args)
     if args.command == "diag":
         return cmd_diag(config, args.action, args.level, args.json)
+    if args.command == "selftest":
+        return cmd_selftest(config)
     assert args.command == "xid", args.command
     if args.markdown:
         from trainguard.reference import xid_markdown

@@ -68,12 +68,13 @@ def test_an_unprivileged_user_gets_what_they_may_and_one_line_for_the_rest(insta
     socket = config.parent.parent / "state" / "control.sock"
     refused_config = f"({config}: permission denied)"
     for command in (["check"], ["ack", "memory"], ["silence", "memory", "--for", "1h", "--reason", "x"],
-                    ["clear", "memory/host", "--reason", "x"], ["validate"], ["notify-test"]):
+                    ["clear", "memory/host", "--reason", "x"], ["validate"], ["notify-test"], ["selftest"]):
         proc = as_other(*command, "--config", str(config))
         assert proc.returncode == EXIT_NOPERM, (command, proc.stderr)
         assert one_line(proc) == f"trainguard: {command[0]} needs root or the trainguard group {refused_config}"
+    # a config they can read: the socket refuses them
     for command in (["ack", "memory"], ["silence", "memory", "--for", "1h", "--reason", "x"],
-                    ["clear", "memory/host", "--reason", "x"]):  # a config they can read: the socket refuses them
+                    ["clear", "memory/host", "--reason", "x"], ["selftest"]):
         proc = as_other(*command, "--config", str(readable))
         assert proc.returncode == EXIT_NOPERM, (command, proc.stderr)
         assert one_line(proc) == f"trainguard: {command[0]} needs root or the trainguard group ({socket}: " \

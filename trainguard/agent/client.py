@@ -73,10 +73,10 @@ def _get(conn: http.client.HTTPConnection, path: str, body: dict[str, Any] | Non
     return json.loads(raw)
 
 
-def command(config: Config, path: str, body: dict[str, Any],
+def command(config: Config, path: str, body: dict[str, Any] | None,
             timeout: float = COMMAND_TIMEOUT_S) -> tuple[Any, str]:
-    """An operator command (POST) over the control socket only: TCP never takes them. PermissionError when every
-    socket there is refused this user (root and the agent's group only)."""
+    """An operator command (POST; a GET where `body` is None) over the control socket only: TCP never takes them.
+    PermissionError when every socket there is refused this user (root and the agent's group only)."""
     errors, refused = [], []
     for sock_path in control_candidates(config):
         conn = _UnixConnection(sock_path, timeout)

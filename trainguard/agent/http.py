@@ -4,9 +4,9 @@
   subjects, statuses and times only (trainguard.agent.status): any local user can connect there, and summaries and
   details carry other users' log lines and names.
 - The local control socket (`control.sock` in the runtime or state directory, mode 0660, group of the agent): the
-  same, /status with every detail, and the operator commands (POST /ack, /silence, /clear), recorded with the
-  peer's uid. The kernel lets only the agent's group open it; SO_PEERCRED checks the peer again (root, the agent's
-  user, or a member of its group).
+  same, /status with every detail, the operator commands (POST /ack, /silence, /clear), recorded with the peer's
+  uid, and `trainguard selftest`'s (POST /selftest starts one, GET /selftest follows it). The kernel lets only the
+  agent's group open it; SO_PEERCRED checks the peer again (root, the agent's user, or a member of its group).
 Both are served by trainguard.agent.server: bounded in connections, time per request and threads.
 """
 
@@ -82,16 +82,21 @@ def may_control(uid: int, gid: int) -> bool:
         return False
 
 
-def operate(engine: Engine, path: str, body: dict[str, Any], uid: int) -> str:
-    """One operator command (POST /ack, /silence, /clear on the control socket) by the peer `uid`; what was done."""
+def operator(uid: int, body: dict[str, Any]) -> Operator:
+    """Who sent a command (the peer's uid from the kernel), and why (its `reason`)."""
     try:
         name = pwd.getpwuid(uid).pw_name
     except KeyError:
         name = f"uid {uid}"
+    return Operator(name, uid, one_line(str(body.get("reason") or ""), 500))
+
+
+def operate(engine: Engine, path: str, body: dict[str, Any], uid: int) -> str:
+    """One operator command (POST /ack, /silence, /clear on the control socket) by the peer `uid`; what was done."""
     target = body.get("target")
     if not isinstance(target, str) or not target:
         raise ValueError("target: expected CHECK or CHECK/SUBJECT")
-    who = Operator(name, uid, one_line(str(body.get("reason") or ""), 500))
+    who = operator(uid, body)
     if path == "/ack":
         events = engine.acknowledge(target, who)
         return f"acknowledged {len(events)} incident(s) of {target}" + ("" if events else ": acknowledged already")
@@ -129,6 +134,10 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
                 self._reply(200 if healthy else 503, healthz_text(healthy, engine.pending()).encode())
             elif path == "/status":
                 self._reply(200, json.dumps(status_document(engine, details), indent=1).encode(), "application/json")
+            elif path == "/selftest" and details:  # the control socket's: hops carry the channels' answers
+                test = engine.selftest_status()
+                self._reply(200 if test else 404, json.dumps(test or {"error": "no self-test has run"}).encode(),
+                            "application/json")
             elif path == "/":
                 self._reply(200, b"trainguard: /metrics /healthz /status\n")
             else:
@@ -139,14 +148,22 @@ def _handler(engine: Engine, details: bool) -> type[BaseHTTPRequestHandler]:
                 self._reply(405, b"read-only endpoint: operator commands go over the control socket\n")
                 return
             pid, uid, _ = self.client_address
+            path = self.path.split("?", 1)[0]
             try:
                 body = json.loads(self.rfile.read(min(int(self.headers.get("Content-Length") or 0), MAX_BODY)) or b"{}")
-                done = operate(engine, self.path.split("?", 1)[0], body if isinstance(body, dict) else {}, uid)
-            except (OperatorError, ValueError) as exc:
+                body = body if isinstance(body, dict) else {}
+                if path == "/selftest":  # the document of the test it starts (pipeline/selftest.py)
+                    reply: dict[str, Any] = engine.selftest(operator(uid, body), body.get("kmsg") is True,
+                                                            exposition(engine.snapshot))
+                    done = f"self-test {reply['id']} started"
+                else:
+                    done = operate(engine, path, body, uid)
+                    reply = {"done": done}
+            except (OperatorError, ValueError, OSError) as exc:
                 self._reply(400, json.dumps({"error": str(exc)}).encode(), "application/json")
                 return
             log.warning("operator command", extra=kv(command=self.path, uid=uid, pid=pid, done=done))
-            self._reply(200, json.dumps({"done": done}).encode(), "application/json")
+            self._reply(200, json.dumps(reply).encode(), "application/json")
 
         do_PUT = do_DELETE = do_PATCH = do_POST  # noqa: N815
 

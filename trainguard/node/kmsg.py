@@ -217,6 +217,7 @@ class KmsgFollower:
         self._proc: subprocess.Popen[str] | None = None
         self._journal_cursor: str | None = None
         self._saved_at = 0.0
+        self._taps: tuple[Callable[[KernelRecord], None], ...] = ()  # also told each record (`trainguard selftest`)
 
     # lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -380,11 +381,21 @@ class KmsgFollower:
             log.error("journal follower ended", extra=kv(error=self.error))
 
     # shared ------------------------------------------------------------------------------------
+    def tap(self, fn: Callable[[KernelRecord], None]) -> Callable[[], None]:
+        """`fn` is told each record from now on, after the owner's handler; returns what ends that."""
+        self._taps = (*self._taps, fn)
+
+        def untap() -> None:
+            self._taps = tuple(t for t in self._taps if t is not fn)
+
+        return untap
+
     def _deliver(self, record: KernelRecord) -> None:
-        try:
-            self.on_record(record)
-        except Exception:
-            log.exception("kernel record handler failed", extra=kv(seq=record.seq))
+        for handler in (self.on_record, *self._taps):
+            try:
+                handler(record)
+            except Exception:
+                log.exception("kernel record handler failed", extra=kv(seq=record.seq))
 
     def _save(self, force: bool = False) -> None:
         if self.cursor is None or (not force and time.monotonic() - self._saved_at < self.save_every_s):

@@ -41,6 +41,8 @@ def alert(event: Event, s: AlertmanagerSettings, now: float, job_id: str = "") -
             labels[key] = str(event.details[key])
     if job_id:
         labels["job_id"] = job_id
+    if event.details.get("test") is True:  # `trainguard selftest`: a receiver can route or inhibit test alerts
+        labels["test"] = "true"
     gpu = event.details.get("index")
     if gpu is not None:
         labels["gpu"] = str(gpu)
@@ -90,24 +92,28 @@ class AlertmanagerNotifier(GroupNotifier):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def deliver(self, events: Sequence[Event]) -> None:
+    def deliver(self, events: Sequence[Event]) -> str | None:
         now = datetime.now(timezone.utc).timestamp()
         payload = [a for e in events if not e.kind.operator for a in alerts_for(e, self.settings, now)]
+        answers = []
         if payload:
-            self._post("/api/v2/alerts", payload)
+            answers.append(self._post("/api/v2/alerts", payload))
         for event in events:  # a trainguard silence is an Alertmanager silence too: it keeps the fleet view quiet
             if event.kind is EventKind.SILENCED:
-                self._post("/api/v2/silences", silence_for(event))
+                answers.append(self._post("/api/v2/silences", silence_for(event)))
+        return "; ".join(answers) or None
 
-    def _post(self, path: str, payload: Any) -> None:
-        errors = []
+    def _post(self, path: str, payload: Any) -> str:
+        errors, answers = [], []
         for url in self.settings.urls:  # every member of an HA pair gets it; one accepting is enough
             try:
-                post_json(url.rstrip("/") + path, payload, self.settings.timeout, f"alertmanager {url}")
+                response = post_json(url.rstrip("/") + path, payload, self.settings.timeout, f"alertmanager {url}")
+                answers.append(f"{url}: HTTP {response.status_code}")
             except NotifierError as exc:
                 errors.append(exc)
         if len(errors) == len(self.settings.urls):
             raise errors[0]
+        return ", ".join(answers)
 
     def start(self, firing: Callable[[], list[Event]]) -> None:
         def loop() -> None:

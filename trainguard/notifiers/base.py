@@ -1,4 +1,5 @@
-"""The notifier interface: `send(event)` returns on success or raises `NotifierError`."""
+"""The notifier interface: `send(event)` returns on success or raises `NotifierError`; `deliver(events)` may return
+the peer's answer in a few words (`trainguard selftest` shows it)."""
 
 from __future__ import annotations
 
@@ -86,10 +87,12 @@ class Notifier(ABC):
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Stop what `start` started."""
 
-    def deliver(self, events: Sequence[Event]) -> None:
-        """Deliver a group of events (those within `group_window`); channels that can, send one message."""
+    def deliver(self, events: Sequence[Event]) -> str | None:
+        """Deliver a group of events (those within `group_window`); channels that can, send one message. Returns
+        what the peer answered, where the channel has one (None otherwise)."""
         for event in events:
             self.send(event)
+        return None
 
 
 class GroupNotifier(Notifier):
@@ -99,5 +102,5 @@ class GroupNotifier(Notifier):
         self.deliver([event])
 
     @abstractmethod
-    def deliver(self, events: Sequence[Event]) -> None:
-        """Deliver the group as one message within `settings.timeout`, or raise NotifierError."""
+    def deliver(self, events: Sequence[Event]) -> str | None:
+        """Deliver the group as one message within `settings.timeout`, or raise NotifierError; the peer's answer."""

@@ -75,7 +75,7 @@ class EmailNotifier(GroupNotifier):
             client.starttls(context=context)
         return client
 
-    def deliver(self, events: Sequence[Event]) -> None:
+    def deliver(self, events: Sequence[Event]) -> str:
         s = self.settings
         try:
             msg = email_message(events, s)
@@ -86,7 +86,7 @@ class EmailNotifier(GroupNotifier):
             with self._connect() as client:
                 if s.username is not None and s.password is not None:
                     client.login(s.username, s.password.get_secret_value())
-                client.send_message(msg)
+                refused = client.send_message(msg)
         except smtplib.SMTPAuthenticationError as exc:  # kept for retry: the password may be fixed meanwhile
             raise NotifierError(f"{where}: authentication failed for user {s.username}: {exc.smtp_code} "
                                 f"{exc.smtp_error.decode(errors='replace')}") from None
@@ -95,3 +95,6 @@ class EmailNotifier(GroupNotifier):
                 from None
         except (smtplib.SMTPException, ssl.SSLError, OSError) as exc:
             raise NotifierError(f"{where}: {type(exc).__name__}: {exc}") from None
+        # smtplib raises unless the server answered the message's DATA with 250
+        taken = len(s.to) - len(refused)
+        return f"{where}: 250 accepted for {taken} recipient(s)" + (f", refused {', '.join(refused)}" if refused else "")

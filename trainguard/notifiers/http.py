@@ -67,3 +67,8 @@ def post_json(url: str, payload: Any, timeout: float, what: str, data: bytes | N
     if response.status_code >= 500:
         raise NotifierError(f"{what}: {response.status_code} {body}")
     raise NotifierError(f"{what}: {response.status_code} {body}", permanent=True)
+
+
+def answer(response: requests.Response, url: str) -> str:
+    """A peer's answer to a delivery, in a few words: status and the start of its body (the URL kept out)."""
+    return f"HTTP {response.status_code} {redact_url(response.text.strip()[:80], url)}".strip()

@@ -9,7 +9,7 @@ from trainguard.core.events import Event, EventKind, job_of
 from trainguard.core.model import Status, worst
 from trainguard.core.settings import Duration, Field, SecretStr
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
-from trainguard.notifiers.http import post_json
+from trainguard.notifiers.http import answer, post_json
 from trainguard.notifiers.text import actions_done, clean_all, event_line, headline, next_step
 
 COLORS = {Status.CRITICAL: "#d32f2f", Status.WARNING: "#f9a825", Status.UNKNOWN: "#757575", Status.OK: "#2e7d32"}
@@ -60,6 +60,6 @@ class SlackNotifier(GroupNotifier):
     Settings = SlackSettings
     settings: SlackSettings
 
-    def deliver(self, events: Sequence[Event]) -> None:
-        post_json(self.settings.webhook_url.get_secret_value(), slack_message(events, self.settings.mention),
-                  self.settings.timeout, "slack")
+    def deliver(self, events: Sequence[Event]) -> str:
+        url = self.settings.webhook_url.get_secret_value()
+        return answer(post_json(url, slack_message(events, self.settings.mention), self.settings.timeout, "slack"), url)

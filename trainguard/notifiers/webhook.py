@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from trainguard.core.events import Event
 from trainguard.core.settings import Duration, Field, SecretStr
 from trainguard.notifiers.base import GroupNotifier, NotifierSettings
-from trainguard.notifiers.http import post_json
+from trainguard.notifiers.http import answer, post_json
 from trainguard.notifiers.text import clean_all, headline
 
 SIGNATURE_HEADER = "X-Trainguard-Signature"
@@ -36,9 +36,9 @@ class WebhookNotifier(GroupNotifier):
     Settings = WebhookSettings
     settings: WebhookSettings
 
-    def deliver(self, events: Sequence[Event]) -> None:
+    def deliver(self, events: Sequence[Event]) -> str:
         body = webhook_body(events)
         headers = {SIGNATURE_HEADER: signature(body, self.settings.secret.get_secret_value())} \
             if self.settings.secret else {}
-        post_json(self.settings.url.get_secret_value(), None, self.settings.timeout, "webhook", data=body,
-                  headers=headers)
+        url = self.settings.url.get_secret_value()
+        return answer(post_json(url, None, self.settings.timeout, "webhook", data=body, headers=headers), url)

@@ -25,6 +25,9 @@ MAX_AGE_S = 24 * 3600.0
 BACKOFF_BASE_S = 2.0
 MAX_CRASHES = 3  # a notifier raising something other than NotifierError on one message this often: drop it
 
+# Told of each delivery attempt: (channel, the events, the peer's answer or None, the error or None).
+Watcher = Callable[[str, list[Event], str | None, str | None], None]
+
 
 class ChannelStats:
     def __init__(self) -> None:
@@ -46,6 +49,7 @@ class Dispatcher:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.stats = {name: ChannelStats() for name in self._notifiers}
+        self._watchers: tuple[Watcher, ...] = ()  # `trainguard selftest` follows its messages (replaced, never changed)
 
     def route(self, event: Event) -> Iterable[str]:
         """The channels that take `event`; the others count it (and say so) under the rule that kept it out, so a
@@ -63,6 +67,19 @@ class Dispatcher:
                                                             check=event.check, subject=event.subject,
                                                             status=event.status.label, event=event.kind.value))
         return taken
+
+    def watch(self, watcher: Watcher) -> None:
+        self._watchers = (*self._watchers, watcher)
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self._watchers = tuple(w for w in self._watchers if w is not watcher)
+
+    def _tell(self, channel: str, events: list[Event], answer: str | None, error: str | None) -> None:
+        for watcher in self._watchers:
+            try:
+                watcher(channel, events, answer, error)
+            except Exception as exc:  # noqa: BLE001 - an observer never stops a delivery
+                log.warning("delivery watcher failed", extra=kv(channel=channel, error=exc))
 
     def start(self) -> None:
         for name in self._notifiers:
@@ -106,9 +123,10 @@ class Dispatcher:
             ids = [r.id for r in rows]
             events = [self._annotate(Event.from_dict(r.event)) for r in rows]
             try:
-                notifier.deliver(events)
+                answer = notifier.deliver(events)
             except NotifierError as exc:
                 stats.failed += 1
+                self._tell(channel, events, None, str(exc))
                 if exc.permanent:
                     log.error("notification rejected, not retrying", extra=kv(
                         channel=channel, incident=events[0].incident_id, events=len(events), error=str(exc)))
@@ -124,6 +142,7 @@ class Dispatcher:
             except Exception as exc:
                 stats.failed += 1
                 error = f"{type(exc).__name__}: {exc}"
+                self._tell(channel, events, None, error)
                 if row.attempts + 1 >= MAX_CRASHES:  # a message the channel chokes on must not block the ones after it
                     log.error("notifier crashed on this message again; dropping it", extra=kv(
                         channel=channel, incident=events[0].incident_id, attempts=row.attempts + 1, error=error))
@@ -136,6 +155,7 @@ class Dispatcher:
                 return delay
             stats.sent += len(events)
             self._store.outbox_done(*ids)
+            self._tell(channel, events, answer, None)
         return None
 
     def _annotate(self, event: Event) -> Event:

@@ -37,6 +37,7 @@ from trainguard.pipeline.runner import CheckRunner, RunReport
 from trainguard.pipeline.schedule import LATE_EVERY_S, TICK_S, Schedule
 from trainguard.pipeline.selfcheck import NAME as SELF_NAME
 from trainguard.pipeline.selfcheck import AgentCheck
+from trainguard.pipeline.selftest import SelfTest, remove_leftovers
 from trainguard.pipeline.store import Store
 from trainguard.registry import DEFAULT_REGISTRY, Registry
 
@@ -125,6 +126,7 @@ class Engine:
         shared = CheckContext(config.agent.node_name, config.agent.state_dir, clock, self.catalog,
                               nvml if nvml is not None else Nvml(), proc, xid_history=XidLedger(self.store, clock, proc=proc),
                               processes=processes, kernel_since_usec=kernel_since_usec, kernel_log=KernelLog(proc))
+        self.shared = shared  # what a transient check (`trainguard selftest`'s) is built with
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
             if settings.enabled:
@@ -164,6 +166,7 @@ class Engine:
         self._late_pending: set[str] = set()  # checks with a late report waiting for `_late`
         # subjects whose history a check forgets before its next run (asked while a run was blocked past its timeout)
         self._forgotten: dict[str, list[tuple[str, float]]] = {name: [] for name in self.checks}
+        self._selftest: SelfTest | None = None  # the latest `trainguard selftest`, under way or done
 
     def _with_ledger(self, context: CheckContext) -> Ledger:
         """The node ledger, and the check of the agent's own that holds a lemon (trainguard.pipeline.lemon)."""
@@ -216,19 +219,21 @@ class Engine:
         actions = self.tracker.actions_of(event.incident_id)
         return {"actions_taken": actions} if actions else {}
 
-    def run_check(self, name: str) -> None:
+    def run_check(self, name: str) -> RunReport | None:
         """Run a check once and ingest what it found, on a thread of the check's own and within its timeout (the
-        caller waits at most that long): never raises, whatever the check or the store does."""
+        caller waits at most that long): the run's report (None when it could not run); never raises, whatever the
+        check or the store does."""
         if self.stop_event.is_set():
-            return
+            return None
         with self._run_locks[name]:  # runs of one check never overlap
             try:
                 report = self.runners[name].run_once(self.stop_event)
             except Exception:  # no thread to be had for the run (a pids limit)
                 if not self.stop_event.is_set():
                     log.exception("check run failed", extra=kv(check=name))
-                return
+                return None
             self._ingest_in_order(report)
+            return report
 
     def _run_scheduled(self, name: str) -> None:
         """A scheduled or triggered run, on the check's lane: the check runs on this thread, and a run past its
@@ -414,7 +419,8 @@ class Engine:
             return []
 
     def _emit(self, events: list[Event]) -> None:
-        """Events already queued for the channels: log them, run the actions bound to them, wake the channels."""
+        """Events already queued for the channels: log them, run the actions bound to them (never a self-test's: the
+        responder refuses them), wake the channels."""
         for event in events:
             log.info("incident event", extra=kv(event=event.kind.value, check=event.check, subject=event.subject,
                                                 status=event.status.name, incident=event.incident_id))
@@ -422,6 +428,9 @@ class Engine:
             if check is not None:
                 self._to_ledger(event, check)
                 self.responder.handle(event, check.settings.actions)
+            selftest = self._selftest
+            if selftest is not None and event.details.get("test") is True:
+                selftest.on_event(event)
         if events:
             self.dispatcher.wake()
 
@@ -438,6 +447,60 @@ class Engine:
         self.trigger(LEMON_NAME)  # its gauges count the fault now, not at its next run a minute on
 
     # operators -------------------------------------------------------------------
+    def attach(self, check: Check, kind: str) -> None:
+        """A transient check (`trainguard selftest`'s), run by its owner through `run_check`, never scheduled. Each
+        table is replaced, never changed in place: the tick and the read side may be iterating the old one."""
+        name = check.name
+        if name in self.checks:
+            raise OperatorError(f"a check named {name!r} exists already")
+        self.runners = {**self.runners, name: CheckRunner(check, self.clock, self._wake_at)}
+        self._run_locks = {**self._run_locks, name: threading.Lock()}
+        self._ingest_locks = {**self._ingest_locks, name: threading.Lock()}
+        self._late = {**self._late, name: Worker(f"late-{name}")}
+        with self._lock:
+            self._forgotten = {**self._forgotten, name: []}
+            self._states = {**self._states, name: CheckState(kind, check.settings.interval)}
+        self.checks = {**self.checks, name: check}
+
+    def detach(self, name: str, who: Operator) -> list[Event]:
+        """The transient check `name` is gone: no table keeps it, its watcher and threads end, and what is still open
+        of its incidents resolves (cleared by `who`): those events."""
+        check = self.checks.get(name)
+        self.checks = {n: c for n, c in self.checks.items() if n != name}
+        with self._lock:
+            self._states = {n: s for n, s in self._states.items() if n != name}
+            self._forgotten = {n: f for n, f in self._forgotten.items() if n != name}
+        runner, late = self.runners.get(name), self._late.get(name)
+        self.runners = {n: r for n, r in self.runners.items() if n != name}
+        self._late = {n: w for n, w in self._late.items() if n != name}
+        self._run_locks = {n: lk for n, lk in self._run_locks.items() if n != name}
+        self._ingest_locks = {n: lk for n, lk in self._ingest_locks.items() if n != name}
+        try:
+            for stop in (runner.close if runner else None, late.close if late else None, check.stop if check else None):
+                if stop is not None:
+                    stop()
+        except Exception as exc:  # noqa: BLE001 - what is gone from the tables is gone; say it
+            log.warning("transient check did not stop cleanly", extra=kv(check=name, error=exc))
+        events = [e for i in self.tracker.incidents() if i.check == name
+                  for e in self.tracker.clear(name, i.subject, who, self.dispatcher.route)]
+        self._emit(events)
+        return events
+
+    def selftest(self, who: Operator, kmsg: bool, metrics: Callable[[], bytes]) -> dict[str, Any]:
+        """Starts `trainguard selftest` (pipeline/selftest.py): its document, which `selftest_status` follows."""
+        self._refuse_if_stopping()
+        with self._lock:
+            running = self._selftest
+            if running is not None and not running.done:
+                raise OperatorError(f"a self-test is under way already (id {running.id}, by {running.by})")
+            self._selftest = SelfTest(self, who, kmsg, metrics)
+            test = self._selftest
+        return test.start()
+
+    def selftest_status(self) -> dict[str, Any] | None:
+        test = self._selftest
+        return None if test is None else test.document()
+
     def _refuse_if_stopping(self) -> None:
         if self.stop_event.is_set():  # the store and the channels are closing: the command would be half done
             raise OperatorError("the agent is stopping: run it again once it is back")
@@ -554,15 +617,14 @@ class Engine:
 
     @property
     def configured(self) -> list[str]:
-        """The checks the config asked for (the agent's own health and lemon checks aside)."""
-        return [name for name in self.checks if name not in (SELF_NAME, LEMON_NAME)]
+        """The checks the config asked for (the agent's own health and lemon checks, and a self-test's, aside)."""
+        return [name for name in self.checks if name in self.config.checks]
 
     def pending(self) -> list[str]:
         """The configured checks whose first run has not finished yet (the agent is up; they have nothing to say
         so far)."""
         with self._lock:
-            return [name for name, state in self._states.items() if state.runs == 0
-                    and name not in (SELF_NAME, LEMON_NAME)]
+            return [name for name, state in self._states.items() if state.runs == 0 and name in self.config.checks]
 
     # lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -573,6 +635,7 @@ class Engine:
                 self.ledger.note_boot()
             except Exception as exc:  # noqa: BLE001 - a reboot unrecorded costs history, not the agent
                 log.error("recording the boot in the ledger failed", extra=kv(error=exc))
+        remove_leftovers(self.config.agent.state_dir)  # what a self-test cut short by a crash left
         self.dispatcher.start()
         for notifier in self.notifiers.values():
             notifier.start(self.firing_events)

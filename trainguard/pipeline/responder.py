@@ -168,6 +168,10 @@ class Responder:
     def handle(self, event: Event, binding: ActionBinding) -> threading.Thread | None:
         if event.kind.operator:  # an operator's ack or silence is news, never a reason to act
             return None
+        if event.details.get("test") is True:  # `trainguard selftest`'s fault: announced, never acted on
+            log.info("test event: no action runs", extra=kv(incident=event.incident_id, check=event.check,
+                                                            subject=event.subject))
+            return None
         if event.kind is EventKind.RESOLVED:
             with self._refused_lock:  # the fault is gone: nothing is left undone
                 for key in [k for k in self._refused if k[0] == event.incident_id]:
