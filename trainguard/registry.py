@@ -29,6 +29,7 @@ CHECKS: Mapping[str, str] = {
     "hang": "trainguard.checks.hang:HangCheck",
     "quota": "trainguard.checks.quota:QuotaCheck",
     "training_log": "trainguard.checks.training_log:TrainingLogCheck",
+    "job_pace": "trainguard.checks.job_pace:JobPaceCheck",
 }
 
 ACTIONS: Mapping[str, str] = {

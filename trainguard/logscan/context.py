@@ -11,6 +11,7 @@ from trainguard.core.text import linear
 from trainguard.core.units import bounded_int
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.logscan.lines import MAX_LINE, plain, timestamp
 from trainguard.logscan.oom import CoTenant, GpuContext
 from trainguard.node.procfs import ProcFS
 
@@ -18,6 +19,21 @@ STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one
 # `step 100`, `Step: 100`, `global_step=100`, Megatron's `iteration      100/  500000`; not `Skipping step.`
 _STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(\d+)")
 _FINITE_LOSS = linear(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
+
+
+def step_marks(data: bytes) -> dict[str | None, tuple[int, float | None]]:
+    """The last step each rank printed in `data` (its last STEP_WINDOW bytes), with the line's own timestamp (`lines.
+    timestamp`: seconds in its year) or None; keyed by the rank the line names (None: a line that names none)."""
+    marks: dict[str | None, tuple[int, float | None]] = {}
+    for found in _STEP.finditer(data, max(0, len(data) - STEP_WINDOW)):
+        step = bounded_int(found.group(1))
+        if step is None:
+            continue
+        start = data.rfind(b"\n", 0, found.start()) + 1
+        end = data.find(b"\n", found.end())
+        line = data[start:end if end >= 0 else len(data)][:MAX_LINE].decode("utf-8", errors="replace")
+        marks[plain(line).rank] = (step, timestamp(line))
+    return marks
 
 
 def last_step(data: bytes, end: int | None = None) -> int | None:
