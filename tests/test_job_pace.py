@@ -4,13 +4,16 @@ job_pace check's finding and resolution on a fake clock, and this node's evidenc
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -330,3 +333,63 @@ def test_a_job_without_steps_has_its_pace_said_unknown_once(
                "heartbeat)" and r[0].details["pace"] == "unknown" for r in results)
     assert [r.getMessage() for r in caplog.records].count(
         "a job's pace is unknown: no step lines, no heartbeat, no flight recorder") == 1
+
+
+# End to end -------------------------------------------------------------------------------------------------------
+TOY = Path(__file__).resolve().parent.parent / "examples" / "train_toy.py"
+
+
+def test_a_real_job_that_slows_down_is_found_by_the_real_agent_and_resolves(tmp_path: Path,
+                                                                            agent_process: Any) -> None:
+    """The toy trainer's step lines, read by training_log and handed to job_pace in a real agent (windows of seconds):
+    steps 2x longer from step 120 to 240 (6 s) fire the finding, the pace coming back resolves it."""
+    log = tmp_path / f"pace-{uuid.uuid4().hex}.log"
+    job = subprocess.Popen([sys.executable, str(TOY), "--steps", "100000", "--step-time", "0.05", "--fault", "slow",
+                            "--fault-at", "120", "--fault-until", "240", "--slow-factor", "2.0", "--log", str(log),
+                            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "50"],
+                           cwd=tmp_path, env={**os.environ, "TRAINGUARD_SWITCH_DIR": str(tmp_path / "switch")})
+    try:
+        config = tmp_path / "trainguard.toml"
+        config.write_text(f"""
+[agent]
+state_dir = "{tmp_path / 'state'}"
+node_name = "node1"
+listen = ""
+[jobs]
+sources = ["process"]
+refresh = "0s"
+[jobs.processes.trainer]
+cmdline = "{log.name}"
+user = "root"
+logs = ["{log}"]
+job_id = "7001"
+[checks.training_log]
+interval = "1s"
+jitter = "0s"
+[checks.pace]
+type = "job_pace"
+interval = "1s"
+jitter = "0s"
+heartbeat = ""
+window = "3s"
+slow_for = "3s"
+warmup_steps = 5
+baseline_steps = 20
+flight_recorder = false
+[notifiers.console]
+""")
+        config.chmod(0o600)
+        agent = agent_process(config)
+        agent.wait_for("event=fired", timeout=60)
+        [line] = [x for x in agent.output().splitlines() if "event=fired" in x and "summary=" in x]
+        found = re.search(r'summary="process job trainer runs (\d+\.\d\d)x slower than its own pace since \d\d:\d\d '
+                          r'\((\S+) s/step against (\S+)\); (.*)"', line)
+        assert found, line
+        assert 1.6 <= float(found.group(1)) <= 2.4, line  # steps 2x longer; stamped when read, once a second
+        # no GPU here; this shared VM's own CPU pressure may be named (it is real)
+        assert found.group(4).startswith(("this node shows nothing", "on this node: cpu pressure")), line
+        agent.wait_for("event=resolved", timeout=60)
+        assert "at its own pace" in agent.output().split("event=resolved")[-1]
+    finally:
+        job.kill()
+        job.wait()
