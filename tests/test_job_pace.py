@@ -250,11 +250,11 @@ def trainer(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path
 
 
 def pace_check(tmp_path: Path, marker: str, switch: Path, fake: FakeNvml, clock: Clock,
-               proc: ProcFS) -> JobPaceCheck:
+               proc: ProcFS, **extra: object) -> JobPaceCheck:
     jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={"trainer": ProcessJobSettings(
         cmdline=marker, user="root", switch_dir=str(switch), job_id="7001")}), "node1", clock)
     ctx = CheckContext("node1", tmp_path, clock, nvml=Nvml(fake), jobs=jobs, proc=proc)
-    settings = JobPaceSettings.model_validate({"flight_recorder": False})
+    settings = JobPaceSettings.model_validate({"flight_recorder": False, **extra})
     return JobPaceCheck("pace", settings, ctx)
 
 
@@ -278,14 +278,18 @@ def run_for(check: JobPaceCheck, clock: Clock, switch: Path, state: dict[str, fl
     return result
 
 
-def test_the_finding_names_the_throttled_gpu_and_resolves(tmp_path: Path,
+@pytest.mark.parametrize("pinned", [False, True])
+def test_the_finding_names_the_throttled_gpu_and_resolves(tmp_path: Path, pinned: bool,
                                                           trainer: tuple[subprocess.Popen[bytes], str, Path]) -> None:
+    """`critical_when_pinned`: the node whose GPU explains the slowdown says so as CRITICAL (its bound actions run
+    there only)."""
     proc, marker, switch = trainer
     fake = FakeNvml([FakeGpu("GPU-a", processes=[(proc.pid, 1 << 30)]),
                      FakeGpu("GPU-b", bus_id=b"00000000:19:00.0", processes=[(proc.pid, 1 << 30)])])
     clock = Clock()
     clock.now = time.time()
-    check = pace_check(tmp_path, marker, switch, fake, clock, fake_proc(tmp_path / "proc"))
+    check = pace_check(tmp_path, marker, switch, fake, clock, fake_proc(tmp_path / "proc"),
+                       critical_when_pinned=pinned)
     state = {"t": clock.now, "step": 0.0}
     healthy = run_for(check, clock, switch, state, 900, 2.2)
     assert healthy.status is Status.OK and "at its own pace, 2.2 s/step against 2.2" in healthy.summary
@@ -294,7 +298,7 @@ def test_the_finding_names_the_throttled_gpu_and_resolves(tmp_path: Path,
     early = run_for(check, clock, switch, state, 300, 3.1)
     assert early.status is Status.OK and "slower since" in early.summary  # not yet for slow_for
     slow = run_for(check, clock, switch, state, 420, 3.1)
-    assert slow.status is Status.WARNING
+    assert slow.status is (Status.CRITICAL if pinned else Status.WARNING)
     assert slow.summary.startswith("process job trainer runs 1.41x slower than its own pace since ")
     assert "(3.1 s/step against 2.2); on this node: GPU 1: HW slowdown (SM clock 1200 of 1980 MHz)" in slow.summary
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in slow.samples}
@@ -312,11 +316,11 @@ def test_a_slowdown_this_node_does_not_explain_says_the_cause_is_elsewhere(
     proc, marker, switch = trainer
     fake, clock = FakeNvml([FakeGpu("GPU-a", processes=[(proc.pid, 1 << 30)])]), Clock()
     clock.now = time.time()
-    check = pace_check(tmp_path, marker, switch, fake, clock, fake_proc(tmp_path / "proc"))
+    check = pace_check(tmp_path, marker, switch, fake, clock, fake_proc(tmp_path / "proc"), critical_when_pinned=True)
     state = {"t": clock.now, "step": 0.0}
     run_for(check, clock, switch, state, 900, 1.0)
     slow = run_for(check, clock, switch, state, 900, 1.5)  # a slow shared file system: nothing here
-    assert slow.status is Status.WARNING
+    assert slow.status is Status.WARNING  # critical_when_pinned or not: nothing here is pinned
     assert slow.summary.endswith("this node shows nothing that would slow it: the cause is elsewhere (another node, "
                                  "the network, storage)")
 

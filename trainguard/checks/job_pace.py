@@ -65,6 +65,10 @@ class JobPaceSettings(CheckSettings):
                                                     "rank's collective wait ratio.")
     flight_recorder_interval: Duration = Field(300.0, gt=0, description="At most one flight-recorder read per job "
                                                "in this time (a read costs the ranks a dump).")
+    critical_when_pinned: bool = Field(False, description="A slowdown this node's GPUs explain (a clock-event reason, "
+                                       "a degraded link, ECC, a co-tenant) is CRITICAL here, so that `critical` "
+                                       "actions (drain, restart with leave_node) run only on the node at fault; "
+                                       "every node of a slow job sees the slowdown (docs/slow-jobs.md).")
 
 
 @dataclass
@@ -92,9 +96,10 @@ def clock_time(when: float) -> str:
     return time.strftime("%H:%M", time.localtime(when))
 
 
-def summarize(label: str, verdict: Verdict, settings: PaceSettings, now: float,
-              evidence: Sequence[str]) -> tuple[Status, str]:
-    """The job's status and summary from its verdict and this node's evidence."""
+def summarize(label: str, verdict: Verdict, settings: PaceSettings, now: float, evidence: Sequence[str],
+              pinned: Status = Status.WARNING) -> tuple[Status, str]:
+    """The job's status and summary from its verdict and this node's evidence (`pinned`: the status when the
+    evidence is this node's GPUs', listed first)."""
     if verdict.pace is None:
         return Status.OK, f"{label}: no steady steps yet"
     if verdict.baseline is None or verdict.ratio is None:
@@ -106,7 +111,8 @@ def summarize(label: str, verdict: Verdict, settings: PaceSettings, now: float,
     assert verdict.slow_since is not None
     where = ("; on this node: " + "; ".join(evidence)) if evidence else \
         "; this node shows nothing that would slow it: the cause is elsewhere (another node, the network, storage)"
-    return Status.WARNING, (f"{label} runs {verdict.ratio:.2f}x slower than its own pace since "
+    status = pinned if evidence and evidence[0].startswith("GPU ") else Status.WARNING
+    return status, (f"{label} runs {verdict.ratio:.2f}x slower than its own pace since "
                             f"{clock_time(verdict.slow_since)} ({pace}){where}")
 
 
@@ -171,7 +177,8 @@ class JobPaceCheck(JobCheck):
             what = "no step lines read yet" if state.series else "no step lines, no heartbeat"
             return self.result(job.key, Status.OK, f"{label}: pace unknown ({what})", details, samples)
         series, verdict = found
-        status, summary = summarize(label, verdict, self.pace, now, [*evidence, *host_said])
+        pinned = Status.CRITICAL if self.settings.critical_when_pinned else Status.WARNING
+        status, summary = summarize(label, verdict, self.pace, now, [*evidence, *host_said], pinned)
         for metric, value in ((STEP, verdict.pace), (BASELINE, verdict.baseline), (SLOWDOWN, verdict.ratio)):
             if value is not None:
                 samples.append(metric(value, {"job_id": job_id}))
