@@ -385,13 +385,14 @@ flight_recorder = false
         config.chmod(0o600)
         agent = agent_process(config)
         agent.wait_for("event=fired", timeout=60)
-        [line] = [x for x in agent.output().splitlines() if "event=fired" in x and "summary=" in x]
+        line = next(x for x in agent.output().splitlines() if "event=fired" in x and "summary=" in x)
         found = re.search(r'summary="process job trainer runs (\d+\.\d\d)x slower than its own pace since \d\d:\d\d '
                           r'\((\S+) s/step against (\S+)\); (.*)"', line)
         assert found, line
         assert 1.6 <= float(found.group(1)) <= 2.4, line  # steps 2x longer; stamped when read, once a second
-        # no GPU here; this shared VM's own CPU pressure may be named (it is real)
-        assert found.group(4).startswith(("this node shows nothing", "on this node: cpu pressure")), line
+        # no GPU here; this shared VM's own pressure, steal or I/O wait may be named (it is real)
+        assert found.group(4).startswith(("this node shows nothing", "on this node: ")), line
+        assert "GPU" not in found.group(4), line
         agent.wait_for("event=resolved", timeout=60)
         assert "at its own pace" in agent.output().split("event=resolved")[-1]
     finally:

@@ -133,21 +133,21 @@ class JobPaceCheck(JobCheck):
         view = self.view()
         results = self.source_errors(view)
         jobs = [job for job in view.jobs if job.on_this_node and job.running]
+        self._jobs = {key: state for key, state in self._jobs.items() if key in {job.key for job in jobs}}
+        if not jobs:  # an idle node costs the view only
+            self._host = None  # the CPU shares are taken between two runs with a job, never across an idle stretch
+            return results
         now = self.context.clock()
         before, host = self._host, host_sample(self.context.proc, now)
         self._host = host
         said, gauges = host_evidence(before, host)
-        gpus = self._gpus(bool(jobs))
+        gpus = self._gpus()
         for job in jobs:
             results.append(self._job(job, now, said, gauges, gpus))
-        for key in set(self._jobs) - {job.key for job in jobs}:
-            del self._jobs[key]
         return results
 
-    def _gpus(self, wanted: bool) -> dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]:
+    def _gpus(self) -> dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]:
         """The node's GPUs with their clocks and PCIe links; {} without NVML (a CPU-only node: host evidence only)."""
-        if not wanted:
-            return {}
         nvml = self.context.nvml
         try:
             states = nvml.gpus()
