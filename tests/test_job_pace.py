@@ -160,6 +160,28 @@ def test_the_ledger_is_bounded_and_forgets_gone_jobs() -> None:
     assert ledger.take("c") == {}
 
 
+def test_the_trainer_reports_its_step_time_and_the_agent_reads_it_bounded(tmp_path: Path) -> None:
+    from trainguard.jobs.tree import read_beat
+    from trainguard.node.access import AGENT
+    from trainguard.trainer import Trainer
+
+    trainer = Trainer(switch_dir=tmp_path)
+    path = str(tmp_path / "heartbeat.json")
+    trainer.heartbeat(10, loss=2.0)
+    first = read_beat(path, AGENT)
+    assert first is not None and first.step == 10 and first.step_time is None  # nothing to measure it against yet
+    time.sleep(0.05)
+    trainer.heartbeat(12, loss=1.9)
+    second = read_beat(path, AGENT)
+    assert second is not None and second.step == 12 and second.step_time is not None
+    assert second.step_time == pytest.approx((second.time - first.time) / 2)
+    for hostile in ({"step": 5, "time": "soon"}, {"step": "5", "time": 1.0}, {"step": -1, "time": 1.0}, [1, 2]):
+        Path(path).write_text(json.dumps(hostile))
+        assert read_beat(path, AGENT) is None, hostile
+    Path(path).write_text('{"step": 5, "time": 1e3, "pid": 1, "step_time": NaN}')  # an older or odd trainer
+    assert read_beat(path, AGENT) == type(second)(5, 1000.0, 1, None)
+
+
 # Node evidence --------------------------------------------------------------------------------------------------
 def clocks(**kw: object) -> Clocks:
     base: dict[str, object] = {"sm_mhz": 1980, "sm_max_mhz": 1980, "reasons": 0, "power_w": 350.0,

@@ -79,6 +79,7 @@ class JobPace:
     unknown_said: bool = False
     flight_at: float = float("-inf")
     waits: dict[str, float] | None = None
+    trainer_step_time: float | None = None  # the trainer's own last measure (heartbeat `step_time`)
 
 
 def lead(paces: dict[str, Pace], settings: PaceSettings, now: float) -> tuple[str, Verdict] | None:
@@ -184,7 +185,8 @@ class JobPaceCheck(JobCheck):
                 samples.append(metric(value, {"job_id": job_id}))
         details.update(series=series, step_seconds=verdict.pace, baseline_seconds=verdict.baseline,
                        ratio=verdict.ratio, slow_since=verdict.slow_since, evidence=[*evidence, *host_said],
-                       restarts=state.series[series].restarts, collective_wait=state.waits)
+                       restarts=state.series[series].restarts, collective_wait=state.waits,
+                       trainer_step_time=state.trainer_step_time)
         return self.result(job.key, status, summary, details, samples)
 
     def _feed(self, job: Job, state: JobPace) -> None:
@@ -195,6 +197,7 @@ class JobPaceCheck(JobCheck):
         beat = read_beat(beat_path, self.identity(job)) if beat_path else None
         if beat is not None and (not job.start_time or beat.time >= job.start_time - 2.0):  # not an earlier life's
             self._add(state, BEAT, [(beat.step, beat.time)])
+            state.trainer_step_time = beat.step_time
 
     def _add(self, state: JobPace, series: str, marks: list[tuple[int, float]]) -> None:
         pace = state.series.get(series)
