@@ -420,3 +420,47 @@ flight_recorder = false
     finally:
         job.kill()
         job.wait()
+
+
+RANK_SERVER = r'''
+import json, os, socket, sys
+entries = [{"collective_seq_id": i + 1, "pg_id": 0, "process_group": ["0", "default_pg"], "is_p2p": False,
+            "profiling_name": "nccl:all_reduce", "state": "completed", "time_created_ns": 10**18 + i * 10**9,
+            "time_discovered_started_ns": 10**18 + i * 10**9, "time_discovered_completed_ns": 10**18 + i * 10**9 + 2 * 10**7}
+           for i in range(10)]
+body = json.dumps({"entries": entries}).encode()
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(os.environ["TORCH_WORKER_SERVER_SOCKET"])
+srv.listen(4)
+print("serving", flush=True)
+while True:
+    conn, _ = srv.accept()
+    with conn:
+        request = conn.recv(4096)
+        if b"dump_nccl_trace_json" in request:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        else:  # the CPU recorder of a NCCL job: nothing
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+'''
+
+
+def test_each_local_ranks_collective_wait_ratio_from_its_worker_socket(tmp_path: Path) -> None:
+    """A rank serving PyTorch's debug handlers (its worker socket, RANK=17): its NCCL recorder's times give the
+    share of its time inside collectives (20 ms a second: it arrives last, the others wait for it)."""
+    marker = f"pace-rank-{uuid.uuid4().hex}"
+    sock = tmp_path / "worker.sock"
+    rank = subprocess.Popen([sys.executable, "-c", RANK_SERVER, marker], stdout=subprocess.PIPE,
+                            env={**os.environ, "TORCH_WORKER_SERVER_SOCKET": str(sock), "RANK": "17"})
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == b"serving\n"
+        clock = Clock()
+        clock.now = time.time()
+        switch = tmp_path / "switch"
+        check = pace_check(tmp_path, marker, switch, FakeNvml([]), clock, ProcFS(), flight_recorder=True)
+        [result] = check.run()
+        waits = {s.labels["rank"]: s.value for s in result.samples if s.name == "trainguard_rank_collective_wait_ratio"}
+        assert waits == {"17": pytest.approx(0.2 / 9.02, abs=0.001)}
+        assert result.summary.endswith("pace unknown (no step lines, no heartbeat)")  # the recorder gives no pace
+    finally:
+        rank.kill()
+        rank.wait()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.core.budget import Deadline
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.pace import Pace, PaceSettings, Verdict
@@ -109,12 +110,11 @@ def summarize(label: str, verdict: Verdict, settings: PaceSettings, now: float, 
     if not verdict.slow(now, settings):
         note = " (slower since " + clock_time(verdict.slow_since) + ")" if verdict.slow_since is not None else ""
         return Status.OK, f"{label}: at its own pace, {pace}{note}"
-    assert verdict.slow_since is not None
     where = ("; on this node: " + "; ".join(evidence)) if evidence else \
         "; this node shows nothing that would slow it: the cause is elsewhere (another node, the network, storage)"
     status = pinned if evidence and evidence[0].startswith("GPU ") else Status.WARNING
-    return status, (f"{label} runs {verdict.ratio:.2f}x slower than its own pace since "
-                            f"{clock_time(verdict.slow_since)} ({pace}){where}")
+    since = clock_time(verdict.slow_since if verdict.slow_since is not None else now)
+    return status, f"{label} runs {verdict.ratio:.2f}x slower than its own pace since {since} ({pace}){where}"
 
 
 class JobPaceCheck(JobCheck):
@@ -143,8 +143,8 @@ class JobPaceCheck(JobCheck):
         self._host = host
         said, gauges = host_evidence(before, host)
         gpus = self._gpus()
-        for job in jobs:
-            results.append(self._job(job, now, said, gauges, gpus))
+        for job, deadline in self.budgets(jobs):  # a rank's flight recorder answers within its job's share
+            results.append(self._job(job, now, said, gauges, gpus, deadline))
         return results
 
     def _gpus(self) -> dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]:
@@ -159,11 +159,11 @@ class JobPaceCheck(JobCheck):
         return {g.index: (g, clocks.get(g.index), links.get(g.index)) for g in states if not g.lost}
 
     def _job(self, job: Job, now: float, host_said: list[str], host: dict[str, float],
-             gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]) -> Result:
+             gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]], deadline: Deadline) -> Result:
         state = self._jobs.setdefault(job.key, JobPace({}))
         self._feed(job, state)
         label, job_id = job.label(), job.job_id or job.name
-        self._flight(job, state, now)
+        self._flight(job, state, now, deadline)
         found = lead(state.series, self.pace, now)
         samples: list[Sample] = [HOST(v, {"job_id": job_id, "resource": r}) for r, v in sorted(host.items())]
         samples += [WAIT(w, {"job_id": job_id, "rank": r}) for r, w in sorted((state.waits or {}).items())]
@@ -208,12 +208,16 @@ class JobPaceCheck(JobCheck):
         for step, when in marks:
             pace.add(step, when, self.pace)
 
-    def _flight(self, job: Job, state: JobPace, now: float) -> None:
-        """Each local rank's collective wait ratio, read at most every `flight_recorder_interval`."""
+    def _flight(self, job: Job, state: JobPace, now: float, deadline: Deadline) -> None:
+        """Each local rank's collective wait ratio, read at most every `flight_recorder_interval`, within the job's
+        share of the run (5 s at most)."""
         if not self.settings.flight_recorder or now - state.flight_at < self.settings.flight_recorder_interval:
             return
         state.flight_at = now
-        traces = flight_traces(job, job_processes(job, self.context.processes.get()), "", self.context.node, 5.0,
+        timeout = min(5.0, deadline.left())
+        if timeout <= 0:
+            return
+        traces = flight_traces(job, job_processes(job, self.context.processes.get()), "", self.context.node, timeout,
                                self.context.proc)
         state.waits = {str(t.rank): t.wait_ratio for t in traces if t.wait_ratio is not None}
 
