@@ -10,7 +10,9 @@ and the first slow steps (compilation, cache warm-up) do not move it: they are a
 - the current pace is that median over the intervals that ended within the last `window` seconds (of the samples'
   own clock);
 - the job is slow when its pace falls below the baseline's by `slowdown` (0.15: step time at least 1/0.85 = 1.18x),
-  and a finding once it has stayed so for `slow_for` (the check's clock: a fake one in tests).
+  and a finding once it has stayed so for `slow_for` (the check's clock: a fake one in tests), counted from the first
+  of the slow steps that tipped the median (the latest half of the window's steps, by the samples' own clock), not
+  from when they tipped it.
 
 A step lower than the last one is a restart (a relaunch, a requeue): warm-up is skipped again, the baseline is kept
 (the same job on the same data). Nothing here does I/O; the ledger is the only shared object and holds a lock.
@@ -101,12 +103,26 @@ class Pace:
         if base is None or pace is None or base <= 0:
             return Verdict(pace, base, None, None)  # not known yet: neither slow nor recovered
         ratio = pace / base
-        if ratio >= 1 / (1 - settings.slowdown):
+        if pace >= base / (1 - settings.slowdown):
             if self.slow_since is None:
-                self.slow_since = now
+                self.slow_since = now - self._tipped()
         else:
             self.slow_since = None
         return Verdict(pace, base, ratio, self.slow_since)
+
+    def _tipped(self) -> float:
+        """How long ago, by the samples' own clock, the slowdown that just tipped the window's median began: the
+        median tips once the slow steps are half the window's, so they are the latest half of its steps. (Walking back
+        over intervals above the threshold would stop at the first one the read-time quantisation puts under it.)"""
+        if self.last is None or not self.recent:
+            return 0.0
+        total, seen, onset = sum(w for _, _, w in self.recent), 0, self.last[1]
+        for end, seconds_per_step, steps in reversed(self.recent):
+            seen += steps
+            onset = end - seconds_per_step * steps
+            if 2 * seen >= total:
+                break
+        return max(0.0, self.last[1] - onset)
 
 
 @dataclass(frozen=True)
