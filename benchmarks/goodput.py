@@ -13,6 +13,11 @@ binds. Seven fault kinds are drawn from a seed and injected at the same times in
 - disk_full: the checkpoint tmpfs fills.               - stop_switch: the user touches the stop switch.
 - time_limit: the job's TimeLimit is cut so that it approaches.   - nan: the loss turns NaN.
 
+One more kind, not among the seven drawn by default (`--kinds slow`): slow, one rank's steps take 1.5x as long for the
+rest of its attempt and its node's scripted GPU 0 reports a hardware slowdown at 1200 of 1980 MHz; the job_pace check
+(windows scaled) names it, and with `--slow-policy restart_elsewhere` the node at fault restarts the job without
+itself on the allocation's spare (docs/slow-jobs.md).
+
 Without trainguard the job has what it has without it: the collective timeout (NCCL's 10-minute default, scaled), the
 trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a human who looks every M minutes (and fixes
 what they see: frees the disk, drains a node whose GPU is gone, requeues the job). With trainguard the same human is
@@ -56,9 +61,11 @@ from trainguard.agent.configfile import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
+EXTRA_KINDS = ("slow",)  # drawn only when named: the seven's seeded schedules stay as they were
+SLOW_FACTOR = 1.5
 # The check that answers each fault kind, and the action(s) that make the job come back.
 CHECK_OF = {"xid79": "xid", "hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
-            "time_limit": "job_timelimit", "nan": "training_log"}
+            "time_limit": "job_timelimit", "nan": "training_log", "slow": "job_pace"}
 JOB_NAME = "goodput"
 NODES, RANKS = 4, 3  # the job asks for 3-4 nodes: a spare inside its allocation while one is free
 MiB = 2**20
@@ -177,10 +184,12 @@ class Record:
 
 class Run:
     def __init__(self, base: Path, trainguard: bool, faults: list[Fault], duration: float, scale: Scale,
-                 look_every: float, page_response: float, step_time: float, ckpt_every: int) -> None:
+                 look_every: float, page_response: float, step_time: float, ckpt_every: int,
+                 slow_policy: str = "alert") -> None:
         self.base, self.trainguard, self.faults, self.duration, self.s = base, trainguard, faults, duration, scale
         self.look_every, self.page_response = look_every, page_response
         self.step_time, self.ckpt_every = step_time, ckpt_every
+        self.slow_policy = slow_policy
         self.rec = Record(trainguard)
         self.cluster = MultiNodeCluster(base / "cluster", NODES, cred_expire=max(5, round(scale(120))),
                                         sched_interval=max(1, round(scale(60))))
@@ -261,6 +270,11 @@ class Run:
                                   actions={"warning": ["signal", "requeue"]})
         c["job_switch"].update(fast)
         c["training_log"].update(fast, actions={"critical": ["restart"]})
+        # A step here is 0.5 s, 30 s of real time: the recent window holds 20 steps, as 2 minutes of 6-second steps.
+        c["job_pace"].update(fast, window=s.dur(600), slow_for=s.dur(600), warmup_steps=5, baseline_steps=20,
+                             critical_when_pinned=True,
+                             actions={"critical": ["restart_elsewhere"]} if self.slow_policy == "restart_elsewhere"
+                             else {})
         raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
                                       "timeout": s.dur(330, 4)},
                           "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
@@ -277,6 +291,7 @@ class Run:
     def start_agent(self, node: str, fifo: Path) -> AgentProcess:
         env = {"SLURM_CONF": str(self.cluster.conf), "TRAINGUARD_FAKE_GPUS": "1", "TRAINGUARD_FAKE_GPU_HEALTHY": "1",
                "TRAINGUARD_FAKE_GPU_DOMAIN": f"00a{int(node[1:]):x}", "PYTHONPATH": str(REPO)}
+        env["TRAINGUARD_FAKE_GPU_SLOW"] = str(self.run_dir / "faults" / f"slow-{node}")
         return AgentProcess(self.agent_config(node, fifo), self.base / f"agent-{node}.log", env,
                             module="tests.helpers.fake_gpu_agent").start()
 
@@ -398,6 +413,8 @@ class Run:
             self.restore_limit = True
         elif f.kind == "nan":
             write_as_user(faults / "nan", attempt)
+        elif f.kind == "slow" and node:
+            write_as_user(faults / f"slow-{node}", f"{attempt} {SLOW_FACTOR}")
         self.rec.faults.append(row)
         self.rec.actions.append({"t": self.now(), "who": "fault", "what": f"{f.kind} {node}".strip()})
 
@@ -568,6 +585,8 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
         fired = [a for a in rec.alerts if a["check"] == check and t <= a["t"] < until + 5]
         humans = [a for a in rec.actions if a["who"].startswith("human") and t <= a["t"] < until]
         detected = fired[0]["t"] - t if fired else (humans[0]["t"] - t if humans else None)
+        # a slowdown every node of the job sees: the node named is the one whose finding its own GPU explains
+        named = next((a["node"] for a in fired if a["status"] == "CRITICAL"), None) if f["kind"] == "slow" else None
         by = "trainguard" if fired else ("human" if humans else "trainer" if f["kind"] == "stop_switch" else "-")
         restart = [a for a in rec.attempts if t < a[0] < until]  # a fault that stopped nothing has no restart
         before = [s for ts, s, _ in rec.steps if ts <= (restart[0][0] if restart else until)]
@@ -583,7 +602,7 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
                        "detect_s": None if detected is None else round(detected, 2),
                        "deadline_s": round(deadline(f, scale, step_time), 1),
                        "resume_s": round(restart[0][0] - t, 1) if restart else None, "stalled_s": stalled,
-                       "lost_steps": lost})
+                       "lost_steps": lost, **({"named": named} if f["kind"] == "slow" else {})})
     dup = 0
     seen: dict[tuple[str, str], float] = {}
     for a in (a for a in rec.alerts if a["event"] == "fired"):  # one problem announced by several nodes' agents
@@ -623,7 +642,7 @@ def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
     return {"xid79": 1.0, "hang": scale(300, 2) + 2.0, "leak": f.get("oom_in", 0.0),
             "disk_full": f.get("full_in", 0.0), "stop_switch": 3.0,
             "time_limit": max(0.0, f.get("limit_at", 0.0) - f["injected"] - scale(600, 3)) + 2.0,
-            "nan": 3 * step_time + 2.0}[f["kind"]]
+            "nan": 3 * step_time + 2.0, "slow": 2 * scale(600) + 2.0}[f["kind"]]
 
 
 def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
@@ -734,10 +753,11 @@ def plot(records: list[Record], path: Path) -> bool:
 
 # entry points -----------------------------------------------------------------------------------------------------
 def run_once(base: Path, trainguard: bool, faults: list[Fault], duration: float, scale: Scale, step_time: float,
-             ckpt_every: int, human: Human) -> Record:
+             ckpt_every: int, human: Human, slow_policy: str = "alert") -> Record:
     base.mkdir(parents=True)
     run = Run(base, trainguard, faults, duration, scale, look_every=scale(human.look_every_min * 60),
-              page_response=scale(human.page_response_min * 60), step_time=step_time, ckpt_every=ckpt_every)
+              page_response=scale(human.page_response_min * 60), step_time=step_time, ckpt_every=ckpt_every,
+              slow_policy=slow_policy)
     with contextlib.ExitStack() as stack:
         run.start(stack)
         run.run()
@@ -756,7 +776,8 @@ class Human:
 
 def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = KINDS, step_time: float = 0.5,
               ckpt_every: int = 20, out_dir: Path | None = None, human: Human = Human(),
-              also_without: tuple[float, ...] = ()) -> tuple[list[dict[str, Any]], list[Record]]:
+              also_without: tuple[float, ...] = (), slow_policy: str = "alert") -> tuple[list[dict[str, Any]],
+                                                                                             list[Record]]:
     """The run with trainguard and the one without it, with `human`; then one more run without it for each of
     `also_without` (how often that human looks, in minutes): the same schedule against other people on call."""
     duration = minutes * 60
@@ -768,7 +789,8 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
     records = []
     try:
         for trainguard, person, name in runs:
-            records.append(run_once(base / name, trainguard, faults, duration, scale, step_time, ckpt_every, person))
+            records.append(run_once(base / name, trainguard, faults, duration, scale, step_time, ckpt_every, person,
+                                    slow_policy))
     finally:
         if out_dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -799,7 +821,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=Path("/tmp/trainguard-goodput"))
     p.add_argument("--plot", type=Path, default=REPO / "docs" / "goodput-timeline.png")
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds, comma-separated (also: "
+                   f"{', '.join(EXTRA_KINDS)}; none: a fault-free run)")
+    p.add_argument("--slow-policy", choices=["alert", "restart_elsewhere"], default="alert",
+                   help="what the job_pace finding does on the node at fault (docs/slow-jobs.md)")
     p.add_argument("--look-every", type=float, default=Human.look_every_min, metavar="MINUTES",
                    help="how often the human looks (real-world minutes, scaled)")
     p.add_argument("--page-response", type=float, default=Human.page_response_min, metavar="MINUTES",
@@ -816,10 +841,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     scale = Scale(a.scale)
     kinds = tuple(k for k in a.kinds.split(",") if k)
-    if unknown := set(kinds) - set(KINDS):
-        p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    if unknown := set(kinds) - set(KINDS) - set(EXTRA_KINDS):
+        p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS + EXTRA_KINDS)}")
     results, records = benchmark(a.seed, a.minutes, scale, kinds, out_dir=a.out,
-                                 human=Human(a.look_every, a.page_response), also_without=also)
+                                 human=Human(a.look_every, a.page_response), also_without=also,
+                                 slow_policy=a.slow_policy)
     print(table(results, a.seed, scale))
     if plot(records[:2], a.plot):  # with and without, the same human
         print(f"\nplot: {a.plot}")

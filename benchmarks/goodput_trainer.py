@@ -11,7 +11,8 @@ Faults are files the harness writes into `<run-dir>/faults/`, each naming the at
 step) it hits, so a requeued or restarted job runs clean: `gpu-lost-NODE` (the rank there hangs in a CUDA call, as
 processes on a GPU that fell off the bus do), `hang` (`ATTEMPT RANK`: that rank stops before the barrier), `leak`
 (`ATTEMPT NODE MB`: the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this
-attempt).
+attempt), `slow-NODE` (`ATTEMPT FACTOR`: the rank there takes FACTOR times as long a step, as on a throttled GPU; the
+others wait for it in the barrier).
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def main() -> int:
             print(f"rank {rank}: step {step}: stops before all_reduce", flush=True)
             stuck_before_all_reduce()
         time.sleep(a.step_time)
+        slow = fault(a.run_dir, f"slow-{node}")
+        if slow[:1] == [attempt]:
+            time.sleep(a.step_time * max(0.0, float(slow[1]) - 1))
         leak = fault(a.run_dir, "leak")
         if leak[:2] == [attempt, node]:
             leaked.append(bytearray(b"\x5a") * int(float(leak[2]) * 2**20))  # written, so resident

@@ -61,6 +61,8 @@ def main() -> int:
     p.add_argument("--save-time", type=float, default=0.0, help="seconds each checkpoint takes to write")
     p.add_argument("--fault", choices=["hang", "leak", "crash", "slow", "nan", "oom"])
     p.add_argument("--fault-at", type=int, default=10)
+    p.add_argument("--fault-until", type=int, default=0, help="the fault ends at this step (0: never)")
+    p.add_argument("--slow-factor", type=float, default=10.0, help="--fault slow: steps this many times longer")
     p.add_argument("--leak-mb-per-step", type=float, default=10.0)
     p.add_argument("--log", type=Path, help="append output to this file (kept open, as a logging handler does)")
     args = p.parse_args()
@@ -78,7 +80,7 @@ def main() -> int:
     leaked: list[bytearray] = []
     loss = 4.0
     for step in range(start, args.steps):
-        faulty = args.fault is not None and step >= args.fault_at
+        faulty = args.fault is not None and step >= args.fault_at and not (args.fault_until and step >= args.fault_until)
         if faulty and args.fault == "hang":
             print(f"step {step}: entering allreduce", flush=True)
             stuck_in_allreduce(10**6)
@@ -88,7 +90,7 @@ def main() -> int:
             print("Traceback (most recent call last):\n  File \"train_toy.py\", line 1, in forward", flush=True)
             print(FRAGMENTED_OOM, flush=True)
             return 1
-        time.sleep(args.step_time * (10 if faulty and args.fault == "slow" else 1))
+        time.sleep(args.step_time * (args.slow_factor if faulty and args.fault == "slow" else 1))
         if faulty and args.fault == "leak":
             leaked.append(bytearray(b"\x5a") * int(args.leak_mb_per_step * 2**20))  # written, so resident
         loss = math.nan if faulty and args.fault == "nan" else loss * 0.99 + random.uniform(-0.01, 0.01)

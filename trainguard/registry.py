@@ -31,6 +31,7 @@ CHECKS: Mapping[str, str] = {
     "quota": "trainguard.checks.quota:QuotaCheck",
     "training_log": "trainguard.checks.training_log:TrainingLogCheck",
     "command": "trainguard.checks.command:CommandCheck",
+    "job_pace": "trainguard.checks.job_pace:JobPaceCheck",
 }
 
 ACTIONS: Mapping[str, str] = {

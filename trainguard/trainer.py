@@ -114,6 +114,7 @@ class Trainer:
         self._signalled_seen = self._request(self.signalled_name)
         self._answering = False  # the stop under way was decided while the agent asked for a report
         self._array_held = False  # this process held its array's pending tasks for a stop switch (once)
+        self._last_beat: tuple[int, float] | None = None  # (step, time) of this process's previous heartbeat
 
     def install(self, save_and_stop: Iterable[str] = ("USR1",), save: Iterable[str] = ("USR2",),
                 stop: Iterable[str] = ("TERM",)) -> Trainer:
@@ -228,9 +229,15 @@ class Trainer:
                     tmp.unlink()
 
     def heartbeat(self, step: int, **metrics: float) -> None:
-        """Atomically write {step, time, pid, metrics} so the agent can tell progress from a hang."""
+        """Atomically write {step, time, pid, step_time, metrics} so the agent can tell progress from a hang, and a
+        slow run from its own pace (`step_time`: seconds per step since the previous heartbeat of this process)."""
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v)) for k, v in metrics.items()}
-        payload = json.dumps({"step": int(step), "time": time.time(), "pid": os.getpid(), "metrics": clean})
+        now, before = time.time(), self._last_beat
+        self._last_beat = (int(step), now)
+        beat: dict[str, Any] = {"step": int(step), "time": now, "pid": os.getpid(), "metrics": clean}
+        if before is not None and int(step) > before[0] and now >= before[1]:
+            beat["step_time"] = (now - before[1]) / (int(step) - before[0])
+        payload = json.dumps(beat)
         self.heartbeat_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.heartbeat_path.with_name(f".{self.heartbeat_path.name}.{os.getpid()}.tmp")
         tmp.write_text(payload + "\n")

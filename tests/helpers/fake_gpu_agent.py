@@ -7,12 +7,14 @@ TRAINGUARD_FAKE_NVML=missing makes NVML fail to load, as on a node without the d
 TRAINGUARD_FAKE_GPU_DOMAIN=00a1 puts the GPUs in that PCI domain (several agents on one host, each its own GPUs);
 TRAINGUARD_FAKE_GPU_HEALTHY=1 leaves GPU 0 without its remap and replays;
 TRAINGUARD_FAKE_GPU_PROCS="0:PID:BYTES,..." lists compute processes on GPUs (and adds their memory to the GPU's used);
-TRAINGUARD_FAKE_GPU_USED="0:BYTES,..." sets GPUs' memory in use."""
+TRAINGUARD_FAKE_GPU_USED="0:BYTES,..." sets GPUs' memory in use;
+TRAINGUARD_FAKE_GPU_SLOW=PATH puts GPU 0 in HW slowdown (SM clock 1200 of 1980 MHz) while that file exists."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from tests.helpers.fake_nvml import (
     NVML_GPU_FABRIC_STATE_COMPLETED,
@@ -21,6 +23,21 @@ from tests.helpers.fake_nvml import (
     FakeNvml,
     NVMLError_LibraryNotFound,
 )
+
+
+class SlowableNvml(FakeNvml):
+    """GPU 0 held back by a hardware slowdown while `slow` exists (the goodput benchmark's slow node)."""
+
+    def __init__(self, gpus: list[FakeGpu], slow: Path, **kw: object) -> None:
+        super().__init__(gpus, **kw)  # type: ignore[arg-type]
+        self.slow = slow
+
+    def _gpu(self, fn: str, handle: int) -> FakeGpu:
+        gpu = super()._gpu(fn, handle)
+        if handle == 0:
+            throttled = self.slow.exists()
+            gpu.clock_events, gpu.sm_clock = (0x8, 1200) if throttled else (0, gpu.sm_clock_max)
+        return gpu
 
 
 def main() -> int:
@@ -43,7 +60,9 @@ def main() -> int:
         gpus[int(index)].processes.append((int(pid), int(used)))
         gpus[int(index)].used += int(used)
     missing = NVMLError_LibraryNotFound if os.environ.get("TRAINGUARD_FAKE_NVML") == "missing" else None
-    sys.modules["pynvml"] = FakeNvml(gpus, init_error=missing)  # type: ignore[assignment]
+    slow = os.environ.get("TRAINGUARD_FAKE_GPU_SLOW")
+    fake = SlowableNvml(gpus, Path(slow), init_error=missing) if slow else FakeNvml(gpus, init_error=missing)
+    sys.modules["pynvml"] = fake  # type: ignore[assignment]
     from trainguard.cli import main as trainguard
 
     return trainguard(sys.argv[1:])

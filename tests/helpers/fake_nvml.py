@@ -12,6 +12,8 @@ from types import SimpleNamespace
 from typing import Any
 
 NVML_TEMPERATURE_GPU = 0
+NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = 1
+NVML_CLOCK_SM = 1
 NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 NVML_VOLATILE_ECC = 0
 NVML_AGGREGATE_ECC = 1
@@ -80,6 +82,11 @@ class FakeGpu:
     fabric: tuple[int, int] | None = None  # (NVML_GPU_FABRIC_STATE_*, status); None: not supported (no NVSwitch)
     persistence: int = NVML_FEATURE_ENABLED
     vbios: str = "96.00.99.00.01"
+    sm_clock: int = 1980  # MHz
+    sm_clock_max: int = 1980
+    power_mw: int = 350_000
+    power_limit_mw: int = 700_000
+    slowdown_c: int = 90  # the temperature at which the GPU slows itself
     fail: dict[str, type[NVMLError]] = field(default_factory=dict)  # function name -> error it raises
 
 
@@ -159,6 +166,21 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:  # noqa: N802
         return self._gpu("nvmlDeviceGetCurrentClocksEventReasons", h).clock_events
+
+    def nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:  # noqa: N802
+        return self._gpu("nvmlDeviceGetClockInfo", h).sm_clock
+
+    def nvmlDeviceGetMaxClockInfo(self, h: int, clock: int) -> int:  # noqa: N802
+        return self._gpu("nvmlDeviceGetMaxClockInfo", h).sm_clock_max
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:  # noqa: N802
+        return self._gpu("nvmlDeviceGetPowerUsage", h).power_mw
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: int) -> int:  # noqa: N802
+        return self._gpu("nvmlDeviceGetEnforcedPowerLimit", h).power_limit_mw
+
+    def nvmlDeviceGetTemperatureThreshold(self, h: int, threshold: int) -> int:  # noqa: N802
+        return self._gpu("nvmlDeviceGetTemperatureThreshold", h).slowdown_c
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:  # noqa: N802
         return [SimpleNamespace(pid=pid, usedGpuMemory=used)

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status
+from trainguard.core.pace import PaceLedger
 from trainguard.core.settings import Duration, Field, PositiveInt, SettingsModel, field_validator
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
@@ -100,7 +101,8 @@ class CheckContext:
     `state` is this check instance's own store (keys scoped to its name). `xid_history` is the node's XID ledger
     this boot: the xid check records into it and other checks (training_log) read it. `processes` is the node's
     shared /proc snapshot: the checks of one round (job_memory, hang, gpu_memory, memory) share one pass.
-    `kernel_log` is the node's one reader of the kernel log, shared by the xid and kernel checks.
+    `kernel_log` is the node's one reader of the kernel log, shared by the xid and kernel checks. `paces`
+    carries the step samples training_log reads in the jobs' logs to the job_pace check.
     """
 
     node: str
@@ -114,6 +116,7 @@ class CheckContext:
     processes: ProcessSnapshots = field(default_factory=ProcessSnapshots)
     # The node's one kernel log reader: the xid and kernel checks subscribe to it (one follower, one cursor).
     kernel_log: KernelLog = field(default_factory=KernelLog)
+    paces: PaceLedger = field(default_factory=PaceLedger)
     # `trainguard check --since`: kernel log records stamped before this (microseconds since boot) do not count.
     kernel_since_usec: int | None = None
 

@@ -46,7 +46,7 @@ from trainguard.jobs.tree import (
     read_heartbeat,
 )
 from trainguard.logscan.collectives import ADVICE, Story, gather, observe, observe_all, tell
-from trainguard.logscan.context import STEP_WINDOW, finite_loss, last_step, oom_gpu, relaunched
+from trainguard.logscan.context import STEP_WINDOW, finite_loss, last_step, oom_gpu, relaunched, step_marks
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
 from trainguard.logscan.launcher import BLOCK, root_cause
 from trainguard.logscan.lines import plain, timestamp, unwrap
@@ -336,6 +336,7 @@ class TrainingLogCheck(JobCheck):
             for key in set(table) - live:
                 del table[key]
         self._behind &= live
+        self.context.paces.forget(live)
         for log_key in set(self._positions) - paths:  # a log no longer read (gone, or past the newest) is forgotten
             del self._positions[log_key]
             self._steps.pop(log_key, None)
@@ -475,10 +476,20 @@ class TrainingLogCheck(JobCheck):
                     since = hit.offset + 1
                 consumed = max(consumed, self._record(job, path, hit, chunk, base))
             self._end_streaks(streaks, path, chunk, since, len(chunk))
-            step = last_step(chunk)
-            if step is not None:
-                self._steps[(job.key, path)] = step
+            self._mark_steps(job, path, chunk)
         return restarted_here
+
+    def _mark_steps(self, job: Job, path: str, chunk: bytes) -> None:
+        """The last step line of the chunk (an OOM's step), and each rank's, with when it was printed (else read), to
+        the job_pace check (`CheckContext.paces`)."""
+        marks = step_marks(chunk)
+        if not marks:
+            return
+        now = self.context.clock()
+        for rank, (step, printed) in marks.items():
+            self.context.paces.record(job.key, f"{path}|{rank or ''}", step, printed if printed is not None else now)
+        if (last := last_step(chunk)) is not None:
+            self._steps[(job.key, path)] = last
 
     @staticmethod
     def _end_streaks(streaks: dict[str, int], path: str, data: bytes, start: int, end: int) -> None:

@@ -65,6 +65,10 @@ class GpuState:
 CLOCK_EVENTS = {0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
 
 
+# The clock-event reasons that slow a busy GPU (fail-slow evidence): those above and the software power cap.
+SLOWDOWN_REASONS = {0x4: "sw_power_cap", **CLOCK_EVENTS}
+
+
 # The NVLink error counters NVML keeps per link (nvmlNvLinkErrorCounter_t), by the names the metrics use.
 NVLINK_COUNTERS = {"replay": "NVML_NVLINK_ERROR_DL_REPLAY", "recovery": "NVML_NVLINK_ERROR_DL_RECOVERY",
                    "crc_flit": "NVML_NVLINK_ERROR_DL_CRC_FLIT", "crc_data": "NVML_NVLINK_ERROR_DL_CRC_DATA"}
@@ -116,6 +120,20 @@ class Fabric:
 class GpuConfig:
     persistence: bool | None
     vbios: str | None
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """What sets a GPU's speed now: its SM clock against its maximum, why it is held back (a SLOWDOWN_REASONS mask),
+    power against the enforced limit and temperature against the slowdown threshold. None: not supported."""
+
+    sm_mhz: int | None
+    sm_max_mhz: int | None
+    reasons: int | None
+    power_w: float | None
+    power_limit_w: float | None
+    temperature_c: int | None
+    slowdown_c: int | None
 
 
 def normalize_bus_id(bus_id: str | bytes) -> str:
@@ -264,6 +282,29 @@ class Nvml:
                         small(lambda: lib.nvmlDeviceGetMaxPcieLinkWidth(handle), 64),
                         _count(self._optional(lambda: lib.nvmlDeviceGetPcieReplayCounter(handle))),
                         int(busy) if isinstance(busy, int) and 0 <= busy <= 100 else None)
+
+    def clocks(self) -> list[Reading[Clocks]]:
+        """Each GPU's clocks, clock-event reasons, power and temperature against their limits."""
+        return self.read(self._clocks)
+
+    def _clocks(self, lib: Any, handle: Any, gpu: GpuId) -> Clocks:
+        sm = getattr(lib, "NVML_CLOCK_SM", 1)
+        slowdown = getattr(lib, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1)
+        getter = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            getattr(lib, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+
+        def small(call: Callable[[], Any], limit: int) -> int | None:
+            value = self._optional(call)
+            return int(value) if isinstance(value, int) and 0 <= value <= limit else None
+
+        power = small(partial(lib.nvmlDeviceGetPowerUsage, handle), 10**7)  # milliwatts
+        limit = small(partial(lib.nvmlDeviceGetEnforcedPowerLimit, handle), 10**7)
+        return Clocks(small(lambda: lib.nvmlDeviceGetClockInfo(handle, sm), 100_000),
+                      small(lambda: lib.nvmlDeviceGetMaxClockInfo(handle, sm), 100_000),
+                      small(lambda: getter(handle), 2**32 - 1) if getter else None,
+                      power / 1000 if power is not None else None, limit / 1000 if limit is not None else None,
+                      small(lambda: lib.nvmlDeviceGetTemperature(handle, lib.NVML_TEMPERATURE_GPU), 199),
+                      small(lambda: lib.nvmlDeviceGetTemperatureThreshold(handle, slowdown), 199))
 
     def fabric(self) -> list[Reading[Fabric | None]]:
         """Each GPU's NVLink fabric registration (Hopper and later on NVSwitch systems); None where unsupported."""

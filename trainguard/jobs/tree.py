@@ -96,18 +96,46 @@ def heartbeat_path(job: Job, template: str = HEARTBEAT) -> str | None:
 HEARTBEAT_MAX = 64 << 10  # the trainer writes a few hundred bytes; a larger "heartbeat" is not one
 
 
+def _beat(path: str, identity: Identity) -> dict[str, Any]:
+    """The heartbeat file's JSON object, read with the job user's authority; {} when it is not one."""
+    try:
+        raw = read_as(identity, path, HEARTBEAT_MAX + 1)
+        if len(raw) > HEARTBEAT_MAX:
+            return {}
+        data = json.loads(raw)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass(frozen=True)
+class Beat:
+    """The heartbeat's progress: its step, when the trainer wrote it, and the step time it measured (seconds per step
+    since its previous heartbeat; None from a trainer before that field)."""
+
+    step: int
+    time: float
+    pid: int | None
+    step_time: float | None
+
+
+def read_beat(path: str, identity: Identity) -> Beat | None:
+    """The heartbeat's progress (`Beat`), None when the file is not a heartbeat with a step and a time."""
+    data = _beat(path, identity)
+    step, when, pid, took = data.get("step"), data.get("time"), data.get("pid"), data.get("step_time")
+    step = bounded_int(step) if isinstance(step, int) else None
+    when = bounded_float(when, 0.0)
+    if step is None or when is None:
+        return None
+    return Beat(step, when, bounded_int(pid) if isinstance(pid, int) else None, bounded_float(took, 0.0))
+
+
 def read_heartbeat(path: str, identity: Identity) -> tuple[int | None, dict[str, Any]]:
     """The heartbeat's step and metrics (`trainguard.trainer` writes non-finite values as strings), read with the job
     user's authority: a FIFO, a device, a link to a file they can't read or an oversized file is no heartbeat. The
     step is a non-negative int64 or None; a JSON NaN or Infinity among the metrics is read as the trainer writes it."""
-    try:
-        raw = read_as(identity, path, HEARTBEAT_MAX + 1)
-        if len(raw) > HEARTBEAT_MAX:
-            return None, {}
-        data = json.loads(raw)
-    except (OSError, ValueError, RecursionError):
-        return None, {}
-    if not isinstance(data, dict):
+    data = _beat(path, identity)
+    if not data:
         return None, {}
     step = data.get("step")
     metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}

@@ -4,12 +4,14 @@ finite, and the state of the GPU an OOM names (who else holds its memory, ECC an
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 
 import psutil
 
 from trainguard.core.text import linear
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.logscan.lines import MAX_LINE, plain, timestamp
 from trainguard.logscan.oom import CoTenant, GpuContext
 from trainguard.node.procfs import ProcFS
 
@@ -24,6 +26,21 @@ _STEP = linear(rb"(?i)(?:\bglobal_step|\bstep|\biteration|\biter)\b\s*[:=#]?\s*(
 _FINITE_LOSS = linear(rb"""(?i)\bloss['"]?\s*[:=]\s*['"]?[-+]?\.?\d""")
 
 
+def step_marks(data: bytes) -> dict[str | None, tuple[int, float | None]]:
+    """The last step each rank printed in `data` (its last STEP_WINDOW bytes), with the line's own timestamp (`lines.
+    timestamp`: seconds in its year) or None; keyed by the rank the line names (None: a line that names none)."""
+    marks: dict[str | None, tuple[int, float | None]] = {}
+    for found in _STEP.finditer(data, max(0, len(data) - STEP_WINDOW)):
+        step = _step(found)
+        if step is None:
+            continue
+        start = data.rfind(b"\n", 0, found.start()) + 1
+        end = data.find(b"\n", found.end())
+        line = data[start:end if end >= 0 else len(data)][:MAX_LINE].decode("utf-8", errors="replace")
+        marks[plain(line).rank] = (step, timestamp(line))
+    return marks
+
+
 def last_step(data: bytes, end: int | None = None, start: int = 0) -> int | None:
     """The step of the last step line in data[start:end] (within STEP_WINDOW bytes before `end`), or None (also when
     its number is 1e15 or more: a 10,000-digit step is no step)."""
@@ -31,7 +48,12 @@ def last_step(data: bytes, end: int | None = None, start: int = 0) -> int | None
     found = None
     for found in _STEP.finditer(data, max(0, start, end - STEP_WINDOW), end):  # noqa: B007 - the last one is wanted
         pass
-    if found is None or found.group(2):
+    return None if found is None else _step(found)
+
+
+def _step(found: Any) -> int | None:
+    """The step a match of _STEP names: None when the number runs on past 15 digits or reaches 1e15."""
+    if found.group(2):
         return None
     step = float(found.group(1) or found.group(3))
     return int(step) if step < 1e15 else None

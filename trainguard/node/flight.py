@@ -72,6 +72,7 @@ class RankTrace:
     node: str | None = None
     source: str = ""  # where it came from: a socket, a dump file
     malformed: int = 0  # entries skipped: a sequence id or process group id that is not a non-negative int64
+    wait_ratio: float | None = None  # the share of its recent time the rank's collectives ran (`wait_ratio`)
 
     def last(self, pg: str) -> Collective | None:
         return next((c for c in self.entered if c.pg == pg), None)
@@ -128,6 +129,32 @@ def _groups(dump: dict[str, Any], names: Iterable[str]) -> tuple[tuple[str, tupl
     return tuple((name, parsed[name]) for name in wanted if name in parsed)
 
 
+def _ns(value: Any) -> int | None:
+    return bounded_int(value, 1, MAX_INT64) if isinstance(value, int) else None
+
+
+def wait_ratio(entries: Sequence[Any]) -> float | None:
+    """The share of the time its completed collectives span that the rank spent inside them (NCCL: from the kernel's
+    start to its completion as the watchdog saw them, or `duration_ms` where timing is on). A collective's kernel runs
+    until the last rank joins, so the rank that sets the pace (arrives last) waits least and its peers most. None
+    where the entries carry no times (Gloo's, a recorder without them) or fewer than two collectives completed."""
+    busy, first, last, count = 0.0, None, None, 0
+    for entry in entries[-MAX_ENTRIES:]:
+        if not isinstance(entry, dict) or entry.get("is_p2p") is True or entry.get("state") != "completed":
+            continue
+        start, end = _ns(entry.get("time_discovered_started_ns")), _ns(entry.get("time_discovered_completed_ns"))
+        if start is None or end is None or end < start:
+            continue
+        took = entry.get("duration_ms")
+        busy += float(took) * 1e6 if isinstance(took, (int, float)) and 0 <= took < 1e9 else end - start
+        first = start if first is None else min(first, start)
+        last = end if last is None else max(last, end)
+        count += 1
+    if count < 2 or first is None or last is None or last <= first:
+        return None
+    return min(1.0, busy / (last - first))
+
+
 def parse_dump(dump: Any, rank: int, pid: int | None = None, node: str | None = None, source: str = "") -> RankTrace | None:
     """One rank's trace from a flight-recorder dump (the JSON or the unpickled form: same keys). None when the dump
     is not a flight recorder's."""
@@ -159,8 +186,9 @@ def parse_dump(dump: Any, rank: int, pid: int | None = None, node: str | None = 
             continue
         if enqueued is not None and enqueued > 0 and (name not in last or enqueued > last[name].seq):
             last[name] = Collective(name, enqueued)  # entered beyond what the ring buffer still holds
+    entries = dump.get("entries", [])
     return RankTrace(rank, tuple(sorted(last.values())), tuple(sorted(in_flight.values())),
-                     _groups(dump, last), pid, node, source, malformed)
+                     _groups(dump, last), pid, node, source, malformed, wait_ratio(entries))
 
 
 # Reading it ---------------------------------------------------------------------------------------------------------
@@ -355,7 +383,8 @@ def _merge(a: RankTrace, b: RankTrace | None) -> RankTrace:
     if b is None:
         return a
     return RankTrace(a.rank, tuple(sorted({*a.entered, *b.entered})), tuple(sorted({*a.in_flight, *b.in_flight})),
-                     a.groups + b.groups, a.pid, a.node, a.source, a.malformed + b.malformed)
+                     a.groups + b.groups, a.pid, a.node, a.source, a.malformed + b.malformed,
+                     a.wait_ratio if a.wait_ratio is not None else b.wait_ratio)
 
 
 # What it means ------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
+from trainguard.core.pace import PaceLedger
 from trainguard.core.state import ScopedState
 from trainguard.core.worker import Worker
 from trainguard.gpu.faults import XidLedger
@@ -122,10 +123,11 @@ class Engine:
         self.catalog = JobCatalog(jobs, self.node, clock, processes) if jobs.sources or jobs.processes else None
         self.store = store if store is not None else Store(config.agent.state_dir)
         # One of each per agent, shared by every check: one NVML session, one ledger of this boot's XIDs, one /proc
-        # snapshot per round.
+        # snapshot per round, one ledger of the jobs' step samples.
         shared = CheckContext(config.agent.node_name, config.agent.state_dir, clock, self.catalog,
                               nvml if nvml is not None else Nvml(), proc, xid_history=XidLedger(self.store, clock, proc=proc),
-                              processes=processes, kernel_since_usec=kernel_since_usec, kernel_log=KernelLog(proc))
+                              processes=processes, kernel_since_usec=kernel_since_usec, kernel_log=KernelLog(proc),
+                              paces=PaceLedger())
         self.shared = shared  # what a transient check (`trainguard selftest`'s) is built with
         self.checks: dict[str, Check] = {}
         for name, settings in config.checks.items():
