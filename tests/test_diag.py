@@ -382,6 +382,11 @@ def test_a_bad_repair_on_real_slurm_keeps_the_node_drained_and_the_job_pending(
     engine: Engine = engine_for(slurm, tmp_path, {}, actions={"resume": {"tool_dir": str(tools), "gpus": 1}})
     job = None
     try:
+        # the node to itself: a job an earlier test of the session left running would refuse every diagnostics run
+        sh("scancel", "--state=RUNNING", check=False)
+        sh("scancel", "--state=PENDING", check=False)
+        wait_until(lambda: not sh("scontrol", "listpids", check=False).strip().splitlines()[1:], 30,
+                   what="no job's steps on the node")
         busy = slurm.submit("sleep 300", name="tg-diag-busy")
         slurm.wait_state(busy, ("RUNNING",))
         sh("scontrol", "update", f"nodename={slurm.node}", "state=drain", "reason=trainguard: GPU 0 XID 79")
@@ -392,7 +397,7 @@ def test_a_bad_repair_on_real_slurm_keeps_the_node_drained_and_the_job_pending(
         assert ran(tools) == [] and "DRAIN" in slurm.node_info()["State"]
         sh("scancel", busy)
         wait_until(lambda: not sh("scontrol", "listpids", check=False).strip().splitlines()[1:], 30,
-                   what="the job's steps gone")
+                   what=f"the job's steps gone: {sh('scontrol', 'listpids', check=False).strip()}")
 
         record = run_action(engine, "resume", event(), ())
         assert record["outcome"] == "failed", record
