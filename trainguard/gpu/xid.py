@@ -103,23 +103,27 @@ class XidParser:
         return XidEvent(int(m.group("sxid")), normalize_bus_id(m.group("bus")), (m.group("rest") or "").strip(),
                         line=line, variant="fatal" if fatal else "non_fatal", kind="sxid", device=f"nvswitch{m.group('sw')}")
 
-    def _xid(self, m: Any, line: str) -> XidEvent:
-        rest, pid, name = m.group("rest"), None, None
-        pm = _PID.match(rest)
-        if pm:
-            pid = int(pm.group("pid")) if pm.group("pid").isdigit() else None
-            name = pm.group("name")
+    def _xid(self, match: Any, line: str) -> XidEvent:
+        # One groupdict per match: the re2 wrapper builds its name -> index table again at each named group() (a
+        # flood of XIDs spent most of its time there).
+        m = match.groupdict()
+        rest, pid, name = m["rest"], None, None
+        found = _PID.match(rest)
+        if found:
+            pm = found.groupdict()
+            pid = int(pm["pid"]) if pm["pid"].isdigit() else None
+            name = pm["name"]
             name = None if name in (None, "<unknown>") else name
-            rest = pm.group("text")
-        xid = int(m.group("xid"))
+            rest = pm["text"]
+        xid = int(m["xid"])
         cause = _CAUSE.search(rest)
         recovery = _RECOVERY.search(rest)
         action = recovery.group("new") if recovery else None
         if action is None and xid == 154 and rest.strip().rstrip(".").lower() in _RECOVERY_ALONE:
             action = rest.strip().rstrip(".")
         return XidEvent(
-            xid=xid, bus_id=normalize_bus_id(m.group("bus")), text=rest.strip(), pid=pid, process=name,
-            gpu_instance=int(m.group("gi")) if m.group("gi") else None,
-            compute_instance=int(m.group("ci")) if m.group("ci") else None,
+            xid=xid, bus_id=normalize_bus_id(m["bus"]), text=rest.strip(), pid=pid, process=name,
+            gpu_instance=int(m["gi"]) if m["gi"] else None,
+            compute_instance=int(m["ci"]) if m["ci"] else None,
             cause_xid=int(cause.group(1)) if cause else None, recovery=action, line=line,
             variant=nvlink5_verdict(xid, rest)[0] if xid in NVLINK5_XIDS else "")
