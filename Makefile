@@ -51,6 +51,7 @@ bench: deb-test install-test
 	$(BIN)/python -m benchmarks.kmsg_parse --records 200000
 	$(BIN)/python -m benchmarks.round_cost --rounds 10
 	$(BIN)/python -m benchmarks.hardware --runs 300
+	$(BIN)/python -m benchmarks.prolog_gate --runs 50
 	$(BIN)/pip install -q -e '.[bench]'
 	flock /tmp/trainguard-tests.lock $(BIN)/python -m benchmarks.goodput --minutes 15 --also-without 60,120,240
 
