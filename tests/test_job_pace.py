@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
 from tests.test_gpu import Clock
 from trainguard.checks.base import CheckContext
@@ -417,7 +418,11 @@ flight_recorder = false
         assert found.group(4).startswith(("this node shows nothing", "on this node: ")), line
         assert "GPU" not in found.group(4), line
         agent.wait_for("event=resolved", timeout=60)
-        assert "at its own pace" in agent.output().split("event=resolved")[-1]
+        # the console's line carries the summary; the engine's own line of the event may come after it
+        wait_until(lambda: any("event=resolved" in x and "summary=" in x for x in agent.output().splitlines()), 10,
+                   what="the console's resolved line")
+        resolved = next(x for x in agent.output().splitlines() if "event=resolved" in x and "summary=" in x)
+        assert "at its own pace" in resolved, resolved
     finally:
         job.kill()
         job.wait()
