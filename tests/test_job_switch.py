@@ -99,6 +99,9 @@ def test_the_watcher_wakes_on_the_switch_name_alone_and_at_most_once_a_gap(tmp_p
         assert watcher.watching == frozenset()
     finally:
         watcher.close()
+    fds = len(os.listdir("/proc/self/fd"))
+    watcher.close()  # a second close touches no descriptor (its numbers may be another file's by now)
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_a_switch_touched_between_polls_fires_at_once(tmp_path: Path) -> None:

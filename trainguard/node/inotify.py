@@ -126,6 +126,9 @@ class DirWatcher:
             self._any = {self._watches[d] for d in any_name if d in self._watches}
 
     def close(self) -> None:
+        """Once; a second call does nothing (its descriptors' numbers may belong to another file by then)."""
+        if self._stop_w < 0:
+            return
         thread, self._thread = self._thread, None
         os.write(self._stop_w, b"x")
         if thread is not None:
@@ -135,6 +138,7 @@ class DirWatcher:
                 if fd >= 0:
                     os.close(fd)
             self._fd = -1
+        self._stop_w = -1  # a thread still alive keeps its pipe's read end and the inotify fd: closed with the process
 
     def _loop(self) -> None:
         last = 0.0
