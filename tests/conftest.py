@@ -159,8 +159,19 @@ def hung_mount(tmp_path: Path) -> Iterator[HungMount]:
     proc.wait(timeout=10)
 
 
+@pytest.fixture
+def slurm(slurm_cluster: SlurmCluster, request: pytest.FixtureRequest) -> SlurmCluster:
+    """The session's one-node SLURM cluster, as every test expects to find it: the node not drained and no job of
+    an earlier test holding it (an earlier test's failure, or an agent acting on a kernel record another test wrote,
+    must not fail the tests after it). What was tidied is printed, with the test before, to find who left it."""
+    left = slurm_cluster.tidy()
+    if left:
+        print(f"\nslurm: before {request.node.nodeid}: {left}", file=sys.stderr)
+    return slurm_cluster
+
+
 @pytest.fixture(scope="session")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """A real one-node SLURM cluster, started once per session."""
     require(os.geteuid() == 0, "needs root to run slurmctld, slurmd and munged")
     missing = missing_components()

@@ -350,6 +350,21 @@ StorageLoc=slurm_acct_db
     def resume_node(self) -> None:
         subprocess.run(["scontrol", "update", f"nodename={self.node}", "state=resume"], capture_output=True, timeout=10)
 
+    def tidy(self) -> str:
+        """Resume the node if drained and cancel the jobs that would take or hold it (held ones stay: a queue of
+        held jobs is what some tests build on purpose); says what it found, or "" when nothing."""
+        found = []
+        node = self.node_info()
+        if "DRAIN" in node["State"]:
+            found.append(f"node {node['State']} ({node['Reason']})")
+            self.resume_node()
+        rows = sh("squeue", "-h", "-t", "PENDING,RUNNING,CONFIGURING,SUSPENDED", "-o", "%i|%T|%r", check=False)
+        live = [r.split("|")[0] for r in rows.splitlines() if r.count("|") == 2 and "Held" not in r.split("|")[2]]
+        if live:
+            found.append(f"jobs {' '.join(live)}")
+            sh("scancel", *live, check=False)
+        return "; ".join(found)
+
 
 _SDIAG_RPC = re.compile(r"^\s+([A-Z][A-Z0-9_]+)\s+\(\s*\d+\) count:(\d+)", re.M)
 
