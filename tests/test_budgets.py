@@ -77,6 +77,26 @@ def test_a_glob_examines_at_most_its_cap_of_entries(tmp_path: Path) -> None:
     assert not newest_as(ROOT, f"{tmp_path}/a/*.log", 64, 1500).cut
 
 
+def test_a_glob_from_a_hostile_name_never_fails_and_matches_any_file_name(tmp_path: Path) -> None:
+    """A job's name or work directory is its user's text: a reversed range (`sbatch --chdir '/home/u/[z-a]'`) matches
+    nothing, as in fnmatch, instead of failing the job's checks; names that are not UTF-8 match `*` and `?`."""
+    odd = tmp_path / "[z-a]"
+    odd.mkdir()
+    aged(odd / "r.log", 1000)
+    assert newest_as(ROOT, f"{odd}/*.log", 5, 100).paths == ()  # the set matches no name: the literal dir is not it
+    assert newest_as(ROOT, f"{tmp_path}/[[]z-a]/*.log", 5, 100).paths == (str(odd / "r.log"),)
+    assert newest_as(ROOT, f"{tmp_path}/[!z-a]*/*.log", 5, 100).paths == (str(odd / "r.log"),)
+    raw = os.fsencode(str(tmp_path)) + b"/\xff\xfe.log"
+    with open(raw, "w") as f:
+        f.write("step 1\n")
+    os.utime(raw, (2000, 2000))
+    aged(tmp_path / "\u00e9.log", 1500)
+    assert newest_as(ROOT, f"{tmp_path}/*.log", 5, 100).paths == tuple(sorted(
+        [os.fsdecode(raw), str(tmp_path / "\u00e9.log")]))
+    assert newest_as(ROOT, f"{tmp_path}/?.log", 5, 100).paths == (str(tmp_path / "\u00e9.log"),)
+    assert newest_as(ROOT, f"{tmp_path}/??.log", 5, 100).paths == (os.fsdecode(raw),)
+
+
 def test_a_glob_lists_only_what_the_jobs_user_may_list() -> None:
     require_root()
     base = Path(tempfile.mkdtemp(prefix="trainguard-globs-", dir="/tmp"))  # pytest's own temp root is private

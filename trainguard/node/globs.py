@@ -32,8 +32,19 @@ class Matches:
     cut: bool  # the cap on entries examined stopped the walk: more entries were not seen
 
 
+def _text(name: str) -> bytes:
+    """A name as RE2 matches it: UTF-8, the bytes of a name that is not (surrogate escapes) each one U+FFFD, so that
+    `*` and `?` match them as glob's one character each."""
+    try:
+        return name.encode()
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\udc80" <= c <= "\udcff" else c for c in name).encode(errors="replace")
+
+
 def _translate(part: str) -> bytes:
-    """One glob component as an RE2 pattern over a name's bytes: `*`, `?` and `[...]` (`[!...]` negated)."""
+    """One glob component as an RE2 pattern over a name's `_text`: `*`, `?` and `[...]` (`[!...]` negated). A range
+    whose ends are reversed matches nothing, as in fnmatch: the component may come from a job's name or work
+    directory, and must never fail."""
     out, i = [], 0
     while i < len(part):
         ch = part[i]
@@ -43,20 +54,34 @@ def _translate(part: str) -> bytes:
         elif ch == "?":
             out.append(".")
         elif ch == "[":
-            j = i + (part[i:i + 1] == "!")
+            negate = part[i:i + 1] == "!"
+            j = i + negate
             j += part[j:j + 1] == "]"  # a `]` first in the set is a member
             end = part.find("]", j)
             if end < 0:
                 out.append(re.escape("["))
                 continue
-            body = part[i:end]
-            negate = body.startswith("!")
-            members = "".join(c if c == "-" else re.escape(c) for c in body[negate:])
-            out.append(f"[{'^' if negate else ''}{members}]")
+            out.append(_char_set(part[i + negate:end], negate))
             i = end + 1
         else:
             out.append(re.escape(ch))
-    return os.fsencode("(?s)" + "".join(out))
+    return _text("(?s)" + "".join(out))
+
+
+def _char_set(body: str, negate: bool) -> str:
+    """A glob set as an RE2 class: its characters and ranges escaped, reversed ranges dropped."""
+    members, k = [], 0
+    while k < len(body):
+        if k + 2 < len(body) and body[k + 1] == "-":
+            if body[k] <= body[k + 2]:
+                members.append(f"{re.escape(body[k])}-{re.escape(body[k + 2])}")
+            k += 3
+        else:
+            members.append(re.escape(body[k]))
+            k += 1
+    if not members:  # nothing in the set: a plain one matches no name, a negated one any character
+        return "." if negate else "[^\\x00-\\x{10ffff}]"
+    return "[" + ("^" if negate else "") + "".join(members) + "]"
 
 
 class _Walk:
@@ -78,6 +103,9 @@ class _Walk:
 
     def entries(self, directory: str, part: str) -> Iterator[os.DirEntry[str]]:
         """The entries of `directory` whose names match the glob `part`, listed as the job's user may list it."""
+        if self.cut:  # the cap is reached: no more directories opened either
+            return
+        self.deadline.check()
         try:
             fd, st = resolve(self.identity, directory, follow_final=True)
         except OSError:
@@ -99,7 +127,7 @@ class _Walk:
                     if not self.count():
                         return
                     name = entry.name
-                    if (dots or not name.startswith(".")) and pattern.fullmatch(os.fsencode(name)):
+                    if (dots or not name.startswith(".")) and pattern.fullmatch(_text(name)):
                         yield entry
         except OSError:  # a directory that fails while listed (EIO) ends its listing
             return
