@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import require_root, wait_until
 from trainguard.agent.configfile import parse_config
 from trainguard.checks.job_switch import find_switch, listed
 from trainguard.jobs.model import Job
@@ -102,6 +102,40 @@ def test_the_watcher_wakes_on_the_switch_name_alone_and_at_most_once_a_gap(tmp_p
     fds = len(os.listdir("/proc/self/fd"))
     watcher.close()  # a second close touches no descriptor (its numbers may be another file's by now)
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_the_watcher_works_past_fd_setsize_and_follows_no_symlink(tmp_path: Path) -> None:
+    """An agent holding a thousand connections gets descriptors past 1024, where select() fails (the watch thread
+    died and switch files waited for the poll); and a job's switch dir that is a symlink is not followed as root."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 1200
+    if soft < need:
+        require_root()  # raising the hard limit needs root; CI runs as root
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, max(hard, need)))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        wakes: list[float] = []
+        switch, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+        switch.mkdir()
+        elsewhere.mkdir()
+        (tmp_path / "link").symlink_to(elsewhere)
+        watcher = DirWatcher(["stop"], lambda: wakes.append(time.monotonic()))
+        try:
+            watcher.watch([str(switch), str(tmp_path / "link")])
+            assert watcher.watching == {str(switch)}
+            (elsewhere / "stop").touch()
+            (switch / "stop").touch()
+            wait_until(lambda: wakes, 2, 0.005, what="a wake from a watcher whose descriptors are past 1024")
+        finally:
+            watcher.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_switch_touched_between_polls_fires_at_once(tmp_path: Path) -> None:

@@ -34,9 +34,10 @@ IN_CREATE = 0x00000100
 IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000  # the watch is gone (its directory removed or unmounted)
 IN_ONLYDIR = 0x01000000
+IN_DONT_FOLLOW = 0x02000000  # a job's switch dir that is a symlink is not followed as root: the poll reads it as the user
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
-MASK = IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_ONLYDIR
+MASK = IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_ONLYDIR | IN_DONT_FOLLOW
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then `len` bytes of NUL-padded name
 READ_CHUNK = 64 << 10
 
@@ -142,8 +143,11 @@ class DirWatcher:
 
     def _loop(self) -> None:
         last = 0.0
+        poller = select.poll()  # not select(): an agent holding many connections has descriptors past FD_SETSIZE
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
         while True:
-            ready = select.select([self._fd, self._stop_r], [], [])[0]
+            ready = {fd for fd, _ in poller.poll()}
             if self._stop_r in ready:
                 return
             woken = False
