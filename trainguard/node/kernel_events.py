@@ -31,6 +31,13 @@ BLOCK_RECORDS = 256
 MEMO = 64  # texts remembered with their event  # ... and within this many records (a pasted excerpt has no timestamps)
 
 ROLES = ("event", "head", "continuation", "clear", "repeat")
+# What may come before a class's pattern in a record: the kernel's own `subsystem: ` / `driver device: ` heads (a few
+# words each, ending in a colon), a timestamp a paste kept, a CPER record's `{N}`, an AER detail's `device [vvvv:dddd]`.
+# Never a run of words without a colon, a quote or an `=`: user text in a kernel line (a crashing binary's file name
+# after `segfault at ... in `, a quoted name, an audit field) comes after such kernel words, so a file named
+# `x Watchdog detected hard LOCKUP on cpu 3` that segfaults is a segfault, not a CPU's hard lockup.
+_HEAD = linear(r"(?:\{\d+\})?(?:[^\s'\"=]+(?: +[^\s'\"=]+){0,3}: *|\[ *\d+\.\d+\] *)*"
+               r"(?:device \[[0-9a-f]{4}:[0-9a-f]{4}\] *)?")
 CLEARS = ("reboot", "window", "pair")
 
 
@@ -222,7 +229,7 @@ class KernelEventParser:
         text = strip_prefix(message[:MAX_TEXT])
         for c in candidates:
             m = c.pattern.search(text) if c.pattern is not None else None
-            if m is None:
+            if m is None or not _HEAD.fullmatch(text[:m.start()]):
                 continue
             names = {k: _clean(v, MAX_NAME) for k, v in m.groupdict().items() if v}
             if c.decode and not DECODERS[c.decode](names):
