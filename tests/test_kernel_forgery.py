@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainguard.checks.kernel import _MEMCG_JOB, _MEMCG_TASK, Entry, _victim
 from trainguard.node.kernel_events import KernelEventParser
 
 FORGED = "Watchdog detected hard LOCKUP on cpu 3"
@@ -33,3 +34,24 @@ def test_user_text_in_a_kernel_line_is_never_a_node_fault(line: str, real: str) 
 def test_the_real_hard_lockup_still_reads_as_one() -> None:
     events = KernelEventParser().feed(f"NMI watchdog: {FORGED}")
     assert [(e.klass, e.names.get("cpu")) for e in events] == [("hard_lockup", "3")]
+
+
+def test_a_forged_oom_record_names_no_number_it_lacks() -> None:
+    """`anon-rss:,kB` in a forged line made the check's whole run raise (every kernel fault unreported for an hour,
+    and again after a restart: the entry is saved)."""
+    line = "Out of memory: Killed process 5 (x) total-vm:1kB, anon-rss:,kB, file-rss:0kB"
+    events = KernelEventParser().feed(line)
+    assert [e.klass for e in events] == ["oom_kill"]
+    entry = Entry(events[0].klass, events[0].subject, {**events[0].names, "job_id": "7"}, line, 0.0, 0.0)
+    assert _victim(entry) == "job 7 (x, pid 5) killed: "
+
+
+def test_only_slurms_own_cgroup_tree_names_a_job() -> None:
+    """A user's delegated cgroup tree may hold a `job_4711` of their making: it names no job (it would blame
+    another user's job for their OOM kill)."""
+    assert _MEMCG_JOB.search("/user.slice/user-1000.slice/user@1000.service/app.slice/job_4711") is None
+    for memcg, job, task in (("/slurm/uid_1000/job_4242/step_0/task_3", "4242", "3"),
+                             ("/system.slice/slurmstepd.scope/job_77/step_0/user/task_1", "77", "1")):
+        found, in_task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
+        assert found is not None and in_task is not None
+        assert (found.group(1), in_task.group(2)) == (job, task)

@@ -41,8 +41,12 @@ STATE_KEY = "kernel-events"
 SAVED_TIMES = 100
 REPLAY_WAIT_S = 5.0
 PCI_KINDS = {"nvidia": "gpu", "mlx5_core": "nic", "nvme": "disk"}
-_MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_123/step_0/task_3 (v1 and v2)
-_MEMCG_TASK = linear(r"/task_(\d{1,9})(?:/|$)")
+# SLURM's own cgroup tree only: v2 /system.slice/slurmstepd.scope/job_123/step_0/user/task_3, v1
+# /slurm[_node]/uid_1000/job_123/step_0/task_3. A `job_N` a user made in a delegated tree of their own
+# (user@.service/app.slice/job_4711) must not name another user's job.
+_SLURM_CG = r"^/(?:system\.slice/slurmstepd\.scope|slurm[^/]{0,64}/uid_\d{1,10})/job_(\d{1,20})"
+_MEMCG_JOB = linear(_SLURM_CG + r"(?:/|$)")
+_MEMCG_TASK = linear(_SLURM_CG + r"/step_[^/]{1,20}(?:/user)?/task_(\d{1,9})(?:/|$)")
 
 
 class KernelSettings(KernelLogSettings):
@@ -241,7 +245,7 @@ class KernelCheck(Check):
         else the job whose processes held the pid in the last listing (the process is gone by now)."""
         memcg, pid = names.get("memcg", ""), names.get("pid", "")
         job_id, task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
-        out = {"task": task.group(1)} if task else {}
+        out = {"task": task.group(2)} if task else {}
         view = self.context.jobs.cached() if self.context.jobs is not None else None
         for job in view.jobs if view is not None else ():
             if (job_id and job.job_id == job_id.group(1)) or (pid.isdigit() and
@@ -375,7 +379,8 @@ def _victim(e: Entry) -> str:
     n = e.names
     job = f"job {n['job_id']}" if n.get("job_id") else f"job {n['job_name']}" if n.get("job_name") else ""
     task = f"task {n['task']}" if n.get("task") else ""
-    anon = f", {int(n['anon_kb'].replace(',', '')) / 2**20:.1f} GiB anon" if n.get("anon_kb") else ""
+    kib = str(n.get("anon_kb", "")).replace(",", "")  # the record's text: `anon-rss:,kB` is no number
+    anon = f", {int(kib) / 2**20:.1f} GiB anon" if kib.isdigit() else ""
     who = " ".join(x for x in (job, task) if x)
     return f"{who} ({n.get('comm', '?')}, pid {n.get('pid', '?')}{anon}) killed: " if who else ""
 
