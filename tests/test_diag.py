@@ -268,7 +268,7 @@ def test_trainguard_diag_end_to_end(tools: Path, tmp_path: Path) -> None:
     no_slurm = tmp_path / "no-slurm"
     no_slurm.mkdir()
     config = tmp_path / "trainguard.toml"
-    config.write_text(f'[jobs]\nslurm_bin_dir = "{no_slurm}"\n'
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path}/state"\n[jobs]\nslurm_bin_dir = "{no_slurm}"\n'
                       f'[actions.diag]\ntool_dir = "{tools}"\ngpus = 1\nib_devices = ["mlx5_0"]\n')
     proc = subprocess.run([sys.executable, "-m", "trainguard", "diag", "-c", str(config), "--json"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -278,6 +278,7 @@ def test_trainguard_diag_end_to_end(tools: Path, tmp_path: Path) -> None:
     assert [(r["subject"], r["status"]) for r in out["results"]] == [
         ("nvidia-smi", "OK"), ("dcgmi diag -r 1", "CRITICAL"), ("ibstat", "OK")]
     assert out["results"][1]["details"]["failed"] == ["software"]
+    assert "not recorded in the ledger: no state database" in proc.stderr  # no agent ran here: said, no more
     plain = subprocess.run([sys.executable, "-m", "trainguard", "diag", "-c", str(config), "--level", "quick"],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 2 and "diag quick failed: dcgmi diag -r 1: failed software" in plain.stdout

@@ -40,6 +40,7 @@ def prolog_config(tmp: Path, free_critical: str = "0%") -> Path:
     path = tmp / "prolog.toml"
     path.write_text(f"""[agent]
 listen = ""
+node_name = "gatenode"
 state_dir = "{tmp}/state"
 [checks.scratch]
 type = "disk"
@@ -109,6 +110,49 @@ def test_the_prolog_gate_lets_the_job_start_when_its_checks_overrun_the_budget(t
                 "--checks", "slow", "--budget", "1s")
     assert time.monotonic() - t0 < 5  # the interpreter's start plus the 1s budget, not the check's 5s
     assert done.returncode == 0 and "still running after the budget of 1s: node not refused" in done.stderr
+
+
+def test_the_prolog_gate_runs_the_configured_quick_diag_within_its_budget_and_records_it(tmp_path: Path) -> None:
+    """`--diag diag`: after the checks, the diag action's quick level by the scripted tools (their real output); a
+    failed test refuses the node, named, and every run goes into the agent's ledger; a level whose budget does not
+    fit what is left of the gate's is skipped with a line, its tools never started."""
+    from tests.test_diag import cat, ran
+    from trainguard.pipeline.ledger import read_history
+    from trainguard.pipeline.store import Store
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    cat(tools, "nvidia-smi", "nvidia-smi-q-h100-pass.txt")
+    cat(tools, "dcgmi", "dcgmi-r1-fail-gb10.json", rc=226)
+    config = prolog_config(tmp_path)
+    config.write_text(config.read_text() + f'[actions.diag]\ntool_dir = "{tools}"\ngpus = 1\nbudget_quick = "5s"\n'
+                      f'[actions.slow_diag]\ntype = "diag"\ntool_dir = "{tools}"\nbudget_quick = "30s"\n')
+    Store(tmp_path / "state").close()  # the agent's database, as an agent that ran here leaves it
+    done = gate("slurm-prolog", tmp_path, job_env("107", os.getuid()), "--check", "--config", str(config),
+                "--checks", "gpu,scratch", "--diag", "diag")
+    assert done.returncode == 2, done.stderr
+    assert "trainguard prolog gate: FAIL: diag: dcgmi diag -r 1: failed software: GPU 0: Persistence" in done.stderr
+    assert str(verdict(tmp_path, "prolog")["reason"]).startswith("diag: dcgmi diag -r 1: failed software")
+    assert ran(tools) == ["nvidia-smi -q", "dcgmi diag -r 1 -j"]
+
+    cat(tools, "dcgmi", "dcgmi-r3-pass-8gpu.json")
+    done = gate("slurm-prolog", tmp_path, job_env("108", os.getuid()), "--check", "--config", str(config),
+                "--checks", "gpu,scratch", "--diag", "diag")
+    assert done.returncode == 0 and verdict(tmp_path, "prolog")["pass"] is True, done.stderr
+    rows = [r for r in read_history(tmp_path / "state", 0)[0] if r.event == "diag"]
+    assert [(r.component, r.cls, r.data["source"], r.data["passed"], [f["test"] for f in r.data["failed"]])
+            for r in rows] == [("gatenode", "quick", "prolog", False, ["dcgmi diag -r 1"]),
+                               ("gatenode", "quick", "prolog", True, [])]
+
+    (tools / "ran").unlink()
+    done = gate("slurm-prolog", tmp_path, job_env("109", os.getuid()), "--check", "--config", str(config),
+                "--checks", "gpu,scratch", "--diag", "slow_diag")
+    assert done.returncode == 0, done.stderr
+    assert "quick diag skipped: its budget (30s) does not fit what is left of the gate's (" in done.stderr
+    assert ran(tools) == []
+    done = gate("slurm-prolog", tmp_path, job_env("110", os.getuid()), "--check", "--config", str(config),
+                "--checks", "gpu", "--diag", "nope")
+    assert done.returncode == 2 and "no diag action 'nope' in" in done.stderr
 
 
 # the epilog gate -----------------------------------------------------------------------------------------------------

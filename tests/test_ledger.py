@@ -28,7 +28,7 @@ from trainguard.pipeline.lemon import HoldGate
 from trainguard.pipeline.store import SCHEMA_VERSION, SchemaTooNewError, Store
 
 from .conftest import AgentProcess, wait_until
-from .helpers.fake_nvml import FakeGpu, FakeNvml
+from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_ResetRequired
 
 ROOT = Path(__file__).resolve().parent.parent
 BUS = b"00000000:18:00.0"
@@ -429,3 +429,96 @@ def test_a_previous_release_database_migrates_forward_and_a_newer_one_is_refused
     conn = sqlite3.connect(state / "state.db")
     assert conn.execute("SELECT COUNT(*) FROM incidents").fetchone()[0] == 1  # left as it was
     conn.close()
+
+
+# GPU resets and diagnostics runs ---------------------------------------------------------------------------------------
+
+def test_a_gpu_reset_is_recorded_against_its_serial_when_what_awaited_it_clears_on_the_same_boot(
+        site: dict[str, Any]) -> None:
+    """NVML's own evidence of a reset: a pending row remap, and a GPU that required a reset (lost), read clean again
+    on the same boot. A reboot clears everything too, but is a reboot, not a reset."""
+    clock = Clock()
+    site["raw"]["checks"]["gpu"]["actions"] = {}
+    gpu = FakeGpu("GPU-00000001-0000-4000-8000-000000000000", serial="1320000000001", bus_id=BUS, remap=(0, 0, 1, 0))
+    e = engine(site, [gpu], clock)
+    settle(e)  # WARNING: a row remap awaits a reset
+    settle(e)
+    gpu.remap = (0, 0, 0, 0)  # `nvidia-smi -r` done: the remap applied
+    settle(e)
+    gpu.fail = {"nvmlDeviceGetMemoryInfo": NVMLError_ResetRequired}
+    settle(e)
+    e.stop()
+    again = engine(site, [gpu], clock)  # a restart of the agent while the GPU still requires its reset
+    gpu.fail = {}
+    settle(again)
+    again.stop()
+    rows = [r for r in read_history(Path(site["raw"]["agent"]["state_dir"]), 0)[0] if r.event == "reset"]
+    assert [(r.kind, r.component, r.uuid, r.data["cleared"]) for r in rows] == [
+        ("gpu", "1320000000001", gpu.uuid, ["row remap pending"]),
+        ("gpu", "1320000000001", gpu.uuid, ["lost (reset required)"])]
+    assert rows[0].summary == "GPU 1320...0001 reset: row remap pending cleared"
+
+    gpu.remap = (0, 0, 1, 0)
+    rebooted = engine(site, [gpu], clock)
+    rebooted.start()  # the boot id noted: the next start's is a reboot
+    settle(rebooted)
+    rebooted.stop()
+    site["boot"].write_text("11111111-aaaa-4bbb-8ccc-000000000009\n")
+    gpu.remap = (0, 0, 0, 0)
+    after = engine(site, [gpu], clock)
+    after.start()
+    settle(after)
+    after.stop()
+    events = [r.event for r in read_history(Path(site["raw"]["agent"]["state_dir"]), 0)[0]]
+    assert events.count("reset") == 2 and events.count("reboot") == 1  # the reboot cleared it: no third reset
+
+
+def test_diagnostics_runs_go_into_the_ledger_the_metrics_and_history(site: dict[str, Any], tmp_path: Path) -> None:
+    """The `diag` action's and the `resume` validation's runs (through the agent's responder), and `trainguard diag`
+    (another process, into the agent's database): level, verdict, failed tests and duration, against the node."""
+    from tests.test_diag import DATA, cat
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    cat(tools, "nvidia-smi", "nvidia-smi-q-h100-pass.txt")
+    cat(tools, "dcgmi", "dcgmi-r1-fail-gb10.json", rc=226)
+    assert DATA.exists()
+    clock = Clock()
+    site["raw"]["actions"] = {"diag": {"tool_dir": str(tools), "gpus": 1},
+                              "resume": {"tool_dir": str(tools), "gpus": 1}}
+    site["raw"]["jobs"]["slurm_timeout"] = "5s"
+    e = engine(site, [FakeGpu("GPU-00000001-0000-4000-8000-000000000000", serial="1320000000001", bus_id=BUS)], clock)
+    try:
+        failed = e.responder.run_named("diag", fault(clock, {}))
+        assert failed["outcome"] == "failed", failed
+        (site["bin"] / "node.state").write_text("IDLE+DRAIN\ntrainguard: GPU 0 XID 79\n")
+        cat(tools, "dcgmi", "dcgmi-r3-pass-8gpu.json")
+        resumed = e.responder.run_named("resume", fault(clock, {}))
+        assert resumed["outcome"] == "ok", resumed
+        rows = [r for r in e.ledger.history() if r.event == "diag"] if e.ledger else []
+        assert [(r.kind, r.component, r.cls, r.data["source"], r.data["passed"]) for r in rows] == [
+            ("node", "node1", "quick", "action", False), ("node", "node1", "quick", "resume", True)]
+        assert [f["test"] for f in rows[0].data["failed"]] == ["dcgmi diag -r 1"]
+        assert "failed software" in rows[0].data["failed"][0]["summary"]
+        assert rows[0].data["seconds"] >= 0 and rows[0].data["tests"] == 2
+
+        config = tmp_path / "cli.toml"
+        raw = {**site["raw"], "actions": {"diag": {"tool_dir": str(tools), "gpus": 1}}}
+        raw["jobs"] = {**raw["jobs"], "slurm_bin_dir": str(tmp_path / "no-slurm")}
+        config.write_text(toml(raw))
+        cli = subprocess.run([sys.executable, "-m", "trainguard", "diag", "-c", str(config), "--level", "standard"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 0 and cli.stderr == "", cli
+        [lemon] = e.checks[LEMON].run()[-1:]
+        samples = {(s.metric.name, tuple(sorted(s.labels.items()))): s.value for s in lemon.samples}
+        assert samples[("trainguard_diag_runs", (("level", "quick"), ("result", "fail"), ("window", "1d")))] == 1
+        assert samples[("trainguard_diag_runs", (("level", "quick"), ("result", "pass"), ("window", "30d")))] == 1
+        assert samples[("trainguard_diag_last_passed", (("level", "quick"),))] == 1
+        assert ("trainguard_diag_last_seconds", (("level", "standard"),)) in samples
+    finally:
+        e.stop()
+    table = subprocess.run([sys.executable, "-m", "trainguard", "history", "-c", str(site["config"]), "--node"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table
+    diag_lines = [line for line in table.stdout.splitlines() if " diag " in line]
+    assert len(diag_lines) == 3 and "diag quick failed: dcgmi diag -r 1: failed software" in diag_lines[0]

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import require, wait_until
-from tests.helpers.fake_nvml import FakeNvml, NVMLError
+from tests.helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError, NVMLError_GpuIsLost
 from tests.multinode_cluster import MultiNodeCluster
 from tests.slurm_cluster import JOB_USER, missing_components
 from trainguard.agent.configfile import parse_config
@@ -573,3 +573,56 @@ def test_the_node_a_requeued_job_left_does_not_read_its_next_lifes_log(multinode
         jobs.close()
         multinode.run("scancel", job_id, check=False)
         multinode.run("scontrol", "update", f"nodename={owner}", "state=resume", check=False)
+
+
+@pytest.mark.slow
+def test_a_bad_repair_keeps_the_node_drained_and_the_job_runs_on_another(multinode: MultiNodeCluster, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 50's goal: a resumed node whose diagnostics fail is never given a job. n1's agent drains n1 for a lost
+    GPU; the GPU answers again and `resume` validates first: dcgmi (its real failing output) fails, so n1 stays
+    drained with the failed test in its reason and in the ledger, and a one-node job for n1 or n2 runs on n2."""
+    from tests.test_diag import cat
+
+    monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    cat(tools, "nvidia-smi", "nvidia-smi-q-h100-pass.txt")
+    cat(tools, "dcgmi", "dcgmi-r1-fail-gb10.json", rc=226)
+    gpu = FakeGpu("GPU-00000001-0000-4000-8000-000000000000", serial="1320000000001")
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "n1", "listen": ""},
+           "jobs": {"sources": [], "slurm_node": "n1", "slurm_timeout": "10s"},
+           "checks": {"gpu": {"interval": "1s", "actions": {"critical": ["drain"], "resolved": ["resume"]}}},
+           "notifiers": {}, "actions": {"resume": {"tool_dir": str(tools), "gpus": 1}}}
+    engine = Engine(parse_config(raw, "n1.toml"), notifiers={}, nvml=Nvml(FakeNvml([gpu])), ledger=True)
+    job_id = ""
+
+    def settle() -> list[dict[str, object]]:
+        engine.run_round()
+        for thread in list(engine.responder.threads):
+            thread.join(60)
+        return [r.data for r in engine.ledger.history() if r.event in ("drain", "resume", "diag")] if engine.ledger else []
+
+    try:
+        gpu.fail = {"nvmlDeviceGetMemoryInfo": NVMLError_GpuIsLost}  # the GPU off the bus
+        wait_until(lambda: settle() is not None and "drain" in multinode.node_states()["n1"][0], 20, what="n1 drained")
+        gpu.fail = {}  # repaired, or so it seems
+        wait_until(lambda: any(d.get("source") == "resume" for d in settle()), 30, what="the resume's validation")
+        state, reason = multinode.node_states()["n1"]
+        assert "drain" in state and reason.startswith("trainguard: quick diag failed: dcgmi diag -r 1: failed software")
+        # one run per incident resolved (the GPU's, and the count's), each failed
+        diags = [r.data for r in engine.ledger.history() if r.event == "diag"] if engine.ledger else []
+        assert diags and all(d["passed"] is False and [f["test"] for f in d["failed"]] == ["dcgmi diag -r 1"]  # type: ignore[union-attr]
+                             for d in diags), diags
+        assert not [r for r in engine.ledger.history() if r.event == "resume"] if engine.ledger else False
+
+        job_id = multinode.submit("hostname", "-N", "1", "-x", "n3", workdir=multinode.workdir(), name="tg-after-repair")
+        info = wait_until(lambda: (j := multinode.job(job_id)).get("JobState") in ("RUNNING", "COMPLETING",
+                                                                                   "COMPLETED") and j, 30,
+                          what="the job started")
+        assert info["NodeList"] == "n2", info  # type: ignore[index]
+        assert "drain" in multinode.node_states()["n1"][0]
+    finally:
+        engine.stop()
+        if job_id:
+            multinode.run("scancel", job_id, check=False)
+        multinode.resume("n1")

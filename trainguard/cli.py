@@ -189,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="past this the gate lets the job start (default 10s)")
             p.add_argument("--since", default="1h", type=since_arg, metavar="DURATION|boot",
                            help="count only kernel log records newer than this (default 1h)")
+            p.add_argument("--diag", default="", metavar="ACTION",
+                           help="after the checks, the quick diagnostics of this diag action of the config, when its "
+                                "budget_quick fits what is left of --budget (default: none)")
         else:
             p.add_argument("--shm-max", default="64MiB", type=parse_size, metavar="SIZE",
                            help="the job user's files allowed to remain in each --tmp dir (default 64MiB)")
@@ -214,10 +217,11 @@ def cmd_gate(args: argparse.Namespace) -> int:
         return config
     try:
         gated = gates.gate_config(config, [n for n in args.checks.split(",") if n])
+        diag = gates.diag_settings(config, args.diag) if args.diag else None
     except KeyError as exc:
         print(f"trainguard prolog gate: {exc.args[0]}", file=sys.stderr)
         return EXIT_CONFIG
-    return gates.run_prolog_gate(gated, args.gate_dir, args.budget, kernel_since_usec(args.since))
+    return gates.run_prolog_gate(gated, args.gate_dir, args.budget, kernel_since_usec(args.since), diag=diag)
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -392,17 +396,24 @@ def cmd_kernel(config: Config, lines: list[str], as_json: bool, markdown: bool) 
 
 
 def cmd_diag(config: Config, action: str, level: str | None, as_json: bool) -> int:
-    from trainguard.actions.diag import DiagToolSettings, gpu_holders, run_level
+    from trainguard.actions.diag import gpu_holders, run_level
+    from trainguard.agent.gates import diag_settings
     from trainguard.jobs.slurm import SlurmClient
+    from trainguard.pipeline.ledger import record_diag
 
-    settings = config.actions.get(action)
-    if not isinstance(settings, DiagToolSettings):
-        print(f"trainguard: no diag action {action!r} in {config.source or '(built-in default)'}", file=sys.stderr)
+    try:
+        settings = diag_settings(config, action)
+    except KeyError as exc:
+        print(f"trainguard: {exc.args[0]}", file=sys.stderr)
         return EXIT_CONFIG
     chosen = level or getattr(settings, "level", None) or getattr(settings, "validation", "quick")
     chosen = "quick" if chosen == "none" else chosen
     slurm = SlurmClient(config.jobs.slurm_timeout, config.jobs.slurm_bin_dir)
     report = run_level(settings, chosen, lambda: gpu_holders(slurm, config.jobs.slurm_node))
+    unrecorded = record_diag(config.agent.state_dir, config.agent.node_name, report, "cli",
+                             config.ledger.boot_id_path)
+    if unrecorded and not report.refused and report.results:
+        print(f"trainguard diag: {unrecorded}", file=sys.stderr)
     if as_json:
         print(json.dumps({"node": config.agent.node_name, **report.to_dict()}, indent=1))
     else:

@@ -6,12 +6,15 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from trainguard.core.events import Event
 from trainguard.core.settings import Duration, Field, SettingsModel
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
+
+if TYPE_CHECKING:
+    from trainguard.actions.diag import DiagReport
 
 
 class ActionSettings(SettingsModel):
@@ -144,6 +147,8 @@ class ActionContext:
     # A lemon rule holds the node (trainguard.pipeline.ledger): a drain gives this reason, whatever incident asked
     # for it, so that the node's SLURM reason says why it stays out (two drains at once would race otherwise).
     held_reason: str = ""
+    # Where a diagnostics run's report goes, with what ran it (`action`, `resume`): the node ledger. None: nowhere.
+    on_diag: Callable[[DiagReport, str], None] | None = None
 
     def done(self) -> None:
         """The event's actions are over: the reports this list asked for or joined served them."""

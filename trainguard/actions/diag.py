@@ -20,6 +20,7 @@ from trainguard.core.model import Result, Status, worst
 from trainguard.core.settings import Duration, Field, model_validator
 from trainguard.core.text import one_line
 from trainguard.gpu import diagtools
+from trainguard.gpu.nvml import Nvml, NvmlUnavailableError
 from trainguard.jobs.slurm import SlurmClient, SlurmError
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class DiagReport:
 Holders = Callable[[], list[str]]
 
 
-def gpu_holders(slurm: SlurmClient | None, slurmd: str = "") -> list[str]:
+def gpu_holders(slurm: SlurmClient | None, slurmd: str = "", nvml: Nvml | None = None) -> list[str]:
     """What holds this node's GPUs: SLURM jobs with steps here (`scontrol listpids`, answered by the local
     slurmstepds) and processes on the GPUs (NVML). A SLURM that does not answer is a holder too: a job may be
     there. No SLURM or no NVML on the node: that source says nothing."""
@@ -181,10 +182,8 @@ def gpu_holders(slurm: SlurmClient | None, slurmd: str = "") -> list[str]:
         except SlurmError as exc:
             if "not installed" not in str(exc):
                 holders.append(f"SLURM did not say which jobs run here ({exc})")
-    from trainguard.gpu.nvml import Nvml, NvmlUnavailableError
-
     try:
-        gpus = Nvml().gpus()
+        gpus = (nvml or Nvml()).gpus()
     except (NvmlUnavailableError, ImportError):
         gpus = []
     holders += [f"pid {p.pid} on GPU {g.index}" for g in gpus for p in g.processes or ()]
@@ -358,7 +357,7 @@ class DiagAction(Action):
         return f"run the {self.settings.level} diagnostics on {ctx.node} unless a job holds its GPUs"
 
     def run(self, ctx: ActionContext) -> str:
-        report = run_level(self.settings, self.settings.level, lambda: gpu_holders(ctx.slurm, ctx.slurmd))
+        report = run_for(ctx, self.settings, self.settings.level, "action")
         if report.refused:
             raise ActionSkippedError(report.summary())
         if not report.passed:
@@ -366,9 +365,17 @@ class DiagAction(Action):
         return report.summary()
 
 
+def run_for(ctx: ActionContext, settings: DiagToolSettings, level: Level, source: str) -> DiagReport:
+    """An action's run of the level on this node, its report handed to the context (the node ledger)."""
+    report = run_level(settings, level, lambda: gpu_holders(ctx.slurm, ctx.slurmd))
+    if ctx.on_diag is not None:
+        ctx.on_diag(report, source)
+    return report
+
+
 def validate_before_resume(settings: DiagToolSettings, level: Level, ctx: ActionContext) -> DiagReport:
     """The `resume` action's gate, in one call: the report of the level on this node."""
-    return run_level(settings, level, lambda: gpu_holders(ctx.slurm, ctx.slurmd))
+    return run_for(ctx, settings, level, "resume")
 
 
 def reason_of(report: DiagReport) -> str:

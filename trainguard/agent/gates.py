@@ -8,7 +8,9 @@ which slurmd logs, and into `<gate dir>/<gate>.json`, where an operator (and `tr
 
 The prolog gate runs the config's gate checks once (default: gpu, xid and every disk check that names paths) within
 a budget; a gate that overruns its budget lets the job start (its slowness is the daemon's to report, not a reason to
-refuse every job). At a pass it records each idle GPU's memory in use: the epilog's baseline.
+refuse every job). With `--diag ACTION`, the quick diagnostics of that diag action follow, when their own budget fits
+what is left of the gate's (a CRITICAL test refuses the node; a test killed at its timeout does not). At a pass it
+records each idle GPU's memory in use: the epilog's baseline.
 
 The epilog gate checks the job let go of the node: no process of the job left (on its GPUs per NVML, or of its user
 and marked as the job's: in its cgroup or with its SLURM_JOB_ID), none a zombie or in D state, its GPUs' memory back
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.actions.diag import DiagToolSettings, gpu_holders, run_level
 from trainguard.core.files import read_small, replace_file
 from trainguard.core.model import Result, Status
 from trainguard.core.text import one_line
@@ -35,6 +38,7 @@ from trainguard.core.units import format_bytes
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.config import Config
+from trainguard.pipeline.ledger import record_diag
 
 BUDGET_S = 10.0
 DEFAULT_GATE_CHECKS = ("gpu", "xid")
@@ -73,14 +77,11 @@ def gate_config(config: Config, names: Sequence[str]) -> Config:
     return dataclasses.replace(config, checks=chosen, jobs=config.jobs.model_copy(update={"sources": []}))
 
 
-def run_prolog_gate(config: Config, gate_dir: str, budget: float = BUDGET_S, since_usec: int | None = None,
-                    nvml: Nvml | None = None) -> int:
-    """Run the gate checks once: EXIT_FAIL on a CRITICAL result (SLURM drains the node and requeues the job), else 0.
-    Prints one line per result that is not OK; the reason of a failure also goes to `<gate_dir>/prolog.json`."""
+def passive_round(config: Config, budget: float, since_usec: int | None) -> list[Result] | None:
+    """The gate checks' results, once; None while they still run after `budget` (a hung NVML call)."""
     from trainguard.pipeline.engine import Engine
     from trainguard.pipeline.store import Store
 
-    start = time.monotonic()
     outcome: dict[str, list[Result]] = {}
 
     def round_() -> None:
@@ -90,12 +91,49 @@ def run_prolog_gate(config: Config, gate_dir: str, budget: float = BUDGET_S, sin
     worker = threading.Thread(target=round_, name="prolog-gate", daemon=True)
     worker.start()
     worker.join(budget)
-    elapsed = time.monotonic() - start
-    if "results" not in outcome:  # still running (a hung NVML call): its slowness is not the node's verdict
+    return outcome.get("results")
+
+
+def diag_settings(config: Config, action: str) -> DiagToolSettings:
+    """The tools and budgets of the diag action named (`diag`, or `resume` for its validation's); KeyError if none."""
+    settings = config.actions.get(action)
+    if not isinstance(settings, DiagToolSettings):
+        raise KeyError(f"no diag action {action!r} in {config.source or 'the built-in config'}")
+    return settings
+
+
+def prolog_diag(config: Config, settings: DiagToolSettings, left: float, nvml: Nvml) -> list[Result]:
+    """The quick diagnostics, when their budget (`budget_quick` of the diag action named) fits what is left of the
+    gate's: their results, recorded in the agent's ledger. Skipped, with a line, when it does not fit, and refused
+    (said) while a process holds the GPUs; no SLURM command is asked (a prolog that calls one can deadlock slurmd)."""
+    need = settings.budget("quick")
+    if need > left:
+        print(f"trainguard prolog gate: quick diag skipped: its budget ({need:g}s) does not fit what is left of the "
+              f"gate's ({max(left, 0):.1f}s)", file=sys.stderr)
+        return []
+    report = run_level(settings, "quick", lambda: gpu_holders(None, nvml=nvml))
+    unrecorded = record_diag(config.agent.state_dir, config.agent.node_name, report, "prolog",
+                             config.ledger.boot_id_path)
+    if report.refused or unrecorded not in ("", "nothing ran"):
+        print(f"trainguard prolog gate: {report.summary() if report.refused else unrecorded}", file=sys.stderr)
+    return report.results
+
+
+def run_prolog_gate(config: Config, gate_dir: str, budget: float = BUDGET_S, since_usec: int | None = None,
+                    nvml: Nvml | None = None, diag: DiagToolSettings | None = None) -> int:
+    """Run the gate checks once, then the quick diagnostics of `diag` if given and they fit the budget left: EXIT_FAIL
+    on a CRITICAL result (SLURM drains the node and requeues the job), else 0. Prints one line per result that is
+    not OK; the reason of a failure also goes to `<gate_dir>/prolog.json`."""
+    start = time.monotonic()
+    nvml = nvml or Nvml()
+    results = passive_round(config, budget, since_usec)
+    if results is None:  # still running: its slowness is not the node's verdict
         print(f"trainguard prolog gate: checks still running after the budget of {budget:g}s: node not refused",
               file=sys.stderr)
         return 0
-    results = outcome["results"]
+    if diag is not None and not any(r.status is Status.CRITICAL for r in results):
+        results = results + prolog_diag(config, diag, budget - (time.monotonic() - start), nvml)
+    elapsed = time.monotonic() - start
     critical = [r for r in results if r.status is Status.CRITICAL]
     for r in sorted(results, key=lambda r: -r.status.severity):
         if r.status is not Status.OK:
@@ -108,7 +146,7 @@ def run_prolog_gate(config: Config, gate_dir: str, budget: float = BUDGET_S, sin
         print(f"trainguard prolog gate: FAIL: {reason}", file=sys.stderr)
         return EXIT_FAIL
     _verdict(gate_dir, "prolog", "", elapsed)
-    record_baseline(gate_dir, nvml or Nvml())
+    record_baseline(gate_dir, nvml)
     return 0
 
 

@@ -118,6 +118,7 @@ class GpuCheck(NvmlCheck):
             for bit, reason in CLOCK_EVENTS.items():
                 samples.append(CLOCK_EVENT(1 if gpu.clock_event_reasons & bit else 0, {**labels, "reason": reason}))
         details = {"index": gpu.index, "uuid": gpu.uuid, "serial": gpu.serial, "name": gpu.name, "bus_id": gpu.bus_id,
+                   "lost": gpu.lost,  # with the pending remaps and retirements: what the ledger sees a reset clear
                    "memory_total_bytes": gpu.memory_total, "memory_used_bytes": gpu.memory_used,
                    "temperature_c": gpu.temperature_c, "ecc_uncorrected_volatile": gpu.ecc_uncorrected_volatile,
                    "ecc_uncorrected_aggregate": gpu.ecc_uncorrected_aggregate, "remap_pending": gpu.remap_pending,

@@ -1,7 +1,7 @@
-"""The node ledger: every fault, drain, resume, reboot and operator's clear of this node, recorded against the
-component's hardware identity and kept across reboots (`ledger.retention`, 90 days by default), in the state
-database. It answers `trainguard history`, and the lemon policy (`ledger.rules`) reads it when a fault or a drain is
-recorded: a component or node that failed again and again is held drained until an operator clears it
+"""The node ledger: every fault, drain, resume, reboot, GPU reset, diagnostics run and operator's clear of this node,
+recorded against the component's hardware identity and kept across reboots (`ledger.retention`, 90 days by default),
+in the state database. It answers `trainguard history`, and the lemon policy (`ledger.rules`) reads it when a fault
+or a drain is recorded: a component or node that failed again and again is held drained until an operator clears it
 (docs/node-lifecycle.md).
 
 Identity: a GPU is its board serial from NVML (its UUID where NVML has no serial), an HCA its node GUID, an NVSwitch
@@ -14,19 +14,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Result
 from trainguard.core.settings import Duration, Field, SettingsModel, field_validator
-from trainguard.pipeline.store import LedgerRow, Store, ledger_query, open_read_only
+from trainguard.pipeline.store import LedgerRow, SchemaTooNewError, Store, ledger_append, ledger_query, open_read_only
+
+if TYPE_CHECKING:
+    from trainguard.actions.diag import DiagReport
 
 log = logging.getLogger("trainguard.ledger")
 
@@ -40,6 +44,12 @@ FAULTS = ("fault", "escalate")  # an incident that fired, or got worse: what the
 SEVERITY = {"critical": ("CRITICAL",), "warning": ("CRITICAL", "WARNING")}  # counted at each rule's `severity`
 PRUNE_EVERY_S = 3600.0
 HISTORY_IN_HOLD = 10  # the latest entries a hold (and its alert) quotes
+DIAG = "diag"  # the event of a diagnostics run (its class: the level)
+RESET = "reset"
+# What a GPU's health fields show until it is reset (NVML's): seen, then gone on the same boot, the GPU was reset.
+AWAITS_RESET = (("lost", "lost (reset required)"), ("remap_pending", "row remap pending"),
+                ("retired_pages_pending", "retired pages pending"))
+EXTERNAL_TIMEOUT_S = 1.0  # how long `trainguard diag` or a prolog waits for the agent's database to take an entry
 
 
 class LemonRule(SettingsModel):
@@ -163,6 +173,41 @@ def episodes(times: Iterable[float], gap: float) -> list[float]:
     return out
 
 
+def awaiting_reset(details: Mapping[str, Any]) -> list[str]:
+    """What a GPU's health fields (the gpu check's result details) say awaits a reset."""
+    out = [words for key, words in AWAITS_RESET if details.get(key)]
+    ecc = details.get("ecc_uncorrected_volatile")
+    if isinstance(ecc, int) and ecc > 0:
+        out.append("uncorrected ECC errors")  # volatile: the counter starts again at a reset
+    return out
+
+
+def diag_row(node: str, boot_id: str, report: DiagReport, source: str, at: float) -> LedgerRow | None:
+    """A diagnostics run as a ledger entry (None: it ran nothing). `source`: action, resume, cli, prolog."""
+    if report.refused or not report.results:
+        return None
+    failed = [{"test": r.subject, "status": r.status.name, "summary": r.summary[:200]} for r in report.failed]
+    data = {"level": report.level, "source": source, "passed": report.passed, "status": report.status.name,
+            "seconds": round(report.seconds, 2), "tests": len(report.results), "failed": failed,
+            "absent": report.absent}
+    return LedgerRow(at, boot_id, "node", node, DIAG, report.level, report.summary()[:500], data=data)
+
+
+def record_diag(state_dir: Path, node: str, report: DiagReport, source: str,
+                boot_id_path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str:
+    """A run of another process (`trainguard diag`, the prolog gate) into the agent's ledger: "" once recorded,
+    else why not, in words (no agent database here, busy, another schema, not permitted): never raises, and
+    waits at most EXTERNAL_TIMEOUT_S for a busy database."""
+    row = diag_row(node, read_boot_id(boot_id_path), report, source, time.time())
+    if row is None:
+        return "nothing ran"
+    try:
+        ledger_append(state_dir, [row], EXTERNAL_TIMEOUT_S)
+    except (OSError, ValueError, SchemaTooNewError, sqlite3.Error) as exc:
+        return f"not recorded in the ledger: {exc}"
+    return ""
+
+
 def read_boot_id(path: Path) -> str:
     try:
         return path.read_text(errors="replace").strip()[:64]
@@ -188,7 +233,10 @@ class Ledger:
         ids = self._load(IDENTITIES_KEY)
         self._serials: dict[str, dict[str, str]] = dict(ids.get("uuid") or {})  # uuid -> serial, model
         # bus id -> uuid, this boot's only: a part can only be swapped with the power off
-        self._slots: dict[str, str] = dict(ids.get("bus") or {}) if ids.get("boot_id") == self.boot_id else {}
+        same_boot = ids.get("boot_id") == self.boot_id
+        self._slots: dict[str, str] = dict(ids.get("bus") or {}) if same_boot else {}
+        # GPU index -> what it awaited a reset for, this boot's only (a reboot resets every GPU, recorded as such)
+        self._awaiting: dict[str, list[str]] = dict(ids.get("awaiting") or {}) if same_boot else {}
 
     def _load(self, key: str) -> dict[str, Any]:
         try:
@@ -200,10 +248,16 @@ class Ledger:
     # identity ------------------------------------------------------------------------------------------------
     def learn(self, results: Sequence[Result]) -> None:
         """A hardware check's results: which serial each GPU UUID is, and which UUID sits at each bus id this boot
-        (an XID names the bus; a lost GPU no longer answers for its serial)."""
+        (an XID names the bus; a lost GPU no longer answers for its serial); a GPU whose health fields awaited a
+        reset and read clean now, on the same boot, was reset (recorded)."""
         changed = False
+        resets = []
         with self._lock:
+            awaited = dict(self._awaiting)
             for r in results:
+                cleared = self._reset_seen(r)
+                if cleared:
+                    resets.append((r, cleared))
                 uuid, bus = r.details.get("uuid"), r.details.get("bus_id")
                 if not isinstance(uuid, str) or not uuid:
                     continue
@@ -214,9 +268,32 @@ class Ledger:
                     self._serials[uuid], changed = merged, True
                 if isinstance(bus, str) and bus and self._slots.get(bus) != uuid:
                     self._slots[bus], changed = uuid, True
-            data = json.dumps({"uuid": self._serials, "bus": self._slots, "boot_id": self.boot_id})
+            changed = changed or self._awaiting != awaited
+            data = json.dumps({"uuid": self._serials, "bus": self._slots, "boot_id": self.boot_id,
+                               "awaiting": self._awaiting})
         if changed:
             self.store.put(IDENTITIES_KEY, data)
+        for r, cleared in resets:
+            gpu = self.identify(r.details)
+            self._add(gpu, RESET, "gpu", f"{gpu.label()} reset: {', '.join(cleared)} cleared", {"cleared": cleared})
+            log.info("GPU reset recorded in the ledger", extra=kv(component=gpu.id, cleared=",".join(cleared)))
+
+    def _reset_seen(self, r: Result) -> list[str] | None:
+        """What a GPU result (the gpu check's: it carries the health fields) no longer awaits a reset for, when it
+        awaited one at its last reading this boot; keeps what it awaits now. Under the lock."""
+        if "remap_pending" not in r.details:
+            return None
+        index = str(r.details.get("index"))
+        now = awaiting_reset(r.details)
+        before = self._awaiting.pop(index, [])
+        if now:
+            self._awaiting[index] = now
+            return None
+        # a reading that failed (NVML error, no UUID) proves nothing: what it awaited still stands
+        if before and not r.details.get("uuid"):
+            self._awaiting[index] = before
+            return None
+        return before or None
 
     def present(self) -> list[str]:
         """The model of each GPU seen this boot (one entry per GPU)."""
@@ -285,6 +362,13 @@ class Ledger:
             "action": record.get("action"), "check": event.check, "subject": event.subject,
             "incident": event.incident_id})
         return self.judge(node, "drain") if what == "drain" else []
+
+    def on_diag(self, report: DiagReport, source: str) -> None:
+        """A diagnostics run (the `diag` action, the `resume` action's validation): its level, verdict, failed tests
+        and duration, against the node. A run refused, or with no tool to run, ran nothing and is not recorded."""
+        row = diag_row(self.node, self.boot_id, report, source, self.clock())
+        if row is not None:
+            self.store.ledger_add([row])
 
     def on_clear(self, check: str, subject: str, by: str, uid: int, reason: str) -> None:
         """An operator's clear: the repair, recorded against the component held (or the node)."""

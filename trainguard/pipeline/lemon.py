@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from trainguard.actions.base import ActionContext
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.core.model import Metric, Result, Status
-from trainguard.pipeline.ledger import DAY, Hold, Ledger, LedgerSettings, episodes
+from trainguard.pipeline.ledger import DAY, DIAG, Hold, Ledger, LedgerSettings, episodes
 from trainguard.pipeline.ledger import FAULTS as LEDGER_FAULTS
 
 NAME = "lemon"  # reserved: no configured check may take it
@@ -22,8 +22,15 @@ FAULTS = Metric("trainguard_ledger_faults", "Hardware faults in this node's ledg
                 ("kind", "class", "model", "severity", "window"))
 COMPONENTS = Metric("trainguard_ledger_components", "GPUs of this node the ledger knows this boot, by model: with "
                                                     "trainguard_ledger_faults, the MTBF per model.", ("kind", "model"))
+DIAG_RUNS = Metric("trainguard_diag_runs", "Diagnostics runs in this node's ledger over the window (the `diag` "
+                                          "action, the `resume` action's validation, `trainguard diag`, the prolog "
+                                          "gate's), by level and result (pass, fail).", ("level", "result", "window"))
+DIAG_SECONDS = Metric("trainguard_diag_last_seconds", "How long the latest diagnostics run of each level in this "
+                                                      "node's ledger took.", ("level",))
+DIAG_PASSED = Metric("trainguard_diag_last_passed", "1 if the latest diagnostics run of each level in this node's "
+                                                    "ledger passed, else 0.", ("level",))
 WINDOWS = {"1d": DAY, "7d": 7 * DAY, "30d": 30 * DAY}
-METRICS = (HELD, FAULTS, COMPONENTS)
+METRICS = (HELD, FAULTS, COMPONENTS, DIAG_RUNS, DIAG_SECONDS, DIAG_PASSED)
 
 
 def clear_hint(hold: Hold) -> str:
@@ -48,7 +55,7 @@ class LemonCheck(Check):
                for h in holds.values()]
         rules = {h.rule for h in holds.values()}
         samples = [HELD(1 if rule in rules else 0, {"rule": rule}) for rule in self.rules]
-        samples += self.fault_samples()
+        samples += self.fault_samples() + self.diag_samples()
         out.append(self.result("ledger", Status.OK, f"{len(holds)} held", {"held": sorted(holds)}, samples))
         return out
 
@@ -70,6 +77,22 @@ class LemonCheck(Check):
                    for (k, c, m, s, w), n in sorted(counts.items())]
         models = Counter(self.ledger.present())
         samples += [COMPONENTS(n, {"kind": "gpu", "model": m}) for m, n in sorted(models.items())]
+        return samples
+
+    def diag_samples(self) -> list:  # type: ignore[type-arg]
+        now = self.context.clock()
+        runs: Counter[tuple[str, str, str]] = Counter()
+        latest = {}
+        for r in self.ledger.store.ledger_rows(now - max(WINDOWS.values()), events=(DIAG,)):
+            result = "pass" if r.data.get("passed") else "fail"
+            runs.update((r.cls, result, w) for w, size in WINDOWS.items() if r.at >= now - size)
+            latest[r.cls] = r  # oldest first: the last one stays
+        samples = [DIAG_RUNS(n, {"level": lv, "result": res, "window": w}) for (lv, res, w), n in sorted(runs.items())]
+        for level, r in sorted(latest.items()):
+            seconds = r.data.get("seconds")
+            if isinstance(seconds, (int, float)):
+                samples.append(DIAG_SECONDS(float(seconds), {"level": level}))
+            samples.append(DIAG_PASSED(1 if r.data.get("passed") else 0, {"level": level}))
         return samples
 
     def clear(self, subject: str, at: float) -> None:

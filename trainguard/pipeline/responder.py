@@ -33,6 +33,7 @@ from trainguard.actions.base import (
     Reports,
     ResumeGate,
 )
+from trainguard.actions.diag import DiagReport
 from trainguard.actions.savereport import SaveReport
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
@@ -240,7 +241,8 @@ class Responder:
             others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                            if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
             ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports,
-                                resume_gates=self.resume_gates, held_reason=self._held_reason())
+                                resume_gates=self.resume_gates, held_reason=self._held_reason(),
+                                on_diag=self._diag_to_ledger)
             self._watch_again(ctx, reports or {})
             self._keep(list_id, {**entry, "jobs": [_brief(j) for j in jobs], "reports": self._reports_asked(ctx)})
             self._run_list(ctx, names, list_id)
@@ -416,13 +418,22 @@ class Responder:
         except Exception as exc:  # noqa: BLE001 - the ledger is history: the next actions still run
             log.error("recording the action in the ledger failed", extra=kv(action=action.name, error=exc))
 
+    def _diag_to_ledger(self, report: DiagReport, source: str) -> None:
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.on_diag(report, source)
+        except Exception as exc:  # noqa: BLE001 - the ledger is history: the action's verdict stands
+            log.error("recording the diagnostics in the ledger failed", extra=kv(level=report.level, error=exc))
+
     def run_named(self, name: str, event: Event, jobs: tuple[Job, ...] = (),
                   others_critical: tuple[str, ...] = ()) -> dict[str, Any]:
         """Run one configured action for `event` now (the `check --drain` path, tests); its outcome record."""
         if name not in self.actions:
             return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd, self.reports,
-                            resume_gates=self.resume_gates, held_reason=self._held_reason())
+                            resume_gates=self.resume_gates, held_reason=self._held_reason(),
+                            on_diag=self._diag_to_ledger)
         try:
             return self.run_one(self.actions[name], ctx)
         finally:

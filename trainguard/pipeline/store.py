@@ -154,6 +154,36 @@ def ledger_query(conn: sqlite3.Connection, since: float = 0.0, component: str | 
     return out
 
 
+def ledger_insert(conn: sqlite3.Connection, rows: Iterable[LedgerRow]) -> None:
+    conn.executemany(
+        "INSERT INTO ledger (at, boot_id, kind, component, uuid, bus_id, model, event, class, summary, data) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(r.at, r.boot_id, r.kind, r.component, r.uuid, r.bus_id, r.model, r.event, r.cls, r.summary,
+          json.dumps(r.data)) for r in rows])
+
+
+def ledger_append(state_dir: Path, rows: Iterable[LedgerRow], timeout: float) -> None:
+    """Append entries to the ledger of a state database the agent keeps, from another process (`trainguard diag`,
+    the prolog gate): nothing is created or migrated, and a database busy past `timeout` is given up on.
+    FileNotFoundError without one; SchemaTooNewError, or ValueError for an older one the agent has not migrated;
+    sqlite3.Error when it can't be written."""
+    path = state_dir / Store.FILENAME
+    if not path.exists():
+        raise FileNotFoundError(f"no state database at {path}")
+    conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout, isolation_level=None)
+    try:
+        found = schema_version(conn)
+        if found > SCHEMA_VERSION:
+            raise SchemaTooNewError(path, found)
+        if found < SCHEMA_VERSION:
+            raise ValueError(f"{path} is at schema {found}: the agent migrates it at its next start")
+        conn.execute("BEGIN IMMEDIATE")
+        ledger_insert(conn, rows)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 def open_read_only(state_dir: Path) -> sqlite3.Connection:
     """The state database as it is, for reading only (`trainguard history`): nothing is created or migrated.
     FileNotFoundError without one; SchemaTooNewError for a newer release's."""
@@ -466,11 +496,8 @@ class Store:
     # ledger -----------------------------------------------------------------
     def ledger_add(self, rows: Iterable[LedgerRow]) -> None:
         """Append entries to the node ledger, in one transaction."""
-        values = [(r.at, r.boot_id, r.kind, r.component, r.uuid, r.bus_id, r.model, r.event, r.cls, r.summary,
-                   json.dumps(r.data)) for r in rows]
-        self._write(self._in_transaction(lambda conn: conn.executemany(
-            "INSERT INTO ledger (at, boot_id, kind, component, uuid, bus_id, model, event, class, summary, data) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)))
+        listed = list(rows)
+        self._write(self._in_transaction(lambda conn: ledger_insert(conn, listed)))
 
     def ledger_rows(self, since: float = 0.0, component: str | None = None, kind: str | None = None,
                     events: Iterable[str] = ()) -> list[LedgerRow]:
