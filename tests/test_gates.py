@@ -217,11 +217,11 @@ def test_a_process_still_exiting_within_the_grace_passes(tmp_path: Path, job_use
 
 def test_a_process_holding_the_jobs_gpu_and_its_memory_fail_the_epilog(tmp_path: Path, job_user: int,
                                                                        leftovers: list[subprocess.Popen[bytes]]) -> None:
-    """Per NVML (scripted): a process on GPU 1, the job's, of any user and without the job's mark, holding 6 GiB over
-    the baseline the prolog gate recorded. GPU 0 is not the job's: what it holds is not this job's."""
+    """Per NVML (scripted): a process of the job on GPU 1, the job's, holding 6 GiB over the baseline the prolog gate
+    recorded. GPU 0 is not the job's: what it holds is not this job's."""
     assert gate("slurm-prolog", tmp_path, job_env("204", job_user), "--check", "--config",
                 str(prolog_config(tmp_path)), "--checks", "gpu").returncode == 0
-    holder = start_as(job_user, ["sleep", "300"], {})
+    holder = start_as(job_user, ["sleep", "300"], {"SLURM_JOB_ID": "204"})
     leftovers.append(holder)
     other = start_as(job_user, ["sleep", "302"], {})
     leftovers.append(other)

@@ -12,21 +12,26 @@ refuse every job). With `--diag ACTION`, the quick diagnostics of that diag acti
 what is left of the gate's (a CRITICAL test refuses the node; a test killed at its timeout does not). At a pass it
 records each idle GPU's memory in use: the epilog's baseline.
 
-The epilog gate checks the job let go of the node: no process of the job left (on its GPUs per NVML, or of its user
-and marked as the job's: in its cgroup or with its SLURM_JOB_ID), none a zombie or in D state, its GPUs' memory back
-to the prolog's baseline, and the job's user's files in /dev/shm (and `--tmp` dirs) under a threshold.
+The epilog gate checks the job let go of the node: no process of the job left (of its user and marked as the job's: in
+its cgroup or with its SLURM_JOB_ID, or on its GPUs per NVML with no mark of another job), none a zombie or in D state,
+its GPUs' memory back to the prolog's baseline (less other jobs' processes' on a shared GPU), and the job's user's
+files in /dev/shm (and `--tmp` dirs) that no running process of the user holds under a threshold. A node runs other
+jobs meanwhile: nothing of theirs is charged to the job that ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +50,8 @@ DEFAULT_GATE_CHECKS = ("gpu", "xid")
 SHM_MAX = 64 << 20
 GPU_SLACK = 512 << 20
 GRACE_S = 3.0
-WALK_MAX = 20000  # directory entries a tmp walk looks at
+WALK_MAX = 20000  # entries of other users a tmp walk looks at
+WALK_S = 2.0  # the tmp walk's deadline, and that of the look at what the user's processes hold
 NAMED_MAX = 10  # leftovers named in the reason
 EXIT_FAIL = 2
 
@@ -151,14 +157,20 @@ def run_prolog_gate(config: Config, gate_dir: str, budget: float = BUDGET_S, sin
 
 
 def record_baseline(gate_dir: str, nvml: Nvml) -> None:
-    """Each GPU's memory in use while no process holds it: what the epilog expects back."""
+    """Each GPU's memory in use while no process holds it: what the epilog expects back. Merged per GPU: a GPU busy
+    now (another job's) keeps the baseline an earlier prolog recorded for it, which its job's epilog compares with.
+    Prologs of jobs starting at once take turns (a lock file), so neither loses the other's GPUs."""
     try:
         gpus = nvml.gpus()
     except NvmlUnavailableError:
         return
-    baseline = {g.uuid: g.memory_used for g in gpus if g.memory_used is not None and g.processes == ()}
-    if baseline:
-        _write(gate_dir, "gpu-baseline.json", {"at": time.time(), "used": baseline})
+    idle = {g.uuid: g.memory_used for g in gpus if g.memory_used is not None and g.processes == ()}
+    if not idle:
+        return
+    with _locked(gate_dir, "gpu-baseline.lock"):
+        earlier = _read(gate_dir, "gpu-baseline.json").get("used")
+        kept = {k: v for k, v in earlier.items() if isinstance(v, int)} if isinstance(earlier, dict) else {}
+        _write(gate_dir, "gpu-baseline.json", {"at": time.time(), "used": kept | idle})
 
 
 # the epilog gate -----------------------------------------------------------------------------------------------------
@@ -179,7 +191,7 @@ class Leftover:
 class EpilogJob:
     job_id: str
     uid: int | None
-    gpus: tuple[int, ...] | None  # SLURM_JOB_GPUS; None: not said (every GPU counts)
+    gpus: tuple[int, ...]  # SLURM_JOB_GPUS: slurmd sets it only for a job given GPUs (unset: the job had none)
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> EpilogJob | None:
@@ -188,7 +200,7 @@ class EpilogJob:
             return None
         uid = env.get("SLURM_JOB_UID", "")
         raw = env.get("SLURM_JOB_GPUS", "")  # set by slurmd for Prolog and Epilog (its CUDA_VISIBLE_DEVICES is not the job's)
-        gpus = tuple(int(g) for g in raw.split(",") if g.strip().isdigit()) if raw.strip() else None
+        gpus = tuple(int(g) for g in raw.split(",") if g.strip().isdigit())
         return EpilogJob(job_id, int(uid) if uid.isdigit() else None, gpus)
 
 
@@ -209,8 +221,10 @@ class EpilogFindings:
 
 
 def job_processes(job: EpilogJob, proc: ProcFS, gpu_pids: Mapping[int, str]) -> list[Leftover]:
-    """The job's processes still here: on its GPUs (any user's), or of its user and marked as the job's (its SLURM
-    cgroup, its SLURM_JOB_ID), and their descendants (a zombie has no environment, but its parent)."""
+    """The job's processes still here: of its user and marked as the job's (its SLURM cgroup, its SLURM_JOB_ID), or
+    of its user on its GPUs (`gpu_pids`) with no readable mark saying otherwise, and their descendants (a zombie has no
+    environment, but its parent). Another user's process, or one of another job of the user, is never the job's, on
+    its GPUs (shared, MPS) or not."""
     table: dict[int, tuple[int, str, str, int | None]] = {}  # pid -> (ppid, comm, state, uid)
     for pid in proc.pids():
         text = proc.read_text(pid, "stat")
@@ -222,18 +236,15 @@ def job_processes(job: EpilogJob, proc: ProcFS, gpu_pids: Mapping[int, str]) -> 
             continue
         table[pid] = (int(fields[1]), comm, fields[0], proc.real_uid(pid))
     ours = _ancestors(os.getpid(), table)  # the epilog script and slurmd carry the job's SLURM_JOB_ID too
-    marker = f"/job_{job.job_id}/"
     found: dict[int, str] = {}
     for pid, (_, _, _, uid) in table.items():
-        if pid in ours:
+        if pid in ours or job.uid is None or uid != job.uid:
             continue
-        if pid in gpu_pids:
+        mark = _job_mark(proc, pid, job.job_id)
+        if pid in gpu_pids and mark is not None:
             found[pid] = gpu_pids[pid]
-        elif job.uid is not None and uid == job.uid:
-            if marker in (proc.cgroup(pid) or ""):
-                found[pid] = "in the job's cgroup"
-            elif proc.environ_var(pid, "SLURM_JOB_ID") == job.job_id:
-                found[pid] = f"SLURM_JOB_ID={job.job_id}"
+        elif mark:
+            found[pid] = mark
     children: dict[int, list[int]] = {}
     for pid, (ppid, *_rest) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -248,6 +259,20 @@ def job_processes(job: EpilogJob, proc: ProcFS, gpu_pids: Mapping[int, str]) -> 
             for pid, why in sorted(found.items())]
 
 
+def _job_mark(proc: ProcFS, pid: int, job_id: str) -> str | None:
+    """Why a process of the job's user is the job's ("in the job's cgroup", "SLURM_JOB_ID=N"); "" when nothing
+    readable says (a zombie's or a kernel-cleared environment is empty); None when its environment or cgroup says it
+    is not: another job's, or started outside any job (an ssh session)."""
+    cgroup = proc.cgroup(pid) or ""
+    if f"/job_{job_id}/" in cgroup:
+        return "in the job's cgroup"
+    environ = proc.read_text(pid, "environ") or ""
+    if environ:
+        value = next((e[13:] for e in environ.split("\0") if e.startswith("SLURM_JOB_ID=")), None)
+        return f"SLURM_JOB_ID={job_id}" if value == job_id else None
+    return None if "/job_" in cgroup else ""
+
+
 def _ancestors(pid: int, table: Mapping[int, tuple[int, str, str, int | None]]) -> set[int]:
     out = set()
     while pid in table and pid not in out:
@@ -256,62 +281,130 @@ def _ancestors(pid: int, table: Mapping[int, tuple[int, str, str, int | None]]) 
     return out | {pid}
 
 
-def _job_gpus(job: EpilogJob, gpus: list[GpuState]) -> list[GpuState]:
-    return [g for g in gpus if job.gpus is None or g.index in job.gpus]
-
-
-def gpu_findings(job: EpilogJob, nvml: Nvml, gate_dir: str, slack: int) -> tuple[dict[int, str], list[str], str]:
-    """(pids on the job's GPUs -> why, memory not back to baseline, a note); empty without NVML."""
+def job_gpus(job: EpilogJob, nvml: Nvml) -> tuple[list[GpuState], str]:
+    """The job's GPUs as NVML sees them now, and a note when NVML is not there."""
+    if not job.gpus:
+        return [], ""
     try:
-        gpus = _job_gpus(job, nvml.gpus())
+        return [g for g in nvml.gpus() if g.index in job.gpus], ""
     except NvmlUnavailableError as exc:
-        return {}, [], f"no NVML ({exc}): leftovers found by cgroup and environment only"
-    pids = {p.pid: f"on GPU {g.index}" for g in gpus for p in (g.processes or ())}
-    baseline = _read(gate_dir, "gpu-baseline.json").get("used", {})
-    held = []
+        return [], f"no NVML ({exc}): leftovers found by cgroup and environment only"
+
+
+def gpu_memory(gpus: Sequence[GpuState], baseline: Mapping[str, object], job_pids: Set[int],
+               slack: int) -> tuple[list[str], list[str]]:
+    """(the job's GPUs whose memory is not back to their baseline, notes): memory other jobs' processes hold on a
+    shared GPU is not the job's; a GPU without a baseline (none recorded while it was idle) is not compared, said."""
+    held, notes = [], []
     for g in gpus:
-        base = baseline.get(g.uuid) if isinstance(baseline, dict) else None
-        if g.memory_used is None or not isinstance(base, int):
+        base = baseline.get(g.uuid)
+        if g.memory_used is None:
             continue
-        if g.memory_used - base > slack:
-            held.append(f"GPU {g.index} holds {format_bytes(g.memory_used - base)} more memory than before the job "
-                        f"({format_bytes(g.memory_used)} used, baseline {format_bytes(base)})")
-    note = "" if baseline else "no GPU memory baseline (the prolog gate records it): memory not compared"
-    return pids, held, note
+        if not isinstance(base, int):
+            notes.append(f"GPU {g.index}: no memory baseline (the prolog gate records it while the GPU is idle): "
+                         "memory not compared")
+            continue
+        others = [p.used for p in g.processes or () if p.pid not in job_pids]
+        if None in others:
+            notes.append(f"GPU {g.index}: shared with another job's process whose memory NVML does not give: "
+                         "memory not compared")
+            continue
+        theirs = sum(n for n in others if n is not None)
+        if g.memory_used - theirs - base > slack:
+            shared = f", {format_bytes(theirs)} of it other jobs' processes'" if theirs else ""
+            held.append(f"GPU {g.index} holds {format_bytes(g.memory_used - theirs - base)} more memory than before "
+                        f"the job ({format_bytes(g.memory_used)} used{shared}, baseline {format_bytes(base)})")
+    return held, notes
 
 
-def job_files(uid: int, dirs: Sequence[str], limit: int) -> list[str]:
-    """The job user's files in each of `dirs` (/dev/shm), when they add up to more than `limit`: the largest named.
-    Symlinks are not followed; the walk stops at WALK_MAX entries (said)."""
-    out = []
+@dataclass
+class _Walk:
+    """One tmp dir's walk: entries of other users looked at, and why it stopped early ("" while not)."""
+    deadline: float
+    others: int = 0
+    cut: str = ""
+
+
+def _user_files(top: str, uid: int, walk: _Walk) -> list[tuple[int, str, tuple[int, int]]]:
+    """(bytes, path, (device, inode)) of `uid`'s files under `top`. The directories are read lazily, one entry at a
+    time; entries of other users count towards WALK_MAX, and the walk stops there or at the deadline (`walk.cut`).
+    Directories of another user that `uid` cannot write to are not entered (none of `uid`'s files can be there), and
+    `uid`'s own are walked first: another user's files cannot use up the walk to hide the job's."""
+    found = []
+    todo = deque([top])
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as entries:
+                for entry in entries:
+                    if time.monotonic() > walk.deadline:
+                        walk.cut = f"after {WALK_S:g}s"
+                        return found
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if st.st_uid != uid:
+                        walk.others += 1
+                        if walk.others > WALK_MAX:
+                            walk.cut = f"at {WALK_MAX} entries of other users"
+                            return found
+                    if stat.S_ISDIR(st.st_mode):
+                        if st.st_uid == uid:
+                            todo.append(entry.path)
+                        elif st.st_uid == 0 or st.st_mode & 0o022:
+                            todo.appendleft(entry.path)
+                    elif st.st_uid == uid:
+                        found.append((st.st_blocks * 512, entry.path, (st.st_dev, st.st_ino)))
+        except OSError:
+            continue
+    return found
+
+
+def held_files(proc: ProcFS, uid: int, deadline: float) -> tuple[set[str], set[tuple[int, int]], list[int]]:
+    """What the live processes of `uid` hold: the paths of their open descriptors, the (device, inode) of their
+    mapped files, and the pids that hold any (by the deadline)."""
+    paths: set[str] = set()
+    keys: set[tuple[int, int]] = set()
+    pids = []
+    for pid in proc.pids():
+        if time.monotonic() > deadline:
+            break
+        if proc.real_uid(pid) != uid:
+            continue
+        opened, mapped = proc.open_paths(pid), proc.mapped_files(pid)
+        paths |= opened
+        keys |= mapped
+        if opened or mapped:
+            pids.append(pid)
+    return paths, keys, pids
+
+
+def job_files(uid: int, dirs: Sequence[str], limit: int, proc: ProcFS) -> tuple[list[str], list[str]]:
+    """(failures, notes): the job user's files in each of `dirs` (/dev/shm) that no live process of the user holds
+    open or maps (those are a running job's: another of the user's, or a leftover already named), when they add up to
+    more than `limit`, the largest named. Symlinks are not followed; a walk cut short says so."""
+    failures, notes = [], []
+    deadline = time.monotonic() + WALK_S
     for top in dirs:
-        total, sizes, seen, capped = 0, [], 0, False
-        stack = [top]
-        while stack and not capped:
-            try:
-                entries = list(os.scandir(stack.pop()))
-            except OSError:
-                continue
-            for entry in entries:
-                seen += 1
-                if seen > WALK_MAX:
-                    capped = True
-                    break
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(entry.path)
-                elif st.st_uid == uid:
-                    used = st.st_blocks * 512
-                    total += used
-                    sizes.append((used, entry.path))
+        walk = _Walk(deadline)
+        files = _user_files(os.path.realpath(top), uid, walk)  # realpath: what /proc/PID/fd's links name
+        if walk.cut:
+            notes.append(f"{top}: walk cut {walk.cut}: the job's user's files after it not counted")
+        if sum(n for n, _, _ in files) <= limit:
+            continue
+        paths, keys, pids = held_files(proc, uid, deadline)
+        held = [(n, p) for n, p, key in files if p in paths or key in keys]
+        free = [(n, p) for n, p, key in files if (n, p) not in held]
+        if held:
+            notes.append(f"{top}: {len(held)} file(s) of the job's user ({format_bytes(sum(n for n, _ in held))}) "
+                         f"held open or mapped by its running processes (pid {', '.join(map(str, pids[:5]))}): "
+                         "not counted")
+        total = sum(n for n, _ in free)
         if total > limit:
-            largest = ", ".join(f"{one_line(p, 120)} ({format_bytes(n)})" for n, p in sorted(sizes, reverse=True)[:3])
-            out.append(f"{top}: the job's user left {format_bytes(total)} in {len(sizes)} file(s) (over "
-                       f"{format_bytes(limit)}{', walk capped' if capped else ''}): {largest}")
-    return out
+            largest = ", ".join(f"{one_line(p, 120)} ({format_bytes(n)})" for n, p in sorted(free, reverse=True)[:3])
+            failures.append(f"{top}: the job's user left {format_bytes(total)} in {len(free)} file(s) (over "
+                            f"{format_bytes(limit)}{', walk cut' if walk.cut else ''}): {largest}")
+    return failures, notes
 
 
 def check_epilog(job: EpilogJob, nvml: Nvml, proc: ProcFS, gate_dir: str, tmp_dirs: Sequence[str],
@@ -320,18 +413,21 @@ def check_epilog(job: EpilogJob, nvml: Nvml, proc: ProcFS, gate_dir: str, tmp_di
     """What the job left; its processes are looked at again for up to `grace` while they are still exiting (slurmd
     SIGKILLs a job's tasks just before its epilog, and a dying process takes a moment)."""
     findings = EpilogFindings()
+    baseline = _read(gate_dir, "gpu-baseline.json").get("used")
+    baseline = baseline if isinstance(baseline, dict) else {}
     end = time.monotonic() + grace
     while True:
-        gpu_pids, held, note = gpu_findings(job, nvml, gate_dir, gpu_slack)
-        leftovers = job_processes(job, proc, gpu_pids)
+        gpus, note = job_gpus(job, nvml)
+        leftovers = job_processes(job, proc, {p.pid: f"on GPU {g.index}" for g in gpus for p in g.processes or ()})
+        held, notes = gpu_memory(gpus, baseline, {p.pid for p in leftovers}, gpu_slack)
         if (not leftovers and not held) or time.monotonic() >= end:
             break
         sleep(0.2)
     findings.leftovers, findings.gpu_memory = leftovers, held
-    if note:
-        findings.notes.append(note)
+    findings.notes += ([note] if note else []) + notes
     if job.uid is not None and job.uid != 0:  # root's files in /dev/shm are the system's, not a job's
-        findings.files = job_files(job.uid, tmp_dirs, shm_max)
+        findings.files, notes = job_files(job.uid, tmp_dirs, shm_max, proc)
+        findings.notes += notes
     return findings
 
 
@@ -369,6 +465,34 @@ def _write(gate_dir: str, name: str, data: Mapping[str, object]) -> None:
         replace_file(folder / name, json.dumps(data, ensure_ascii=True).encode(), 0o644)
     except OSError as exc:  # the exit status is the verdict: a file not written is said, never fatal
         print(f"trainguard gate: {gate_dir}/{name} not written: {exc}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _locked(gate_dir: str, name: str, wait: float = 2.0) -> Iterator[None]:
+    """Hold `<gate_dir>/<name>` (flock) for a read-modify-write; past `wait`, or where it cannot be opened, go on
+    without it (said): a gate never hangs on another's lock."""
+    try:
+        Path(gate_dir).mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd = os.open(Path(gate_dir) / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        print(f"trainguard gate: {gate_dir}/{name} not opened, going on unlocked: {exc}", file=sys.stderr)
+        yield
+        return
+    try:
+        end = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    print(f"trainguard gate: {gate_dir}/{name} still locked after {wait:g}s, going on unlocked",
+                          file=sys.stderr)
+                    break
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
 
 
 def _read(gate_dir: str, name: str) -> dict[str, object]:

@@ -128,6 +128,36 @@ class ProcFS:
             return []
         return sorted(int(pid) for pid in entries if (self.read_text(pid, "comm") or "").rstrip("\n") == comm)
 
+    def open_paths(self, pid: int) -> set[str]:
+        """What each open descriptor of the process names (its /proc/PID/fd link, read, never followed: a stat through
+        it would block on a hung mount); empty when it can't be read."""
+        out = set()
+        try:
+            with os.scandir(self.path(pid, "fd")) as fds:
+                for fd in fds:
+                    try:
+                        out.add(os.readlink(fd.path))
+                    except OSError:
+                        continue
+        except OSError:
+            pass
+        return out
+
+    def mapped_files(self, pid: int) -> set[tuple[int, int]]:
+        """(device, inode) of each file mapped into the process, per /proc/PID/maps (a mapping outlives its
+        descriptor: a shared-memory segment is usually mapped and closed)."""
+        out = set()
+        for line in (self.read_text(pid, "maps") or "").splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or fields[4] == "0":
+                continue
+            major, _, minor = fields[3].partition(":")
+            try:
+                out.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+            except ValueError:
+                continue
+        return out
+
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 

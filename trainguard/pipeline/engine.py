@@ -698,7 +698,8 @@ class Engine:
             notifier.stop()
         if self.catalog is not None:
             self.catalog.close()
-        self.store.close()
+        # once the lists a reload leaves running have handed over what they did (trainguard.pipeline.responder)
+        self.responder.release(self.store.close)
 
     # read side -----------------------------------------------------------------
     def own_usage(self) -> dict[str, float]:

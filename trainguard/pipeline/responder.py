@@ -11,6 +11,12 @@ such list is taken up (within RESUME_WITHIN_S, for incidents still firing, as st
 under way if it is safe to repeat (`Action.resumes`: `drain`, `requeue`, which reads the job's record first), on the
 jobs it was about; an action under way that is not safe to repeat is recorded on the incident as interrupted, and the
 list ends there.
+
+A stop or a reload lets each list finish the action under way (a thread cannot be stopped) and begin no other. At a
+reload the process goes on, and so does that action: its list is marked live in this process, the old responder's
+outcomes go to a handover key instead of its closed incidents, and the new responder follows the list (it neither
+runs the action again nor calls it cut short) until the old thread has handed it over, then records what ran and
+takes up the rest as at a start.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ LISTS_KEY = "responder.lists"  # the action lists under way: what a stop or a cr
 # jobs did meanwhile (finished, cancelled) is better judged by a person. slurmctld forgets a finished job after
 # MinJobAge (300 s by default) anyway, and a requeue after that fails.
 RESUME_WITHIN_S = 600.0
+HANDOVER_KEY = "responder.handover/"  # + a list id: what a list left running by a reload did after it (`_end`)
+PROCESS = uuid.uuid4().hex  # this process: a list marked live by it still runs here (a reload), it was not cut short
+FOLLOW_MARGIN_S = 5.0  # past its action's timeout, a list followed after a reload is given up (its outcome unknown)
 
 
 def _brief(job: Job) -> dict[str, Any]:
@@ -160,6 +169,14 @@ class Responder:
         self.resume_gates = tuple(resume_gates)  # what `resume` asks first (ActionContext.resume_gates)
         self._lists: dict[str, dict[str, Any]] = {}  # list id -> its event, actions, jobs and the next action's index
         self._lists_lock = threading.Lock()
+        self.process = PROCESS  # who marks a list live at `finish` (a test's second engine plays another process)
+        self._running: dict[str, threading.Thread] = {}  # list id -> the thread running it
+        # After `finish`: the lists still running, each with what it did since (the records its closed store and
+        # tracker no longer take), handed over at its end; and the store's close, deferred until the last one ends.
+        self._handed: dict[str, dict[str, Any]] = {}
+        self._sealed = False  # set by `finish`: the lists under way are the next engine's to save
+        self._close_last: Callable[[], None] | None = None
+        self._stop = threading.Event()
 
     def refused(self) -> list[dict[str, Any]]:
         """What actions refused to do and why, while the incidents they answered last."""
@@ -206,10 +223,41 @@ class Responder:
         with self._threads_lock:
             self._closing = True
             alive = [t for t in self.threads if t.is_alive()]
+        self._stop.set()
         running = len(alive)
         for thread in alive:
             thread.join(max(0.0, deadline - time.monotonic()))
+        self._hand_over()
         return running, [t.name for t in alive if t.is_alive()]
+
+    def _hand_over(self) -> None:
+        """The lists still running after `finish`'s wait end their action under way and hand over what it did: each
+        is marked live in this process (until its action's timeout) for the responder a reload builds next."""
+        with self._lists_lock:
+            self._sealed = True
+            for list_id, thread in self._running.items():
+                entry = self._lists.get(list_id)
+                if not thread.is_alive() or entry is None:
+                    continue
+                self._handed[list_id] = {"records": [], "forget": False}
+                names = entry["names"]
+                now = names[entry["next"]] if entry["next"] < len(names) else None  # under way, or the first
+                bound = (self.actions[now].settings.timeout if now in self.actions else 0.0) + RECORD_WAIT_S
+                entry["live"] = {"process": self.process, "until": time.monotonic() + bound + FOLLOW_MARGIN_S}
+            if self._handed and self.state is not None:
+                try:
+                    self.state.put(LISTS_KEY, json.dumps(self._lists))
+                except Exception as exc:  # noqa: BLE001 - taken up at the next start as cut short, as before
+                    log.warning("saving the action lists under way failed", extra=kv(error=exc))
+
+    def release(self, close: Callable[[], None]) -> None:
+        """Call `close` (the state store's) now, or, where lists were handed over, once the last one has written
+        what it did."""
+        with self._lists_lock:
+            if self._handed:
+                self._close_last = close
+                return
+        close()
 
     def jobs_for(self, event: Event, names: Sequence[str] = ()) -> tuple[Job, ...]:
         if self.catalog is None:
@@ -228,8 +276,11 @@ class Responder:
         entry = {"event": event.to_dict(), "names": names, "next": 0, "started": False,
                  "kinds": {n: type(self.actions[n]).__name__ for n in names}, "at": self.clock(),
                  "jobs": [_brief(j) for j in earlier] if earlier is not None else None, "reports": dict(reports or {})}
+        with self._lists_lock:
+            self._running[list_id] = threading.current_thread()
         self._keep(list_id, entry)
         ctx = None
+        whole = False
         try:
             try:
                 jobs = self.jobs_for(event, names)
@@ -245,11 +296,29 @@ class Responder:
                                 on_diag=self._diag_to_ledger)
             self._watch_again(ctx, reports or {})
             self._keep(list_id, {**entry, "jobs": [_brief(j) for j in jobs], "reports": self._reports_asked(ctx)})
-            self._run_list(ctx, names, list_id)
+            whole = self._run_list(ctx, names, list_id)
         finally:
             if ctx is not None:
                 ctx.done()
+            self._end(list_id, whole)
+
+    def _end(self, list_id: str, whole: bool) -> None:
+        """A list ended: done (`whole`), or stopped between actions by a stop (kept: the next start takes up the
+        rest), or handed over after a reload (what it did since, for the next responder: `_follow`)."""
+        with self._lists_lock:
+            self._running.pop(list_id, None)
+            handover = self._handed.pop(list_id, None)
+            entry = self._lists.pop(list_id, None) if handover is not None else None
+            close, self._close_last = (self._close_last, None) if not self._handed else (None, self._close_last)
+        if handover is not None and self.state is not None:
+            try:
+                self.state.put(HANDOVER_KEY + list_id, json.dumps({**handover, "next": (entry or {}).get("next", 0)}))
+            except Exception as exc:  # noqa: BLE001 - the next responder gives the list up, said as unknown
+                log.error("handing over an action list failed", extra=kv(list=list_id, error=exc))
+        elif whole or not self._closing:
             self._keep(list_id, None)
+        if close is not None:
+            close()
 
     def _keep(self, list_id: str, entry: dict[str, Any] | None) -> None:
         """Save the lists under way with `list_id`'s entry set (None: the list is done). Never raises: a state
@@ -261,6 +330,8 @@ class Responder:
                 self._lists.pop(list_id, None)
             else:
                 self._lists[list_id] = entry
+            if self._sealed:  # after `finish`: what is under way is saved by the next responder, or handed to it
+                return
             try:
                 self.state.put(LISTS_KEY, json.dumps(self._lists))
             except Exception as exc:  # noqa: BLE001 - the store may be closing (a list cut short at shutdown)
@@ -310,8 +381,9 @@ class Responder:
         (as saved: the checks have not run yet), with the actions their check is still bound to, as the same kind. The
         action cut short runs again if it is safe to repeat (`Action.resumes`), and the list goes on after it (those
         never began); one that is not safe to repeat is recorded on the incident as interrupted, and the list ends
-        there (a requeue after a signal that may never have been sent would end the job unsaved). `bindings`: each
-        configured check's actions."""
+        there (a requeue after a signal that may never have been sent would end the job unsaved). A list still
+        running in this process (a reload) is followed instead (`_follow`). `bindings`: each configured check's
+        actions."""
         if self.state is None:
             return []
         try:
@@ -320,56 +392,119 @@ class Responder:
         except Exception as exc:  # noqa: BLE001 - unreadable state: nothing to take up, the agent starts anyway
             log.error("reading the action lists cut short failed", extra=kv(error=exc))
             return []
-        firing = {i.id for i in self.tracker.incidents() if i.firing}
         threads = []
-        for entry in saved.values() if isinstance(saved, dict) else ():
-            try:
-                event = Event.from_dict(entry["event"])
-                names = [str(n) for n in entry["names"]]
-                at, index, started = float(entry["at"]), int(entry["next"]), bool(entry["started"])
-                kinds = {str(k): str(v) for k, v in dict(entry["kinds"]).items()}
-                briefs = entry.get("jobs")  # None: cut before its jobs were listed; they are listed now
-                jobs = None if briefs is None else tuple(j for j in map(_from_brief, briefs) if j is not None)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                log.error("an action list cut short could not be read; not taken up", extra=kv(error=exc))
+        for list_id, entry in saved.items() if isinstance(saved, dict) else ():
+            live = entry.get("live") if isinstance(entry, dict) else None
+            if isinstance(live, dict) and live.get("process") == self.process:
+                threading.Thread(target=self._follow, args=(str(list_id), entry, bindings),
+                                 name=f"follow-{list_id}", daemon=True).start()
                 continue
-            left = names[index:]
-            if not left:  # every action had returned: only the list's removal was cut
-                continue
-            where = kv(incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(left))
-            reports = entry.get("reports")  # none before this version, or nothing asked
-            reports = reports if isinstance(reports, dict) else {}
-            if event.incident_id not in firing:  # resolved, or gone: nothing is called for any more
-                log.info("action list cut short; its incident is over, not taken up", extra=where)
-                _withdraw(event, reports)
-                continue
-            binding = bindings.get(event.check)
-            bound = set(binding.for_status(event.status)) if binding is not None else set()
-            again = [n for n in left if n in bound and n in self.actions and kinds.get(n) == type(self.actions[n]).__name__]
-            if again[:1] != left[:1] or self.clock() - at > RESUME_WITHIN_S:
-                log.error("action list cut short; not taken up: its first action is no longer bound as it was, or it "
-                          f"was cut more than {RESUME_WITHIN_S:g}s ago", extra=where)
-                self._interrupted(event, left[0], ("cut short" if started else "not begun") + " at the agent's stop "
-                                  "or crash; not taken up at start (no longer bound as it was, or too long ago)")
-                _withdraw(event, reports)
-                continue
-            if started and not self.actions[again[0]].resumes:
-                self._interrupted(event, again[0], "cut short by the agent's stop or crash; not run again at start "
-                                  "(not safe to repeat), nor the actions after it")
-                _withdraw(event, reports)
-                continue
-            log.warning("action list cut short by the agent's stop or crash; taken up", extra=kv(
-                incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(again),
-                jobs=",".join(j.job_id or j.key for j in jobs or ()) or None))
-            thread = threading.Thread(target=self._run_all, args=(event, again, jobs, reports),
-                                      name=f"actions-{event.incident_id}", daemon=True)
-            with self._threads_lock:
-                if self._closing:
-                    return threads
-                self.threads = [t for t in self.threads if t.is_alive()] + [thread]
-                thread.start()
-            threads.append(thread)
+            thread = self._take_up(str(list_id), entry, bindings)
+            if thread is not None:
+                threads.append(thread)
+            if self._closing:
+                break
         return threads
+
+    def _follow(self, list_id: str, entry: dict[str, Any], bindings: Mapping[str, ActionBinding]) -> None:
+        """A list a reload left running in this process: kept as it is (a crash meanwhile leaves it cut short, for the
+        next start), waited for until the old responder hands it over (its action's timeout at most), then taken up
+        after what it did. A stop meanwhile leaves it marked for the responder after this one."""
+        state = self.state
+        if state is None:
+            return
+        self._keep(list_id, entry)
+        until = float(entry["live"]["until"])
+        while not state.get(HANDOVER_KEY + list_id) and time.monotonic() < until:
+            if self._stop.wait(0.2):
+                return
+        if not state.get(HANDOVER_KEY + list_id):
+            self._keep(list_id, None)
+            event, names = Event.from_dict(entry["event"]), entry["names"]
+            self._interrupted(event, names[min(int(entry["next"]), len(names) - 1)], "left running by a reload and "
+                              "not handed over within its timeout: its outcome is unknown; not run again, nor the "
+                              "actions after it")
+            return
+        self._keep(list_id, None)
+        self._take_up(list_id, entry, bindings, "handed over after a reload")
+
+    def _handed_in(self, list_id: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """`entry` after what its old responder handed over (`_end`), that recorded here: its outcomes on the incident
+        and the ledger, the subject forgotten after a fresh start; the list then goes on at the action after."""
+        state = self.state
+        raw = state.get(HANDOVER_KEY + list_id) if state is not None else None
+        if state is None or not raw:
+            return entry
+        state.put(HANDOVER_KEY + list_id, "")
+        data = json.loads(raw)
+        event = Event.from_dict(entry["event"])
+        for record in data["records"]:
+            kind = record.pop("kind", "")
+            try:
+                self.tracker.record_action(event.check, event.subject, record, event.incident_id)
+                if self.ledger is not None:
+                    self.ledger.on_action(event, kind, record)
+            except Exception as exc:  # noqa: BLE001 - the audit line said it
+                log.error("recording a handed-over action's outcome failed", extra=kv(
+                    action=record.get("action"), incident=event.incident_id, error=exc))
+        if data.get("forget") and self.forget is not None:
+            try:
+                self.forget(event.check, event.subject)
+            except Exception as exc:  # noqa: BLE001 - an incident left open says the rest
+                log.error("forgetting the subject's history failed", extra=kv(
+                    check=event.check, subject=event.subject, error=exc))
+        return {**entry, "next": int(data["next"]), "started": False}
+
+    def _take_up(self, list_id: str, entry: Any, bindings: Mapping[str, ActionBinding],
+                 how: str = "cut short by the agent's stop or crash") -> threading.Thread | None:
+        """One list cut short (`resume`), or handed over after a reload (`how`): its rest started, or said why not."""
+        try:
+            entry = self._handed_in(list_id, entry)
+            event = Event.from_dict(entry["event"])
+            names = [str(n) for n in entry["names"]]
+            at, index, started = float(entry["at"]), int(entry["next"]), bool(entry["started"])
+            kinds = {str(k): str(v) for k, v in dict(entry["kinds"]).items()}
+            briefs = entry.get("jobs")  # None: cut before its jobs were listed; they are listed now
+            jobs = None if briefs is None else tuple(j for j in map(_from_brief, briefs) if j is not None)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.error("an action list cut short could not be read; not taken up", extra=kv(error=exc))
+            return None
+        left = names[index:]
+        if not left:  # every action had returned: only the list's removal was cut
+            return None
+        where = kv(incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(left))
+        reports = entry.get("reports")  # none before this version, or nothing asked
+        reports = reports if isinstance(reports, dict) else {}
+        if not any(i.firing and i.id == event.incident_id for i in self.tracker.incidents()):
+            log.info("action list cut short; its incident is over, not taken up", extra=where)
+            _withdraw(event, reports)
+            return None
+        binding = bindings.get(event.check)
+        bound = set(binding.for_status(event.status)) if binding is not None else set()
+        again = [n for n in left if n in bound and n in self.actions and kinds.get(n) == type(self.actions[n]).__name__]
+        if again[:1] != left[:1] or self.clock() - at > RESUME_WITHIN_S:
+            log.error("action list cut short; not taken up: its first action is no longer bound as it was, or it "
+                      f"was cut more than {RESUME_WITHIN_S:g}s ago", extra=where)
+            self._interrupted(event, left[0], ("cut short" if started else "not begun") + " at the agent's stop "
+                              "or crash; not taken up at start (no longer bound as it was, or too long ago)")
+            _withdraw(event, reports)
+            return None
+        if started and not self.actions[again[0]].resumes:
+            self._interrupted(event, again[0], "cut short by the agent's stop or crash; not run again at start "
+                              "(not safe to repeat), nor the actions after it")
+            _withdraw(event, reports)
+            return None
+        log.warning(f"action list {how}; taken up", extra=kv(
+            incident=event.incident_id, check=event.check, subject=event.subject, actions=",".join(again),
+            jobs=",".join(j.job_id or j.key for j in jobs or ()) or None))
+        thread = threading.Thread(target=self._run_all, args=(event, again, jobs, reports),
+                                  name=f"actions-{event.incident_id}", daemon=True)
+        with self._threads_lock:
+            if self._closing:
+                return None
+            self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+            thread.start()
+        return thread
 
     def _interrupted(self, event: Event, name: str, detail: str) -> None:
         log.error("action", extra=kv(action=name, outcome="interrupted", incident=event.incident_id,
@@ -380,13 +515,26 @@ class Responder:
         except Exception as exc:  # noqa: BLE001 - the audit line said it
             log.error("recording the action's outcome failed", extra=kv(action=name, error=exc))
 
-    def _run_list(self, ctx: ActionContext, names: list[str], list_id: str = "") -> None:
+    def _run_list(self, ctx: ActionContext, names: list[str], list_id: str = "") -> bool:
+        """Run `names` in order; False when a stop or a reload stopped it between two actions (the rest is the next
+        start's, or the next engine's)."""
         event = ctx.event
         for index, name in enumerate(names):
+            if index and self._closing:  # the first runs: a fault that fired a second before the stop is acted on
+                log.warning("action list stopped: the agent is stopping or reloading; the rest is taken up after it",
+                            extra=kv(incident=event.incident_id, actions=",".join(names[index:])))
+                return False
             action = self.actions[name]
             self._progress(list_id, index, True, self._reports_asked(ctx))
             record = self.run_one(action, ctx)
             self._progress(list_id, index + 1, False, self._reports_asked(ctx))
+            with self._lists_lock:
+                handover = self._handed.get(list_id)
+                if handover is not None:  # the tracker's store is closed: the next responder records it
+                    handover["records"].append({**record, "kind": type(action).__name__})
+                    handover["forget"] = handover["forget"] or (action.fresh_start and record["outcome"] == "ok")
+            if handover is not None:
+                continue
             try:
                 self.tracker.record_action(event.check, event.subject, record, event.incident_id)
             except Exception as exc:  # noqa: BLE001 - the audit line said it; the next actions still run
@@ -402,6 +550,7 @@ class Responder:
                 except Exception as exc:  # noqa: BLE001 - the restart is done; an incident left open says the rest
                     log.error("forgetting the subject's history failed", extra=kv(
                         check=event.check, subject=event.subject, error=exc))
+        return True
 
     def _held_reason(self) -> str:
         try:
