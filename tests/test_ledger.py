@@ -357,6 +357,41 @@ def test_repeat_drain_holds_the_node_after_three_drains_in_thirty_days(tmp_path:
     assert hold.subject == "node1" and hold.reason == "node node1 drained 3x in 20d: inspect the node"
 
 
+def test_an_operators_clear_restarts_the_count_and_an_incident_counts_once(tmp_path: Path) -> None:
+    """Review item 12: a hold cleared stays cleared until the rule's count is reached again after the clear, and
+    one incident's `fault` and later `escalate` are one fault, however far apart."""
+    ledger, clock = ledger_at(tmp_path)
+    ev = fault(clock, {})
+    drained = {"action": "drain", "outcome": "ok", "detail": "drained node1"}
+    for _ in range(3):
+        held = ledger.on_action(ev, "DrainAction", drained)
+        clock.now += DAY
+    assert [h.subject for h in held] == ["node1"]
+    ledger.on_clear("lemon", "node1", "root", 0, "replaced the PSU")  # what the engine's clear does, in order
+    ledger.release("node1")
+    clock.now += DAY
+    for n in range(3):  # unrelated drains after the repair: held again only at the third
+        assert (ledger.on_action(ev, "DrainAction", drained) == []) == (n < 2)
+        clock.now += DAY
+    gpu = {"uuid": "GPU-1", "serial": "1320000000009", "xids": [{"xid": 79}]}
+    ledger.on_event(fault(clock, gpu), "xid")
+    clock.now += DAY
+    [hold] = ledger.on_event(fault(clock, gpu), "xid")
+    ledger.on_clear("lemon", hold.subject, "root", 0, "reseated")
+    ledger.release(hold.subject)
+    clock.now += DAY
+    assert ledger.on_event(fault(clock, gpu), "xid") == []  # one fault since the reseat, not three
+    strict, clock = ledger_at(tmp_path / "strict", rules={"xid31": LemonRule(severity="warning", count=2)})
+    app = {"uuid": "GPU-1", "serial": "1320000000009", "xids": [{"xid": 31}]}
+    fired = fault(clock, app, status=Status.WARNING)
+    assert strict.on_event(fired, "xid") == []
+    clock.now += 3600  # far past `same_fault_within`
+    escalated = Event(EventKind.ESCALATED, fired.incident_id, "xid", "s", Status.CRITICAL, "worse", "node1",
+                      clock.now, fired.since, details=app)
+    assert strict.on_event(escalated, "xid") == []
+    assert [r.event for r in strict.history()] == ["fault", "escalate"]
+
+
 def test_no_rules_no_hold_and_entries_past_the_retention_are_pruned(tmp_path: Path) -> None:
     ledger, clock = ledger_at(tmp_path, rules={}, retention=DAY)
     gpu = {"uuid": "GPU-1", "serial": "1320000000009"}

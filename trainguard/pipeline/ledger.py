@@ -173,6 +173,16 @@ def episodes(times: Iterable[float], gap: float) -> list[float]:
     return out
 
 
+def by_incident(rows: Iterable[LedgerRow]) -> list[float]:
+    """The time each incident was first recorded (rows oldest first): an incident's `fault` and its later `escalate`
+    are one fault, however far apart. An entry without an incident id is its own. (Drains count each: one incident
+    re-drained after an operator's resume is drained again.)"""
+    first: dict[str, float] = {}
+    for r in rows:
+        first.setdefault(str(r.data.get("incident") or f"#{r.id}"), r.at)
+    return list(first.values())
+
+
 def awaiting_reset(details: Mapping[str, Any]) -> list[str]:
     """What a GPU's health fields (the gpu check's result details) say awaits a reset."""
     out = [words for key, words in AWAITS_RESET if details.get(key)]
@@ -398,12 +408,14 @@ class Ledger:
             subject = self.node if whole else component.id
             if subject in held or any(h.subject == subject for h in new):
                 continue
+            since = self._cleared(subject, now - rule.within)
             rows = self.store.ledger_rows(now - rule.within, None if whole else component.id,
                                           events=FAULTS if event == "fault" else ("drain",))
-            rows = [r for r in rows if (not rule.kinds or r.kind in rule.kinds)
+            rows = [r for r in rows if (r.at, r.id) > since and (not rule.kinds or r.kind in rule.kinds)
                     and (event != "fault" or (r.data.get("status") in SEVERITY[rule.severity]
                                               and (not rule.classes or r.cls in rule.classes)))]
-            firsts = episodes((r.at for r in rows), self.settings.same_fault_within)
+            firsts = episodes(by_incident(rows) if event == "fault" else [r.at for r in rows],
+                              self.settings.same_fault_within)
             if len(firsts) < rule.count:
                 continue
             labels = sorted({str(r.data.get("label") or r.cls or r.event) for r in rows})
@@ -424,6 +436,13 @@ class Ledger:
             log.warning("lemon: held drained until an operator clears it", extra=kv(
                 rule=hold.rule, component=hold.component, reason=hold.reason))
         return new
+
+    def _cleared(self, subject: str, since: float) -> tuple[float, int]:
+        """When (time, entry id) an operator last cleared the hold of `subject` (`trainguard clear lemon/SUBJECT`),
+        since `since`: the repair, after which the rules count afresh; else `since`."""
+        clears = [(r.at, r.id) for r in self.store.ledger_rows(since, events=("clear",))
+                  if r.data.get("check") == "lemon" and r.data.get("subject") == subject]
+        return max(clears, default=(since, -1))
 
     def held(self) -> dict[str, Hold]:
         out = {}
