@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -219,15 +220,61 @@ def test_a_hung_tool_is_killed_with_its_children_and_the_rest_still_runs(tools: 
     assert by["ibstat"].status is Status.OK  # the next test ran
     assert not report.passed and "dcgmi diag -r 1 killed" in report.summary()
     child = int((tools / "child").read_text())
+    wait_until(lambda: gone(child), what="the hung tool's child killed with its group")
 
-    def gone() -> bool:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return True
-        return False
 
-    wait_until(gone, what="the hung tool's child killed with its group")
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_tool_that_exits_leaving_a_child_on_its_output_is_its_result_and_the_child_is_killed(tools: Path) -> None:
+    """Review item 14: its pass is a pass, not "killed after its timeout" waiting for the pipe to close, and what it
+    left behind does not stay to hold the GPUs for the next test."""
+    script(tools, "nvidia-smi", f'cat "{DATA / "nvidia-smi-q-h100-pass.txt"}"\n'
+                                f'sleep 300 & echo $! > "{tools}/child"\nexit 0')
+    report = run_level(DiagSettings(tool_dir=str(tools), tool_timeout=5, gpus=1), "quick", free)
+    by = {r.subject: r for r in report.results}
+    assert by["nvidia-smi"].status is Status.OK, by["nvidia-smi"].summary
+    assert report.passed, report.summary()
+    child = int((tools / "child").read_text())
+    wait_until(lambda: gone(child), what="the child it left behind killed with its group")
+
+
+# A perftest pair on a TCP port: the server (no host argument) listens only after a while, as a loaded node's does;
+# the client is refused until it does, and fails as perftest fails then.
+PERFTEST = """import socket, sys, time
+port = int(sys.argv[1])
+if sys.argv[-1] != "localhost":
+    time.sleep(2)
+    with socket.create_server(("127.0.0.1", port)) as srv:
+        srv.accept()[0].close()
+    sys.exit(0)
+try:
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+except OSError:
+    print(f"Couldn't connect to localhost:{port}")
+    sys.exit(1)
+print(open(sys.argv[2]).read())
+"""
+
+
+def test_the_loopback_client_waits_for_its_server_to_listen(tools: Path) -> None:
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tools / "perftest.py").write_text(PERFTEST)
+    # not exec'd: the server listening is the shell's child, in its group
+    script(tools, "ib_write_bw", f'"{sys.executable}" "{tools}/perftest.py" {port} "{DATA / "ib_write_bw-ndr.txt"}" '
+                                 '"$@"')
+    settings = DiagSettings(tool_dir=str(tools), ib_devices=["mlx5_0"], ib_gbits=380, tool_timeout=30)
+    report = run_level(settings, "standard", free)
+    by = {r.subject: r for r in report.results}
+    assert by["ib_write_bw mlx5_0"].status is Status.OK, by["ib_write_bw mlx5_0"].summary
+    assert by["ib_write_bw mlx5_0"].details["gbits"] == 392.34
 
 
 def test_the_budget_caps_a_hang_and_leaves_the_rest_not_run(tools: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainguard.actions.base import Action, ActionContext, ActionError, ActionSettings, ActionSkippedError
+from trainguard.core.command import end_group, leader_exited, run_bounded
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status, worst
 from trainguard.core.settings import Duration, Field, model_validator
@@ -22,6 +22,7 @@ from trainguard.core.text import one_line
 from trainguard.gpu import diagtools
 from trainguard.gpu.nvml import Nvml, NvmlUnavailableError
 from trainguard.jobs.slurm import SlurmClient, SlurmError
+from trainguard.node.procfs import ProcFS
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ Level = Literal["quick", "standard", "long"]
 LEVELS: tuple[Level, ...] = ("quick", "standard", "long")
 DCGM_RUN = {"quick": 1, "standard": 2, "long": 3}  # `dcgmi diag -r N` of each level
 MAX_OUTPUT = 4 << 20  # a tool's output beyond this is cut: the readers need its table or its document, not more
-IB_SERVER_START = 1.0  # seconds the loopback's server gets to listen before its client connects
+SERVER_END_S = 2.0  # how long a loopback's server gets to end after its client did, before its group is killed
 
 
 class DiagToolSettings(ActionSettings):
@@ -101,33 +102,27 @@ class ToolRun:
 
 
 def run_group(argv: list[str], timeout: float) -> ToolRun:
-    """Run `argv` in its own session; at `timeout` the whole process group is killed (dcgmi's nvvs, nccl-tests'
-    threads, a shell script's children) and reaped."""
-    started = time.monotonic()
+    """Run `argv` through trainguard.core.command.run_bounded: in its own session, its output capped, done when it
+    exits (a background child still holding its output is not waited for), and what is left of its process group
+    (dcgmi's nvvs, nccl-tests' threads, a shell script's children) killed then, or at `timeout` with it."""
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, text=True, errors="replace")
+        done = run_bounded(argv, max(timeout, 0.1), MAX_OUTPUT, merge_stderr=True)
     except OSError as exc:
         return ToolRun(127, f"{os.path.basename(argv[0])} failed to start: {exc}", 0.0)
-    try:
-        out, _ = proc.communicate(timeout=max(timeout, 0.1))
-        rc: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        try:  # reaped; a grandchild that left the group may hold the pipe: its output is not waited for
-            out, _ = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            out = ""
-            proc.wait()
-        rc = None
-    return ToolRun(rc, (out or "")[:MAX_OUTPUT], time.monotonic() - started)
+    return ToolRun(done.code, done.stdout.decode(errors="replace"), done.elapsed)
 
 
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def until_listening(server: subprocess.Popen[Any], wait: float, proc: ProcFS) -> None:
+    """Until a process of `server`'s group listens on a TCP socket (perftest's server, ready for its client: one
+    that connects first is refused and fails the loopback), the server exits, or `wait` is up."""
+    deadline = time.monotonic() + wait
+    pause = 0.01
+    while not leader_exited(server.pid) and not any(proc.listening(pid) for pid in proc.group(server.pid)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.2)
 
 
 @dataclass
@@ -203,7 +198,7 @@ class _Plan:
         found = shutil.which(name, path=self.settings.tool_dir or None)
         if found is None and name not in self.report.absent:
             self.report.absent.append(name)
-        return found
+        return os.path.abspath(found) if found else None  # the tools run in /
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -263,16 +258,12 @@ def _loopback(plan: _Plan, name: str, expected: float) -> None:
     for device in plan.settings.ib_devices if tool else []:
         argv = [tool or name, "-d", device, "--report_gbits", "-F"]
         server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
+                                  stdin=subprocess.DEVNULL, start_new_session=True, cwd="/")
         try:
-            time.sleep(min(IB_SERVER_START, max(plan.left(), 0)))
+            until_listening(server, min(plan.settings.tool_timeout, max(plan.left(), 0)), ProcFS())
             run = plan.run([*argv, "localhost"], plan.settings.tool_timeout)
-        finally:
-            try:  # it ends with its client; one that did not (a client that never connected) is killed
-                server.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                _kill_group(server)
-                server.wait()
+        finally:  # it ends with its client; one that did not (a client that never connected) is killed, with its group
+            end_group(server, time.monotonic() + SERVER_END_S)
         plan.report.results.append(_timed_out(f"{name} {device}", run) if run.rc is None else
                                    diagtools.read_perftest(name, device, run.rc, run.out, expected))
 
@@ -280,7 +271,7 @@ def _loopback(plan: _Plan, name: str, expected: float) -> None:
 def _command(plan: _Plan) -> None:
     argv = plan.settings.command
     if argv:
-        found = shutil.which(argv[0]) if os.sep not in argv[0] else argv[0]
+        found = shutil.which(argv[0]) if os.sep not in argv[0] else os.path.abspath(argv[0])  # it runs in /
         if found is None or not os.path.exists(found):
             plan.report.absent.append(argv[0])
             return

@@ -6,9 +6,9 @@ behind, the whole group is killed with SIGKILL and the leader reaped. The leader
 until the group is killed, so its pid, which is the group's id, cannot be reused by an unrelated process in between.
 A child that starts its own session escapes the group: that is the one thing this does not catch.
 
-Its output is read up to `limit` bytes a stream; what follows is read and discarded (counted) so the script does not
-block on a full pipe, up to `DRAIN_MAX`, past which the group is killed: a script printing without end costs the
-agent a bounded amount of reading, not its whole timeout.
+Its output is read up to `limit` bytes a stream (stderr into stdout, in order, when asked); what follows is read and
+discarded (counted) so the script does not block on a full pipe, up to `DRAIN_MAX`, past which the group is killed: a
+script printing without end costs the agent a bounded amount of reading, not its whole timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 DRAIN_MAX = 64 << 20  # bytes of output read and discarded before the script is killed
 _CHUNK = 65536
@@ -39,7 +40,7 @@ class RunAs:
 class Finished:
     """How a script ended. `code` is its exit status, -N when a signal N ended it, None when it was killed here
     (`timed_out`, or `flooded`: it printed more than DRAIN_MAX). `stdout`/`stderr` are at most the limit each;
-    `discarded` counts the bytes read past it."""
+    `discarded` counts the bytes read past it. `stderr` is empty when it was merged into `stdout`."""
 
     code: int | None
     stdout: bytes
@@ -51,14 +52,16 @@ class Finished:
 
 
 def run_bounded(argv: Sequence[str], timeout: float, limit: int, *, run_as: RunAs | None = None,
-                env: Mapping[str, str] | None = None, cwd: str = "/") -> Finished:
+                env: Mapping[str, str] | None = None, cwd: str = "/", merge_stderr: bool = False) -> Finished:
     """Run `argv` (no shell) with stdin from /dev/null. Raises OSError when it cannot start (not found, not
-    executable, not permitted to change user); whatever happens after that is in the Finished."""
+    executable, not permitted to change user); whatever happens after that is in the Finished. `merge_stderr`: one
+    pipe for both streams (a tool whose readers want its messages where they came)."""
     start = time.monotonic()
     ids = {}
     if run_as is not None:
         ids = {"user": run_as.uid, "group": run_as.gid, "extra_groups": list(run_as.groups)}
-    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
                             close_fds=True, **ids)
     deadline = start + timeout
@@ -66,10 +69,10 @@ def run_bounded(argv: Sequence[str], timeout: float, limit: int, *, run_as: RunA
     discarded = 0
     timed_out = flooded = False
     exited = False
-    assert proc.stdout is not None and proc.stderr is not None
+    pipes = {name: pipe for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)) if pipe is not None}
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
-        sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+        for name, pipe in pipes.items():
+            sel.register(pipe, selectors.EVENT_READ, name)
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -92,20 +95,27 @@ def run_bounded(argv: Sequence[str], timeout: float, limit: int, *, run_as: RunA
             if discarded > DRAIN_MAX:
                 flooded = True
                 break
-            exited = _exited(proc.pid)
-    if not (timed_out or flooded):
-        timed_out = not _wait_exit(proc.pid, deadline)
-    # Whatever is left of its group goes, before the leader is reaped: its zombie keeps the group's id reserved.
-    _kill_group(proc.pid)
-    status = proc.wait()
+            exited = leader_exited(proc.pid)
+    status = end_group(proc, 0.0 if timed_out or flooded else deadline)
+    timed_out = timed_out or (status is None and not flooded)
     code = None if timed_out or flooded else status
-    proc.stdout.close()
-    proc.stderr.close()
+    for pipe in pipes.values():  # a leftover outside its group (its own session) may hold them open: not waited for
+        pipe.close()
     return Finished(code, bytes(kept["stdout"]), bytes(kept["stderr"]), discarded, time.monotonic() - start,
                     timed_out, flooded)
 
 
-def _exited(pid: int) -> bool:
+def end_group(proc: subprocess.Popen[Any], deadline: float) -> int | None:
+    """The end of a process started in its own session: wait (unreaped) until `deadline` (monotonic) for it to exit,
+    then kill whatever is left of its group and reap it. Its exit status; None when it still ran at `deadline`."""
+    exited = _wait_exit(proc.pid, deadline)
+    # Whatever is left of its group goes, before the leader is reaped: its zombie keeps the group's id reserved.
+    _kill_group(proc.pid)
+    status = proc.wait()
+    return status if exited else None
+
+
+def leader_exited(pid: int) -> bool:
     """Whether the leader has exited, leaving it unreaped (so its pid and group id stay reserved)."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -118,7 +128,7 @@ def _wait_exit(pid: int, deadline: float) -> bool:
     """Wait (unreaped) for the leader to exit, until `deadline`; whether it did. Its output closes a moment before
     it exits, so this is usually at once."""
     pause = 0.001
-    while not _exited(pid):
+    while not leader_exited(pid):
         left = deadline - time.monotonic()
         if left <= 0:
             return False

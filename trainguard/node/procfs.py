@@ -143,6 +143,27 @@ class ProcFS:
             pass
         return out
 
+    def group(self, pgid: int) -> list[int]:
+        """The processes of process group `pgid` now."""
+        out = []
+        for pid in self.pids():
+            text = self.read_text(pid, "stat") or ""
+            fields = text[text.rfind(")") + 2:].split()  # after the command name, which may hold anything
+            if len(fields) > 2 and fields[2] == str(pgid):
+                out.append(pid)
+        return out
+
+    def listening(self, pid: int) -> bool:
+        """Whether the process holds a TCP socket (IPv4 or IPv6) in the LISTEN state, per its network namespace's
+        tables."""
+        sockets = {p for p in self.open_paths(pid) if p.startswith("socket:[")}
+        for table in ("tcp", "tcp6") if sockets else ():
+            for line in (self.read_text(pid, "net", table) or "").splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets:  # 0A: TCP_LISTEN
+                    return True
+        return False
+
     def mapped_files(self, pid: int) -> set[tuple[int, int]]:
         """(device, inode) of each file mapped into the process, per /proc/PID/maps (a mapping outlives its
         descriptor: a shared-memory segment is usually mapped and closed)."""
