@@ -271,6 +271,34 @@ def test_a_lemon_is_held_drained_resume_refuses_until_an_operator_clears_it(site
         e.stop()
 
 
+def test_kernel_faults_of_the_hardware_are_recorded_against_their_gpu_and_users_crashes_not_at_all(
+        site: dict[str, Any], tmp_path: Path) -> None:
+    """Review item 9: a user's segfault and OOM kill are the kernel check's incidents but no fault of the node's
+    hardware; a GPU's failure the kernel logs by PCI address is that GPU's, by its serial."""
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    kmsg = tmp_path / "kmsg-copy"  # a saved kernel log, read once by the one-shot run
+    kmsg.write_text("".join(f"3,{n},{usec + n},-;{line}\n" for n, line in enumerate([
+        "a.out[4242]: segfault at 0 ip 00007f3a1c2b3c4d sp 00007ffd5e6f7a80 error 4 in a.out[55d0c0a00000+1000]",
+        "python invoked oom-killer: gfp_mask=0xcc0(GFP_KERNEL), order=0, oom_score_adj=0",
+        "Memory cgroup out of memory: Killed process 31337 (python) total-vm:60000000kB, anon-rss:56623104kB, "
+        "file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:1372kB oom_score_adj:0",
+        "NVRM: GPU 0000:18:00.0: RmInitAdapter failed! (0x25:0x65:1457)"])))
+    site["raw"]["checks"]["kernel"] = {"kmsg_path": str(kmsg), "actions": {"critical": []}}
+    gpu = FakeGpu("GPU-00000001-0000-4000-8000-000000000000", serial="1320000000001", bus_id=BUS)
+    e = engine(site, [gpu], Clock())
+    try:
+        e.run_check("gpu")  # the ledger learns which board sits at 18:00
+        report = e.run_check("kernel")
+        assert report is not None
+        fired = {r.subject for r in report.results if r.status is not Status.OK}
+        assert fired == {"process:a.out:4242", "process:python:31337", "pci:0000:18:00.0"}
+        assert e.ledger is not None
+        faults = [(r.kind, r.component, r.data["subject"]) for r in e.ledger.history() if r.event == "fault"]
+        assert faults == [("gpu", "1320000000001", "pci:0000:18:00.0")]
+    finally:
+        e.stop()
+
+
 def incident_id_of(e: Engine, check: str) -> str:
     """The latest incident of `check`, firing or not, from the actions recorded on it."""
     events = [r for r in e.ledger.history() if r.data.get("check") == check] if e.ledger else []

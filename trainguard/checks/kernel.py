@@ -25,6 +25,7 @@ from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field
 from trainguard.core.text import linear
 from trainguard.core.units import format_duration
+from trainguard.gpu.nvml import normalize_bus_id
 from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
 from trainguard.node.kmsg import KernelRecord, LogPoint
 from trainguard.node.mounts import read_mounts
@@ -41,6 +42,9 @@ STATE_KEY = "kernel-events"
 SAVED_TIMES = 100
 REPLAY_WAIT_S = 5.0
 PCI_KINDS = {"nvidia": "gpu", "mlx5_core": "nic", "nvme": "disk"}
+# The catalog's kinds that are the node's hardware, for the node ledger (`node`: the firmware's CPER records); an OOM
+# kill (kind memory, block oom), a process's crash, a file system or a network file server are not.
+HARDWARE_KINDS = frozenset({"cpu", "memory", "pcie", "gpu", "nic", "disk", "node"})
 # SLURM's own cgroup tree only: v2 /system.slice/slurmstepd.scope/job_123/step_0/user/task_3, v1
 # /slurm[_node]/uid_1000/job_123/step_0/task_3. A `job_N` a user made in a delegated tree of their own
 # (user@.service/app.slice/job_4711) must not name another user's job.
@@ -345,6 +349,7 @@ class KernelCheck(Check):
                  "node_fault": c.node_fault and g.status is Status.CRITICAL} for c, e, g in graded]}
             if bad:
                 details["next_step"] = bad[0][0].lever
+            details.update(self._hardware(bad or graded))
             results.append(self.result(subject, status, self._summary(subject, graded, bad), details))
         samples = [EVENTS(v, {"class": k, "kind": kind}) for (k, kind), v in sorted(totals.items())]
         samples += [ACTIVE(1 if key in active else 0, {"class": key[0], "kind": key[1]}) for key in sorted(totals)]
@@ -353,6 +358,18 @@ class KernelCheck(Check):
         results.insert(0, self.result("kernel-log", Status.OK, head, {"source": f.source, "records": f.records},
                                       samples))
         return results
+
+    def _hardware(self, graded: list[tuple[KernelClass, Entry, Grade]]) -> dict[str, Any]:
+        """What the node ledger reads (trainguard.pipeline.engine `_to_ledger`): `hardware`, whether the events (those
+        graded above OK, else all the subject's) are of the node's hardware; `bus_id`, the GPU one of them names by its
+        PCI address (the ledger knows which board sits there)."""
+        hardware = [(c, e) for c, e, _ in graded if c.kind in HARDWARE_KINDS and c.block != "oom"]
+        out: dict[str, Any] = {"hardware": bool(hardware)}
+        pci = next((e.names.get("source") or e.names.get("pci") for c, e in hardware if self._kind(c, e) == "gpu"),
+                   None)
+        if pci:
+            out["bus_id"] = normalize_bus_id(str(pci))
+        return out
 
     def _xid_reads(self) -> bool:
         """Whether an xid check reads this log too (then it acts on the classes it grades as XIDs)."""

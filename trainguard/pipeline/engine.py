@@ -438,8 +438,9 @@ class Engine:
 
     def _to_ledger(self, event: Event, check: Check) -> None:
         """A hardware check's incident fired, escalated or resolved: into the node ledger, before its actions run
-        (a lemon rule it completes holds the node before a `resume` asks)."""
-        if self.ledger is None or check.layer != "hardware":
+        (a lemon rule it completes holds the node before a `resume` asks). A result of one that says it is no fault of
+        the hardware (`hardware: false`: the kernel check's segfaults, OOM kills, file systems) is not recorded."""
+        if self.ledger is None or check.layer != "hardware" or event.details.get("hardware") is False:
             return
         try:
             self.ledger.on_event(event, self._states[event.check].kind)
