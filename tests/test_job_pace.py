@@ -370,6 +370,32 @@ def test_a_job_without_steps_has_its_pace_said_unknown_once(
         "a job's pace is unknown: no step lines, no heartbeat, no flight recorder") == 1
 
 
+def test_gpu_gauges_name_only_a_jobs_own_gpus_and_the_reasons_active_now(
+        tmp_path: Path, trainer: tuple[subprocess.Popen[bytes], str, Path]) -> None:
+    """A job that holds no GPU is given every GPU only when it is alone on the node; with another job there, which
+    GPU is whose can't be told: no per-GPU gauges for either (10 jobs x 8 GPUs of them were half of /metrics)."""
+    _, marker, switch = trainer
+    fake = FakeNvml([FakeGpu("GPU-a"), FakeGpu("GPU-b", bus_id=b"00000000:19:00.0", clock_events=0x8)])
+    clock = Clock()
+    clock.now = time.time()
+    alone = pace_check(tmp_path, marker, switch, fake, clock, fake_proc(tmp_path / "proc")).run()
+    gauges = sorted((s.name, s.labels["gpu"], s.labels.get("reason", "")) for r in alone for s in r.samples
+                    if s.name.startswith("trainguard_job_gpu"))
+    assert gauges == [("trainguard_job_gpu_clock_ratio", "0", ""), ("trainguard_job_gpu_clock_ratio", "1", ""),
+                      ("trainguard_job_gpu_slowdown", "1", "hw_slowdown")]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker + "-b"])
+    try:
+        jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+            name: ProcessJobSettings(cmdline=cmd, user="root", switch_dir=str(switch), job_id=name)
+            for name, cmd in (("a", f"{marker}$"), ("b", f"{marker}-b"))}), "node1", clock)
+        ctx = CheckContext("node1", tmp_path, clock, nvml=Nvml(fake), jobs=jobs, proc=fake_proc(tmp_path / "proc"))
+        two = JobPaceCheck("pace", JobPaceSettings.model_validate({"flight_recorder": False}), ctx).run()
+        assert len(two) == 2
+        assert not [s for r in two for s in r.samples if s.name.startswith("trainguard_job_gpu")]
+    finally:
+        other.kill()
+        other.wait()
+
 # Per rank ---------------------------------------------------------------------------------------------------------
 def excerpt(name: str) -> list[str]:
     """The non-empty lines of one real excerpt of tests/data/logs/excerpts.toml (each names its public thread)."""

@@ -29,7 +29,7 @@ from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.pace import Pace, PaceSettings, Verdict
 from trainguard.core.settings import Duration, Field
 from trainguard.core.text import one_line
-from trainguard.gpu.nvml import SLOWDOWN_REASONS, Clocks, GpuState, NvmlUnavailableError, PcieLink
+from trainguard.gpu.nvml import Clocks, GpuState, NvmlUnavailableError, PcieLink
 from trainguard.gpu.slowdown import MAX_OTHERS, GpuEvidence, co_tenant, gpu_evidence
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import HEARTBEAT, flight_traces, heartbeat_path, job_pids, job_processes, read_beat
@@ -50,13 +50,16 @@ WAIT = Metric("trainguard_rank_collective_wait_ratio", "The share of a rank's re
 CLOCK = Metric("trainguard_job_gpu_clock_ratio", "SM clock over its maximum of each GPU of a job on this node.",
                ("job_id", "gpu"))
 REASON = Metric("trainguard_job_gpu_slowdown", "1 while a GPU of a job on this node is held back for this reason "
-                "(NVML clock-event reasons).", ("job_id", "gpu", "reason"))
+                "(NVML clock-event reasons); absent otherwise.", ("job_id", "gpu", "reason"))
 HOST = Metric("trainguard_job_host_pressure", "This node's pressure where a job runs: PSI some avg60 of cpu, io and "
               "memory, CPU steal and iowait shares (ratios), swap-ins a second.", ("job_id", "resource"))
 RANK_STEP = Metric("trainguard_rank_step_seconds", "A rank's step time now, where its log lines name it "
                    "(`[rankN]:`, srun --label's `N: `): at most 16 ranks a job on this node.", ("job_id", "rank"))
 RANK_SLOWDOWN = Metric("trainguard_rank_slowdown_ratio", "A rank's step time now over its own baseline.",
                        ("job_id", "rank"))
+EVIDENCE = Metric("trainguard_job_node_evidence", "How many things this node shows that could slow a job (its GPUs', "
+                  "links', CPUs' and host's; busy CPUs only while the job is slow): 0, the cause is elsewhere.",
+                  ("job_id",))
 MAX_SERIES_PER_JOB = 16  # also what bounds the ranks a job exports here
 MAX_RANKS_NAMED = 3
 
@@ -90,7 +93,7 @@ class Node:
     gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]
     table: ProcessTable
     before: ProcessTable | None
-
+    jobs: int  # running on this node
     @cached_property
     def cpu_use(self) -> dict[int, float]:
         """Each process's CPU use since the last run: one pass over the table, only in a run where a job is slow."""
@@ -192,7 +195,7 @@ def gauges(job_id: str, host: dict[str, float], waits: dict[str, float] | None,
 
 class JobPaceCheck(JobCheck):
     Settings = JobPaceSettings
-    metrics = (STEP, BASELINE, SLOWDOWN, RANK_STEP, RANK_SLOWDOWN, WAIT, CLOCK, REASON, HOST)
+    metrics = (STEP, BASELINE, SLOWDOWN, RANK_STEP, RANK_SLOWDOWN, WAIT, CLOCK, REASON, HOST, EVIDENCE)
     settings: JobPaceSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -217,7 +220,7 @@ class JobPaceCheck(JobCheck):
         self._host = host
         said, gauges = host_evidence(before, host)
         table = self.context.processes.get()
-        node = Node(said, gauges, self._gpus(), table, self._table)
+        node = Node(said, gauges, self._gpus(), table, self._table, len(jobs))
         self._table = table
         for job, deadline in self.budgets(jobs):  # a rank's flight recorder answers within its job's share
             results.append(self._job(job, now, node, deadline))
@@ -248,6 +251,7 @@ class JobPaceCheck(JobCheck):
         if found is not None and found[1].slow_since is not None:  # the CPUs are looked at only for a slow job
             evidence += busy_on_job_cpus(node.cpu_use, node.table, pids, self.context.proc)
         evidence += node.said
+        samples.append(EVIDENCE(float(len(evidence)), {"job_id": job_id}))
         details: dict[str, Any] = {"job_key": job.key, "job_id": job.job_id, "name": job.name}
         if found is None:
             return self._unknown(job, state, details, samples)
@@ -310,7 +314,7 @@ class JobPaceCheck(JobCheck):
         """What this node's GPUs of the job (its processes `job`) show (in words), their gauges added to `samples`."""
         pids, gpus = set(job), node.gpus
         said = []
-        for index in self._job_gpus(pids, gpus):
+        for index in self._job_gpus(pids, gpus, node.jobs == 1):
             gpu, clocks, link = gpus[index]
             replays = link.replays if link is not None else None
             grew = max(0, replays - self._replays.get(index, replays)) if replays is not None else 0
@@ -323,20 +327,20 @@ class JobPaceCheck(JobCheck):
             labels = {"job_id": job_id, "gpu": str(index)}
             if found.clock_ratio is not None:
                 samples.append(CLOCK(found.clock_ratio, labels))
-            if clocks is not None and clocks.reasons is not None:
-                samples += [REASON(float(r in found.reasons), {**labels, "reason": r})
-                            for r in SLOWDOWN_REASONS.values()]
+            # only the reasons active now: 5 zeros a GPU and job were most of a node's /metrics (docs/benchmarks.md)
+            samples += [REASON(1.0, {**labels, "reason": r}) for r in found.reasons]
             if found.said:
                 said.append(found.describe())
         return said
 
-    def _job_gpus(self, pids: set[int], gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]) -> list[int]:
-        """The GPUs the job's processes hold, else those CUDA_VISIBLE_DEVICES names, else every GPU (a node given to
-        one job)."""
+    def _job_gpus(self, pids: set[int], gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]],
+                  alone: bool) -> list[int]:
+        """The GPUs the job's processes hold, else those CUDA_VISIBLE_DEVICES names, else every GPU when the job is
+        `alone` on this node (a node given to one job); else none (which of the node's jobs a GPU is can't be told)."""
         held = [i for i, (g, _, _) in gpus.items() if any(p.pid in pids for p in g.processes or ())]
         if held:
             return sorted(held)
         visible = visible_devices(sorted(pids), self.context.proc)
         states = [g for g, _, _ in gpus.values()]
         named = {g.index for o in range(len(visible or ())) if (g := pick_gpu(states, o, pids, visible)) is not None}
-        return sorted(named) if named else sorted(gpus)
+        return sorted(named) if named else sorted(gpus) if alone else []
