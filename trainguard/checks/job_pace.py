@@ -94,6 +94,7 @@ class Node:
     table: ProcessTable
     before: ProcessTable | None
     jobs: int  # running on this node
+
     @cached_property
     def cpu_use(self) -> dict[int, float]:
         """Each process's CPU use since the last run: one pass over the table, only in a run where a job is slow."""
