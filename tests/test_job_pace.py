@@ -17,21 +17,24 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import require, require_root, wait_until
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
+from tests.slurm_cluster import OTHER_USER, ensure_user
 from tests.test_gpu import Clock
+from tests.test_log_excerpts import EXCERPTS
 from trainguard.checks.base import CheckContext
 from trainguard.checks.job_pace import JobPaceCheck, JobPaceSettings
 from trainguard.core.model import Result, Status
 from trainguard.core.pace import Pace, PaceLedger, PaceSettings, weighted_median
 from trainguard.gpu.nvml import Clocks, Nvml, PcieLink
-from trainguard.gpu.slowdown import gpu_evidence
+from trainguard.gpu.slowdown import co_tenant, gpu_evidence
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.logscan.context import step_marks
 from trainguard.node.flight import parse_dump
-from trainguard.node.pressure import host_evidence, host_sample
+from trainguard.node.pressure import CO_TENANT, host_evidence, host_sample
 from trainguard.node.procfs import ProcFS
+from trainguard.node.proctable import ProcessSnapshots
 
 SETTINGS = PaceSettings()
 
@@ -210,9 +213,12 @@ def test_pcie_ecc_and_co_tenants_in_words() -> None:
 
     link = PcieLink(generation=4, generation_max=5, width=8, width_max=16, replays=120, utilization=95)
     gpu = GpuState(0, "GPU-a", "H100", "0000:18:00", remap_pending=True)
-    found = gpu_evidence(0, clocks(), link, gpu, replays=20, others=[4242])
+    found = gpu_evidence(0, clocks(), link, gpu, replays=20, others=[co_tenant(4242, "python", "tgother", 8 << 30,
+                                                                               80 << 30)])
     assert found.said == ("PCIe link x8 of x16", "PCIe gen 4 of 5", "20 PCIe replays", "row remapping pending",
-                          "1 other process on it (pid 4242)")
+                          "another process on it: pid 4242 (python, user tgother) 8.0 GiB, 10% of its memory")
+    many = gpu_evidence(0, None, others=[co_tenant(p, "x", "root", None, None) for p in (1, 2, 3)], count=5)
+    assert many.said == ("5 other processes on it: pid 1 (x, user root); pid 2 (x, user root); pid 3 (x, user root)",)
     idle = PcieLink(generation=1, generation_max=5, width=16, width_max=16, replays=0, utilization=0)
     assert gpu_evidence(0, clocks(), idle).said == ()  # an idle GPU lowers its link generation to save power
 
@@ -274,10 +280,11 @@ def trainer(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path
 
 
 def pace_check(tmp_path: Path, marker: str, switch: Path, fake: FakeNvml, clock: Clock,
-               proc: ProcFS, **extra: object) -> JobPaceCheck:
+               proc: ProcFS, snapshots: ProcessSnapshots | None = None, **extra: object) -> JobPaceCheck:
     jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={"trainer": ProcessJobSettings(
         cmdline=marker, user="root", switch_dir=str(switch), job_id="7001")}), "node1", clock)
-    ctx = CheckContext("node1", tmp_path, clock, nvml=Nvml(fake), jobs=jobs, proc=proc)
+    ctx = CheckContext("node1", tmp_path, clock, nvml=Nvml(fake), jobs=jobs, proc=proc,
+                       **({"processes": snapshots} if snapshots is not None else {}))
     settings = JobPaceSettings.model_validate({"flight_recorder": False, **extra})
     return JobPaceCheck("pace", settings, ctx)
 
@@ -362,6 +369,178 @@ def test_a_job_without_steps_has_its_pace_said_unknown_once(
     assert [r.getMessage() for r in caplog.records].count(
         "a job's pace is unknown: no step lines, no heartbeat, no flight recorder") == 1
 
+
+def test_gpu_gauges_name_only_a_jobs_own_gpus_and_the_reasons_active_now(
+        tmp_path: Path, trainer: tuple[subprocess.Popen[bytes], str, Path]) -> None:
+    """A job that holds no GPU is given every GPU only when it is alone on the node; with another job there, which
+    GPU is whose can't be told: no per-GPU gauges for either (10 jobs x 8 GPUs of them were half of /metrics)."""
+    _, marker, switch = trainer
+    fake = FakeNvml([FakeGpu("GPU-a"), FakeGpu("GPU-b", bus_id=b"00000000:19:00.0", clock_events=0x8)])
+    clock = Clock()
+    clock.now = time.time()
+    alone = pace_check(tmp_path, marker, switch, fake, clock, fake_proc(tmp_path / "proc")).run()
+    gauges = sorted((s.name, s.labels["gpu"], s.labels.get("reason", "")) for r in alone for s in r.samples
+                    if s.name.startswith("trainguard_job_gpu"))
+    assert gauges == [("trainguard_job_gpu_clock_ratio", "0", ""), ("trainguard_job_gpu_clock_ratio", "1", ""),
+                      ("trainguard_job_gpu_slowdown", "1", "hw_slowdown")]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker + "-b"])
+    try:
+        jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+            name: ProcessJobSettings(cmdline=cmd, user="root", switch_dir=str(switch), job_id=name)
+            for name, cmd in (("a", f"{marker}$"), ("b", f"{marker}-b"))}), "node1", clock)
+        ctx = CheckContext("node1", tmp_path, clock, nvml=Nvml(fake), jobs=jobs, proc=fake_proc(tmp_path / "proc"))
+        two = JobPaceCheck("pace", JobPaceSettings.model_validate({"flight_recorder": False}), ctx).run()
+        assert len(two) == 2
+        assert not [s for r in two for s in r.samples if s.name.startswith("trainguard_job_gpu")]
+    finally:
+        other.kill()
+        other.wait()
+
+# Per rank ---------------------------------------------------------------------------------------------------------
+def excerpt(name: str) -> list[str]:
+    """The non-empty lines of one real excerpt of tests/data/logs/excerpts.toml (each names its public thread)."""
+    return [line for line in next(e for e in EXCERPTS if e["name"] == name)["text"].splitlines() if line.strip()]
+
+
+def test_step_marks_per_rank_under_srun_label_and_pytorchs_rank_prefix() -> None:
+    """Real step lines as the launchers carry them: Megatron-DeepSpeed's iteration lines (its issue 396) under srun
+    --label (`N: ` before each task's line), and a trainer's `[01:53:32] step 1980/2000` lines (the UNO report) under
+    PyTorch 2.2+'s `[rankN]:`. Each rank's last step is its own."""
+    megatron = excerpt("megatron_grad_norm_nan")
+    srun = "".join(f"{rank}: {line}\n" for i, line in enumerate(megatron) for rank in (0, 1) if rank == 0 or i < 2)
+    marks = step_marks(srun.encode())
+    assert marks["0"][0] == 5428 and marks["1"][0] == 5427 and None not in marks
+    uno = [line for line in excerpt("system_error_async_mid_run") if " step " in line]
+    torch = "".join(f"[rank{rank}]: {line}\n" for line in uno for rank in (3, 7))
+    marks = step_marks(torch.encode())
+    assert marks["3"][0] == 2000 and marks["7"][0] == 2000
+
+
+def run_ranks(check: JobPaceCheck, clock: Clock, key: str, state: dict[str, tuple[float, int]], seconds: float,
+              step_s: dict[str, float]) -> Result:
+    """Each rank's log line read every 30 s of the fake clock (its last step, stamped when it ended), then a run."""
+    result = None
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now += 30
+        for rank, took in step_s.items():
+            t, step = state[rank]
+            n = int((clock.now - t) // took)
+            state[rank] = (t + n * took, step + n)
+            check.context.paces.record(key, f"/scratch/train.log|{rank}", step + n, t + n * took)
+        [result] = check.run()
+    assert result is not None
+    return result
+
+
+def test_the_slow_rank_is_named_and_ranks_slow_alike_are_said_so(
+        tmp_path: Path, trainer: tuple[subprocess.Popen[bytes], str, Path]) -> None:
+    """Ranks whose steps do not wait for each other (here rank 3 slows 1.5x alone) name the slow one; ranks of a
+    synchronous job slow alike, and the pace alone can't name which one sets it (the flight recorder can)."""
+    _, marker, switch = trainer
+    clock = Clock()
+    clock.now = time.time()
+    check = pace_check(tmp_path, marker, switch, FakeNvml([]), clock, fake_proc(tmp_path / "proc"), heartbeat="")
+    [first] = check.run()
+    key = first.details["job_key"]
+    state = {r: (clock.now, 0) for r in "0123"}
+    healthy = run_ranks(check, clock, key, state, 900, dict.fromkeys("0123", 2.0))
+    assert healthy.status is Status.OK and "at its own pace, 2 s/step against 2" in healthy.summary
+    one = run_ranks(check, clock, key, state, 720, {**dict.fromkeys("012", 2.0), "3": 3.0})
+    assert one.status is Status.WARNING
+    assert "runs 1.50x slower than its own pace since" in one.summary
+    assert "(3 s/step against 2); rank 3 (1.50x) slow, the other 3 ranks here at their own pace; this node shows " \
+           "nothing" in one.summary
+    values = {(s.name, s.labels.get("rank")): s.value for s in one.samples}
+    assert values[("trainguard_rank_step_seconds", "3")] == pytest.approx(3.0)
+    assert values[("trainguard_rank_slowdown_ratio", "3")] == pytest.approx(1.5)
+    assert values[("trainguard_rank_slowdown_ratio", "0")] == pytest.approx(1.0)
+    alike = run_ranks(check, clock, key, state, 720, dict.fromkeys("0123", 3.0))
+    assert alike.status is Status.WARNING and "(3 s/step against 2); its 4 ranks here slow alike;" in alike.summary
+
+
+# CPU co-tenants ----------------------------------------------------------------------------------------------------
+def busy_loop(user: str | None = None, cpus: set[int] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["sh", "-c", "while :; do :; done"], user=user, **kw)
+    if cpus is not None:
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
+
+
+def slow_job(tmp_path: Path, marker: str, switch: Path, clock: Clock,
+             fake: FakeNvml | None = None) -> tuple[JobPaceCheck, dict[str, float]]:
+    """A job found slow by its heartbeat (15 minutes at 2 s/step, 12 at 3), with a fresh process table each run
+    (the real /proc: this VM's own pressure may be named too)."""
+    check = pace_check(tmp_path, marker, switch, fake or FakeNvml([]), clock, ProcFS(), ProcessSnapshots(max_age=0))
+    state = {"t": clock.now, "step": 0.0}
+    run_for(check, clock, switch, state, 900, 2.0)
+    assert run_for(check, clock, switch, state, 720, 3.0).status is Status.WARNING
+    return check, state
+
+
+def test_another_users_busy_process_on_the_jobs_cpus_is_named_and_one_pinned_elsewhere_is_not(
+        tmp_path: Path, trainer: tuple[subprocess.Popen[bytes], str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real busy loop of the other test user on the job's CPU (0) is named with its share; its twin pinned to
+    CPU 1 competes with nobody of the job's and is not. The first also holds 8 GiB on the job's GPU (scripted NVML):
+    named there too, with who it is."""
+    require_root()
+    require(len(os.sched_getaffinity(0)) >= 2, "needs two CPUs")
+    ensure_user(OTHER_USER)
+    monkeypatch.setitem(CO_TENANT, "cpus", 0.2)  # a loaded 2-CPU VM may give the busy loop less than half a CPU
+    proc, marker, switch = trainer
+    os.sched_setaffinity(proc.pid, {0})
+    clock = Clock()
+    clock.now = time.time()
+    fake = FakeNvml([FakeGpu("GPU-a", processes=[(proc.pid, 1 << 30)])])
+    check, state = slow_job(tmp_path, marker, switch, clock, fake)
+    here, elsewhere = busy_loop(OTHER_USER, {0}), busy_loop(OTHER_USER, {1})
+    fake.gpus[0].processes.append((here.pid, 8 << 30))
+    try:
+        def named() -> str | None:
+            time.sleep(1.2)  # CPU time is compared between two runs at least a second apart
+            summary = run_for(check, clock, switch, state, 30, 3.0).summary
+            return summary if f"pid {here.pid} (sh, user {OTHER_USER})" in summary else None
+        summary = str(wait_until(named, 30, what="the busy loop named"))
+        found = re.search(rf"busy on the job's CPUs: pid {here.pid} \(sh, user {OTHER_USER}\) (\S+) CPUs, (\d+)% of "
+                          r"the job's", summary)
+        assert found, summary
+        # of its 1 CPU; ticks counted over ~1.2 s, the table read between two clock readings: a little over 1 is 1
+        assert 0.2 <= float(found.group(1)) <= 1.3 and 20 <= int(found.group(2)) <= 130, summary
+        assert f"pid {elsewhere.pid}" not in summary
+        assert f"; on this node: GPU 0: another process on it: pid {here.pid} (sh, user {OTHER_USER}) 8.0 GiB, 10% of " \
+               "its memory; busy on the job's CPUs: " in summary
+    finally:
+        for p in (here, elsewhere):
+            p.kill()
+            p.wait()
+
+
+def test_the_jobs_own_processes_using_all_its_cpus_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job pinned to CPU 0 whose child (a runaway data loader) spins: the job's own processes use its one CPU."""
+    marker = f"pace-loader-{uuid.uuid4().hex}"
+    job = subprocess.Popen([sys.executable, "-c", "import os, subprocess, time; os.sched_setaffinity(0, {0}); "
+                            "subprocess.Popen(['sh', '-c', 'while :; do :; done']); time.sleep(120)", marker],
+                           start_new_session=True)
+    monkeypatch.setitem(CO_TENANT, "own", 0.3)  # a loaded 2-CPU VM may give the spinning child less than 0.9 CPU
+    try:
+        switch = tmp_path / "switch"
+        switch.mkdir()
+        clock = Clock()
+        clock.now = time.time()
+        check, state = slow_job(tmp_path, marker, switch, clock)
+
+        def named() -> str | None:
+            time.sleep(1.2)
+            summary = run_for(check, clock, switch, state, 30, 3.0).summary
+            return summary if "the job's own processes use" in summary else None
+        summary = str(wait_until(named, 30, what="the job's own CPU use"))
+        found = re.search(r"the job's own processes use (\S+) of its 1 CPUs \(busiest: pid (\d+) \(sh, user root\) ",
+                          summary)
+        assert found, summary
+        assert 0.3 <= float(found.group(1)) <= 1.3 and int(found.group(2)) != job.pid, summary
+    finally:
+        os.killpg(job.pid, 9)
+        job.wait()
 
 # End to end -------------------------------------------------------------------------------------------------------
 TOY = Path(__file__).resolve().parent.parent / "examples" / "train_toy.py"

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
@@ -27,12 +28,14 @@ from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.pace import Pace, PaceSettings, Verdict
 from trainguard.core.settings import Duration, Field
-from trainguard.gpu.nvml import SLOWDOWN_REASONS, Clocks, GpuState, NvmlUnavailableError, PcieLink
-from trainguard.gpu.slowdown import GpuEvidence, gpu_evidence
+from trainguard.core.text import one_line
+from trainguard.gpu.nvml import Clocks, GpuState, NvmlUnavailableError, PcieLink
+from trainguard.gpu.slowdown import MAX_OTHERS, GpuEvidence, co_tenant, gpu_evidence
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import HEARTBEAT, flight_traces, heartbeat_path, job_pids, job_processes, read_beat
 from trainguard.logscan.context import pick_gpu, visible_devices
-from trainguard.node.pressure import HostSample, host_evidence, host_sample
+from trainguard.node.pressure import HostSample, busy_on_job_cpus, cpu_use, host_evidence, host_sample, user_name
+from trainguard.node.proctable import ProcessTable
 
 log = logging.getLogger("trainguard.checks.job_pace")
 
@@ -47,10 +50,18 @@ WAIT = Metric("trainguard_rank_collective_wait_ratio", "The share of a rank's re
 CLOCK = Metric("trainguard_job_gpu_clock_ratio", "SM clock over its maximum of each GPU of a job on this node.",
                ("job_id", "gpu"))
 REASON = Metric("trainguard_job_gpu_slowdown", "1 while a GPU of a job on this node is held back for this reason "
-                "(NVML clock-event reasons).", ("job_id", "gpu", "reason"))
+                "(NVML clock-event reasons); absent otherwise.", ("job_id", "gpu", "reason"))
 HOST = Metric("trainguard_job_host_pressure", "This node's pressure where a job runs: PSI some avg60 of cpu, io and "
               "memory, CPU steal and iowait shares (ratios), swap-ins a second.", ("job_id", "resource"))
-MAX_SERIES_PER_JOB = 16
+RANK_STEP = Metric("trainguard_rank_step_seconds", "A rank's step time now, where its log lines name it "
+                   "(`[rankN]:`, srun --label's `N: `): at most 16 ranks a job on this node.", ("job_id", "rank"))
+RANK_SLOWDOWN = Metric("trainguard_rank_slowdown_ratio", "A rank's step time now over its own baseline.",
+                       ("job_id", "rank"))
+EVIDENCE = Metric("trainguard_job_node_evidence", "How many things this node shows that could slow a job (its GPUs', "
+                  "links', CPUs' and host's; busy CPUs only while the job is slow): 0, the cause is elsewhere.",
+                  ("job_id",))
+MAX_SERIES_PER_JOB = 16  # also what bounds the ranks a job exports here
+MAX_RANKS_NAMED = 3
 
 
 class JobPaceSettings(CheckSettings):
@@ -73,6 +84,28 @@ class JobPaceSettings(CheckSettings):
 
 
 @dataclass
+class Node:
+    """What this node shows in one run, for every job: the host's suspects in words and its gauges, the GPUs with
+    their clocks and links, the process snapshot and the last run's."""
+
+    said: list[str]
+    host: dict[str, float]
+    gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]
+    table: ProcessTable
+    before: ProcessTable | None
+    jobs: int  # running on this node
+
+    @cached_property
+    def cpu_use(self) -> dict[int, float]:
+        """Each process's CPU use since the last run: one pass over the table, only in a run where a job is slow."""
+        return cpu_use(self.before, self.table)
+
+    def command(self, pid: int) -> str:
+        info = self.table.procs.get(pid)
+        return one_line(info.comm, 32) if info is not None else "?"
+
+
+@dataclass
 class JobPace:
     """One job's series (`path|rank` of its logs, `heartbeat`) and what was said of it."""
 
@@ -83,15 +116,50 @@ class JobPace:
     trainer_step_time: float | None = None  # the trainer's own last measure (heartbeat `step_time`)
 
 
-def lead(paces: dict[str, Pace], settings: PaceSettings, now: float) -> tuple[str, Verdict] | None:
+def lead(paces: dict[str, Pace], verdicts: dict[str, Verdict], settings: PaceSettings,
+         now: float) -> tuple[str, Verdict] | None:
     """The series the job's pace is told from: the heartbeat when it has a baseline, else the series whose baseline
-    covers the most steps; None while none has a pace."""
-    verdicts = {name: p.evaluate(now, settings) for name, p in paces.items()}
+    covers the most steps; but a series slow for `slow_for` while that one is not (ranks that do not wait for each
+    other: one of them is slow), the slowest such; None while none has a pace."""
     known = [n for n, v in verdicts.items() if v.baseline is not None]
     if not known:
         return next(((n, v) for n, v in verdicts.items() if v.pace is not None), None)
     name = BEAT if BEAT in known else max(known, key=lambda n: sum(w for _, w in paces[n].pool))
+    slow = [n for n in known if verdicts[n].slow(now, settings)]
+    if slow and not verdicts[name].slow(now, settings):
+        name = max(slow, key=lambda n: verdicts[n].ratio or 0.0)
     return name, verdicts[name]
+
+
+def rank_of(series: str) -> str | None:
+    """The rank a log series (`path|rank`) is of; None for the heartbeat and lines that name no rank."""
+    _, bar, rank = series.rpartition("|")
+    return rank if bar and rank else None
+
+
+def by_rank(verdicts: dict[str, Verdict]) -> dict[str, Verdict]:
+    """Each rank's verdict (its series with a pace; where two logs carry one rank, the first by name)."""
+    ranks: dict[str, Verdict] = {}
+    for series in sorted(verdicts):
+        rank = rank_of(series)
+        if rank is not None and verdicts[series].pace is not None:
+            ranks.setdefault(rank, verdicts[series])
+    return ranks
+
+
+def rank_note(ranks: dict[str, Verdict], settings: PaceSettings, now: float) -> str:
+    """Which of the job's ranks here are slow when they are not all slow: the slow rank named; all slow alike (the
+    synchronous case, each rank's steps wait for the slowest: Prometheus names it from the flight recorder)."""
+    known = {r: v for r, v in ranks.items() if v.ratio is not None}
+    slow = sorted((r for r, v in known.items() if v.slow(now, settings)), key=lambda r: -(known[r].ratio or 0.0))
+    if not slow or len(known) < 2:
+        return ""
+    if len(slow) == len(known):
+        return f"; its {len(known)} ranks here slow alike"
+    named = ", ".join(f"{r} ({known[r].ratio or 0.0:.2f}x)" for r in slow[:MAX_RANKS_NAMED])
+    others = len(known) - len(slow)
+    return (f"; rank{'s' if len(slow) > 1 else ''} {named} slow, the other {others} rank{'s' if others > 1 else ''} "
+            "here at their own pace")
 
 
 def clock_time(when: float) -> str:
@@ -99,9 +167,9 @@ def clock_time(when: float) -> str:
 
 
 def summarize(label: str, verdict: Verdict, settings: PaceSettings, now: float, evidence: Sequence[str],
-              pinned: Status = Status.WARNING) -> tuple[Status, str]:
+              pinned: Status = Status.WARNING, ranks: str = "") -> tuple[Status, str]:
     """The job's status and summary from its verdict and this node's evidence (`pinned`: the status when the
-    evidence is this node's GPUs', listed first)."""
+    evidence is this node's GPUs', listed first; `ranks`: `rank_note`)."""
     if verdict.pace is None:
         return Status.OK, f"{label}: no steady steps yet"
     if verdict.baseline is None or verdict.ratio is None:
@@ -114,12 +182,21 @@ def summarize(label: str, verdict: Verdict, settings: PaceSettings, now: float, 
         "; this node shows nothing that would slow it: the cause is elsewhere (another node, the network, storage)"
     status = pinned if evidence and evidence[0].startswith("GPU ") else Status.WARNING
     since = clock_time(verdict.slow_since if verdict.slow_since is not None else now)
-    return status, f"{label} runs {verdict.ratio:.2f}x slower than its own pace since {since} ({pace}){where}"
+    return status, f"{label} runs {verdict.ratio:.2f}x slower than its own pace since {since} ({pace}){ranks}{where}"
+
+
+def gauges(job_id: str, host: dict[str, float], waits: dict[str, float] | None,
+           ranks: dict[str, Verdict]) -> list[Sample]:
+    """A job's gauges but its own pace's: the host's pressure, each local rank's collective wait and pace."""
+    samples = [HOST(v, {"job_id": job_id, "resource": r}) for r, v in sorted(host.items())]
+    samples += [WAIT(w, {"job_id": job_id, "rank": r}) for r, w in sorted((waits or {}).items())]
+    return samples + [m(x, {"job_id": job_id, "rank": r}) for r, v in sorted(ranks.items())
+                      for m, x in ((RANK_STEP, v.pace), (RANK_SLOWDOWN, v.ratio)) if x is not None]
 
 
 class JobPaceCheck(JobCheck):
     Settings = JobPaceSettings
-    metrics = (STEP, BASELINE, SLOWDOWN, WAIT, CLOCK, REASON, HOST)
+    metrics = (STEP, BASELINE, SLOWDOWN, RANK_STEP, RANK_SLOWDOWN, WAIT, CLOCK, REASON, HOST, EVIDENCE)
     settings: JobPaceSettings
 
     def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
@@ -128,6 +205,7 @@ class JobPaceCheck(JobCheck):
         self.pace = PaceSettings(s.slowdown, s.slow_for, s.window, s.warmup_steps, s.baseline_steps)
         self._jobs: dict[str, JobPace] = {}
         self._host: HostSample | None = None
+        self._table: ProcessTable | None = None  # the process snapshot of the last run: CPU use is between two
         self._replays: dict[int, int] = {}  # GPU index -> PCIe replay count at the last look
 
     def run(self) -> Sequence[Result]:
@@ -136,15 +214,17 @@ class JobPaceCheck(JobCheck):
         jobs = [job for job in view.jobs if job.on_this_node and job.running]
         self._jobs = {key: state for key, state in self._jobs.items() if key in {job.key for job in jobs}}
         if not jobs:  # an idle node costs the view only
-            self._host = None  # the CPU shares are taken between two runs with a job, never across an idle stretch
+            self._host = self._table = None  # CPU shares are between two runs with a job, never across an idle stretch
             return results
         now = self.context.clock()
         before, host = self._host, host_sample(self.context.proc, now)
         self._host = host
         said, gauges = host_evidence(before, host)
-        gpus = self._gpus()
+        table = self.context.processes.get()
+        node = Node(said, gauges, self._gpus(), table, self._table, len(jobs))
+        self._table = table
         for job, deadline in self.budgets(jobs):  # a rank's flight recorder answers within its job's share
-            results.append(self._job(job, now, said, gauges, gpus, deadline))
+            results.append(self._job(job, now, node, deadline))
         return results
 
     def _gpus(self) -> dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]:
@@ -158,36 +238,46 @@ class JobPaceCheck(JobCheck):
             return {}
         return {g.index: (g, clocks.get(g.index), links.get(g.index)) for g in states if not g.lost}
 
-    def _job(self, job: Job, now: float, host_said: list[str], host: dict[str, float],
-             gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]], deadline: Deadline) -> Result:
+    def _job(self, job: Job, now: float, node: Node, deadline: Deadline) -> Result:
         state = self._jobs.setdefault(job.key, JobPace({}))
         self._feed(job, state)
         label, job_id = job.label(), job.job_id or job.name
         self._flight(job, state, now, deadline)
-        found = lead(state.series, self.pace, now)
-        samples: list[Sample] = [HOST(v, {"job_id": job_id, "resource": r}) for r, v in sorted(host.items())]
-        samples += [WAIT(w, {"job_id": job_id, "rank": r}) for r, w in sorted((state.waits or {}).items())]
-        evidence = self._evidence(job, job_id, gpus, samples)
+        verdicts = {name: p.evaluate(now, self.pace) for name, p in state.series.items()}
+        found = lead(state.series, verdicts, self.pace, now)
+        ranks = by_rank(verdicts)
+        samples = gauges(job_id, node.host, state.waits, ranks)
+        pids = job_pids(job, node.table)
+        evidence = self._evidence(job_id, pids, node, samples)
+        if found is not None and found[1].slow_since is not None:  # the CPUs are looked at only for a slow job
+            evidence += busy_on_job_cpus(node.cpu_use, node.table, pids, self.context.proc)
+        evidence += node.said
+        samples.append(EVIDENCE(float(len(evidence)), {"job_id": job_id}))
         details: dict[str, Any] = {"job_key": job.key, "job_id": job.job_id, "name": job.name}
         if found is None:
-            if not state.unknown_said and not state.series:
-                state.unknown_said = True
-                log.info("a job's pace is unknown: no step lines, no heartbeat, no flight recorder",
-                         extra=kv(check=self.name, job=job.key))
-            details["pace"] = "unknown"
-            what = "no step lines read yet" if state.series else "no step lines, no heartbeat"
-            return self.result(job.key, Status.OK, f"{label}: pace unknown ({what})", details, samples)
+            return self._unknown(job, state, details, samples)
         series, verdict = found
         pinned = Status.CRITICAL if self.settings.critical_when_pinned else Status.WARNING
-        status, summary = summarize(label, verdict, self.pace, now, [*evidence, *host_said], pinned)
+        status, summary = summarize(label, verdict, self.pace, now, evidence, pinned, rank_note(ranks, self.pace, now))
         for metric, value in ((STEP, verdict.pace), (BASELINE, verdict.baseline), (SLOWDOWN, verdict.ratio)):
             if value is not None:
                 samples.append(metric(value, {"job_id": job_id}))
         details.update(series=series, step_seconds=verdict.pace, baseline_seconds=verdict.baseline,
-                       ratio=verdict.ratio, slow_since=verdict.slow_since, evidence=[*evidence, *host_said],
+                       ratio=verdict.ratio, slow_since=verdict.slow_since, evidence=evidence,
+                       rank_ratios={r: v.ratio for r, v in ranks.items() if v.ratio is not None},
                        restarts=state.series[series].restarts, collective_wait=state.waits,
                        trainer_step_time=state.trainer_step_time)
         return self.result(job.key, status, summary, details, samples)
+
+    def _unknown(self, job: Job, state: JobPace, details: dict[str, Any], samples: list[Sample]) -> Result:
+        """A job without a pace: said once in the log (when nothing at all gives one), and in its result."""
+        if not state.unknown_said and not state.series:
+            state.unknown_said = True
+            log.info("a job's pace is unknown: no step lines, no heartbeat, no flight recorder",
+                     extra=kv(check=self.name, job=job.key))
+        details["pace"] = "unknown"
+        what = "no step lines read yet" if state.series else "no step lines, no heartbeat"
+        return self.result(job.key, Status.OK, f"{job.label()}: pace unknown ({what})", details, samples)
 
     def _feed(self, job: Job, state: JobPace) -> None:
         """The job's new samples: its log lines' (from training_log) and its heartbeat."""
@@ -221,37 +311,37 @@ class JobPaceCheck(JobCheck):
                                self.context.proc)
         state.waits = {str(t.rank): t.wait_ratio for t in traces if t.wait_ratio is not None}
 
-    def _evidence(self, job: Job, job_id: str, gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]],
-                  samples: list[Sample]) -> list[str]:
-        """What this node's GPUs of the job show (in words), their gauges added to `samples`."""
-        pids = set(job_pids(job, self.context.processes.get()))
-        mine = self._job_gpus(pids, gpus)
+    def _evidence(self, job_id: str, job: Sequence[int], node: Node, samples: list[Sample]) -> list[str]:
+        """What this node's GPUs of the job (its processes `job`) show (in words), their gauges added to `samples`."""
+        pids, gpus = set(job), node.gpus
         said = []
-        for index in mine:
+        for index in self._job_gpus(pids, gpus, node.jobs == 1):
             gpu, clocks, link = gpus[index]
             replays = link.replays if link is not None else None
             grew = max(0, replays - self._replays.get(index, replays)) if replays is not None else 0
             if replays is not None:
                 self._replays[index] = replays
-            others = [p.pid for p in gpu.processes or () if p.pid not in pids]
-            found: GpuEvidence = gpu_evidence(index, clocks, link, gpu, grew, others)
+            others = [p for p in gpu.processes or () if p.pid not in pids]
+            named = [co_tenant(p.pid, node.command(p.pid), user_name(self.context.proc, p.pid), p.used,
+                               gpu.memory_total) for p in others[:MAX_OTHERS]]
+            found: GpuEvidence = gpu_evidence(index, clocks, link, gpu, grew, named, len(others))
             labels = {"job_id": job_id, "gpu": str(index)}
             if found.clock_ratio is not None:
                 samples.append(CLOCK(found.clock_ratio, labels))
-            if clocks is not None and clocks.reasons is not None:
-                samples += [REASON(float(r in found.reasons), {**labels, "reason": r})
-                            for r in SLOWDOWN_REASONS.values()]
+            # only the reasons active now: 5 zeros a GPU and job were most of a node's /metrics (docs/benchmarks.md)
+            samples += [REASON(1.0, {**labels, "reason": r}) for r in found.reasons]
             if found.said:
                 said.append(found.describe())
         return said
 
-    def _job_gpus(self, pids: set[int], gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]) -> list[int]:
-        """The GPUs the job's processes hold, else those CUDA_VISIBLE_DEVICES names, else every GPU (a node given to
-        one job)."""
+    def _job_gpus(self, pids: set[int], gpus: dict[int, tuple[GpuState, Clocks | None, PcieLink | None]],
+                  alone: bool) -> list[int]:
+        """The GPUs the job's processes hold, else those CUDA_VISIBLE_DEVICES names, else every GPU when the job is
+        `alone` on this node (a node given to one job); else none (which of the node's jobs a GPU is can't be told)."""
         held = [i for i, (g, _, _) in gpus.items() if any(p.pid in pids for p in g.processes or ())]
         if held:
             return sorted(held)
         visible = visible_devices(sorted(pids), self.context.proc)
         states = [g for g, _, _ in gpus.values()]
         named = {g.index for o in range(len(visible or ())) if (g := pick_gpu(states, o, pids, visible)) is not None}
-        return sorted(named) if named else sorted(gpus)
+        return sorted(named) if named else sorted(gpus) if alone else []

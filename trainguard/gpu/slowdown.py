@@ -3,7 +3,7 @@
 Each rule reads one NVML fact against a limit the GPU itself reports (its maximum SM clock, its enforced power limit,
 its slowdown temperature, its maximum PCIe link), so no number here is a model's: a busy GPU held below its clock by
 a hardware slowdown, thermal or power brake, or the software power cap; a link trained below its width or generation,
-or replaying; ECC and row-remap faults; another process on the GPU.
+or replaying; ECC and row-remap faults; another process on the GPU (who, and its share of the card's memory).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from trainguard.core.units import format_bytes
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import SLOWDOWN_REASONS, Clocks, GpuState, PcieLink
 
@@ -18,6 +19,7 @@ REASON_WORDS = {"sw_power_cap": "software power cap", "hw_slowdown": "HW slowdow
                 "hw_thermal": "HW thermal slowdown", "hw_power_brake": "power brake"}
 NEAR_SLOWDOWN_C = 5  # within this of its slowdown temperature, a GPU is about to slow itself
 AT_POWER_LIMIT = 0.98  # drawing this share of its enforced limit: the power cap is what holds its clock
+MAX_OTHERS = 3  # other processes named per GPU (their count is said whole)
 BUSY = 10  # GPU busy percent above which a lower PCIe generation is a fault (an idle GPU lowers it to save power)
 
 
@@ -32,14 +34,21 @@ class GpuEvidence:
         return f"GPU {self.index}: " + ", ".join(self.said)
 
 
+def co_tenant(pid: int, command: str, user: str, used: int | None, total: int | None) -> str:
+    """Another process on a job's GPU in words: who, and the memory it holds there (NVML gives no per-process
+    utilisation here: its share of the card's memory is the share said)."""
+    held = f" {format_bytes(used)}" + (f", {used / total:.0%} of its memory" if total else "") if used else ""
+    return f"pid {pid} ({command}, user {user}){held}"
+
+
 def reasons(mask: int | None) -> tuple[str, ...]:
     return tuple(name for bit, name in sorted(SLOWDOWN_REASONS.items()) if mask and mask & bit)
 
 
 def gpu_evidence(index: int, clocks: Clocks | None, pcie: PcieLink | None = None, state: GpuState | None = None,
-                 replays: int = 0, others: Sequence[int] = ()) -> GpuEvidence:
-    """What on GPU `index` can slow a job: `replays` are the PCIe replays since the last look, `others` the pids
-    of other processes on it."""
+                 replays: int = 0, others: Sequence[str] = (), count: int | None = None) -> GpuEvidence:
+    """What on GPU `index` can slow a job: `replays` are the PCIe replays since the last look, `others` the other
+    processes on it, each in words (`co_tenant`; `count` of them in all when only some are named)."""
     said: list[str] = []
     ratio = None
     active: tuple[str, ...] = ()
@@ -65,7 +74,8 @@ def gpu_evidence(index: int, clocks: Clocks | None, pcie: PcieLink | None = None
             said.append(f"{replays} PCIe replays")
     if state is not None:
         said.extend(gpu_faults(state))
+    count = len(others) if count is None else count
     if others:
-        said.append(f"{len(others)} other process{'es' if len(others) > 1 else ''} on it (pid "
-                    f"{', '.join(str(p) for p in list(others)[:3])})")
+        said.append(("another process on it: " if count == 1 else f"{count} other processes on it: ")
+                    + "; ".join(list(others)[:MAX_OTHERS]))
     return GpuEvidence(index, ratio, active, tuple(said))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from trainguard.node.procfs import PAGE_SIZE, ProcFS
 
-_TICKS = os.sysconf("SC_CLK_TCK")
+TICKS = os.sysconf("SC_CLK_TCK")
 SAME_PROCESS_S = 0.01  # start times this close name the same process (ProcessRef's rule)
 
 
@@ -27,6 +27,7 @@ class ProcInfo:
     create_time: float  # Unix time, computed as psutil does (boot time + start ticks / CLK_TCK)
     rss: int  # bytes
     comm: str
+    cpu_ticks: int = 0  # user + system CPU time since it started, in clock ticks (job_pace's co-tenants)
 
 
 def parse_stat(pid: int, text: str, boot_time: float) -> ProcInfo | None:
@@ -39,10 +40,11 @@ def parse_stat(pid: int, text: str, boot_time: float) -> ProcInfo | None:
     if len(rest) < 22:
         return None
     try:
-        ppid, start, rss = int(rest[1]), int(rest[19]), int(rest[21])
+        ppid, start, rss, cpu = int(rest[1]), int(rest[19]), int(rest[21]), int(rest[11]) + int(rest[12])
     except ValueError:
         return None
-    return ProcInfo(pid, ppid, start / _TICKS + boot_time, max(0, rss) * PAGE_SIZE, text[open_at + 1:close_at][:64])
+    return ProcInfo(pid, ppid, start / TICKS + boot_time, max(0, rss) * PAGE_SIZE, text[open_at + 1:close_at][:64],
+                    max(0, cpu))
 
 
 @dataclass(frozen=True)
