@@ -15,15 +15,19 @@ and the first slow steps (compilation, cache warm-up) do not move it: they are a
   from when they tipped it.
 
 A step lower than the last one is a restart (a relaunch, a requeue): warm-up is skipped again, the baseline is kept
-(the same job on the same data). Nothing here does I/O; the ledger is the only shared object and holds a lock.
+(the same job on the same data). A series' state outlives the agent (`to_json`, `from_json`: the check saves it), so
+that a restart or a reload during a slowdown neither takes the slow pace for the job's own nor restarts its clock.
+Nothing here does I/O; the ledger is the only shared object and holds a lock.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 BASELINE_INTERVALS = 512  # intervals kept for the baseline: hours of a real job's 15 s reads
 MAX_SAMPLES = 64  # samples a ledger keeps per series between two runs of the pace check
@@ -110,6 +114,25 @@ class Pace:
             self.slow_since = None
         return Verdict(pace, base, ratio, self.slow_since)
 
+    def to_json(self) -> dict[str, Any]:
+        """What `from_json` restores: ~10 KB with a full pool (times to the millisecond, step times to 6 digits)."""
+        return {"last": list(self.last) if self.last is not None else None, "warm_from": self.warm_from,
+                "recent": [[round(e, 3), float(f"{d:.6g}"), w] for e, d, w in self.recent],
+                "pool": [[float(f"{d:.6g}"), w] for d, w in self.pool],
+                "slow_since": self.slow_since, "restarts": self.restarts}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Pace:
+        """A series saved by `to_json`; ValueError, TypeError or KeyError when `data` is not one (another version's,
+        a damaged one). Its pool keeps the last BASELINE_INTERVALS."""
+        last, warm_from, since = data["last"], data["warm_from"], data["slow_since"]
+        pace = cls(last=(int(last[0]), _time(last[1])) if last is not None else None,
+                   warm_from=int(warm_from) if warm_from is not None else None,
+                   slow_since=_time(since) if since is not None else None, restarts=int(data["restarts"]))
+        pace.recent.extend((_time(e), _time(d), _steps(w)) for e, d, w in data["recent"][-BASELINE_INTERVALS:])
+        pace.pool.extend((_time(d), _steps(w)) for d, w in data["pool"])
+        return pace
+
     def _tipped(self) -> float:
         """How long ago, by the samples' own clock, the slowdown that just tipped the window's median began: the
         median tips once the slow steps are half the window's, so they are the latest half of its steps. (Walking back
@@ -123,6 +146,19 @@ class Pace:
             if 2 * seen >= total:
                 break
         return max(0.0, self.last[1] - onset)
+
+
+def _time(value: Any) -> float:
+    """A saved time (or seconds a step): a finite number, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"not a time: {value!r}")
+    return float(value)
+
+
+def _steps(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"not a step count: {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
