@@ -23,9 +23,10 @@ from tests.slurm_cluster import OTHER_USER, ensure_user
 from tests.test_gpu import Clock
 from tests.test_log_excerpts import EXCERPTS
 from trainguard.checks.base import CheckContext
-from trainguard.checks.job_pace import JobPaceCheck, JobPaceSettings
+from trainguard.checks.job_pace import STATE_KEY, JobPaceCheck, JobPaceSettings, clock_time
 from trainguard.core.model import Result, Status
 from trainguard.core.pace import Pace, PaceLedger, PaceSettings, weighted_median
+from trainguard.core.state import ScopedState, scoped_key
 from trainguard.gpu.nvml import Clocks, Nvml, PcieLink
 from trainguard.gpu.slowdown import co_tenant, gpu_evidence
 from trainguard.jobs.catalog import JobCatalog
@@ -35,6 +36,7 @@ from trainguard.node.flight import parse_dump
 from trainguard.node.pressure import CO_TENANT, host_evidence, host_sample
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessSnapshots
+from trainguard.pipeline.store import Store
 
 SETTINGS = PaceSettings()
 
@@ -141,6 +143,22 @@ def test_a_restart_goes_through_warm_up_again_and_keeps_the_baseline() -> None:
     assert pace.restarts == 1
     assert not any(s for _, s, _ in runs)
     assert 1.8 < (pace.baseline(SETTINGS) or 0) < 2.2
+
+
+def test_a_series_saved_mid_slowdown_restores_its_pool_clock_and_last_step() -> None:
+    """What the check saves of a series (as JSON) is what it needs to go on: the pool from before the slowdown, the
+    slow-since time, the last sample; a damaged or foreign one is refused, never half taken."""
+    pace, _ = replay(read_every(step_times(1300, slow_from=1000, slow=1.5)))
+    assert pace.slow_since is not None
+    back = Pace.from_json(json.loads(json.dumps(pace.to_json())))
+    assert (back.last, back.warm_from, back.slow_since, back.restarts) == (pace.last, pace.warm_from,
+                                                                            pace.slow_since, pace.restarts)
+    assert back.baseline(SETTINGS) == pytest.approx(pace.baseline(SETTINGS) or 0, rel=1e-5)
+    assert back.current() == pytest.approx(pace.current() or 0, rel=1e-5) and len(back.pool) == len(pace.pool)
+    for bad in ({}, {**pace.to_json(), "pool": [[2.0, 0]]}, {**pace.to_json(), "last": [1]},
+                {**pace.to_json(), "recent": [["x", 1.0, 1]]}, {**pace.to_json(), "slow_since": float("nan")}):
+        with pytest.raises((ValueError, TypeError, KeyError, IndexError)):
+            Pace.from_json(bad)
 
 
 def test_step_marks_per_rank_with_the_lines_own_time() -> None:
@@ -280,10 +298,12 @@ def trainer(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path
 
 
 def pace_check(tmp_path: Path, marker: str, switch: Path, fake: FakeNvml, clock: Clock,
-               proc: ProcFS, snapshots: ProcessSnapshots | None = None, **extra: object) -> JobPaceCheck:
+               proc: ProcFS, snapshots: ProcessSnapshots | None = None, store: Store | None = None,
+               **extra: object) -> JobPaceCheck:
     jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={"trainer": ProcessJobSettings(
         cmdline=marker, user="root", switch_dir=str(switch), job_id="7001")}), "node1", clock)
     ctx = CheckContext("node1", tmp_path, clock, nvml=Nvml(fake), jobs=jobs, proc=proc,
+                       state=ScopedState(store, "check/pace"),
                        **({"processes": snapshots} if snapshots is not None else {}))
     settings = JobPaceSettings.model_validate({"flight_recorder": False, **extra})
     return JobPaceCheck("pace", settings, ctx)
@@ -354,6 +374,54 @@ def test_a_slowdown_this_node_does_not_explain_says_the_cause_is_elsewhere(
     assert slow.status is Status.WARNING  # critical_when_pinned or not: nothing here is pinned
     assert slow.summary.endswith("this node shows nothing that would slow it: the cause is elsewhere (another node, "
                                  "the network, storage)")
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_slowdown_across_a_restart_keeps_the_baseline_from_before_it_and_its_start(
+        tmp_path: Path, trainer: tuple[subprocess.Popen[bytes], str, Path], stopped: bool) -> None:
+    """A new check over the same state in the middle of a slowdown (`stopped`: the old one stopped, as at a reload;
+    else killed: what the run that saw the slowdown begin saved): its baseline is still the pace from before the
+    slowdown, and the finding comes at `slow_for` from the slowdown's start, which it names. Once the job is gone, so
+    is what was saved of it."""
+    proc, marker, switch = trainer
+    clock = Clock()
+    clock.now = time.time()
+    store = Store(tmp_path / "state")
+    check = pace_check(tmp_path, marker, switch, FakeNvml([]), clock, fake_proc(tmp_path / "proc"), store=store)
+    state = {"t": clock.now, "step": 0.0}
+    run_for(check, clock, switch, state, 900, 2.0)
+    early = run_for(check, clock, switch, state, 300, 3.0)
+    since = early.details["slow_since"]
+    assert early.status is Status.OK and since is not None and "slower since" in early.summary
+    if stopped:
+        check.stop()
+        store.close()
+        store = Store(tmp_path / "state")
+    again = pace_check(tmp_path, marker, switch, FakeNvml([]), clock, fake_proc(tmp_path / "proc"), store=store)
+    slow = run_for(again, clock, switch, state, 420, 3.0)
+    assert slow.status is Status.WARNING and slow.details["slow_since"] == since
+    assert slow.details["baseline_seconds"] == pytest.approx(2.0)
+    assert f"runs 1.50x slower than its own pace since {clock_time(since)} (3 s/step against 2)" in slow.summary
+    proc.kill()
+    proc.wait()
+    clock.now += 30
+    assert again.run() == []
+    assert json.loads(store.get(scoped_key("check/pace", STATE_KEY)) or "") == {"v": 1, "jobs": {}}
+
+
+@pytest.mark.parametrize("saved", ['{"v": 1, "jobs": {"k": {"log|0": {"pool": [[2.0, "x"]]}}}}', '{"jobs": {}}',
+                                   '{"v": 1, "jobs": [', "[1, 2]"])
+def test_damaged_or_foreign_saved_paces_are_ignored_in_one_line(
+        tmp_path: Path, trainer: tuple[subprocess.Popen[bytes], str, Path], saved: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    _, marker, switch = trainer
+    store, clock = Store(None), Clock()
+    store.put(scoped_key("check/pace", STATE_KEY), saved)
+    with caplog.at_level("WARNING", logger="trainguard.checks.job_pace"):
+        check = pace_check(tmp_path, marker, switch, FakeNvml([]), clock, fake_proc(tmp_path / "proc"), store=store)
+        [result] = check.run()
+    assert result.status is Status.OK
+    assert [r.getMessage() for r in caplog.records] == ["saved job paces ignored; their baselines start over"]
 
 
 def test_a_job_without_steps_has_its_pace_said_unknown_once(

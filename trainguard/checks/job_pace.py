@@ -8,6 +8,11 @@ when the pace falls below it by `slowdown` for `slow_for`: WARNING, with what th
 the file system). It resolves when the pace comes back. A job with no step lines, no heartbeat and no flight recorder
 has no pace: said once in the log and in its result, never guessed.
 
+Each job's series (their baseline pools, recent intervals and slow-since times) are saved in the check's state and
+restored by the next instance: a restart or a `systemctl reload` (a new engine) during a slowdown keeps the baseline
+from before it and the time it began. Saved when a slowdown starts or ends and when jobs or series come or go, else
+every SAVE_EVERY, and at stop; only for the jobs running here (the others are dropped at the next run).
+
 Each node's agent reports its own evidence for its part of the job (scope "node"); Alertmanager groups a job's alerts
 from all its nodes by job_id. Per rank, the flight recorder's collective wait ratio goes to Prometheus, whose rules
 (deploy/prometheus) name the rank that waits least: the one that sets the pace.
@@ -15,7 +20,9 @@ from all its nodes by job_id. Per rank, the flight recorder's collective wait ra
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +68,10 @@ EVIDENCE = Metric("trainguard_job_node_evidence", "How many things this node sho
                   "links', CPUs' and host's; busy CPUs only while the job is slow): 0, the cause is elsewhere.",
                   ("job_id",))
 MAX_SERIES_PER_JOB = 16  # also what bounds the ranks a job exports here
+STATE_KEY = "job-paces"
+STATE_VERSION = 1  # another version's saved paces are ignored (the baselines start over)
+SAVE_EVERY = 300.0  # s: the pools grow a few intervals a run; losing minutes of them costs a baseline nothing
+STOP_WAIT = 2.0  # s stop() waits for a run still under way to save what it holds (else the last save stands)
 MAX_RANKS_NAMED = 3
 
 
@@ -203,7 +214,9 @@ class JobPaceCheck(JobCheck):
         super().__init__(name, settings, context)
         s = self.settings
         self.pace = PaceSettings(s.slowdown, s.slow_for, s.window, s.warmup_steps, s.baseline_steps)
-        self._jobs: dict[str, JobPace] = {}
+        self._lock = threading.Lock()  # a run's job paces and stop()'s save of them
+        self._jobs: dict[str, JobPace] = self._restore()
+        self._saved: tuple[dict[tuple[str, str], float | None], float] = (self._marks(), self.context.clock())
         self._host: HostSample | None = None
         self._table: ProcessTable | None = None  # the process snapshot of the last run: CPU use is between two
         self._replays: dict[int, int] = {}  # GPU index -> PCIe replay count at the last look
@@ -212,20 +225,67 @@ class JobPaceCheck(JobCheck):
         view = self.view()
         results = self.source_errors(view)
         jobs = [job for job in view.jobs if job.on_this_node and job.running]
-        self._jobs = {key: state for key, state in self._jobs.items() if key in {job.key for job in jobs}}
-        if not jobs:  # an idle node costs the view only
-            self._host = self._table = None  # CPU shares are between two runs with a job, never across an idle stretch
-            return results
-        now = self.context.clock()
+        with self._lock:
+            self._jobs = {key: state for key, state in self._jobs.items() if key in {job.key for job in jobs}}
+            now = self.context.clock()
+            if jobs:
+                results += self._runs(jobs, now)
+            else:  # an idle node costs the view only
+                self._host = self._table = None  # CPU shares are between two runs with a job, never across idleness
+            self._save(now)
+        return results
+
+    def stop(self) -> None:
+        """A reload or a shutdown: what the last runs added is saved, unless a run still holds it (the engine does not
+        wait for one): then the last save stands."""
+        if self._lock.acquire(timeout=STOP_WAIT):
+            try:
+                self._save(self.context.clock(), force=True)
+            finally:
+                self._lock.release()
+
+    def _restore(self) -> dict[str, JobPace]:
+        """The job paces this check saved in its last life (another process, or the engine before a reload); {} when
+        none, or with one log line when they can't be read (damaged, another version's): the baselines start over."""
+        raw = self.context.state.get(STATE_KEY)
+        if not raw:
+            return {}
+        try:
+            data = json.loads(raw)
+            if data.get("v") != STATE_VERSION:
+                raise ValueError(f"version {data.get('v')!r}, not {STATE_VERSION}")
+            return {str(key): JobPace({str(name): Pace.from_json(saved)
+                                       for name, saved in list(series.items())[:MAX_SERIES_PER_JOB]})
+                    for key, series in data["jobs"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+            log.warning("saved job paces ignored; their baselines start over",
+                        extra=kv(check=self.name, error=one_line(str(exc), 200)))
+            return {}
+
+    def _marks(self) -> dict[tuple[str, str], float | None]:
+        """Each series' slow-since time: a change of these (a slowdown begins or ends, a job or series comes or
+        goes) is saved at once."""
+        return {(key, name): p.slow_since for key, state in self._jobs.items() for name, p in state.series.items()}
+
+    def _save(self, now: float, force: bool = False) -> None:
+        marks = self._marks()
+        if not force and marks == self._saved[0] and now - self._saved[1] < SAVE_EVERY:
+            return
+        data = {"v": STATE_VERSION, "jobs": {key: {name: p.to_json() for name, p in state.series.items()}
+                                             for key, state in self._jobs.items()}}
+        if self.save_state(STATE_KEY, data):  # a failed save is tried again at the next run
+            self._saved = (marks, now)
+
+    def _runs(self, jobs: list[Job], now: float) -> list[Result]:
+        """The results of this node's running jobs."""
         before, host = self._host, host_sample(self.context.proc, now)
         self._host = host
         said, gauges = host_evidence(before, host)
         table = self.context.processes.get()
         node = Node(said, gauges, self._gpus(), table, self._table, len(jobs))
         self._table = table
-        for job, deadline in self.budgets(jobs):  # a rank's flight recorder answers within its job's share
-            results.append(self._job(job, now, node, deadline))
-        return results
+        # a rank's flight recorder answers within its job's share
+        return [self._job(job, now, node, deadline) for job, deadline in self.budgets(jobs)]
 
     def _gpus(self) -> dict[int, tuple[GpuState, Clocks | None, PcieLink | None]]:
         """The node's GPUs with their clocks and PCIe links; {} without NVML (a CPU-only node: host evidence only)."""
