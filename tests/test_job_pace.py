@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -614,13 +615,21 @@ def test_the_jobs_own_processes_using_all_its_cpus_are_named(tmp_path: Path, mon
 TOY = Path(__file__).resolve().parent.parent / "examples" / "train_toy.py"
 
 
+def last_step(log: Path) -> int:
+    """The last step the toy trainer's log says it ran (0 before its first)."""
+    text = log.read_text() if log.exists() else ""
+    return max(map(int, re.findall(r"^step (\d+) ", text, re.M)), default=0)
+
+
 def test_a_real_job_that_slows_down_is_found_by_the_real_agent_and_resolves(tmp_path: Path,
                                                                             agent_process: Any) -> None:
     """The toy trainer's step lines, read by training_log and handed to job_pace in a real agent (windows of seconds):
-    steps 2x longer from step 120 to 240 (6 s) fire the finding, the pace coming back resolves it."""
+    steps 2x longer from step 120 to 270 (6 s) fire the finding, the pace coming back resolves it. A reload (SIGHUP: a
+    new engine) as the slowdown begins keeps the job's baseline from before it: without it, the new check would learn
+    the slow steps as the job's own pace and never fire."""
     log = tmp_path / f"pace-{uuid.uuid4().hex}.log"
     job = subprocess.Popen([sys.executable, str(TOY), "--steps", "100000", "--step-time", "0.05", "--fault", "slow",
-                            "--fault-at", "120", "--fault-until", "240", "--slow-factor", "2.0", "--log", str(log),
+                            "--fault-at", "120", "--fault-until", "270", "--slow-factor", "2.0", "--log", str(log),
                             "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "50"],
                            cwd=tmp_path, env={**os.environ, "TRAINGUARD_SWITCH_DIR": str(tmp_path / "switch")})
     try:
@@ -655,12 +664,18 @@ flight_recorder = false
 """)
         config.chmod(0o600)
         agent = agent_process(config)
-        agent.wait_for("event=fired", timeout=60)
-        line = next(x for x in agent.output().splitlines() if "event=fired" in x and "summary=" in x)
+        wait_until(lambda: last_step(log) >= 125, 30, what="the slowdown's first steps")
+        agent.signal(signal.SIGHUP)
+        agent.wait_for("msg=reloaded", timeout=60)
+        # the console's line carries the summary; the engine's own line of the event may come before it
+        wait_until(lambda: any("event=fired" in x and "summary=" in x for x in agent.output().splitlines()), 60,
+                   what="the console's fired line")
+        [line] = [x for x in agent.output().splitlines() if "event=fired" in x and "summary=" in x]
         found = re.search(r'summary="process job trainer runs (\d+\.\d\d)x slower than its own pace since \d\d:\d\d '
-                          r'\((\S+) s/step against (\S+)\); (.*)"', line)
+                          r'\((\S+) s/step against ([0-9.]+)\); (.*)"', line)
         assert found, line
         assert 1.6 <= float(found.group(1)) <= 2.4, line  # steps 2x longer; stamped when read, once a second
+        assert float(found.group(3)) < 0.075, line  # 0.05 s/step: the pace from before the slowdown, kept
         # no GPU here; this shared VM's own pressure, steal or I/O wait may be named (it is real)
         assert found.group(4).startswith(("this node shows nothing", "on this node: ")), line
         assert "GPU" not in found.group(4), line
