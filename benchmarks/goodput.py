@@ -18,6 +18,16 @@ rest of its attempt and its node's scripted GPU 0 reports a hardware slowdown at
 (windows scaled) names it, and with `--slow-policy restart_elsewhere` the node at fault restarts the job without
 itself on the allocation's spare (docs/slow-jobs.md).
 
+The fleet's faults (`--schedule fleet`, benchmarks/goodput_fleet.py): Llama 3 405B's interruptions in its proportions
+and at its rate (one every 3.09 hours of the whole job, scaled; `--rate` a day), mapped to kinds injected here; besides
+the above, hbm (XID 48 with uncorrected ECC errors and a pending row remap in the node's scripted NVML), sram (XID 95),
+gsp (XID 119, the GPU lost to NVML) and ib_down (the node's HCA port DOWN in its copy of a recorded sysfs tree, the
+rank's NCCL NET/IB error); each site fault once; a node drained for a hardware fault is repaired and resumed
+`--repair-after` later (the operator clears what its agent holds; a lemon the agents hold stays out). `--scenario
+lemon`: n1's GPU fails every `--lemon-every` while the job runs there, and one more run with trainguard whose agents
+have no lemon rules. `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
+cost. `--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
+
 Without trainguard the job has what it has without it: the collective timeout (NCCL's 10-minute default, scaled), the
 trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a human who looks every M minutes (and fixes
 what they see: frees the disk, drains a node whose GPU is gone, requeues the job). With trainguard the same human is
@@ -25,6 +35,8 @@ also paged: they act R minutes after an alert. Time is scaled by --scale (60: a 
 
     python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60] [--look-every 30]   # one run each way; root
     python -m benchmarks.goodput --also-without 60,120   # and one more run without trainguard per human
+    python -m benchmarks.goodput --schedule fleet --seeds 1,2,3,4,5 --minutes 30 --also-without 60,120,240
+    python -m benchmarks.goodput --fault-free --seeds 1,2,3 --minutes 10
 """
 
 from __future__ import annotations
@@ -63,7 +75,7 @@ from trainguard.agent.configfile import parse_config
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
 # drawn only when named (or by `--schedule fleet`): the seven's seeded schedules stay as they were
-EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down")
+EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic")
 SLOW_FACTOR = 1.5
 # The GPU faults: the XID line the driver prints (after "NVRM: Xid (PCI:<bus>): "; real lines, tests/test_xid.py and
 # NVIDIA's XID catalog) and the NVML state of the GPU that goes with it (benchmarks/goodput_agent.py).
@@ -78,9 +90,12 @@ XID_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 # The check that answers each fault kind, and the action(s) that make the job come back.
 CHECK_OF = {"hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
             "time_limit": "job_timelimit", "nan": "training_log", "slow": "job_pace", "ib_down": "infiniband",
+            "nic": "kernel",
             **dict.fromkeys(XID_FAULTS, "xid")}
 IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"  # a recorded H100 node's HCAs
 IB_PORT = "mlx5_0/ports/1"  # the port a network fault takes down
+# The HCA's firmware stops answering (tests/data/kernel/fixtures.toml's mlx5_health line, in the node's PCI domain).
+NIC_LINE = "mlx5_core {domain}:5e:00.0: device's health compromised - reached miss count"
 LEMON_NODE = "n1"  # `--scenario lemon`: the node whose GPU fails again and again, repaired in between
 JOB_NAME = "goodput"
 NODES, RANKS = 4, 3  # the job asks for 3-4 nodes: a spare inside its allocation while one is free
@@ -109,6 +124,8 @@ class Fault:
 
 def schedule(seed: int, duration: float, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
     """Each kind once, in a seeded order, spread over the run with seeded jitter; the first after a warm-up."""
+    if not kinds:
+        return []  # a fault-free run
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
@@ -176,7 +193,7 @@ class KmsgRelay:
                 except BrokenPipeError:
                     continue
                 head, sep, rest = raw.partition(b";")
-                m = re.search(rb"PCI:00a([0-9a-f]):", rest)
+                m = re.search(rb"(?:PCI:|mlx5_core )00a([0-9a-f]):", rest)
                 node = f"n{int(m.group(1), 16)}" if m else None
                 if not sep or node not in self.fds:
                     continue
@@ -296,7 +313,7 @@ class Run:
         c["xid"].update(kmsg_path=str(fifo), actions={"critical": ["drain", "restart_elsewhere"]})
         # The kernel events read the same node's kernel log: the real /dev/kmsg is the host's, where every node's
         # XID is written (a lost GPU of n1 would be a node fault of all four), and other tests' records are.
-        c.setdefault("kernel", {}).update(kmsg_path=str(fifo))
+        c.setdefault("kernel", {}).update(kmsg_path=str(fifo), actions={"critical": ["drain", "restart_elsewhere"]})
         # The node's HCAs: its own copy of a recorded H100 node's sysfs tree, whose port a network fault takes down.
         # A bad link: the node drained, the job restarted without it, as for a lost GPU.
         c.setdefault("infiniband", {}).update(fast, sysfs_root=str(self.base / f"ib-{node}"),
@@ -441,6 +458,11 @@ class Run:
             (port / "state").write_text("1: DOWN\n")
             (port / "phys_state").write_text("3: Disabled\n")
             write_as_user(faults / f"ib-down-{node}", "down")
+        elif f.kind == "nic" and node:
+            self.broken.add(node)
+            write_as_user(faults / f"ib-down-{node}", "down")  # its connections are lost: NCCL fails as on a port down
+            with open("/dev/kmsg", "w") as kmsg:
+                kmsg.write(f"<3>{NIC_LINE.format(domain=bus_of(node)[:4])}\n")
         elif f.kind == "hang":
             write_as_user(faults / "hang", f"{attempt} {f.target}")
         elif f.kind == "leak" and node:
@@ -562,7 +584,7 @@ class Run:
         self.broken.discard(node)
         if node in self.agents:
             cleared = {(a["check"], a["subject"]) for a in self.fired() if a["node"] == node
-                       and a["check"] in ("xid", "infiniband", "gpu") and a["status"] == "CRITICAL"}
+                       and a["check"] in ("xid", "infiniband", "gpu", "kernel") and a["status"] == "CRITICAL"}
             for check, subject in sorted(cleared):
                 proc = subprocess.run([sys.executable, "-m", "trainguard", "clear", "--config",
                                        str(self.agents[node].config), f"{check}/{subject}", "--reason", "repaired"],
@@ -747,7 +769,8 @@ def attempt_ends(rec: Record) -> list[dict[str, Any]]:
 
 def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
     """How long the check that answers this fault may take by its own settings (see agent_config)."""
-    return {**dict.fromkeys(XID_FAULTS, 1.0), "ib_down": 3.0, "hang": scale(300, 2) + 2.0, "leak": f.get("oom_in", 0.0),
+    return {**dict.fromkeys(XID_FAULTS, 1.0), "ib_down": 3.0, "nic": 1.0, "hang": scale(300, 2) + 2.0,
+            "leak": f.get("oom_in", 0.0),
             "disk_full": f.get("full_in", 0.0), "stop_switch": 3.0,
             "time_limit": max(0.0, f.get("limit_at", 0.0) - f["injected"] - scale(600, 3)) + 2.0,
             "nan": 3 * step_time + 2.0, "slow": 2 * scale(600) + 2.0}[f["kind"]]

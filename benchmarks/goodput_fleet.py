@@ -47,8 +47,8 @@ CAUSES = (
           "reads uncorrected volatile ECC errors; the rank there hangs"),
     Cause("GPU system processor", 17, "gsp", "XID 119 (GSP RPC timeout) in the kernel log; its scripted NVML reads the "
           "GPU lost (the GSP answers no more); the rank there hangs"),
-    Cause("NIC", 7, None, "mlx5 kernel events through the relay: not injected yet (the relay routes NVRM records "
-          "only)"),
+    Cause("NIC", 7, "nic", "the mlx5 driver's `device's health compromised` kernel line (tests/data/kernel) in the "
+          "node's kernel log; the rank there logs NCCL's NET/IB error and hangs"),
     Cause("NCCL watchdog timeouts", 7, "hang", "one rank stops before the collective"),
     Cause("Silent data corruption", 6, None, "silent by definition: nothing an agent reads shows it"),
     Cause("GPU thermal interface + sensor", 6, "slow", "one rank 1.5x slower, its scripted GPU in HW slowdown"),

@@ -48,6 +48,7 @@ def test_the_schedule_is_the_seeds_each_kind_once_inside_the_run() -> None:
     assert all(0.12 * 420 <= f.at <= 0.9 * 420 for f in a)
     assert [f.at for f in a] == sorted(f.at for f in a)
     assert schedule(25, 420) != a
+    assert schedule(24, 420, ()) == []  # --fault-free
 
 
 def test_goodput_counts_steps_up_to_the_last_finite_checkpoint_and_charges_redone_steps_to_the_fault() -> None:
