@@ -469,10 +469,13 @@ class Run:
             pid = int((self.run_dir / "pids" / f"{attempt}.{node}").read_text())
             headroom = 160 * MiB  # the cgroup is charged only what the rank allocates from now on
             self.cgroups.append(cg := memory_cgroup(headroom))
-            (cg / "cgroup.procs").write_text(str(pid))
             per_step = headroom / MiB / (self.s(40 * 60) / self.step_time)  # the limit ~40 (real) minutes away
             row["oom_in"] = self.s(40 * 60)
-            write_as_user(faults / "leak", f"{attempt} {node} {per_step:.3f}")
+            try:
+                (cg / "cgroup.procs").write_text(str(pid))
+                write_as_user(faults / "leak", f"{attempt} {node} {per_step:.3f}")
+            except ProcessLookupError:  # the rank ended in between (its attempt was stopping): this leak never began
+                row["missed"] = "the rank had exited"
         elif f.kind == "disk_full":
             self.ballast_stop = threading.Event()
             row["full_in"] = self.s(3600)

@@ -27,6 +27,8 @@ from benchmarks.goodput import (
     benchmark,
     fault_free_table,
     fleet_schedule,
+    lemon_figures,
+    lemons,
     main,
     other_humans,
     paired,
@@ -307,3 +309,18 @@ def test_faults_of_two_runs_pair_by_kind_and_order_and_a_missing_one_is_said() -
     assert [(a["kind"], a["at"], b.get("at")) for a, b in pairs] == [("xid79", 10, 11), ("xid79", 50, 65),
                                                                      ("nan", 70, None)]
     assert pairs[-1][1]["by"] == "not injected"
+
+
+def test_the_lemon_node_is_held_after_its_second_fault_and_given_no_rank_after_it() -> None:
+    rec = Record(trainguard=True, duration=100.0)
+    rec.faults = [{"kind": "lemon", "at": 10.0, "target": 0, "node": "n1", "injected": 10.0},
+                  {"kind": "lemon", "at": 50.0, "target": 0, "node": "n1", "injected": 52.0}]
+    rec.alerts = [{"t": 52.3, "node": "n1", "check": "lemon", "subject": "gpu", "status": "CRITICAL", "event": "fired"}]
+    rec.ranks = [(1.0, "1.0.0", "n1"), (45.0, "1.1.0", "n1"), (60.0, "1.2.0", "n2")]
+    assert lemon_figures(rec) == {"faults": [10.0, 52.0], "held_at": 52.3, "ranks_after_second_fault": []}
+    rec.ranks.append((70.0, "1.3.0", "n1"))  # without the lemon rules: repaired, resumed, given the job again
+    assert lemon_figures(rec)["ranks_after_second_fault"] == ["1.3.0"]
+    base = {"trainguard": True, "goodput": 0.5, "lemon": lemon_figures(rec)}
+    out = "\n".join(lemons([{**base, "lemon_policy": True}, {**base, "lemon_policy": False, "goodput": 0.4},
+                            {"trainguard": False, "goodput": 0.2}]))
+    assert "| installed | 0.5 | 10.0, 52.0 | 52.3 | 1 |" in out and "| none | 0.4 |" in out, out
