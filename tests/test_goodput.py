@@ -270,15 +270,18 @@ def _result(trainguard: bool, goodput: float, look: float = 30, faults: tuple[di
 def test_several_seeds_give_the_mean_its_spread_and_what_each_kind_cost() -> None:
     xid = {"kind": "xid79", "lost_steps": 10, "stalled_s": 5.0, "detect_s": 0.1, "deadline_s": 1.0}
     nan = {"kind": "nan", "lost_steps": 2, "stalled_s": 1.0, "detect_s": 5.0, "deadline_s": 3.5}  # late
+    # a leak the next fault's restart ended before its forecast was due: no miss
+    leak = {"kind": "leak", "lost_steps": 0, "stalled_s": None, "detect_s": None, "deadline_s": 40.0, "window_s": 10.0}
     per_seed = {1: [_result(True, 0.9, faults=(xid,)), _result(False, 0.6), _result(False, 0.3, 240)],
                 2: [_result(True, 0.96, faults=(nan,), drains=({"node": "n1", "right": False},)),
                     _result(False, 0.8), _result(False, 0.0, 240)],
-                3: [_result(True, 0.94), _result(False, 0.7), _result(False, 0.4, 240)]}
+                3: [_result(True, 0.94, faults=(leak,)), _result(False, 0.7), _result(False, 0.4, 240)]}
     s = summarize(per_seed)
     assert s["with"]["mean"] == round((0.9 + 0.96 + 0.94) / 3, 3) and s["with"]["min"] == 0.9 and s["with"]["n"] == 3
     assert s["nearest_mean"] == 3  # 0.94 against a mean of 0.933
     assert s["without"][30]["goodput"]["mean"] == 0.7 and s["without"][240]["ratio"]["n"] == 2  # 0.0: no ratio
-    assert [k["kind"] for k in s["kinds"]] == ["xid79", "nan"]  # the costliest first
+    assert [k["kind"] for k in s["kinds"]] == ["xid79", "nan", "leak"]  # the costliest first
+    assert s["kinds"][2]["missed"] == 0
     assert s["kinds"][0]["steps"] == 20.0 and s["kinds"][0]["of_goodput"] == round(20 / 300, 4)
     assert s["kinds"][1]["missed"] == 1 and s["wrong_drains"] == 1
     out = seeds_table(s, Scale(60), "fleet")
