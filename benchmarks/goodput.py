@@ -75,7 +75,7 @@ from trainguard.agent.configfile import parse_config
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
 # drawn only when named (or by `--schedule fleet`): the seven's seeded schedules stay as they were
-EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic")
+EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic", "maintenance")
 SLOW_FACTOR = 1.5
 # The GPU faults: the XID line the driver prints (after "NVRM: Xid (PCI:<bus>): "; real lines, tests/test_xid.py and
 # NVIDIA's XID catalog) and the NVML state of the GPU that goes with it (benchmarks/goodput_agent.py).
@@ -90,7 +90,8 @@ XID_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 # The check that answers each fault kind, and the action(s) that make the job come back.
 CHECK_OF = {"hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
             "time_limit": "job_timelimit", "nan": "training_log", "slow": "job_pace", "ib_down": "infiniband",
-            "nic": "kernel",
+            "nic": "kernel", "maintenance": "training_log",  # no check of trainguard's answers a host's maintenance:
+            # what it sees is the job's end (the peers' collective timeout in its log)
             **dict.fromkeys(XID_FAULTS, "xid")}
 IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"  # a recorded H100 node's HCAs
 IB_PORT = "mlx5_0/ports/1"  # the port a network fault takes down
@@ -242,6 +243,7 @@ class Run:
         self.drained: set[str] = set()
         self.repair_after = site.repair_after
         self.repairs: dict[str, float] = {}  # node -> when its repair is done (run clock)
+        self.reboots: dict[str, float] = {}  # node -> when its host maintenance takes it down (run clock)
         self.lemon_every, self.lemon_next = site.lemon_every, 0.12 * duration
         self.lemon_policy = site.lemon_policy
         self.ballast_stop: threading.Event | None = None
@@ -458,6 +460,13 @@ class Run:
             (port / "state").write_text("1: DOWN\n")
             (port / "phys_state").write_text("3: Disabled\n")
             write_as_user(faults / f"ib-down-{node}", "down")
+        elif f.kind == "maintenance" and node:
+            # The host's maintenance drains the node, then reboots it a short notice later (5 scaled minutes): its rank
+            # dies with it. It comes back after its repair time, as a repaired node.
+            self.broken.add(node)
+            self.cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=maintenance: host reboot",
+                             check=False)
+            self.reboots[node] = self.now() + self.s(300)
         elif f.kind == "nic" and node:
             self.broken.add(node)
             write_as_user(faults / f"ib-down-{node}", "down")  # its connections are lost: NCCL fails as on a port down
@@ -567,10 +576,25 @@ class Run:
                 self.rec.drains.append({"t": t, "node": node, "reason": reason, "right": node in self.broken})
                 if self.repair_after is not None and node in self.broken:
                     self.repairs.setdefault(node, t + self.repair_after)
+        for node, due in list(self.reboots.items()):
+            if t >= due:
+                del self.reboots[node]
+                self.reboot(node, t)
         for node, due in list(self.repairs.items()):
             if t >= due:
                 del self.repairs[node]
                 self.repair(node, t)
+
+    def reboot(self, node: str, t: float) -> None:
+        """The host's maintenance takes the node down: every process of the job there dies (SIGKILL)."""
+        attempt, _ = self.attempt_nodes()
+        path = self.run_dir / "pids" / f"{attempt}.{node}"
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(path.read_text())
+            # this attempt's rank, and still it (a pid is reused once its process is gone)
+            if b"goodput_trainer.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, 9)
+        self.rec.actions.append({"t": t, "who": "site", "what": f"{node} rebooted for maintenance"})
 
     def repair(self, node: str, t: float) -> None:
         """The site's repair of a drained node (a reset, a reboot, a reseated cable): its GPU and port read healthy
@@ -774,6 +798,7 @@ def attempt_ends(rec: Record) -> list[dict[str, Any]]:
 def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
     """How long the check that answers this fault may take by its own settings (see agent_config)."""
     return {**dict.fromkeys(XID_FAULTS, 1.0), "ib_down": 3.0, "nic": 1.0, "hang": scale(300, 2) + 2.0,
+            "maintenance": scale(300) + scale(600) + 3 * step_time + 2.0,
             "leak": f.get("oom_in", 0.0),
             "disk_full": f.get("full_in", 0.0), "stop_switch": 3.0,
             "time_limit": max(0.0, f.get("limit_at", 0.0) - f["injected"] - scale(600, 3)) + 2.0,
