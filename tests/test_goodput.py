@@ -228,6 +228,7 @@ def test_the_fleet_mix_is_llama_3s_table_mapped_to_harness_kinds() -> None:
     assert all(c.kind in known for c in fleet.CAUSES if c.kind) and all(c.how for c in fleet.CAUSES)
     w = fleet.weights()
     assert w["xid79"] == 148 and w["hbm"] == 72 and w["nan"] == 54 and w["ib_down"] == 35 and w["slow"] == 6
+    assert w["maintenance"] == 32 and w["nic"] == 7 and sum(w.values()) == 397  # of the 419
     assert fleet.covered() == sum(w.values()) / 419
     assert max(w, key=w.__getitem__) == "xid79"
 
