@@ -20,6 +20,7 @@ from benchmarks import goodput_fleet as fleet
 from benchmarks.goodput import (
     EXTRA_KINDS,
     KINDS,
+    XID_FAULTS,
     Record,
     Scale,
     analyse,
@@ -328,3 +329,23 @@ def test_the_lemon_node_is_held_after_its_second_fault_and_given_no_rank_after_i
     out = "\n".join(lemons([{**base, "lemon_policy": True}, {**base, "lemon_policy": False, "goodput": 0.4},
                             {"trainguard": False, "goodput": 0.2}]))
     assert "| installed | 0.5 | 10.0, 52.0 | 52.3 | 1 |" in out and "| none | 0.4 |" in out, out
+
+
+def test_the_harness_faults_a_gpu_through_nvml_as_its_xid_says(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.goodput_agent import FaultableNvml
+    from tests.helpers.fake_nvml import FakeGpu
+
+    state = tmp_path / "gpu-state.json"
+    monkeypatch.setenv("TRAINGUARD_FAKE_GPU_STATE", str(state))
+    nvml = FaultableNvml([FakeGpu("GPU-0"), FakeGpu("GPU-1")], tmp_path / "slow")
+    assert nvml._gpu("nvmlDeviceGetMemoryInfo", 0).ecc_volatile == 0  # no file: healthy
+    state.write_text(json.dumps(XID_FAULTS["hbm"][1]))
+    gpu = nvml._gpu("nvmlDeviceGetMemoryInfo", 0)
+    assert gpu.ecc_volatile == 2 and gpu.remap == (0, 1, 1, 0)
+    state.write_text(json.dumps(XID_FAULTS["xid79"][1]))
+    with pytest.raises(nvml.NVMLError):  # NVMLError_GpuIsLost
+        nvml._gpu("nvmlDeviceGetMemoryInfo", 0)
+    assert nvml._gpu("nvmlDeviceGetHandleByIndex", 0) and nvml._gpu("nvmlDeviceGetMemoryInfo", 1)  # GPU 1 is fine
+    state.write_text("{torn")
+    assert nvml._gpu("nvmlDeviceGetMemoryInfo", 0).ecc_volatile == 0  # a file that does not parse: healthy
