@@ -1200,7 +1200,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet_like = not a.fault_free and (a.schedule == "fleet" or a.scenario == "lemon")
     repair = a.repair_after if a.repair_after is not None else 120.0 if fleet_like else None
     site = Site(a.slow_policy, None if repair is None else scale(repair * 60),
-                scale(a.lemon_every * 60) if a.scenario == "lemon" else 0.0)
+                scale(a.lemon_every * 60) if a.scenario == "lemon" and not a.fault_free else 0.0)
     per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
     for seed in seeds:
         faults = fleet_schedule(seed, a.minutes * 60, scale, a.rate) if fleet_like else None
@@ -1209,27 +1209,28 @@ def main(argv: list[str] | None = None) -> int:
                                    also_without=() if a.fault_free else also, site=site, faults=faults)
         if not a.fault_free:
             print(table(per_seed[seed][0], seed, scale), flush=True)
-    if a.fault_free:
-        report = fault_free_table([(seed, step_cost(recs[0], recs[1]), analyse_alerts(recs[0]))
-                                   for seed, (_, recs) in per_seed.items()])
-        shown = seeds[0]
-    elif len(seeds) > 1:
-        summary = summarize({seed: results for seed, (results, _) in per_seed.items()})
-        report = seeds_table(summary, scale, a.schedule)
-        (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        shown = summary["nearest_mean"]
-    else:
-        report, shown = "", seeds[0]
-    if report:
-        print("\n" + report)
-        (a.out / "report.md").write_text(report + "\n")
-    if plot(per_seed[shown][1][:2], a.plot):  # with and without, the same human
-        print(f"\nplot: {a.plot} (seed {shown})")
+    report(per_seed, scale, a.out, a.plot, "fault-free" if a.fault_free else "fleet" if fleet_like else "default")
     return 0
 
 
-def analyse_alerts(rec: Record) -> list[dict[str, Any]]:
-    return [{**a, "t": round(a["t"], 1)} for a in rec.alerts]
+def report(per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]], scale: Scale, out: Path, plot_to: Path,
+           schedule_name: str) -> None:
+    """The report over the seeds (`out`/report.md; a fault-free one: the step times and every alert), and the plot of
+    the seed nearest the mean (the first seed's where there is no mean)."""
+    text, shown = "", next(iter(per_seed))
+    if schedule_name == "fault-free":
+        text = fault_free_table([(seed, step_cost(recs[0], recs[1]), [{**x, "t": round(x["t"], 1)} for x in
+                                                                       recs[0].alerts])
+                                 for seed, (_, recs) in per_seed.items()])
+    elif len(per_seed) > 1:
+        summary = summarize({seed: results for seed, (results, _) in per_seed.items()})
+        text, shown = seeds_table(summary, scale, schedule_name), summary["nearest_mean"]
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if text:
+        print("\n" + text)
+        (out / "report.md").write_text(text + "\n")
+    if plot(per_seed[shown][1][:2], plot_to):  # with and without, the same human
+        print(f"\nplot: {plot_to} (seed {shown})")
 
 
 if __name__ == "__main__":

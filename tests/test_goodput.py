@@ -33,6 +33,7 @@ from benchmarks.goodput import (
     main,
     other_humans,
     paired,
+    report,
     schedule,
     seeds_table,
     step_cost,
@@ -349,3 +350,15 @@ def test_the_harness_faults_a_gpu_through_nvml_as_its_xid_says(tmp_path: Path,
     assert nvml._gpu("nvmlDeviceGetHandleByIndex", 0) and nvml._gpu("nvmlDeviceGetMemoryInfo", 1)  # GPU 1 is fine
     state.write_text("{torn")
     assert nvml._gpu("nvmlDeviceGetMemoryInfo", 0).ecc_volatile == 0  # a file that does not parse: healthy
+
+
+def test_the_report_over_seeds_is_written_beside_the_runs(tmp_path: Path) -> None:
+    rec = Record(trainguard=True)
+    rec.steps = [(0.5 * i, i, True) for i in range(10)]
+    per_seed = {1: ([_result(True, 0.9), _result(False, 0.6)], [rec, rec]),
+                2: ([_result(True, 0.8), _result(False, 0.5)], [rec, rec])}
+    report(per_seed, Scale(60), tmp_path, tmp_path / "plot.png", "fleet")
+    assert "over 2 seeds (1, 2; schedule fleet" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["with"]["mean"] == 0.85
+    report({3: ([], [rec, rec])}, Scale(60), tmp_path, tmp_path / "plot.png", "fault-free")
+    assert "| 3 | 9 / 9 | 0.5 / 0.5 | +0.00% |" in (tmp_path / "report.md").read_text()
