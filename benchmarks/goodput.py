@@ -737,16 +737,18 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
         lost = max(0, (max(before) + 1 - restart[0][1])) if restart and before else 0
         # the time without a step across the restart: "resumed after" also counts training that went on until then
         # (none when the next attempt made no step before the next fault or the end)
-        stalled = None
+        stalled = open_stall = None
         if restart:
             last = max((ts for ts, _, _ in rec.steps if ts < restart[0][0]), default=t)
             first = min((ts for ts, _, _ in rec.steps if restart[0][0] <= ts < until), default=None)
             stalled = round(first - max(last, t), 1) if first is not None else None
+            # no step again before the next fault or the end: down at least until then (what the cost charges)
+            open_stall = round(until - max(last, t), 1) if first is None else None
         faults.append({"kind": f["kind"], "node": f["node"], "at": round(t, 1), "by": by,
                        "detect_s": None if detected is None else round(detected, 2),
                        "deadline_s": round(deadline(f, scale, step_time), 1),
                        "resume_s": round(restart[0][0] - t, 1) if restart else None, "stalled_s": stalled,
-                       "lost_steps": lost, "window_s": round(until - t, 1),
+                       "lost_steps": lost, "window_s": round(until - t, 1), "down_to_next_s": open_stall,
                        **({"named": named} if f["kind"] == "slow" else {})})
     lemon = lemon_figures(rec) if any(f["kind"] == "lemon" for f in rec.faults) else None
     dup = 0
@@ -910,8 +912,9 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def fault_cost(f: dict[str, Any], pace: float) -> float:
-    """The steps one fault cost the run: those redone after it, and those not made while no step was (downtime)."""
-    return f["lost_steps"] + (f.get("stalled_s") or 0.0) / pace
+    """The steps one fault cost the run: those redone after it, and those not made while no step was (downtime; where
+    the job made no step again before the next fault or the end, the time until then)."""
+    return f["lost_steps"] + (f.get("stalled_s") or f.get("down_to_next_s") or 0.0) / pace
 
 
 def missed(f: dict[str, Any]) -> bool:

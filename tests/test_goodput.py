@@ -274,7 +274,8 @@ def test_several_seeds_give_the_mean_its_spread_and_what_each_kind_cost() -> Non
     xid = {"kind": "xid79", "lost_steps": 10, "stalled_s": 5.0, "detect_s": 0.1, "deadline_s": 1.0}
     nan = {"kind": "nan", "lost_steps": 2, "stalled_s": 1.0, "detect_s": 5.0, "deadline_s": 3.5}  # late
     # a leak the next fault's restart ended before its forecast was due: no miss
-    leak = {"kind": "leak", "lost_steps": 0, "stalled_s": None, "detect_s": None, "deadline_s": 40.0, "window_s": 10.0}
+    leak = {"kind": "leak", "lost_steps": 0, "stalled_s": None, "detect_s": None, "deadline_s": 40.0, "window_s": 10.0,
+            "down_to_next_s": 1.0}  # its restart made no step before the next fault: down 1 s until then
     per_seed = {1: [_result(True, 0.9, faults=(xid,)), _result(False, 0.6), _result(False, 0.3, 240)],
                 2: [_result(True, 0.96, faults=(nan,), drains=({"node": "n1", "right": False},)),
                     _result(False, 0.8), _result(False, 0.0, 240)],
@@ -284,7 +285,7 @@ def test_several_seeds_give_the_mean_its_spread_and_what_each_kind_cost() -> Non
     assert s["nearest_mean"] == 3  # 0.94 against a mean of 0.933
     assert s["without"][30]["goodput"]["mean"] == 0.7 and s["without"][240]["ratio"]["n"] == 2  # 0.0: no ratio
     assert [k["kind"] for k in s["kinds"]] == ["xid79", "nan", "leak"]  # the costliest first
-    assert s["kinds"][2]["missed"] == 0
+    assert s["kinds"][2]["missed"] == 0 and s["kinds"][2]["steps"] == 2.0
     assert s["kinds"][0]["steps"] == 20.0 and s["kinds"][0]["of_goodput"] == round(20 / 300, 4)
     assert s["kinds"][1]["missed"] == 1 and s["wrong_drains"] == 1
     out = seeds_table(s, Scale(60), "fleet")
