@@ -749,6 +749,8 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
                        "deadline_s": round(deadline(f, scale, step_time), 1),
                        "resume_s": round(restart[0][0] - t, 1) if restart else None, "stalled_s": stalled,
                        "lost_steps": lost, "window_s": round(until - t, 1), "down_to_next_s": open_stall,
+                       # the user's own pause after the stop switch is no time the run could have trained
+                       "user_pause_s": scale(600) if f["kind"] == "stop_switch" else 0.0,
                        **({"named": named} if f["kind"] == "slow" else {})})
     lemon = lemon_figures(rec) if any(f["kind"] == "lemon" for f in rec.faults) else None
     dup = 0
@@ -914,7 +916,8 @@ def spread(values: list[float]) -> dict[str, float]:
 def fault_cost(f: dict[str, Any], pace: float) -> float:
     """The steps one fault cost the run: those redone after it, and those not made while no step was (downtime; where
     the job made no step again before the next fault or the end, the time until then)."""
-    return f["lost_steps"] + (f.get("stalled_s") or f.get("down_to_next_s") or 0.0) / pace
+    down = (f.get("stalled_s") or f.get("down_to_next_s") or 0.0) - f.get("user_pause_s", 0.0)
+    return f["lost_steps"] + max(0.0, down) / pace
 
 
 def missed(f: dict[str, Any]) -> bool:
