@@ -18,6 +18,16 @@ rest of its attempt and its node's scripted GPU 0 reports a hardware slowdown at
 (windows scaled) names it, and with `--slow-policy restart_elsewhere` the node at fault restarts the job without
 itself on the allocation's spare (docs/slow-jobs.md).
 
+The fleet's faults (`--schedule fleet`, benchmarks/goodput_fleet.py): Llama 3 405B's interruptions in its proportions
+and at its rate (one every 3.09 hours of the whole job, scaled; `--rate` a day), mapped to kinds injected here; besides
+the above, hbm (XID 48 with uncorrected ECC errors and a pending row remap in the node's scripted NVML), sram (XID 95),
+gsp (XID 119, the GPU lost to NVML) and ib_down (the node's HCA port DOWN in its copy of a recorded sysfs tree, the
+rank's NCCL NET/IB error); each site fault once; a node drained for a hardware fault is repaired and resumed
+`--repair-after` later (the operator clears what its agent holds; a lemon the agents hold stays out). `--scenario
+lemon`: n1's GPU fails every `--lemon-every` while the job runs there, and one more run with trainguard whose agents
+have no lemon rules. `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
+cost. `--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
+
 Without trainguard the job has what it has without it: the collective timeout (NCCL's 10-minute default, scaled), the
 trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a human who looks every M minutes (and fixes
 what they see: frees the disk, drains a node whose GPU is gone, requeues the job). With trainguard the same human is
@@ -25,6 +35,8 @@ also paged: they act R minutes after an alert. Time is scaled by --scale (60: a 
 
     python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60] [--look-every 30]   # one run each way; root
     python -m benchmarks.goodput --also-without 60,120   # and one more run without trainguard per human
+    python -m benchmarks.goodput --schedule fleet --seeds 1,2,3,4,5 --minutes 30 --also-without 60,120,240
+    python -m benchmarks.goodput --fault-free --seeds 1,2,3 --minutes 10
 """
 
 from __future__ import annotations
@@ -46,12 +58,13 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
+from benchmarks import goodput_fleet as fleet
 from benchmarks.common import heading, installed_config
 from tests.conftest import AgentProcess
 from tests.e2e.stack import log_time, parse_log_line
@@ -61,11 +74,30 @@ from trainguard.agent.configfile import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
-EXTRA_KINDS = ("slow",)  # drawn only when named: the seven's seeded schedules stay as they were
+# drawn only when named (or by `--schedule fleet`): the seven's seeded schedules stay as they were
+EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic", "maintenance")
 SLOW_FACTOR = 1.5
+# The GPU faults: the XID line the driver prints (after "NVRM: Xid (PCI:<bus>): "; real lines, tests/test_xid.py and
+# NVIDIA's XID catalog) and the NVML state of the GPU that goes with it (benchmarks/goodput_agent.py).
+XID_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "xid79": ("79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.", {"lost": True}),
+    "hbm": ("48, pid=77, name=python, DBE (double bit error).", {"ecc_volatile": 2, "remap": [0, 1, 1, 0]}),
+    "sram": ("95, pid=9, name=python, Uncontained: FBHUB.", {"ecc_volatile": 1}),
+    "lemon": ("79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.", {"lost": True}),  # LEMON_NODE's
+    "gsp": ("119, pid=2024380, name=python, Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected "
+            "function 76 (GSP_RM_CONTROL) (0x20800a4c 0x4).", {"lost": True}),
+}
 # The check that answers each fault kind, and the action(s) that make the job come back.
-CHECK_OF = {"xid79": "xid", "hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
-            "time_limit": "job_timelimit", "nan": "training_log", "slow": "job_pace"}
+CHECK_OF = {"hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
+            "time_limit": "job_timelimit", "nan": "training_log", "slow": "job_pace", "ib_down": "infiniband",
+            "nic": "kernel", "maintenance": "training_log",  # no check of trainguard's answers a host's maintenance:
+            # what it sees is the job's end (the peers' collective timeout in its log)
+            **dict.fromkeys(XID_FAULTS, "xid")}
+IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"  # a recorded H100 node's HCAs
+IB_PORT = "mlx5_0/ports/1"  # the port a network fault takes down
+# The HCA's firmware stops answering (tests/data/kernel/fixtures.toml's mlx5_health line, in the node's PCI domain).
+NIC_LINE = "mlx5_core {domain}:5e:00.0: device's health compromised - reached miss count"
+LEMON_NODE = "n1"  # `--scenario lemon`: the node whose GPU fails again and again, repaired in between
 JOB_NAME = "goodput"
 NODES, RANKS = 4, 3  # the job asks for 3-4 nodes: a spare inside its allocation while one is free
 MiB = 2**20
@@ -93,6 +125,8 @@ class Fault:
 
 def schedule(seed: int, duration: float, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
     """Each kind once, in a seeded order, spread over the run with seeded jitter; the first after a warm-up."""
+    if not kinds:
+        return []  # a fault-free run
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
@@ -102,13 +136,20 @@ def schedule(seed: int, duration: float, kinds: tuple[str, ...] = KINDS) -> list
             for i, kind in enumerate(order)]
 
 
+def fleet_schedule(seed: int, duration: float, scale: Scale, per_day: float | None = None) -> list[Fault]:
+    """`--schedule fleet`: the fleet's interruptions at Llama 3's rate (or `per_day` a real-world day), scaled, in
+    its proportions, plus each site fault once (benchmarks/goodput_fleet.py has the mapping and its sources)."""
+    mtbi = 24 / per_day if per_day else fleet.LLAMA3_MTBI_H
+    return [Fault(at, kind, target) for at, kind, target in fleet.draw(seed, duration, scale.factor, RANKS, mtbi)]
+
+
 def bus_of(node: str) -> str:
     """The PCI address of node nN's scripted GPU, as the driver prints it: domain 00aN."""
     return f"00a{int(node[1:]):x}:18:00"
 
 
-def xid79_line(bus: str) -> str:
-    return f"NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+def xid_line(bus: str, kind: str = "xid79") -> str:
+    return f"NVRM: Xid (PCI:{bus}): {XID_FAULTS[kind][0]}"
 
 
 # the per-node kernel logs ------------------------------------------------------------------------------------------
@@ -153,7 +194,7 @@ class KmsgRelay:
                 except BrokenPipeError:
                     continue
                 head, sep, rest = raw.partition(b";")
-                m = re.search(rb"PCI:00a([0-9a-f]):", rest)
+                m = re.search(rb"(?:PCI:|mlx5_core )00a([0-9a-f]):", rest)
                 node = f"n{int(m.group(1), 16)}" if m else None
                 if not sep or node not in self.fds:
                     continue
@@ -180,23 +221,31 @@ class Record:
     drains: list[dict[str, Any]] = field(default_factory=list)  # t, node, reason, right
     paused: float = 0.0  # the user's own pause after the stop switch: not time the run could have trained
     stops: list[dict[str, Any]] = field(default_factory=list)  # how each attempt ended on each rank (the trainer's)
+    ranks: list[tuple[float, str, str]] = field(default_factory=list)  # (t, attempt, node) of each rank's start
 
 
 class Run:
     def __init__(self, base: Path, trainguard: bool, faults: list[Fault], duration: float, scale: Scale,
                  look_every: float, page_response: float, step_time: float, ckpt_every: int,
-                 slow_policy: str = "alert") -> None:
+                 site: Site | None = None) -> None:
         self.base, self.trainguard, self.faults, self.duration, self.s = base, trainguard, faults, duration, scale
         self.look_every, self.page_response = look_every, page_response
         self.step_time, self.ckpt_every = step_time, ckpt_every
-        self.slow_policy = slow_policy
+        self.site = site = site or Site()
+        self.slow_policy = site.slow_policy
         self.rec = Record(trainguard)
         self.cluster = MultiNodeCluster(base / "cluster", NODES, cred_expire=max(5, round(scale(120))),
                                         sched_interval=max(1, round(scale(60))))
         self.agents: dict[str, AgentProcess] = {}
         self.t0 = 0.0
         self.job = ""
-        self.gpu_lost: set[str] = set()
+        self.broken: set[str] = set()  # nodes whose hardware failed (a GPU, the HCA): the ones a drain is right for
+        self.drained: set[str] = set()
+        self.repair_after = site.repair_after
+        self.repairs: dict[str, float] = {}  # node -> when its repair is done (run clock)
+        self.reboots: dict[str, float] = {}  # node -> when its host maintenance takes it down (run clock)
+        self.lemon_every, self.lemon_next = site.lemon_every, 0.12 * duration
+        self.lemon_policy = site.lemon_policy
         self.ballast_stop: threading.Event | None = None
         self.paused_since: float | None = None
         self.restore_limit = False
@@ -221,6 +270,8 @@ class Run:
         stack.callback(lambda: subprocess.run(["umount", "-l", str(self.ckpt)], check=False, timeout=10))
         shutil.chown(self.ckpt, JOB_USER, JOB_USER)
         fifos = {n: self.base / f"kmsg-{n}" for n in self.cluster.nodes}
+        for node in self.cluster.nodes:
+            shutil.copytree(IB_TREE, self.base / f"ib-{node}", symlinks=True)
         stack.enter_context(KmsgRelay(fifos))
         if self.trainguard:
             for node in self.cluster.nodes:
@@ -250,6 +301,8 @@ class Run:
         s = self.s
         raw = installed_config()
         raw["agent"] = {"node_name": node, "state_dir": str(self.base / f"state-{node}"), "listen": ""}
+        # One fault seen by several checks counts once for the lemon rules: within 10 (scaled) minutes.
+        raw["ledger"] = {"same_fault_within": s.dur(600), **({} if self.lemon_policy else {"rules": {}})}
         raw["jobs"] = {"sources": ["slurm"], "slurm_node": node, "refresh": "1s", "slurm_timeout": "10s",
                        "slurm_refetch_min": s.dur(60)}
         fast = {"interval": "1s", "jitter": "0s"}
@@ -262,7 +315,15 @@ class Run:
         c["xid"].update(kmsg_path=str(fifo), actions={"critical": ["drain", "restart_elsewhere"]})
         # The kernel events read the same node's kernel log: the real /dev/kmsg is the host's, where every node's
         # XID is written (a lost GPU of n1 would be a node fault of all four), and other tests' records are.
-        c.setdefault("kernel", {}).update(kmsg_path=str(fifo))
+        c.setdefault("kernel", {}).update(kmsg_path=str(fifo), actions={"critical": ["drain", "restart_elsewhere"]})
+        # The node's HCAs: its own copy of a recorded H100 node's sysfs tree, whose port a network fault takes down.
+        # A bad link: the node drained, the job restarted without it, as for a lost GPU.
+        c.setdefault("infiniband", {}).update(fast, sysfs_root=str(self.base / f"ib-{node}"),
+                                              actions={"critical": ["drain", "restart_elsewhere"]})
+        # The GPU read bad through NVML (lost, uncorrected ECC errors) after an XID: the XID's actions restart the job;
+        # these checks only drain (their default requeue would race the restart without the node).
+        for name in ("gpu", "nvlink", "fabric"):
+            c.setdefault(name, {}).update(actions={"critical": ["drain"]})
         c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["restart"]})
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
@@ -275,7 +336,10 @@ class Run:
                              critical_when_pinned=True,
                              actions={"critical": ["restart_elsewhere"]} if self.slow_policy == "restart_elsewhere"
                              else {})
-        raw["actions"] = {"requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
+        # Two of the four nodes may be drained at once (the installed 10% is none here): with the fleet's faults and
+        # the site's repair time, a second node fails while the first is out.
+        raw["actions"] = {"drain": {"type": "drain", "max_drained": "2"},
+                          "requeue": {"type": "requeue", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
                                       "timeout": s.dur(330, 4)},
                           "restart": {"type": "restart", "wait_exit": s.dur(300, 2), "after_save": s.dur(30),
                                       "timeout": s.dur(330, 4)},
@@ -292,8 +356,9 @@ class Run:
         env = {"SLURM_CONF": str(self.cluster.conf), "TRAINGUARD_FAKE_GPUS": "1", "TRAINGUARD_FAKE_GPU_HEALTHY": "1",
                "TRAINGUARD_FAKE_GPU_DOMAIN": f"00a{int(node[1:]):x}", "PYTHONPATH": str(REPO)}
         env["TRAINGUARD_FAKE_GPU_SLOW"] = str(self.run_dir / "faults" / f"slow-{node}")
+        env["TRAINGUARD_FAKE_GPU_STATE"] = str(self.base / f"gpu-state-{node}.json")
         return AgentProcess(self.agent_config(node, fifo), self.base / f"agent-{node}.log", env,
-                            module="tests.helpers.fake_gpu_agent").start()
+                            module="benchmarks.goodput_agent").start()
 
     def stop_agents(self) -> None:
         for agent in self.agents.values():
@@ -326,6 +391,9 @@ class Run:
             # A fault due while the job is down waits for the next attempt to run: every fault hits a running job.
             while pending and pending[0].at <= t and self.running_attempt(info, pending[0]):
                 self.inject(pending.pop(0))
+            if self.lemon_every and t >= self.lemon_next and self.running_attempt(info, Fault(t, "lemon", 0)):
+                self.inject(Fault(round(t, 1), "lemon", 0))  # its GPU fails again `lemon_every` after it last did
+                self.lemon_next = t + self.lemon_every
             if info.get("Restarts", "0") != restarts:
                 restarts = info.get("Restarts", "0")
                 if self.restore_limit:  # the user's next submission has the usual limit
@@ -364,7 +432,8 @@ class Run:
         if info.get("JobState") != "RUNNING" or not attempt.startswith(f"{self.job}.{info.get('Restarts', '0')}.") \
                 or not nodes:
             return False
-        return (self.run_dir / "pids" / f"{attempt}.{nodes[f.target % len(nodes)]}").exists()
+        node = LEMON_NODE if f.kind == "lemon" else nodes[f.target % len(nodes)]
+        return (self.run_dir / "pids" / f"{attempt}.{node}").exists()
 
     def attempt_nodes(self) -> tuple[str, list[str]]:
         """The current attempt and the nodes its ranks run on (the allocation's spare, if any, runs none), once every
@@ -376,24 +445,46 @@ class Run:
 
     def inject(self, f: Fault) -> None:
         attempt, nodes = self.attempt_nodes()
-        node = nodes[f.target % len(nodes)] if nodes else ""
+        node = LEMON_NODE if f.kind == "lemon" else nodes[f.target % len(nodes)] if nodes else ""
         row = {**asdict(f), "node": node, "injected": self.now()}
         faults = self.run_dir / "faults"
-        if f.kind == "xid79" and node:
-            self.gpu_lost.add(node)
+        if f.kind in XID_FAULTS and node:
+            self.broken.add(node)
+            (self.base / f"gpu-state-{node}.json").write_text(json.dumps(XID_FAULTS[f.kind][1]))
             write_as_user(faults / f"gpu-lost-{node}", "lost")
             with open("/dev/kmsg", "w") as kmsg:
-                kmsg.write(f"<4>{xid79_line(bus_of(node))}\n")
+                kmsg.write(f"<4>{xid_line(bus_of(node), f.kind)}\n")
+        elif f.kind == "ib_down" and node:
+            self.broken.add(node)
+            port = self.base / f"ib-{node}" / IB_PORT
+            (port / "state").write_text("1: DOWN\n")
+            (port / "phys_state").write_text("3: Disabled\n")
+            write_as_user(faults / f"ib-down-{node}", "down")
+        elif f.kind == "maintenance" and node:
+            # The host's maintenance drains the node, then reboots it a short notice later (5 scaled minutes): its rank
+            # dies with it. It comes back after its repair time, as a repaired node.
+            self.broken.add(node)
+            self.cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=maintenance: host reboot",
+                             check=False)
+            self.reboots[node] = self.now() + self.s(300)
+        elif f.kind == "nic" and node:
+            self.broken.add(node)
+            write_as_user(faults / f"ib-down-{node}", "down")  # its connections are lost: NCCL fails as on a port down
+            with open("/dev/kmsg", "w") as kmsg:
+                kmsg.write(f"<3>{NIC_LINE.format(domain=bus_of(node)[:4])}\n")
         elif f.kind == "hang":
             write_as_user(faults / "hang", f"{attempt} {f.target}")
         elif f.kind == "leak" and node:
             pid = int((self.run_dir / "pids" / f"{attempt}.{node}").read_text())
             headroom = 160 * MiB  # the cgroup is charged only what the rank allocates from now on
             self.cgroups.append(cg := memory_cgroup(headroom))
-            (cg / "cgroup.procs").write_text(str(pid))
             per_step = headroom / MiB / (self.s(40 * 60) / self.step_time)  # the limit ~40 (real) minutes away
             row["oom_in"] = self.s(40 * 60)
-            write_as_user(faults / "leak", f"{attempt} {node} {per_step:.3f}")
+            try:
+                (cg / "cgroup.procs").write_text(str(pid))
+                write_as_user(faults / "leak", f"{attempt} {node} {per_step:.3f}")
+            except ProcessLookupError:  # the rank ended in between (its attempt was stopping): this leak never began
+                row["missed"] = "the rank had exited"
         elif f.kind == "disk_full":
             self.ballast_stop = threading.Event()
             row["full_in"] = self.s(3600)
@@ -464,9 +555,9 @@ class Run:
             (self.ckpt / "ballast").unlink(missing_ok=True)
             did.append("freed the checkpoint file system")
         if broken:
-            for node in sorted(self.gpu_lost):  # the log says which node's CUDA call never returned
+            for node in sorted(self.broken):  # the log says which node's CUDA call or NCCL transport failed
                 if "DRAIN" not in self.cluster.node_states().get(node, ("", ""))[0].upper():
-                    self.cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=operator: GPU lost",
+                    self.cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=operator: hardware fault",
                                      check=False)
                     did.append(f"drained {node}")
             self.cluster.run("scontrol", "requeue", self.job, check=False)
@@ -475,10 +566,61 @@ class Run:
             self.rec.actions.append({"t": t, "who": f"human ({why})", "what": "; ".join(did)})
 
     def watch_drains(self, t: float) -> None:
-        known = {d["node"] for d in self.rec.drains}
+        """Records each drain (a node drained again after a repair is a new one); with a repair time, the site's
+        repair of a node whose hardware failed is due that long after its drain."""
         for node, (state, reason) in self.cluster.node_states().items():
-            if "drain" in state and node not in known:
-                self.rec.drains.append({"t": t, "node": node, "reason": reason, "right": node in self.gpu_lost})
+            if "drain" not in state.lower():
+                self.drained.discard(node)
+            elif node not in self.drained:
+                self.drained.add(node)
+                self.rec.drains.append({"t": t, "node": node, "reason": reason, "right": node in self.broken})
+                if self.repair_after is not None and node in self.broken:
+                    self.repairs.setdefault(node, t + self.repair_after)
+        for node, due in list(self.reboots.items()):
+            if t >= due:
+                del self.reboots[node]
+                self.reboot(node, t)
+        for node, due in list(self.repairs.items()):
+            if t >= due:
+                del self.repairs[node]
+                self.repair(node, t)
+
+    def reboot(self, node: str, t: float) -> None:
+        """The host's maintenance takes the node down: every process of the job there dies (SIGKILL)."""
+        attempt, _ = self.attempt_nodes()
+        path = self.run_dir / "pids" / f"{attempt}.{node}"
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(path.read_text())
+            # this attempt's rank, and still it (a pid is reused once its process is gone)
+            if b"goodput_trainer.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, 9)
+        self.rec.actions.append({"t": t, "who": "site", "what": f"{node} rebooted for maintenance"})
+
+    def repair(self, node: str, t: float) -> None:
+        """The site's repair of a drained node (a reset, a reboot, a reseated cable): its GPU and port read healthy
+        again, its ranks run again, the operator clears what its agent holds (`trainguard clear`) and resumes it in
+        SLURM. A node its agent's lemon policy holds stays out: the operator reads the reason and sends the GPU back."""
+        if self.trainguard and any(a["node"] == node and a["check"] == "lemon" for a in self.fired()):
+            self.rec.actions.append({"t": t, "who": "site", "what": f"{node} held by the lemon policy: not resumed"})
+            return
+        (self.base / f"gpu-state-{node}.json").unlink(missing_ok=True)
+        for name in (f"gpu-lost-{node}", f"ib-down-{node}"):
+            (self.run_dir / "faults" / name).unlink(missing_ok=True)
+        for name in ("state", "phys_state"):
+            shutil.copy(IB_TREE / IB_PORT / name, self.base / f"ib-{node}" / IB_PORT / name)
+        self.broken.discard(node)
+        if node in self.agents:
+            cleared = {(a["check"], a["subject"]) for a in self.fired() if a["node"] == node
+                       and a["check"] in ("xid", "infiniband", "gpu", "kernel") and a["status"] == "CRITICAL"}
+            for check, subject in sorted(cleared):
+                proc = subprocess.run([sys.executable, "-m", "trainguard", "clear", "--config",
+                                       str(self.agents[node].config), f"{check}/{subject}", "--reason", "repaired"],
+                                      capture_output=True, text=True, timeout=60, check=False,
+                                      env={**os.environ, "PYTHONPATH": str(REPO)})
+                self.rec.actions.append({"t": self.now(), "who": "site", "what": f"trainguard clear {check}/{subject}: "
+                                         f"{(proc.stdout or proc.stderr).strip()[:200]}"})
+        self.cluster.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+        self.rec.actions.append({"t": self.now(), "who": "site", "what": f"repaired {node}, resumed"})
 
     # what happened -------------------------------------------------------------------------------------------------
     def steps(self) -> list[tuple[float, int, bool]]:
@@ -521,6 +663,8 @@ class Run:
         self.rec.attempts = [(float(m.group(3)) - self.t0, int(m.group(2))) for m in starts]
         self.rec.attempt_ids = [m.group(1) for m in starts]
         self.rec.stops = self.stops()
+        pids = sorted((p.stat().st_mtime - self.t0, *p.name.rsplit(".", 1)) for p in (self.run_dir / "pids").glob("*.n*"))
+        self.rec.ranks = [(round(t, 2), attempt, node) for t, attempt, node in pids]
         if self.trainguard:
             self.rec.alerts = self.fired()
             for node, agent in self.agents.items():
@@ -593,16 +737,22 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
         lost = max(0, (max(before) + 1 - restart[0][1])) if restart and before else 0
         # the time without a step across the restart: "resumed after" also counts training that went on until then
         # (none when the next attempt made no step before the next fault or the end)
-        stalled = None
+        stalled = open_stall = None
         if restart:
             last = max((ts for ts, _, _ in rec.steps if ts < restart[0][0]), default=t)
             first = min((ts for ts, _, _ in rec.steps if restart[0][0] <= ts < until), default=None)
             stalled = round(first - max(last, t), 1) if first is not None else None
+            # no step again before the next fault or the end: down at least until then (what the cost charges)
+            open_stall = round(until - max(last, t), 1) if first is None else None
         faults.append({"kind": f["kind"], "node": f["node"], "at": round(t, 1), "by": by,
                        "detect_s": None if detected is None else round(detected, 2),
                        "deadline_s": round(deadline(f, scale, step_time), 1),
                        "resume_s": round(restart[0][0] - t, 1) if restart else None, "stalled_s": stalled,
-                       "lost_steps": lost, **({"named": named} if f["kind"] == "slow" else {})})
+                       "lost_steps": lost, "window_s": round(until - t, 1), "down_to_next_s": open_stall,
+                       # the user's own pause after the stop switch is no time the run could have trained
+                       "user_pause_s": scale(600) if f["kind"] == "stop_switch" else 0.0,
+                       **({"named": named} if f["kind"] == "slow" else {})})
+    lemon = lemon_figures(rec) if any(f["kind"] == "lemon" for f in rec.faults) else None
     dup = 0
     seen: dict[tuple[str, str], float] = {}
     for a in (a for a in rec.alerts if a["event"] == "fired"):  # one problem announced by several nodes' agents
@@ -617,7 +767,19 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
             "drains": rec.drains, "alerts": len(rec.alerts), "duplicate_alerts": dup, "faults": faults,
             "attempt_ends": attempt_ends(rec),
             # a look that came with a page counts: what it did may have been the look's
-            "human_looks_acted": sum(1 for a in rec.actions if a["who"] in ("human (look)", "human (look+page)"))}
+            "human_looks_acted": sum(1 for a in rec.actions if a["who"] in ("human (look)", "human (look+page)")),
+            **({"lemon": lemon} if lemon else {})}
+
+
+def lemon_figures(rec: Record) -> dict[str, Any]:
+    """The lemon node's faults, when its agent's lemon policy held it, and the ranks given it after its second fault
+    (the goal: none)."""
+    faults = [f["injected"] for f in rec.faults if f["kind"] == "lemon"]
+    held = next((a["t"] for a in rec.alerts if a["check"] == "lemon" and a["node"] == LEMON_NODE), None)
+    second = faults[1] if len(faults) > 1 else None
+    return {"faults": [round(t, 1) for t in faults], "held_at": None if held is None else round(held, 1),
+            "ranks_after_second_fault": [a for t, a, n in rec.ranks if n == LEMON_NODE and second is not None
+                                         and t > second]}
 
 
 def in_place(attempts: list[str]) -> int:
@@ -639,7 +801,9 @@ def attempt_ends(rec: Record) -> list[dict[str, Any]]:
 
 def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
     """How long the check that answers this fault may take by its own settings (see agent_config)."""
-    return {"xid79": 1.0, "hang": scale(300, 2) + 2.0, "leak": f.get("oom_in", 0.0),
+    return {**dict.fromkeys(XID_FAULTS, 1.0), "ib_down": 3.0, "nic": 1.0, "hang": scale(300, 2) + 2.0,
+            "maintenance": scale(300) + scale(600) + 3 * step_time + 2.0,
+            "leak": f.get("oom_in", 0.0),
             "disk_full": f.get("full_in", 0.0), "stop_switch": 3.0,
             "time_limit": max(0.0, f.get("limit_at", 0.0) - f["injected"] - scale(600, 3)) + 2.0,
             "nan": 3 * step_time + 2.0, "slow": 2 * scale(600) + 2.0}[f["kind"]]
@@ -674,17 +838,50 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
     lines += ["", "| fault (node) | at (s) | detected by, in s (deadline) with / without | resumed after (s) "
               "with / without | no step for (s) with / without | steps lost with / without |",
               "|---|---|---|---|---|---|"]
-    for a, b in zip(w["faults"], wo["faults"], strict=True):
+    none = {"by": "not injected", "detect_s": None, "deadline_s": None, "resume_s": None, "lost_steps": None}
+    for a, b in paired(w["faults"], wo["faults"], none):
         def det(x: dict[str, Any]) -> str:
             return f"{x['by']} {x['detect_s']}" if x["detect_s"] is not None else x["by"]
-        lines.append(f"| {a['kind']} ({a['node'] or '-'}) | {a['at']} | {det(a)} ({a['deadline_s']}) / {det(b)} | "
-                     f"{a['resume_s']} / {b['resume_s']} | {a.get('stalled_s')} / {b.get('stalled_s')} | "
-                     f"{a['lost_steps']} / {b['lost_steps']} |")
+        lines.append(f"| {a['kind']} ({a.get('node') or '-'}) | {a.get('at', b.get('at'))} | {det(a)} "
+                     f"({a['deadline_s']}) / {det(b)} | {a['resume_s']} / {b['resume_s']} | {a.get('stalled_s')} / "
+                     f"{b.get('stalled_s')} | {a['lost_steps']} / {b['lost_steps']} |")
     for r, label in ((w, "with trainguard"), (wo, "without")):
         lines += ["", f"How each attempt ended ({label}; the trainer's own record, rank 0's where it has one):", ""]
         lines += [f"- {e['attempt']} at {e['t']} s, step {e['step']} (rank {e['rank']} on {e['node']}): {e['why']}"
                   for e in r.get("attempt_ends", [])] or ["- none recorded"]
-    return "\n".join(lines + humans(w, human["look_every_min"], without))
+    return "\n".join(lines + humans(w, human["look_every_min"], without) + lemons(results))
+
+
+def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], none: dict[str, Any]
+           ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The faults of two runs side by side: the n-th of a kind with the n-th of that kind (a fault due while the job
+    is down waits, and a run may end before one is injected: `none` stands for it)."""
+    def nth(faults: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+        seen: dict[str, int] = {}
+        out = {}
+        for f in faults:
+            seen[f["kind"]] = seen.get(f["kind"], 0) + 1
+            out[(f["kind"], seen[f["kind"]])] = f
+        return out
+    x, y = nth(a), nth(b)
+    keys = sorted(x.keys() | y.keys(), key=lambda k: (x.get(k) or y[k])["at"])
+    return [(x.get(k) or {**none, "kind": k[0]}, y.get(k) or {**none, "kind": k[0]}) for k in keys]
+
+
+def lemons(results: list[dict[str, Any]]) -> list[str]:
+    """`--scenario lemon`: the runs with trainguard with and without the agents' lemon rules, side by side."""
+    runs = [r for r in results if r["trainguard"] and "lemon" in r]
+    if not runs:
+        return []
+    lines = ["", f"The lemon node ({LEMON_NODE}), with trainguard:", "",
+             "| lemon rules | goodput | the lemon's faults (s) | held by the lemon policy at (s) | ranks given it after "
+             "its second fault |", "|---|---|---|---|---|"]
+    for r in runs:
+        le = r["lemon"]
+        lines.append(f"| {'installed' if r.get('lemon_policy', True) else 'none'} | {r['goodput']} | "
+                     f"{', '.join(map(str, le['faults'])) or '-'} | {le['held_at'] if le['held_at'] is not None else '-'}"
+                     f" | {len(le['ranks_after_second_fault'])} |")
+    return lines
 
 
 def humans(w: dict[str, Any], every: float, without: list[dict[str, Any]]) -> list[str]:
@@ -708,6 +905,111 @@ def humans(w: dict[str, Any], every: float, without: list[dict[str, Any]]) -> li
         same = acted == 0 and m >= every and math.isclose(m / every, round(m / every))
         lines.append(f"| {m:g} | {r['goodput']} | {ratio} | {'yes' if same else 'no'} |")
     return lines
+
+
+# several seeds, the fault-free pair ------------------------------------------------------------------------------
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": round(statistics.fmean(values), 3), "stdev": round(statistics.stdev(values), 3)
+            if len(values) > 1 else 0.0, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fault_cost(f: dict[str, Any], pace: float) -> float:
+    """The steps one fault cost the run: those redone after it, and those not made while no step was (downtime; where
+    the job made no step again before the next fault or the end, the time until then)."""
+    down = (f.get("stalled_s") or f.get("down_to_next_s") or 0.0) - f.get("user_pause_s", 0.0)
+    return f["lost_steps"] + max(0.0, down) / pace
+
+
+def missed(f: dict[str, Any]) -> bool:
+    """A fault its check did not see within its deadline, though the run left it that long (the next fault, or the
+    end, came later): a leak whose rank a restart replaced before the forecast is no miss."""
+    if f["detect_s"] is not None:
+        return bool(f["detect_s"] > f["deadline_s"])
+    return bool(f.get("window_s", math.inf) >= f["deadline_s"])
+
+
+def summarize(per_seed: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Several seeds' results (each: the run with trainguard, then the ones without): goodput's mean and spread each
+    way and per human, the ratio's, the seed nearest the mean, and what each fault kind cost with trainguard."""
+    withs = {seed: next(r for r in rs if r["trainguard"]) for seed, rs in per_seed.items()}
+    out: dict[str, Any] = {"seeds": sorted(per_seed), "with": spread([w["goodput"] for w in withs.values()])}
+    humans: dict[float, list[tuple[float, float]]] = {}
+    for seed, rs in per_seed.items():
+        for r in rs:
+            if not r["trainguard"]:
+                humans.setdefault(r["human"]["look_every_min"], []).append((withs[seed]["goodput"], r["goodput"]))
+    out["without"] = {m: {"goodput": spread([b for _, b in pairs]),
+                          "ratio": spread([a / b for a, b in pairs if b > 0]) if any(b > 0 for _, b in pairs) else None}
+                      for m, pairs in sorted(humans.items())}
+    mean = out["with"]["mean"]
+    out["nearest_mean"] = min(withs, key=lambda seed: (abs(withs[seed]["goodput"] - mean), seed))
+    kinds: dict[str, dict[str, float]] = {}
+    possible = sum(w["possible_steps"] for w in withs.values())
+    for w in withs.values():
+        for f in w["faults"]:
+            k = kinds.setdefault(f["kind"], {"faults": 0, "steps": 0.0, "missed": 0})
+            k["faults"] += 1
+            k["steps"] += fault_cost(f, w["pace_s"])
+            k["missed"] += missed(f)
+    out["kinds"] = sorted(({"kind": k, **v, "steps": round(v["steps"], 1),
+                            "of_goodput": round(v["steps"] / possible, 4) if possible else 0.0}
+                           for k, v in kinds.items()), key=lambda k: -k["steps"])
+    out["wrong_drains"] = sum(1 for rs in per_seed.values() for r in rs for d in r["drains"] if not d["right"])
+    return out
+
+
+def seeds_table(summary: dict[str, Any], scale: Scale, schedule_name: str) -> str:
+    def fmt(x: dict[str, float] | None, suffix: str = "") -> str:
+        return "-" if x is None else (f"{x['mean']:.3f}{suffix} (stdev {x['stdev']:.3f}, {x['min']:.3f}-"
+                                      f"{x['max']:.3f})")
+    w = summary["with"]
+    lines = [heading(f"Goodput under chaos over {w['n']} seeds ({', '.join(map(str, summary['seeds']))}; "
+                     f"schedule {schedule_name}, time x{scale.factor:g})"),
+             f"Goodput with trainguard: mean {fmt(w)} of the fault-free pace.", "",
+             "| the human looks every (minutes) | goodput without: mean (stdev, min-max) | with trainguard / "
+             "without |", "|---|---|---|"]
+    lines += [f"| {m:g} | {fmt(h['goodput'])} | {fmt(h['ratio'], 'x')} |" for m, h in summary["without"].items()]
+    lines += ["", f"What each fault kind cost with trainguard (all seeds; steps redone plus steps not made while none "
+              f"was, against {w['n']} runs' possible steps; the seed nearest the mean: {summary['nearest_mean']}):",
+              "", "| fault kind | faults | steps it cost | of the possible steps | missed its deadline |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {k['kind']} | {k['faults']} | {k['steps']} | {k['of_goodput']:.2%} | {k['missed']} |"
+              for k in summary["kinds"]]
+    lines += ["", f"Wrong drains, all runs: {summary['wrong_drains']}."]
+    return "\n".join(lines)
+
+
+def step_cost(with_tg: Record, without: Record) -> dict[str, Any]:
+    """The agents' cost to the training step: rank 0's step intervals with and without them (a fault-free pair)."""
+    def intervals(rec: Record) -> list[float]:
+        return [b[0] - a[0] for a, b in itertools.pairwise(rec.steps) if b[1] == a[1] + 1]
+    a, b = intervals(with_tg), intervals(without)
+    if not a or not b:
+        return {"steps": (len(a), len(b))}
+    out: dict[str, Any] = {"steps": (len(a), len(b))}
+    for name, f in (("median", statistics.median), ("mean", statistics.fmean)):
+        x, y = f(a), f(b)
+        out[name] = (round(x, 4), round(y, 4), round((x - y) / y, 4))
+    return out
+
+
+def fault_free_table(pairs: list[tuple[int, dict[str, Any], list[dict[str, Any]]]]) -> str:
+    """Per fault-free pair: step time with and without the agents, and every alert the agents fired (none is
+    expected: a finding here is a false positive, job_pace's of issue 51 among them)."""
+    lines = [heading("Fault-free: the agents' cost to the step, and their alerts"), "",
+             "| run | steps with / without | median step (s) with / without | difference | mean step (s) with / "
+             "without | difference | alerts fired |", "|---|---|---|---|---|---|---|"]
+    for seed, cost, alerts in pairs:
+        med, mean = cost.get("median"), cost.get("mean")
+        lines.append(f"| {seed} | {cost['steps'][0]} / {cost['steps'][1]} | " + (
+            f"{med[0]} / {med[1]} | {med[2]:+.2%} | {mean[0]} / {mean[1]} | {mean[2]:+.2%}" if med and mean else
+            "- | - | - | -") + f" | {len(alerts)} |")
+    for seed, _, alerts in pairs:
+        lines += [f"- run {seed}: {a['event']} {a['check']} {a['status']} {a['subject']} on {a['node']} at "
+                  f"{a['t']:.1f} s" for a in alerts]
+    if not any(alerts for _, _, alerts in pairs):
+        lines += ["", "No alert fired in any fault-free run (job_pace included)."]
+    return "\n".join(lines)
 
 
 def plot(records: list[Record], path: Path) -> bool:
@@ -752,12 +1054,26 @@ def plot(records: list[Record], path: Path) -> bool:
 
 
 # entry points -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Site:
+    """What the site does beside the agents, in seconds here: what job_pace's finding runs (`slow_policy`); how long
+    after its drain a node whose hardware failed is repaired and resumed (`repair_after`; None: not during the run,
+    as in the default schedule, whose one XID needs no repair); every how long the lemon node's GPU fails again
+    (`lemon_every`; 0: no lemon node); whether the agents keep their lemon rules (`lemon_policy`; the installed
+    default) or have none."""
+
+    slow_policy: str = "alert"
+    repair_after: float | None = None
+    lemon_every: float = 0.0
+    lemon_policy: bool = True
+
+
 def run_once(base: Path, trainguard: bool, faults: list[Fault], duration: float, scale: Scale, step_time: float,
-             ckpt_every: int, human: Human, slow_policy: str = "alert") -> Record:
+             ckpt_every: int, human: Human, site: Site) -> Record:
     base.mkdir(parents=True)
     run = Run(base, trainguard, faults, duration, scale, look_every=scale(human.look_every_min * 60),
               page_response=scale(human.page_response_min * 60), step_time=step_time, ckpt_every=ckpt_every,
-              slow_policy=slow_policy)
+              site=site)
     with contextlib.ExitStack() as stack:
         run.start(stack)
         run.run()
@@ -776,26 +1092,30 @@ class Human:
 
 def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = KINDS, step_time: float = 0.5,
               ckpt_every: int = 20, out_dir: Path | None = None, human: Human = Human(),
-              also_without: tuple[float, ...] = (), slow_policy: str = "alert") -> tuple[list[dict[str, Any]],
-                                                                                             list[Record]]:
+              also_without: tuple[float, ...] = (), site: Site = Site(),
+              faults: list[Fault] | None = None) -> tuple[list[dict[str, Any]], list[Record]]:
     """The run with trainguard and the one without it, with `human`; then one more run without it for each of
-    `also_without` (how often that human looks, in minutes): the same schedule against other people on call."""
+    `also_without` (how often that human looks, in minutes): the same schedule (`faults`, else the default one of
+    `seed` and `kinds`) against other people on call. With a lemon node (`site.lemon_every`), last, one more run with
+    trainguard whose agents have no lemon rules."""
     duration = minutes * 60
-    faults = schedule(seed, duration, kinds)
+    faults = schedule(seed, duration, kinds) if faults is None else faults
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-goodput-", dir="/tmp"))
     base.chmod(0o755)
-    runs = [(True, human, "with"), (False, human, "without")] + [
-        (False, Human(m, human.page_response_min), f"without-{i}-look{m:g}") for i, m in enumerate(also_without)]
+    runs = [(True, human, "with", site), (False, human, "without", site)] + [
+        (False, Human(m, human.page_response_min), f"without-{i}-look{m:g}", site) for i, m in enumerate(also_without)]
+    if site.lemon_every:
+        runs.append((True, human, "with-no-lemon-policy", replace(site, lemon_policy=False)))
     records = []
     try:
-        for trainguard, person, name in runs:
+        for trainguard, person, name, where in runs:
             records.append(run_once(base / name, trainguard, faults, duration, scale, step_time, ckpt_every, person,
-                                    slow_policy))
+                                    where))
     finally:
         if out_dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    results = [{**analyse(r, scale, step_time), "human": asdict(person)}
-               for r, (_, person, _) in zip(records, runs, strict=True)]
+    results = [{**analyse(r, scale, step_time), "human": asdict(person), "lemon_policy": where.lemon_policy}
+               for r, (_, person, _, where) in zip(records, runs, strict=True)]
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "goodput.json").write_text(json.dumps({"results": results, "records": [asdict(r) for r in records]},
@@ -814,9 +1134,39 @@ def other_humans(text: str, look_every: float) -> tuple[float, ...]:
     return tuple(sorted(minutes - {look_every}))
 
 
-def main(argv: list[str] | None = None) -> int:
+def seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise ValueError(f"--seeds: {text!r} is not a comma-separated list of integers")
+    return list(dict.fromkeys(seeds))
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=24)
+    p.add_argument("--seeds", default="", metavar="SEED[,SEED...]",
+                   help="several seeds, each with and without trainguard: a report of the mean and its spread")
+    p.add_argument("--schedule", choices=["default", "fleet"], default="default",
+                   help="default: each of --kinds once; fleet: Llama 3's interruption mix and rate, scaled, and each "
+                        "site fault once (benchmarks/goodput_fleet.py)")
+    p.add_argument("--rate", type=float, default=None, metavar="PER_DAY",
+                   help=f"--schedule fleet: interruptions of the whole job a real-world day (default Llama 3's: "
+                        f"{24 / fleet.LLAMA3_MTBI_H:.2f})")
+    p.add_argument("--repair-after", type=float, default=None, metavar="MINUTES",
+                   help="a drained node whose hardware failed is repaired and resumed this long after its drain "
+                        "(real-world minutes, scaled; default: 120 with --schedule fleet, never with the default "
+                        "schedule)")
+    p.add_argument("--scenario", choices=["lemon"], default=None,
+                   help=f"lemon: {LEMON_NODE}'s GPU fails (XID 79) every --lemon-every while the job runs there, "
+                        "repaired after --repair-after each time; one more run with trainguard whose agents have no "
+                        "lemon rules; on top of the fleet's faults (--schedule fleet), whose requeues bring the job back to it")
+    p.add_argument("--lemon-every", type=float, default=180.0, metavar="MINUTES",
+                   help="--scenario lemon: how often the lemon node's GPU fails again (real-world minutes, scaled)")
+    p.add_argument("--fault-free", action="store_true",
+                   help="no fault: the agents' cost to the step (with and without them) and every alert they fire")
     p.add_argument("--minutes", type=float, default=15.0, help="each run (with and without trainguard, and --also-without's)")
     p.add_argument("--scale", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=Path("/tmp/trainguard-goodput"))
@@ -831,25 +1181,62 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long the paged human takes to act (real-world minutes, scaled)")
     p.add_argument("--also-without", default="", metavar="MINUTES[,MINUTES...]",
                    help="one more run without trainguard for each: a human who looks that often (minutes)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     if not (math.isfinite(a.look_every) and a.look_every > 0 and math.isfinite(a.page_response)
             and a.page_response >= 0):
         p.error("--look-every must be a number of minutes above 0, --page-response one of at least 0")
+    if a.rate is not None and not (math.isfinite(a.rate) and a.rate > 0):
+        p.error("--rate must be a number of interruptions a day above 0")
+    if a.repair_after is not None and not (math.isfinite(a.repair_after) and a.repair_after >= 0):
+        p.error("--repair-after must be a number of minutes of at least 0")
     try:
         also = other_humans(a.also_without, a.look_every)
+        seeds = seed_list(a.seeds) if a.seeds else [a.seed]
     except ValueError as e:
         p.error(str(e))
     scale = Scale(a.scale)
-    kinds = tuple(k for k in a.kinds.split(",") if k)
+    kinds = () if a.fault_free else tuple(k for k in a.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS) - set(EXTRA_KINDS):
         p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS + EXTRA_KINDS)}")
-    results, records = benchmark(a.seed, a.minutes, scale, kinds, out_dir=a.out,
-                                 human=Human(a.look_every, a.page_response), also_without=also,
-                                 slow_policy=a.slow_policy)
-    print(table(results, a.seed, scale))
-    if plot(records[:2], a.plot):  # with and without, the same human
-        print(f"\nplot: {a.plot}")
+    fleet_like = not a.fault_free and (a.schedule == "fleet" or a.scenario == "lemon")
+    repair = a.repair_after if a.repair_after is not None else 120.0 if fleet_like else None
+    site = Site(a.slow_policy, None if repair is None else scale(repair * 60),
+                scale(a.lemon_every * 60) if a.scenario == "lemon" and not a.fault_free else 0.0)
+    per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
+    for seed in seeds:
+        faults = fleet_schedule(seed, a.minutes * 60, scale, a.rate) if fleet_like else None
+        out = a.out / f"seed-{seed}" if len(seeds) > 1 else a.out
+        per_seed[seed] = benchmark(seed, a.minutes, scale, kinds, out_dir=out, human=Human(a.look_every, a.page_response),
+                                   also_without=() if a.fault_free else also, site=site, faults=faults)
+        if not a.fault_free:
+            print(table(per_seed[seed][0], seed, scale), flush=True)
+    report(per_seed, scale, a.out, a.plot, "fault-free" if a.fault_free else "fleet" if fleet_like else "default")
     return 0
+
+
+def report(per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]], scale: Scale, out: Path, plot_to: Path,
+           schedule_name: str) -> None:
+    """The report over the seeds (`out`/report.md; a fault-free one: the step times and every alert), and the plot of
+    the seed nearest the mean (the first seed's where there is no mean)."""
+    text, shown = "", next(iter(per_seed))
+    if schedule_name == "fault-free":
+        text = fault_free_table([(seed, step_cost(recs[0], recs[1]), [{**x, "t": round(x["t"], 1)} for x in
+                                                                       recs[0].alerts])
+                                 for seed, (_, recs) in per_seed.items()])
+    elif len(per_seed) > 1:
+        summary = summarize({seed: results for seed, (results, _) in per_seed.items()})
+        text, shown = seeds_table(summary, scale, schedule_name), summary["nearest_mean"]
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if text:
+        print("\n" + text)
+        (out / "report.md").write_text(text + "\n")
+    if plot(per_seed[shown][1][:2], plot_to):  # with and without, the same human
+        print(f"\nplot: {plot_to} (seed {shown})")
 
 
 if __name__ == "__main__":

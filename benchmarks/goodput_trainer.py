@@ -9,7 +9,8 @@ carries its vote (stop, save), so all ranks decide together, as a collective wou
 
 Faults are files the harness writes into `<run-dir>/faults/`, each naming the attempt (job id, restart count, srun
 step) it hits, so a requeued or restarted job runs clean: `gpu-lost-NODE` (the rank there hangs in a CUDA call, as
-processes on a GPU that fell off the bus do), `hang` (`ATTEMPT RANK`: that rank stops before the barrier), `leak`
+processes on a GPU that fell off the bus do), `ib-down-NODE` (the rank there logs NCCL's NET/IB completion error and
+hangs in its collective, as over an HCA port that went down), `hang` (`ATTEMPT RANK`: that rank stops before the barrier), `leak`
 (`ATTEMPT NODE MB`: the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this
 attempt), `slow-NODE` (`ATTEMPT FACTOR`: the rank there takes FACTOR times as long a step, as on a throttled GPU; the
 others wait for it in the barrier).
@@ -88,6 +89,10 @@ def gpu_gone(run_dir: Path, node: str, rank: int, step: int) -> None:
     saves nothing (its state was on that GPU)."""
     if fault(run_dir, f"gpu-lost-{node}"):
         print(f"rank {rank}: step {step}: CUDA call not returning (GPU lost on {node})", flush=True)
+        stuck_in_cuda_call()
+    if fault(run_dir, f"ib-down-{node}"):  # the HCA's port is down: NCCL's transport fails, the collective never ends
+        print(f"{node}:{os.getpid()}:{os.getpid()} [0] NCCL WARN NET/IB : Got completion from peer 10.0.0.{rank}<38536> "
+              "with error 12, opcode 0, len 0, vendor err 129", flush=True)
         stuck_in_cuda_call()
 
 

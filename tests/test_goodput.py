@@ -5,6 +5,7 @@ depend on the machine's speed (what is detected, by whom, which nodes are draine
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -15,7 +16,30 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput import KINDS, Record, Scale, analyse, attempt_ends, benchmark, main, other_humans, schedule, table
+from benchmarks import goodput_fleet as fleet
+from benchmarks.goodput import (
+    EXTRA_KINDS,
+    KINDS,
+    XID_FAULTS,
+    Record,
+    Scale,
+    analyse,
+    attempt_ends,
+    benchmark,
+    fault_free_table,
+    fleet_schedule,
+    lemon_figures,
+    lemons,
+    main,
+    other_humans,
+    paired,
+    report,
+    schedule,
+    seeds_table,
+    step_cost,
+    summarize,
+    table,
+)
 from benchmarks.goodput_trainer import resume_step
 from tests.conftest import require, require_root, wait_until
 from tests.slurm_cluster import REPO, missing_components
@@ -28,6 +52,7 @@ def test_the_schedule_is_the_seeds_each_kind_once_inside_the_run() -> None:
     assert all(0.12 * 420 <= f.at <= 0.9 * 420 for f in a)
     assert [f.at for f in a] == sorted(f.at for f in a)
     assert schedule(25, 420) != a
+    assert schedule(24, 420, ()) == []  # --fault-free
 
 
 def test_goodput_counts_steps_up_to_the_last_finite_checkpoint_and_charges_redone_steps_to_the_fault() -> None:
@@ -195,3 +220,146 @@ def test_each_attempts_end_is_rank_0s_record_where_it_has_one() -> None:
                  {"t": 9.0, "attempt": "1.1", "rank": 1, "node": "n2", "step": 20,
                   "why": "collective timeout: 1 of 3 ranks missing after 10s"}]
     assert [(e["attempt"], e["rank"]) for e in attempt_ends(rec)] == [("1.0", 0), ("1.1", 1)]
+
+
+# the fleet schedule, several seeds, the fault-free pair -------------------------------------------------------------
+def test_the_fleet_mix_is_llama_3s_table_mapped_to_harness_kinds() -> None:
+    assert sum(c.count for c in fleet.CAUSES) == fleet.LLAMA3_INTERRUPTIONS == 419
+    assert round(fleet.LLAMA3_MTBI_H, 2) == 3.09  # "one every 3.1 hours"
+    known = set(KINDS) | set(EXTRA_KINDS)
+    assert all(c.kind in known for c in fleet.CAUSES if c.kind) and all(c.how for c in fleet.CAUSES)
+    w = fleet.weights()
+    assert w["xid79"] == 148 and w["hbm"] == 72 and w["nan"] == 54 and w["ib_down"] == 35 and w["slow"] == 6
+    assert w["maintenance"] == 32 and w["nic"] == 7 and sum(w.values()) == 397  # of the 419
+    assert fleet.covered() == sum(w.values()) / 419
+    assert max(w, key=w.__getitem__) == "xid79"
+
+
+def test_the_fleet_schedule_is_the_seeds_at_the_fleets_rate_in_its_proportions() -> None:
+    scale, duration = Scale(60), 200_000.0  # a long draw: the counts converge on the weights and the rate
+    a = fleet_schedule(5, duration, scale)
+    assert a == fleet_schedule(5, duration, scale) and a != fleet_schedule(6, duration, scale)
+    drawn = [f for f in a if f.kind not in fleet.SITE_KINDS]
+    assert sorted(f.kind for f in a if f.kind in fleet.SITE_KINDS) == sorted(fleet.SITE_KINDS)  # each site fault once
+    gap = fleet.gap_s(60)
+    assert gap == pytest.approx(fleet.LLAMA3_MTBI_H * 60)  # 3.09 hours at x60: 185 s here
+    expected = 0.8 * duration / gap  # a Poisson process over the run's middle 0.8 (a minimum gap only delays some)
+    assert 0.9 * expected < len(drawn) < 1.1 * expected, (len(drawn), expected)
+    w = fleet.weights()
+    for kind in ("xid79", "hbm", "nan"):
+        share = sum(f.kind == kind for f in drawn) / len(drawn)
+        assert abs(share - w[kind] / sum(w.values())) < 0.05, (kind, share)
+    assert all(b.at - a.at >= 10 - 0.1 for a, b in itertools.pairwise(a))
+    assert all(0.12 * duration <= f.at <= 0.92 * duration for f in a) and all(0 <= f.target < 3 for f in a)
+    # --rate: 24 a day at x60 is one a minute here
+    assert fleet.gap_s(60, 24 / 24) == pytest.approx(60)
+    faster = [f for f in fleet_schedule(5, duration, scale, per_day=24) if f.kind not in fleet.SITE_KINDS]
+    assert len(faster) > 2 * len(drawn)
+
+
+def test_the_default_schedule_is_as_before() -> None:
+    """The run of record depends on the seven kinds' seeded schedule: the fleet's kinds changed nothing there."""
+    assert [(f.at, f.kind, f.target) for f in schedule(24, 900)] == [
+        (113.8, "nan", 2), (228.8, "leak", 2), (331.4, "xid79", 0), (433.1, "hang", 1), (530.9, "stop_switch", 0),
+        (622.7, "disk_full", 2), (739.4, "time_limit", 0)]
+
+
+def _result(trainguard: bool, goodput: float, look: float = 30, faults: tuple[dict[str, object], ...] = (),
+            drains: tuple[dict[str, object], ...] = ()) -> dict[str, object]:
+    return {"trainguard": trainguard, "goodput": goodput, "possible_steps": 100, "pace_s": 0.5,
+            "human": {"look_every_min": look, "page_response_min": 5.0}, "faults": list(faults), "drains": list(drains)}
+
+
+def test_several_seeds_give_the_mean_its_spread_and_what_each_kind_cost() -> None:
+    xid = {"kind": "xid79", "lost_steps": 10, "stalled_s": 5.0, "detect_s": 0.1, "deadline_s": 1.0}
+    nan = {"kind": "nan", "lost_steps": 2, "stalled_s": 1.0, "detect_s": 5.0, "deadline_s": 3.5}  # late
+    # a leak the next fault's restart ended before its forecast was due: no miss
+    leak = {"kind": "leak", "lost_steps": 0, "stalled_s": None, "detect_s": None, "deadline_s": 40.0, "window_s": 10.0,
+            "down_to_next_s": 1.0}  # its restart made no step before the next fault: down 1 s until then
+    per_seed = {1: [_result(True, 0.9, faults=(xid,)), _result(False, 0.6), _result(False, 0.3, 240)],
+                2: [_result(True, 0.96, faults=(nan,), drains=({"node": "n1", "right": False},)),
+                    _result(False, 0.8), _result(False, 0.0, 240)],
+                3: [_result(True, 0.94, faults=(leak,)), _result(False, 0.7), _result(False, 0.4, 240)]}
+    s = summarize(per_seed)
+    assert s["with"]["mean"] == round((0.9 + 0.96 + 0.94) / 3, 3) and s["with"]["min"] == 0.9 and s["with"]["n"] == 3
+    assert s["nearest_mean"] == 3  # 0.94 against a mean of 0.933
+    assert s["without"][30]["goodput"]["mean"] == 0.7 and s["without"][240]["ratio"]["n"] == 2  # 0.0: no ratio
+    assert [k["kind"] for k in s["kinds"]] == ["xid79", "nan", "leak"]  # the costliest first
+    assert s["kinds"][2]["missed"] == 0 and s["kinds"][2]["steps"] == 2.0
+    assert s["kinds"][0]["steps"] == 20.0 and s["kinds"][0]["of_goodput"] == round(20 / 300, 4)
+    assert s["kinds"][1]["missed"] == 1 and s["wrong_drains"] == 1
+    out = seeds_table(s, Scale(60), "fleet")
+    assert "over 3 seeds (1, 2, 3; schedule fleet" in out and "| xid79 | 1 | 20.0 | 6.67% | 0 |" in out, out
+
+
+def test_the_fault_free_pair_compares_step_times_and_lists_every_alert() -> None:
+    with_tg, without = Record(trainguard=True), Record(trainguard=False)
+    with_tg.steps = [(0.505 * i, i, True) for i in range(101)]
+    # a restart from the checkpoint of step 39: the gap before the redone step 40 is not a step interval
+    without.steps = [(0.5 * i, i, True) for i in range(50)] + [(30 + 0.5 * i, 40 + i, True) for i in range(51)]
+    cost = step_cost(with_tg, without)
+    assert cost["steps"] == (100, 99) and cost["median"] == (0.505, 0.5, 0.01)
+    out = fault_free_table([(1, cost, [])])
+    assert "+1.00%" in out and "No alert fired" in out, out
+    alert = {"t": 12.0, "node": "n2", "check": "job_pace", "subject": "slurm:7", "status": "WARNING", "event": "fired"}
+    out = fault_free_table([(1, cost, []), (2, cost, [alert])])
+    assert "run 2: fired job_pace WARNING slurm:7 on n2" in out and "No alert" not in out, out
+
+
+def test_faults_of_two_runs_pair_by_kind_and_order_and_a_missing_one_is_said() -> None:
+    def f(kind: str, at: float) -> dict[str, object]:
+        return {"kind": kind, "at": at, "node": "n1", "by": "trainguard", "detect_s": 0.1, "deadline_s": 1.0,
+                "resume_s": 5.0, "lost_steps": 0}
+    none = {"by": "not injected", "detect_s": None, "deadline_s": None, "resume_s": None, "lost_steps": None}
+    # without trainguard the second XID came later (the job was down when it was due) and the NaN never came
+    pairs = paired([f("xid79", 10), f("xid79", 50), f("nan", 70)], [f("xid79", 11), f("xid79", 65)], none)
+    assert [(a["kind"], a["at"], b.get("at")) for a, b in pairs] == [("xid79", 10, 11), ("xid79", 50, 65),
+                                                                     ("nan", 70, None)]
+    assert pairs[-1][1]["by"] == "not injected"
+
+
+def test_the_lemon_node_is_held_after_its_second_fault_and_given_no_rank_after_it() -> None:
+    rec = Record(trainguard=True, duration=100.0)
+    rec.faults = [{"kind": "lemon", "at": 10.0, "target": 0, "node": "n1", "injected": 10.0},
+                  {"kind": "lemon", "at": 50.0, "target": 0, "node": "n1", "injected": 52.0}]
+    rec.alerts = [{"t": 52.3, "node": "n1", "check": "lemon", "subject": "gpu", "status": "CRITICAL", "event": "fired"}]
+    rec.ranks = [(1.0, "1.0.0", "n1"), (45.0, "1.1.0", "n1"), (60.0, "1.2.0", "n2")]
+    assert lemon_figures(rec) == {"faults": [10.0, 52.0], "held_at": 52.3, "ranks_after_second_fault": []}
+    rec.ranks.append((70.0, "1.3.0", "n1"))  # without the lemon rules: repaired, resumed, given the job again
+    assert lemon_figures(rec)["ranks_after_second_fault"] == ["1.3.0"]
+    base = {"trainguard": True, "goodput": 0.5, "lemon": lemon_figures(rec)}
+    out = "\n".join(lemons([{**base, "lemon_policy": True}, {**base, "lemon_policy": False, "goodput": 0.4},
+                            {"trainguard": False, "goodput": 0.2}]))
+    assert "| installed | 0.5 | 10.0, 52.0 | 52.3 | 1 |" in out and "| none | 0.4 |" in out, out
+
+
+def test_the_harness_faults_a_gpu_through_nvml_as_its_xid_says(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.goodput_agent import FaultableNvml
+    from tests.helpers.fake_nvml import FakeGpu
+
+    state = tmp_path / "gpu-state.json"
+    monkeypatch.setenv("TRAINGUARD_FAKE_GPU_STATE", str(state))
+    nvml = FaultableNvml([FakeGpu("GPU-0"), FakeGpu("GPU-1")], tmp_path / "slow")
+    assert nvml._gpu("nvmlDeviceGetMemoryInfo", 0).ecc_volatile == 0  # no file: healthy
+    state.write_text(json.dumps(XID_FAULTS["hbm"][1]))
+    gpu = nvml._gpu("nvmlDeviceGetMemoryInfo", 0)
+    assert gpu.ecc_volatile == 2 and gpu.remap == (0, 1, 1, 0)
+    state.write_text(json.dumps(XID_FAULTS["xid79"][1]))
+    with pytest.raises(nvml.NVMLError):  # NVMLError_GpuIsLost
+        nvml._gpu("nvmlDeviceGetMemoryInfo", 0)
+    assert nvml._gpu("nvmlDeviceGetHandleByIndex", 0) and nvml._gpu("nvmlDeviceGetMemoryInfo", 1)  # GPU 1 is fine
+    state.write_text("{torn")
+    assert nvml._gpu("nvmlDeviceGetMemoryInfo", 0).ecc_volatile == 0  # a file that does not parse: healthy
+
+
+def test_the_report_over_seeds_is_written_beside_the_runs(tmp_path: Path) -> None:
+    rec = Record(trainguard=True)
+    rec.steps = [(0.5 * i, i, True) for i in range(10)]
+    per_seed = {1: ([_result(True, 0.9), _result(False, 0.6)], [rec, rec]),
+                2: ([_result(True, 0.8), _result(False, 0.5)], [rec, rec])}
+    report(per_seed, Scale(60), tmp_path, tmp_path / "plot.png", "fleet")
+    assert "over 2 seeds (1, 2; schedule fleet" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["with"]["mean"] == 0.85
+    report({3: ([], [rec, rec])}, Scale(60), tmp_path, tmp_path / "plot.png", "fault-free")
+    assert "| 3 | 9 / 9 | 0.5 / 0.5 | +0.00% |" in (tmp_path / "report.md").read_text()

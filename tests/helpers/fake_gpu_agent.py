@@ -40,7 +40,8 @@ class SlowableNvml(FakeNvml):
         return gpu
 
 
-def main() -> int:
+def main(slowable: type[SlowableNvml] = SlowableNvml) -> int:
+    """`slowable`: the scripted NVML class when TRAINGUARD_FAKE_GPU_SLOW is set (benchmarks/goodput_agent.py's)."""
     count = int(os.environ.get("TRAINGUARD_FAKE_GPUS", "8"))
     domain = int(os.environ.get("TRAINGUARD_FAKE_GPU_DOMAIN", "0"), 16)
     gpus = [FakeGpu(f"GPU-{i:08x}-0000-4000-8000-{domain:012x}", bus_id=f"{domain:08X}:{0x18 + i:02X}:00.0".encode(),
@@ -61,7 +62,7 @@ def main() -> int:
         gpus[int(index)].used += int(used)
     missing = NVMLError_LibraryNotFound if os.environ.get("TRAINGUARD_FAKE_NVML") == "missing" else None
     slow = os.environ.get("TRAINGUARD_FAKE_GPU_SLOW")
-    fake = SlowableNvml(gpus, Path(slow), init_error=missing) if slow else FakeNvml(gpus, init_error=missing)
+    fake = slowable(gpus, Path(slow), init_error=missing) if slow else FakeNvml(gpus, init_error=missing)
     sys.modules["pynvml"] = fake  # type: ignore[assignment]
     from trainguard.cli import main as trainguard
 
