@@ -46,6 +46,9 @@ def test_a_third_drain_of_the_partition_is_refused_and_stays_a_critical_fault(
         assert record["outcome"] == "ok", record
         assert "DRAIN" in slurm.node_info()["State"]
         assert engine.responder.refused() == []  # done after all
+        again = run_action(engine, "drain", event(summary="GPU 3 lost (gpu check)"), ())  # the same fault's 2nd
+        assert again["outcome"] == "skipped" and "already drained by trainguard" in again["detail"], again
+        assert "XID 79" in slurm.node_info()["Reason"]  # the first reason stands
     finally:
         for ghost in GHOSTS[:3]:
             sh("scontrol", "update", f"nodename={ghost}", "state=undrain", check=False)
@@ -61,6 +64,8 @@ def test_partition_view_reads_sinfo_as_slurm_prints_it() -> None:
     view = partition_view(out, "node1")
     assert view.nodes == 4 and view.drained == ("tg-ghost01",) and view.partitions == ("debug", "fleet")
     assert partition_view("garbage\n|||\n", "node1").nodes == 1  # nothing known: this node alone
+    assert view.own == "" and partition_view(out, "tg-ghost01").own == "trainguard: XID 79 | GPU 3"
+    assert partition_view(out, "tg-ghost03").own == ""  # an administrator's drain is theirs
 
 
 @pytest.mark.parametrize(("limit", "nodes", "allowed"), [("10%", 20, 2), ("10%", 3, 1), ("4", 64, 4), ("0", 9, 0)])

@@ -73,6 +73,7 @@ class PartitionView:
     nodes: int  # nodes of the partitions this node is in (this one included)
     drained: tuple[str, ...]  # other nodes of them that trainguard drained (or is draining)
     partitions: tuple[str, ...]
+    own: str = ""  # this node's drain reason when trainguard drained it (or is draining it), else ""
 
 
 def partition_view(sinfo: str, node: str) -> PartitionView:
@@ -87,7 +88,9 @@ def partition_view(sinfo: str, node: str) -> PartitionView:
     nodes = {n for n, p, _, _ in rows if p in mine}
     drained = {n for n, p, state, reason in rows
                if p in mine and n != node and "drain" in state and reason.startswith(DRAIN_TAG)}
-    return PartitionView(len(nodes | {node}), tuple(sorted(drained)), tuple(sorted(mine)))
+    own = next((reason for n, _, state, reason in rows
+                if n == node and "drain" in state and reason.startswith(DRAIN_TAG)), "")
+    return PartitionView(len(nodes | {node}), tuple(sorted(drained)), tuple(sorted(mine)), own)
 
 
 class DrainAction(Action):
@@ -107,6 +110,10 @@ class DrainAction(Action):
         reason = drain_reason(ctx.held_reason or ctx.event.summary)
         # One query of the node table per drain (a rare event), never per round.
         view = partition_view(_slurm("drain", ctx.slurm.run, "sinfo", "-h", "-N", "-o", "%N|%P|%T|%E"), ctx.node)
+        if view.own and not ctx.held_reason:
+            # One fault is often several incidents (a GPU off the bus: `xid`, then `gpu`): the second drain is not
+            # a drain, and must not count as one (the ledger's repeat-drain rule counts drains done)
+            raise ActionSkippedError(f"{ctx.node} already drained by trainguard ({view.own[:120]}): left as it is")
         limit = self.settings.limit(view.nodes)
         if len(view.drained) >= limit:
             shown = ", ".join(view.drained[:5]) + (", ..." if len(view.drained) > 5 else "")
