@@ -42,12 +42,48 @@ def test_sxid_lines(line: str, sxid: int, switch: str, bus: str, fatal: bool) ->
 
 
 def test_a_real_capture_counts_each_event_once() -> None:
-    """Each SXid event is three records (Data, the severity line, Severity N ...): only the severity line counts."""
+    """Each SXid event is three records (Data, the severity line, Severity N ...): only the severity line counts. The
+    capture's last record, SXid 12028, is its Data record alone: one event of its own."""
     parser = XidParser()
     events = [e for line in CAPTURE.read_text().splitlines() if (e := parser.feed(line)) is not None]
-    assert [(e.xid, e.device, e.variant, e.text) for e in events] == [
-        (22013, "nvswitch3", "non_fatal", "Link 44 Minion Link DLREQ interrupt"),
-        (22013, "nvswitch3", "non_fatal", "Link 45 Minion Link DLREQ interrupt")]
+    events += [e for e in [parser.flush()] if e is not None]  # the end of the capture: nothing follows the Data record
+    assert [(e.xid, e.device, e.variant, e.text[:21]) for e in events] == [
+        (22013, "nvswitch3", "non_fatal", "Link 44 Minion Link D"),
+        (22013, "nvswitch3", "non_fatal", "Link 45 Minion Link D"),
+        (12028, "nvswitch1", "data_only", "Data {0x000001c0, 0x0")]
+
+
+def test_an_sxid_printed_as_its_data_record_alone_is_graded_by_nvidias_table() -> None:
+    """The issue's case: SXid 12028 (egress non-posted PRIV error) as its Data record alone is one event, graded as the
+    Fabric Manager guide grades 12028 (NVLink traffic through the port stalls): CRITICAL."""
+    [data_line] = [line for line in CAPTURE.read_text().splitlines() if "12028, Data {" in line]  # leptonai/gpud#338
+    parser = XidParser()
+    assert parser.feed(data_line, seq=7, usec=1234) is None  # its severity line may follow
+    event = parser.feed("usb 1-1: new high-speed USB device number 2 using xhci_hcd", seq=8, usec=2000)
+    assert event is not None and (event.kind, event.xid, event.device, event.bus_id, event.seq, event.usec) == (
+        "sxid", 12028, "nvswitch1", "0000:84:00", 7, 1234)  # the Data record's own place in the log
+    ledger = XidLedger(None)
+    recorded = ledger.record(event)
+    assert recorded is not None
+    g = grade_sxid(recorded[0], XidSettings(), 1001.0)
+    assert (g.status, g.response) == (Status.CRITICAL, "stall") and g.why.startswith("Data record only, stall")
+
+
+def test_a_data_record_and_its_severity_line_are_one_event_and_an_xid_is_not_delayed() -> None:
+    parser = XidParser()
+    data = "nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 24007, Data {0x00000000, 0x00000001}"
+    assert parser.feed(data) is None
+    fatal = parser.feed("nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 24007, Fatal, Link 30 sourcetrack timeout error")
+    assert fatal is not None and fatal.variant == "fatal"
+    assert parser.feed("nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 24007, Severity 5 Engine instance 30") is None
+    assert parser.flush() is None  # nothing left over: one event for the three records
+    # a Data record, then an XID: the XID first, the Data record (no severity line came) with the next record
+    assert parser.feed(data) is None
+    xid = parser.feed("NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    assert xid is not None and xid.xid == 79
+    late = parser.feed("nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 24007, Severity 5 Engine instance 30")
+    assert late is not None and (late.xid, late.variant) == (24007, "data_only")
+    assert parser.feed(data) is None and parser.flush(min_age=60) is None  # read just now: its burst may go on
 
 
 @pytest.mark.parametrize("line", [
@@ -109,7 +145,9 @@ def test_sxid_to_incident_through_the_kernel_log(kmsg: Any, tmp_path: Path) -> N
     engine = _xid_engine(tmp_path)
     engine.start()
     try:
-        fatal_bus, quiet_bus = unique_bus(), unique_bus()
+        fatal_bus, quiet_bus, data_bus = unique_bus(), unique_bus(), unique_bus()
+        # SXid 12028 as its Data record alone (leptonai/gpud#338): the next record says no severity line follows
+        kmsg.write(f"nvidia-nvswitch1: SXid (PCI:{data_bus}.0): 12028, Data {{0x000001c0, 0x00bd5c8a, 0x00000500}}")
         kmsg.write(f"nvidia-nvswitch2: SXid (PCI:{fatal_bus}.0): 24007, Data {{0x00000000, 0x00000001}}")
         kmsg.write(f"nvidia-nvswitch2: SXid (PCI:{fatal_bus}.0): 24007, Fatal, Link 30 sourcetrack timeout error")
         kmsg.write(f"nvidia-nvswitch5: SXid (PCI:{quiet_bus}.0): 22013, Non-fatal, Link 44 Minion Link DLREQ interrupt")
@@ -120,12 +158,16 @@ def test_sxid_to_incident_through_the_kernel_log(kmsg: Any, tmp_path: Path) -> N
         assert incident.status is Status.CRITICAL
         assert incident.summary.startswith(f"NVSwitch nvswitch2 ({fatal_bus}): SXid 24007 sourcetrack timeout: "
                                            "Link 30 sourcetrack timeout error (Fatal, fatal;")
+        wait_until(lambda: any(i.subject == f"nvswitch:{data_bus}" and i.firing for i in engine.tracker.incidents()),
+                   5, what="a CRITICAL incident for the NVSwitch whose SXid 12028 came as its Data record alone")
         engine.run_check("xid")
         assert f"nvswitch:{quiet_bus}" not in {i.subject for i in engine.tracker.incidents()}
         last = engine.snapshot().checks["xid"].last
         assert last is not None
         counts = {(s.labels["switch"], s.labels["sxid"]): s.value for r in last.results for s in r.samples
-                  if s.name == "trainguard_nvswitch_sxid_errors_total" and s.labels["bus_id"] in (fatal_bus, quiet_bus)}
-        assert counts == {("nvswitch2", "24007"): 1, ("nvswitch5", "22013"): 1}  # the Data record is not counted
+                  if s.name == "trainguard_nvswitch_sxid_errors_total"
+                  and s.labels["bus_id"] in (fatal_bus, quiet_bus, data_bus)}
+        # the Data record before its severity line is not counted; the one alone is
+        assert counts == {("nvswitch2", "24007"): 1, ("nvswitch5", "22013"): 1, ("nvswitch1", "12028"): 1}
     finally:
         engine.stop()

@@ -32,7 +32,7 @@ from trainguard.core.units import format_duration
 from trainguard.gpu.faults import XidEntry, XidLedger
 from trainguard.gpu.health import gpu_faults
 from trainguard.gpu.nvml import GpuState
-from trainguard.gpu.xid import XidParser
+from trainguard.gpu.xid import XidEvent, XidParser
 from trainguard.gpu.xid_catalog import describe, describe_sxid, nvlink5_rules, nvlink5_verdict, policy
 from trainguard.node.kmsg import KernelRecord, LogPoint
 
@@ -180,8 +180,10 @@ def _cleared(g: Grade, entry: XidEntry, s: XidSettings, now: float, sticky: bool
 def grade_sxid(entry: XidEntry, s: XidSettings, now: float) -> Grade:
     """An NVSwitch SXid: its class in the small SXid table, at least fatal when the driver says Fatal."""
     info = describe_sxid(entry.xid, entry.variant == "fatal")
-    word = "Fatal" if entry.variant == "fatal" else "Non-fatal"
-    why = f"{word}, {info.klass.replace('_', '-')}" + ("" if info.known else " (not in the SXid table: the driver's word)")
+    word = {"fatal": "Fatal", "data_only": "Data record only"}.get(entry.variant, "Non-fatal")
+    unknown = " (not in the SXid table: the driver's word)" if entry.variant != "data_only" else \
+        " (not in the SXid table, no severity logged: non-fatal)"
+    why = f"{word}, {info.klass.replace('_', '-')}" + ("" if info.known else unknown)
     return _cleared(Grade(info.response.status, why, info.response.todo, info.klass), entry, s, now,
                     sticky=info.response.sticky)
 
@@ -342,6 +344,9 @@ def adopt_marks(context: CheckContext, ledger: XidLedger) -> None:
             path=path, kmsg_seq=None if first is None else first.seq, boot_usec=None if first is None else first.usec))
 
 
+DATA_WAIT_S = 1.0  # an SXid's records come in one printk burst: a Data record alone this long has no severity line
+
+
 class XidCheck(Check):
     layer = "hardware"
 
@@ -395,13 +400,16 @@ class XidCheck(Check):
 
     def _on_record(self, record: KernelRecord) -> None:
         with self._lock:  # the parser is stateful across records
-            event = self.parser.feed(record.message)
-        if event is None:
-            return
+            event = self.parser.feed(record.message, record.seq, record.usec)
+        if event is not None:
+            # an SXid's lone Data record, released by a later record, keeps its own place in the log
+            self._take(event if event.seq >= 0 or event.usec >= 0 else replace(event, seq=record.seq, usec=record.usec))
+
+    def _take(self, event: XidEvent) -> None:
         since = self.context.kernel_since_usec
-        if since is not None and record.usec < since:  # `trainguard check --since`: older records do not count
+        if since is not None and event.usec < since:  # `trainguard check --since`: older records do not count
             return
-        recorded = self.ledger.record(replace(event, seq=record.seq, usec=record.usec))
+        recorded = self.ledger.record(event)
         if recorded is None:  # from before an operator's clear of its device
             return
         entry, changed = recorded
@@ -470,6 +478,10 @@ class XidCheck(Check):
             self.kernel_log.read_once(self.follower, lambda: adopt_marks(self.context, self.ledger))
         elif self._started:  # at start the follower replays the buffer: judge the whole of it, not a part
             self.follower.caught_up.wait(min(REPLAY_WAIT_S, self.settings.timeout / 2))
+        with self._lock:  # an SXid Data record with no record after it for a while: no severity line follows
+            pending = self.parser.flush(DATA_WAIT_S if self._started else 0.0)
+        if pending is not None:
+            self._take(pending)
         results = self._results()
         if self._started and not self.follower.caught_up.is_set():
             return PartialView(results, f"replaying the kernel log ({self.follower.records} records so far)")

@@ -3,6 +3,7 @@ catalogs that explain them are in `xid_catalog`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +33,12 @@ _OFF_BUS_BLOCK = linear(r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA
                         r"(?:NVRM:\s*)?\(PCI ID: [0-9a-fA-F:]{9}\) installed in this system has\s+(?:NVRM:\s*)?"
                         r"fallen off the bus")
 _OFF_BUS_LAST = linear(_PREFIX + r"NVRM: fallen off the bus and is not responding to commands")
-# NVSwitch: `nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up`. The driver prints
-# follow-up records (`..., Data {0x...}`) without the severity word: those are not counted again.
+# NVSwitch: `nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up`. The driver prints one
+# error as three records: `..., Data {0x...}`, the severity line, `..., Severity N Engine instance ...`. The severity
+# line is the event; a Data record that no severity line follows (printk rate limits, a lost or pasted record) is one
+# too, graded by the SXid table alone.
 _SXID = linear(_PREFIX + r"nvidia-nvswitch(?P<sw>\d+): SXid \(" + _BUS + r"\):\s*(?P<sxid>\d+),\s*"
-                   r"(?P<sev>Fatal|Non-?fatal)(?:,\s*(?P<rest>.*))?$", ignore_case=True)
+                   r"(?:(?P<sev>Fatal|Non-?fatal)(?:,\s*(?P<rest>.*))?|(?P<data>Data \{[^}]{0,400}\}?))$", ignore_case=True)
 _GPU_UUID = linear(_PREFIX + r"NVRM: GPU at PCI:(?P<bus>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
 
 
@@ -51,7 +54,8 @@ class XidEvent:
     cause_xid: int | None = None  # XID 45 "caused by previous Xid N"
     recovery: str | None = None  # XID 154: the recovery action now required
     line: str = ""
-    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; SXids: fatal | non_fatal. Variants stay apart.
+    variant: str = ""  # XIDs 144-150: the NVLink5 decode verdict; SXids: fatal | non_fatal | data_only (no severity
+    # line logged: the SXid table grades it). Variants stay apart.
     kind: str = "xid"  # xid (a GPU) | sxid (an NVSwitch)
     device: str = ""  # SXids: the switch, e.g. nvswitch3
     seq: int = -1  # the kernel record's sequence number (-1: from the journal, or not from the log)
@@ -59,15 +63,34 @@ class XidEvent:
 
 
 class XidParser:
-    """Stateful only for what spans records: the three-record fallen-off-the-bus message and bus -> uuid lines."""
+    """Stateful only for what spans records: the three-record fallen-off-the-bus message, bus -> uuid lines, and an
+    SXid's Data record until the next record says whether its severity line follows."""
 
     def __init__(self) -> None:
         self.uuid_by_bus: dict[str, str] = {}
         self._pending_off_bus: str | None = None
+        self._pending_data: XidEvent | None = None
+        self._pending_since = 0.0  # monotonic time the pending Data record was read
 
-    def feed(self, message: str) -> XidEvent | None:
-        if "NVRM" not in message:  # the cheap test first: most kernel lines are not from the driver
-            return self._sxid(message) if "SXid" in message else None
+    def feed(self, message: str, seq: int = -1, usec: int = -1) -> XidEvent | None:
+        """The event a record completes, if any. `seq` and `usec` (the record's) are carried by a Data record's event,
+        which a later record releases."""
+        if "SXid" in message:
+            return self._sxid(message, seq, usec)
+        event = self._nvrm(message) if "NVRM" in message else None  # the cheap test: most lines are not the driver's
+        if self._pending_data is not None and event is None:
+            return self.flush()  # the burst ended without the Data record's severity line
+        return event  # an XID is not delayed: a pending Data record waits for the next record or `flush`
+
+    def flush(self, min_age: float = 0.0) -> XidEvent | None:
+        """A Data record no severity line followed: at the end of input, or read at least `min_age` seconds ago (the
+        driver prints an error's records in one burst, milliseconds apart)."""
+        if self._pending_data is None or time.monotonic() - self._pending_since < min_age:
+            return None
+        event, self._pending_data = self._pending_data, None
+        return event
+
+    def _nvrm(self, message: str) -> XidEvent | None:
         line = message.rstrip("\n")
         text = strip_prefix(line)
         m = _XID.match(text)
@@ -93,15 +116,28 @@ class XidParser:
             return XidEvent(79, bus, "GPU has fallen off the bus and is not responding to commands", line=line)
         return None
 
-    @staticmethod
-    def _sxid(message: str) -> XidEvent | None:
+    def _sxid(self, message: str, seq: int, usec: int) -> XidEvent | None:
         line = message.rstrip("\n")
         m = _SXID.match(strip_prefix(line))
-        if m is None:
-            return None
-        fatal = m.group("sev").lower() == "fatal"
-        return XidEvent(int(m.group("sxid")), normalize_bus_id(m.group("bus")), (m.group("rest") or "").strip(),
-                        line=line, variant="fatal" if fatal else "non_fatal", kind="sxid", device=f"nvswitch{m.group('sw')}")
+        pending, data = self._pending_data, None
+        if m is not None:
+            g = m.groupdict()
+            device, bus, code = f"nvswitch{g['sw']}", normalize_bus_id(g["bus"]), int(g["sxid"])
+            if g["data"] is not None:
+                data = XidEvent(code, bus, g["data"][:160], line=line, variant="data_only", kind="sxid",
+                                device=device, seq=seq, usec=usec)
+            elif g["sev"] is not None:
+                # the severity line: the event (its Data record, just before it, is the same error)
+                if pending is not None and (pending.device, pending.bus_id, pending.xid) == (device, bus, code):
+                    pending = None
+                fatal = g["sev"].lower() == "fatal"
+                event = XidEvent(code, bus, (g["rest"] or "").strip(), line=line,
+                                 variant="fatal" if fatal else "non_fatal", kind="sxid", device=device)
+                self._pending_data = pending
+                return event  # a pending Data record of another error waits for the next record
+        # another Data record, the `Severity N` record or a garbled SXid line: the pending Data record had no severity
+        self._pending_data, self._pending_since = data, time.monotonic()
+        return pending
 
     def _xid(self, match: Any, line: str) -> XidEvent:
         # One groupdict per match: the re2 wrapper builds its name -> index table again at each named group() (a

@@ -179,6 +179,29 @@ def subject_of(c: KernelClass, names: Mapping[str, str]) -> str:
     return c.name
 
 
+@dataclass(frozen=True)
+class _Index:
+    """The needle automaton of a set of classes and what each needle selects: built once per catalog (a parser per
+    pasted excerpt, as `trainguard kernel` and the tests make, would otherwise spend a millisecond building it)."""
+
+    needles: list[str]
+    by_needle: list[list[KernelClass]]
+    order: dict[str, int]
+    automaton: Any
+
+    @staticmethod
+    def of(classes: Mapping[str, KernelClass]) -> _Index:
+        needles = sorted({n for c in classes.values() for n in c.needles})
+        return _Index(needles, [[c for c in classes.values() if n in c.needles and c.pattern is not None]
+                                for n in needles], {name: i for i, name in enumerate(classes)},
+                      ahocorasick_rs.AhoCorasick(needles, matchkind=ahocorasick_rs.MATCHKIND_STANDARD))
+
+
+@functools.cache
+def _catalog_index() -> _Index:
+    return _Index.of(catalog())
+
+
 @dataclass
 class _Block:
     klass: str
@@ -202,12 +225,9 @@ class KernelEventParser:
     _last: dict[str, KernelEvent] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        needles = sorted({n for c in self.classes.values() for n in c.needles})
-        self._needles = needles
-        self._by_needle = [[c for c in self.classes.values() if n in c.needles and c.pattern is not None]
-                           for n in needles]
-        self._order = {name: i for i, name in enumerate(self.classes)}
-        self._automaton = ahocorasick_rs.AhoCorasick(needles, matchkind=ahocorasick_rs.MATCHKIND_STANDARD)
+        index = _catalog_index() if self.classes is catalog() else _Index.of(self.classes)
+        self._needles, self._by_needle, self._order, self._automaton = (
+            index.needles, index.by_needle, index.order, index.automaton)
 
     def candidates(self, message: str) -> list[KernelClass]:
         """The classes whose needle the text holds, in catalog order: the cheap test every record gets."""
@@ -231,7 +251,8 @@ class KernelEventParser:
             m = c.pattern.search(text) if c.pattern is not None else None
             if m is None or not _HEAD.fullmatch(text[:m.start()]):
                 continue
-            names = {k: _clean(v, MAX_NAME) for k, v in m.groupdict().items() if v}
+            # `dev__nvme` is `dev` in another alternative of the pattern (RE2 allows a group name once)
+            names = {k.split("__", 1)[0]: _clean(v, MAX_NAME) for k, v in m.groupdict().items() if v}
             if c.decode and not DECODERS[c.decode](names):
                 continue
             if len(self._memo) >= MEMO:
