@@ -1,0 +1,177 @@
+"""The kernel's word in a job's own story: an OOM kill names the rank it killed (training_log, job_liveness), and a
+hang whose ranks wait on a file system that stopped answering names that file system (hang)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import wait_until
+from trainguard.checks.base import CheckContext
+from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
+from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
+from trainguard.core.model import Status
+from trainguard.core.state import ScopedState
+from trainguard.gpu.nvml import Nvml
+from trainguard.jobs.catalog import JobCatalog, JobView
+from trainguard.jobs.kernelnotes import KernelNotes, clock_time
+from trainguard.jobs.model import Job
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
+from trainguard.node.kmsg import KernelLog, KernelRecord
+from trainguard.pipeline.store import Store
+
+from .helpers.fake_nvml import FakeNvml, NVMLError
+
+# A SLURM task's kill by its job's memory cgroup limit, and a kill for the host's memory, as kernels print them
+# (tests/data/kernel/fixtures.toml holds the cited originals of these forms)
+MEMCG_KILL = [
+    "python invoked oom-killer: gfp_mask=0xcc0(GFP_KERNEL), order=0, oom_score_adj=0",
+    "oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0-1,oom_memcg=/slurm/uid_1000/"
+    "job_4242,task_memcg=/slurm/uid_1000/job_4242/step_0/task_3,task=python,pid={pid},uid=1000",
+    "Memory cgroup out of memory: Killed process {pid} (python) total-vm:60000000kB, anon-rss:56623104kB, "
+    "file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:1372kB oom_score_adj:0"]
+HOST_KILL = [
+    "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0-1,global_oom,task_memcg=/user.slice,"
+    "task=python,pid={pid},uid=1000",
+    "Out of memory: Killed process {pid} (python) total-vm:61000000kB, anon-rss:56623104kB, file-rss:0kB, "
+    "shmem-rss:0kB, UID:1000 pgtables:1372kB oom_score_adj:0"]
+ROOT_CAUSE = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2025-05-21_15:43:03
+  host      : node1
+  rank      : 11 (local_rank: 3)
+  exitcode  : -9 (pid: {pid})
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID {pid}
+============================================================
+"""
+
+
+def feed(notes: KernelNotes, lines: list[str], pid: int) -> None:
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    for i, line in enumerate(lines):
+        notes.feed(KernelRecord(i, 4, 0, usec, line.format(pid=pid)))
+
+
+def logs_check(tmp_path: Path, job: Job, **settings: Any) -> TrainingLogCheck:
+    empty = tmp_path / "kmsg-copy"  # a saved kernel log with nothing in it: the one-shot read adds nothing
+    empty.write_text("")
+    made = TrainingLogCheck("logs", TrainingLogSettings(kmsg_path=str(empty), **settings), CheckContext(
+        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"), kernel_log=KernelLog(),
+        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    made.view = lambda: JobView((job,))  # type: ignore[method-assign]
+    return made
+
+
+def slurm_job(tmp_path: Path, **fields: Any) -> Job:
+    return Job("slurm:4242", "slurm", "train", "RUNNING", job_id="4242", user="root", uid=0, on_this_node=True,
+               start_time=time.time() - 60, stdout=str(tmp_path / "out.log"), log_paths=(str(tmp_path / "out.log"),),
+               **fields)
+
+
+def test_a_kill_by_the_jobs_memory_cgroup_is_the_rank_torchrun_names_in_the_jobs_story(tmp_path: Path) -> None:
+    """The kill names the SLURM job in its memory cgroup; torchrun's root cause names the pid's rank."""
+    pid = random.randint(100_000, 4_000_000)
+    (tmp_path / "out.log").write_text("step 100 loss=1.2\n" + ROOT_CAUSE.format(pid=pid))
+    check = logs_check(tmp_path, slurm_job(tmp_path))
+    feed(check.notes, MEMCG_KILL, pid)
+    [result] = check.run()
+    kill = check.notes.kills(job_id="4242")[0]
+    assert result.status is Status.CRITICAL
+    assert result.summary.startswith(f"job 4242 (train): rank 11 killed by the kernel OOM killer (memory cgroup "
+                                     f"limit, 54.0 GiB anon) at {clock_time(kill.when)}"), result.summary
+    lead = next(f for f in result.details["findings"] if f["signature"] == "oom_kill")
+    assert lead["fields"]["pid"] == pid and lead["fields"]["memcg"].endswith("/task_3")
+    assert "memory cgroup" in result.details["next_step"]
+    assert [f["signature"] for f in result.details["findings"]].count("oom_kill") == 1
+
+
+def test_a_host_memory_kill_names_the_rank_its_pid_had_while_it_lived(tmp_path: Path) -> None:
+    """A kill outside SLURM's cgroups: the pid the job's processes had, with the rank read from its environment."""
+    job = slurm_job(tmp_path)
+    (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
+    check = logs_check(tmp_path, job)
+    check.run()
+    pid = random.randint(100_000, 4_000_000)
+    check.notes.remember(job.key, job.name, {pid: "3"})  # what the check told of the job's processes while they lived
+    feed(check.notes, HOST_KILL, pid)
+    [result] = check.run()
+    assert "rank 3 killed by the kernel OOM killer (host memory, 54.0 GiB anon) at" in result.summary
+    assert "host memory" in result.details["next_step"]
+
+
+def test_a_kill_before_the_jobs_start_or_of_another_jobs_pid_is_not_its_own(tmp_path: Path) -> None:
+    check = logs_check(tmp_path, slurm_job(tmp_path, restarts=0))
+    (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
+    feed(check.notes, HOST_KILL, 12345)  # no job named: its pid was never one of the job's
+    [result] = check.run()
+    assert result.status is Status.OK and "OOM" not in result.summary
+
+
+def test_the_liveness_of_a_job_down_after_an_oom_kill_says_so(tmp_path: Path) -> None:
+    jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+        "trainer": ProcessJobSettings(cmdline=f"no-such-process-{random.random()}", user="root")}), "node1")
+    empty = tmp_path / "kmsg-copy"
+    empty.write_text("")
+    check = JobLivenessCheck("alive", LivenessSettings(names=["trainer"], kmsg_path=str(empty)),
+                             CheckContext("node1", tmp_path, jobs=jobs, kernel_log=KernelLog()))
+    pid = random.randint(100_000, 4_000_000)
+    check.context.kernel_notes.remember("process:trainer", "trainer", {pid: "0"})
+    feed(check.context.kernel_notes, HOST_KILL, pid)
+    [result] = check.run()
+    assert result.status is Status.CRITICAL
+    assert "; rank 0 killed by the kernel OOM killer (host memory, 54.0 GiB anon) at " in result.summary
+    assert result.details["oom_kills"][0]["pid"] == pid
+
+
+def test_a_real_oom_kill_by_a_real_memory_cgroup_names_the_rank_within_a_second(
+        kmsg: Any, tmp_path: Path, memory_cgroup: Any) -> None:
+    """A rank (RANK=3 in its environment) in a memory cgroup allocates past its limit and the kernel kills it; the
+    job (its launcher lives on) is told so through the node's one kernel log reader, naming the rank, within 1 s."""
+    del kmsg  # the real /dev/kmsg, readable and under the test lock
+    tag = f"tgoomjob{random.randint(0, 1 << 30):x}"
+    gate = tmp_path / "go"
+    cgroup = memory_cgroup(48 << 20)
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", tag])
+    rank = subprocess.Popen(cgroup([sys.executable, "-c", f"# {tag}\nimport os, time\n"
+                                    f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
+                                    "b = [bytearray(1 << 20) for _ in range(512)]\ntime.sleep(30)"]),
+                            env={**os.environ, "RANK": "3"})
+    woken = threading.Event()
+    check = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
+        "node1", tmp_path, kernel_log=KernelLog(), nvml=Nvml(FakeNvml(init_error=NVMLError)),
+        jobs=JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+            "trainer": ProcessJobSettings(cmdline=tag, user="root")}), "node1")))
+    try:
+        check.start(woken.set)
+        assert check.kernel is not None
+        wait_until(check.kernel.follower.caught_up.is_set, 10, what="the kernel log replayed")
+        wait_until(lambda: check.run() and check.notes.known_pids("process:trainer").get(rank.pid) == "3", 10,
+                   what="the rank's pid known with its rank")
+        woken.clear()
+        gate.write_text("")  # the rank allocates past its memory cgroup's limit: the kernel kills it
+        assert rank.wait(timeout=30) == -9
+        killed = time.monotonic()
+        told = ""
+        while not told and time.monotonic() - killed < 5:
+            woken.wait(1.0)
+            woken.clear()
+            told = next((r.summary for r in check.run() if "rank 3 killed by the kernel OOM killer" in r.summary), "")
+        latency = time.monotonic() - killed
+        assert told.startswith("process job trainer: rank 3 killed by the kernel OOM killer (memory cgroup limit"), told
+        assert latency < 1.0, f"told {latency:.2f}s after the kill"
+    finally:
+        check.stop()
+        for proc in (rank, launcher):
+            proc.kill()
+            proc.wait()
