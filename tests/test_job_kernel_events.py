@@ -12,8 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import wait_until
+import psutil
+import tomllib
+
+from tests.conftest import HungMount, wait_until
 from trainguard.checks.base import CheckContext
+from trainguard.checks.hang import HangCheck, HangSettings
 from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
@@ -23,7 +27,8 @@ from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.kernelnotes import KernelNotes, clock_time
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
-from trainguard.node.kmsg import KernelLog, KernelRecord
+from trainguard.node.kmsg import KernelLog, KernelRecord, strip_prefix
+from trainguard.node.mounts import read_mounts
 from trainguard.pipeline.store import Store
 
 from .helpers.fake_nvml import FakeNvml, NVMLError
@@ -175,3 +180,70 @@ def test_a_real_oom_kill_by_a_real_memory_cgroup_names_the_rank_within_a_second(
         for proc in (rank, launcher):
             proc.kill()
             proc.wait()
+
+
+def nfs_not_responding(server: str) -> str:
+    """The kernel's text of the real `nfs: server X not responding, still trying` line of the fixtures, naming
+    `server`."""
+    fixtures = tomllib.loads((Path(__file__).parent / "data" / "kernel" / "fixtures.toml").read_text())["fixture"]
+    real = next(f for f in fixtures if f["class"] == "nfs_not_responding" and "server" in f.get("names", {}))
+    return strip_prefix(real["text"]).replace(real["names"]["server"], server)
+
+
+def hang_check(tmp_path: Path, marker: str, kmsg: Path) -> HangCheck:
+    jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+        "trainer": ProcessJobSettings(cmdline=marker, user="root")}), "node1")
+    return HangCheck("hang", HangSettings(stale_after=0.5, flight_recorder=False, kmsg_path=str(kmsg)),
+                     CheckContext("node1", tmp_path, jobs=jobs, kernel_log=KernelLog()))
+
+
+def hung_result(check: HangCheck) -> Any:
+    check.run()  # the job's progress signals start now
+    time.sleep(0.6)
+    [result] = check.run()
+    assert result.status is Status.CRITICAL
+    return result
+
+
+def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
+        tmp_path: Path, hung_mount: HungMount, children: list[subprocess.Popen[str]]) -> None:
+    """A rank reads a file of a FUSE mount whose reads never return (D state). Without a kernel record the hang names
+    the mount its open file lies on, which does not answer a statfs; with the kernel's `nfs: server X not
+    responding` for the mount's server (a real line, through a FIFO standing in for /dev/kmsg), it names that."""
+    marker = f"tgfsjob{random.randint(0, 1 << 30):x}"
+    data = hung_mount.mountpoint / "data"
+    rank = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'rb').read(10)", str(data),
+                             marker], env={**os.environ, "RANK": "0"}, text=True)
+    children.append(rank)
+    wait_until(lambda: psutil.Process(rank.pid).status() == psutil.STATUS_DISK_SLEEP, 10, what="the rank in D state")
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # held open: the follower never sees the writer go
+    where = f"fuse {hung_mount.server}:/export at {hung_mount.mountpoint}"
+    silent = hang_check(tmp_path / "a", marker, fifo)
+    told = hang_check(tmp_path / "b", marker, fifo)
+    try:
+        result = hung_result(silent)
+        assert result.summary.startswith(f"process job trainer: cause: rank 0 waits in D state on {where} (seen in "
+                                         f"its open file {data}): it does not answer (a statfs still blocked after "
+                                         "1s)"), result.summary
+        assert "bring its server" in result.details["next_step"]
+
+        told.start(lambda: None)
+        assert told.kernel is not None
+        os.write(writer, f"4,1,{int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)},-;"
+                         f"{nfs_not_responding(hung_mount.server)}\n".encode())
+        wait_until(lambda: told.kernel is not None and told.kernel.follower.records >= 1, 10, what="the record read")
+        result = hung_result(told)
+        since = told.context.kernel_notes.trouble(next(m for m in read_mounts() if m.mountpoint == str(
+            hung_mount.mountpoint)))
+        assert since is not None
+        assert result.summary.startswith(f"process job trainer: cause: rank 0 waits in D state on {where}: the kernel "
+                                         f"says NFS server not responding (nfs {hung_mount.server}) since "
+                                         f"{clock_time(since.since)}"), result.summary
+        assert result.details["cause"] and "server stopped answering" in result.details["next_step"]
+    finally:
+        told.stop()
+        silent.stop()
+        os.close(writer)
+        hung_mount.abort()  # the rank's read returns: it ends
