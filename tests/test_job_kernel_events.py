@@ -17,18 +17,19 @@ import tomllib
 
 from tests.conftest import HungMount, wait_until
 from trainguard.checks.base import CheckContext
-from trainguard.checks.hang import HangCheck, HangSettings
+from trainguard.checks.hang import HangCheck, HangSettings, fs_cause
 from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog, JobView
-from trainguard.jobs.kernelnotes import KernelNotes, clock_time
+from trainguard.jobs.kernelnotes import FsWait, KernelNotes, clock_time, fs_wait
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.node.kmsg import KernelLog, KernelRecord, strip_prefix
-from trainguard.node.mounts import read_mounts
+from trainguard.node.mounts import Mount, read_mounts
+from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.store import Store
 
 from .helpers.fake_nvml import FakeNvml, NVMLError
@@ -247,3 +248,52 @@ def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
         silent.stop()
         os.close(writer)
         hung_mount.abort()  # the rank's read returns: it ends
+
+
+def fake_proc(tmp_path: Path, pid: int, stack: str, files: dict[str, str]) -> ProcFS:
+    """A /proc with one process: its kernel stack and its open files (fd -> path) and working directory."""
+    root = tmp_path / "proc"
+    (root / str(pid) / "fd").mkdir(parents=True)
+    (root / str(pid) / "stack").write_text(stack)
+    (root / str(pid) / "wchan").write_text("0")
+    for fd, target in files.items():
+        os.symlink(target, root / str(pid) / ("cwd" if fd == "cwd" else f"fd/{fd}"))
+    return ProcFS(root)
+
+
+LUSTRE = Mount("/lustre/scratch", "10.0.0.1@o2ib:/scratch", "lustre", "0:51")
+NFS = Mount("/home", "fs1:/export/home", "nfs4", "0:52")
+MOUNTS = [Mount("/", "/dev/sda1", "ext4", "8:1"), NFS, LUSTRE]
+
+
+def test_the_mount_a_blocked_process_waits_on_is_the_one_its_kernel_stack_names(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path, 42, "[<0>] rpc_wait_bit_killable+0x1e/0xa0\n[<0>] nfs4_do_open+0x2c/0x40\n",
+                     {"3": "/lustre/scratch/run/shard-7.bin", "4": "/home/alice/train.log", "cwd": "/home/alice"})
+    wait = fs_wait(42, MOUNTS, proc)
+    assert wait is not None and wait.mount == NFS and wait.how == ("its kernel stack (rpc_...) and its open file "
+                                                                   "/home/alice/train.log")
+    quiet = fake_proc(tmp_path / "b", 43, "[<0>] folio_wait_bit_common+0x110/0x310\n",
+                      {"3": "/lustre/scratch/run/shard-7.bin"})
+    found = fs_wait(43, MOUNTS, quiet)
+    assert found is not None and found.mount == LUSTRE and found.how == "its open file /lustre/scratch/run/shard-7.bin"
+    assert fs_wait(44, MOUNTS, fake_proc(tmp_path / "c", 44, "", {"3": "/tmp/x"})) is None
+
+
+def test_a_lustre_target_the_kernel_lost_is_the_cause_and_a_blocked_rank_on_no_mount_gets_the_likely_one() -> None:
+    notes = KernelNotes()
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    notes.feed(KernelRecord(1, 4, 0, usec, "Lustre: scratch-OST0003-osc-ffff8e0b6c5e1000: Connection to scratch-OST0003 "
+                                           "(at 10.0.0.3@o2ib) was lost; in progress operations using this service "
+                                           "will wait for recovery to complete"))
+    assert notes.trouble(LUSTRE) is not None and notes.trouble(NFS) is None
+    waits = [("rank 0", FsWait(7, LUSTRE, "its open file /lustre/scratch/x")), ("rank 1", FsWait(8, LUSTRE, "x"))]
+    cause = fs_cause(waits, notes, MOUNTS, lambda m: None)
+    assert cause is not None
+    assert cause[0].startswith("rank 0, rank 1 wait in D state on lustre 10.0.0.1@o2ib:/scratch at /lustre/scratch: "
+                               "the kernel says Lustre connection lost (lustre scratch-OST0003) since "), cause[0]
+    likely = fs_cause([("pid 9", None)], notes, MOUNTS, lambda m: None)
+    assert likely is not None and "likely what they wait on" in likely[0] and "/lustre/scratch" in likely[0]
+    assert fs_cause([("pid 9", None)], KernelNotes(), MOUNTS, lambda m: None) is None
+    notes.feed(KernelRecord(2, 4, 0, usec + 1, "Lustre: scratch-OST0003-osc-ffff8e0b6c5e1000: Connection restored to "
+                                               "10.0.0.3@o2ib (at 10.0.0.3@o2ib)"))
+    assert notes.trouble(LUSTRE) is None

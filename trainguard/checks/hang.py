@@ -219,9 +219,9 @@ def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts:
             return None
         mount, t = trouble
         return (f"{_who([w for w, _ in waits], 'blocked')} in D state while the kernel says {t.describe()}, mounted "
-                f"at {mount.mountpoint}: likely what they wait on", _lever(t.kind))
+                f"at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind))
     mount, blocked = max(by_mount.items(), key=lambda kv: len(kv[1]))
-    what = f"{mount.fstype} {mount.device} at {mount.mountpoint}"
+    what = one_line(f"{mount.fstype} {mount.device} at {mount.mountpoint}", 300)  # a user's FUSE names its source
     hung = [n for _, w in blocked if (n := notes.hung(w.pid)) is not None]
     also = f"; the kernel reported pid {hung[0].pid} blocked for more than {hung[0].seconds} s" if hung else ""
     who = _who([w for w, _ in blocked], "waits" if len(blocked) == 1 else "wait")

@@ -94,6 +94,24 @@ class JobLivenessCheck(JobCheck):
     def run(self) -> Sequence[Result]:
         if self.kernel is not None:
             self.kernel.read_once(lambda: adopt_marks(self.context, self.context.xid_history))
+        jobs, errors = self._listed()
+        if errors:
+            return errors
+        now = self.context.clock()
+        verdicts = {name: evaluate_liveness(name, jobs, now) for name in self.settings.names}
+        down = [name for name, (status, _, _) in verdicts.items() if status is Status.CRITICAL]
+        history, history_error = self._history(down)
+        out = []
+        for name in self.settings.names:
+            status, summary, details = verdicts[name]
+            if name in down:
+                status, summary, details = self._down(name, jobs, now, history, history_error)
+            out.append(self.result(name, status, summary, details,
+                                   [ALIVE(0 if status is Status.CRITICAL else 1, {"name": name})]))
+        return out
+
+    def _listed(self) -> tuple[list[Job], list[Result]]:
+        """The jobs of the watched names the sources know now, or the results saying why they can't say."""
         catalog = self.context.jobs
         if catalog is None:
             raise RuntimeError("no job source configured ([jobs] sources)")
@@ -102,29 +120,25 @@ class JobLivenessCheck(JobCheck):
             view = catalog.view()
             errors = self.source_errors(view, ["process"])
             if errors:
-                return errors
+                return [], list(errors)
             jobs += [j for j in view.jobs if j.source == "process"]
         if "slurm" in catalog.sources:
             try:
                 jobs += catalog.slurm.named(self.settings.names)
             except SlurmError as exc:
-                return [self.result("source:slurm", Status.UNKNOWN, f"job source slurm: {exc}", {"source": "slurm"})]
-        now = self.context.clock()
-        verdicts = {name: evaluate_liveness(name, jobs, now) for name in self.settings.names}
-        down = [name for name, (status, _, _) in verdicts.items() if status is Status.CRITICAL]
-        history, history_error = self._history(down)
-        out = []
-        for name in self.settings.names:
-            status, summary, details = verdicts[name]
-            if name in down and history is not None:
-                status, summary, details = evaluate_liveness(name, jobs, now, history)
-            if name in down and history_error:
-                details = {**details, "accounting_error": history_error}
-            if name in down:
-                summary, details = self._oom_killed(name, summary, details, now)
-            out.append(self.result(name, status, summary, details,
-                                   [ALIVE(0 if status is Status.CRITICAL else 1, {"name": name})]))
-        return out
+                return [], [self.result("source:slurm", Status.UNKNOWN, f"job source slurm: {exc}",
+                                        {"source": "slurm"})]
+        return jobs, []
+
+    def _down(self, name: str, jobs: list[Job], now: float, history: list[Job] | None,
+              history_error: str | None) -> tuple[Status, str, dict[str, Any]]:
+        """A name with no job running or pending: how its last one ended, from accounting too, and the kernel's OOM
+        kill of it on this node."""
+        status, summary, details = evaluate_liveness(name, jobs, now, history)
+        if history_error:
+            details = {**details, "accounting_error": history_error}
+        summary, details = self._oom_killed(name, summary, details, now)
+        return status, summary, details
 
     def _oom_killed(self, name: str, summary: str, details: dict[str, Any], now: float) -> tuple[str, dict[str, Any]]:
         """A job down after the kernel killed one of its processes on this node (its SLURM id in the kill's memory

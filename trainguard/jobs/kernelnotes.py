@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from trainguard.core.listeners import Listeners
 from trainguard.core.text import linear
 from trainguard.core.units import format_bytes
 from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
@@ -151,7 +152,7 @@ class KernelNotes:
         self._fs: dict[tuple[str, str], FsTrouble] = {}
         self._hung: dict[int, HungTask] = {}
         self._pids: dict[str, tuple[str, dict[int, str | None]]] = {}  # job key -> (name, pid -> rank)
-        self._listeners: tuple[Callable[[], None], ...] = ()
+        self._listeners = Listeners()
 
     # the reader ----------------------------------------------------------------------------
     def attach(self, kernel_log: KernelLog, path: str = "/dev/kmsg", journalctl: str = "journalctl") -> KmsgFollower:
@@ -168,14 +169,7 @@ class KernelNotes:
     def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
         """`callback` (it must return at once) is called on each OOM kill and each file system that stops answering;
         returns what stops that."""
-        with self._lock:
-            self._listeners = (*self._listeners, callback)
-
-        def stop() -> None:
-            with self._lock:
-                self._listeners = tuple(c for c in self._listeners if c is not callback)
-
-        return stop
+        return self._listeners.add(callback)
 
     def feed(self, record: KernelRecord) -> None:
         """One kernel record (from the follower's thread)."""
@@ -184,8 +178,7 @@ class KernelNotes:
         for event in events:
             news |= self._note(event, self._when(record.usec))
         if news:
-            for callback in self._listeners:
-                callback()
+            self._listeners.tell("kernel notes")
 
     def _when(self, usec: int) -> float:
         """Wall time of a kernel timestamp (when it was logged, not when read)."""
