@@ -7,7 +7,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import psutil
 import tomllib
 
 from tests.conftest import HungMount, wait_until
+from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import CheckContext
 from trainguard.checks.hang import HangCheck, HangSettings, fs_cause
 from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
@@ -27,9 +27,10 @@ from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.kernelnotes import FsWait, KernelNotes, clock_time, fs_wait
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
-from trainguard.node.kmsg import KernelLog, KernelRecord, strip_prefix
+from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint, strip_prefix
 from trainguard.node.mounts import Mount, read_mounts
 from trainguard.node.procfs import ProcFS
+from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 
 from .helpers.fake_nvml import FakeNvml, NVMLError
@@ -116,6 +117,17 @@ def test_a_host_memory_kill_names_the_rank_its_pid_had_while_it_lived(tmp_path: 
     assert "host memory" in result.details["next_step"]
 
 
+def test_a_kill_logged_before_the_agents_first_start_is_told_not_acted_on(tmp_path: Path) -> None:
+    (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
+    check = logs_check(tmp_path, slurm_job(tmp_path))
+    feed(check.notes, MEMCG_KILL, random.randint(100_000, 4_000_000))
+    check.context.xid_history.mark_first_start(lambda: LogPoint(10, int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)))
+    [result] = check.run()
+    assert result.status is Status.WARNING
+    assert "task 3 (pid " in result.summary and "(logged before trainguard started: reported, not acted on)" in \
+        result.summary
+
+
 def test_a_kill_before_the_jobs_start_or_of_another_jobs_pid_is_not_its_own(tmp_path: Path) -> None:
     check = logs_check(tmp_path, slurm_job(tmp_path, restarts=0))
     (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
@@ -140,44 +152,43 @@ def test_the_liveness_of_a_job_down_after_an_oom_kill_says_so(tmp_path: Path) ->
     assert result.details["oom_kills"][0]["pid"] == pid
 
 
-def test_a_real_oom_kill_by_a_real_memory_cgroup_names_the_rank_within_a_second(
+def test_a_real_oom_kill_by_a_real_memory_cgroup_is_the_jobs_alert_naming_the_rank_within_a_second(
         kmsg: Any, tmp_path: Path, memory_cgroup: Any) -> None:
-    """A rank (RANK=3 in its environment) in a memory cgroup allocates past its limit and the kernel kills it; the
-    job (its launcher lives on) is told so through the node's one kernel log reader, naming the rank, within 1 s."""
+    """The agent end to end: a rank (RANK=3 in its environment) in a memory cgroup allocates past its limit and the
+    kernel kills it; the kill, read through the node's one kernel log reader, wakes training_log (its interval is a
+    minute) and the job's incident runs its bound action naming the rank, within 1 s of the kill."""
     del kmsg  # the real /dev/kmsg, readable and under the test lock
     tag = f"tgoomjob{random.randint(0, 1 << 30):x}"
-    gate = tmp_path / "go"
+    gate, recorder = tmp_path / "go", tmp_path / "alerts"
     cgroup = memory_cgroup(48 << 20)
-    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", tag])
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", tag])  # lives on, as torchrun
     rank = subprocess.Popen(cgroup([sys.executable, "-c", f"# {tag}\nimport os, time\n"
                                     f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
                                     "b = [bytearray(1 << 20) for _ in range(512)]\ntime.sleep(30)"]),
                             env={**os.environ, "RANK": "3"})
-    woken = threading.Event()
-    check = TrainingLogCheck("logs", TrainingLogSettings(), CheckContext(
-        "node1", tmp_path, kernel_log=KernelLog(), nvml=Nvml(FakeNvml(init_error=NVMLError)),
-        jobs=JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
-            "trainer": ProcessJobSettings(cmdline=tag, user="root")}), "node1")))
+    wait_until(lambda: Path(f"/proc/{rank.pid}/cmdline").read_bytes().count(tag.encode()), 10, what="the rank")
+    engine = Engine(parse_config({
+        "agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+        "jobs": {"sources": ["process"], "refresh": "0s",
+                 "processes": {"trainer": {"cmdline": tag, "user": "root"}}},
+        "checks": {"training_log": {"interval": "60s", "actions": {"critical": ["record"]}}},
+        "notifiers": {},
+        "actions": {"record": {"type": "exec", "command": [
+            "sh", "-c", f'echo "$(date +%s.%N)|$TRAINGUARD_SUMMARY" >> {recorder}']}}}, "test.toml"))
+    engine.start()
     try:
-        check.start(woken.set)
-        assert check.kernel is not None
-        wait_until(check.kernel.follower.caught_up.is_set, 10, what="the kernel log replayed")
-        wait_until(lambda: check.run() and check.notes.known_pids("process:trainer").get(rank.pid) == "3", 10,
+        wait_until(lambda: engine.shared.kernel_notes.known_pids("process:trainer").get(rank.pid) == "3", 10,
                    what="the rank's pid known with its rank")
-        woken.clear()
         gate.write_text("")  # the rank allocates past its memory cgroup's limit: the kernel kills it
         assert rank.wait(timeout=30) == -9
-        killed = time.monotonic()
-        told = ""
-        while not told and time.monotonic() - killed < 5:
-            woken.wait(1.0)
-            woken.clear()
-            told = next((r.summary for r in check.run() if "rank 3 killed by the kernel OOM killer" in r.summary), "")
-        latency = time.monotonic() - killed
-        assert told.startswith("process job trainer: rank 3 killed by the kernel OOM killer (memory cgroup limit"), told
-        assert latency < 1.0, f"told {latency:.2f}s after the kill"
+        killed = time.time()
+        wait_until(lambda: recorder.exists() and recorder.read_text(), 10, what="the job's alert")
+        when, summary = recorder.read_text().splitlines()[0].split("|", 1)
+        assert summary.startswith("process job trainer: rank 3 killed by the kernel OOM killer (memory cgroup "
+                                  "limit"), summary
+        assert float(when) - killed < 1.0, f"alerted {float(when) - killed:.2f}s after the kill"
     finally:
-        check.stop()
+        engine.stop()
         for proc in (rank, launcher):
             proc.kill()
             proc.wait()

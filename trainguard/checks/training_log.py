@@ -199,11 +199,14 @@ def _written(path: str, identity: Identity) -> float:
         return float("inf")
 
 
-def _oom_kill(kill: OomKill, who: str | None) -> dict[str, Any]:
-    """The finding of a kernel OOM kill of one of the job's processes."""
+def _oom_kill(kill: OomKill, who: str | None, before_start: bool) -> dict[str, Any]:
+    """The finding of a kernel OOM kill of one of the job's processes: CRITICAL, unless logged before the agent's
+    first start on this boot (the first-start policy of every kernel event: reported, WARNING, not acted on)."""
     lever = catalog()["oom_kill_memcg" if kill.memcg_limit else "oom_kill"].lever
+    title = kill.describe(who) + (" (logged before trainguard started: reported, not acted on)" if before_start else "")
     return {"signature": "oom_kill", "rank": None, "path": None, "at": kill.when, "line": kill.line[:500],
-            "status": Status.CRITICAL.name, "title": kill.describe(who), "ts": stamp(kill.when), "n": 0,
+            "status": (Status.WARNING if before_start else Status.CRITICAL).name, "title": title,
+            "ts": stamp(kill.when), "n": 0,
             "advice": lever, "fields": {"pid": kill.pid, "rank": kill.rank, "command": kill.comm,
                                         "memory": kill.memory(), "memcg": kill.memcg, "anon_kb": kill.anon_kb}}
 
@@ -580,9 +583,11 @@ class TrainingLogCheck(JobCheck):
             return
         since = max((job.start_time or 0.0) - CLOCK_SKEW, self._dropped.get(job.key, 0.0))
         kept = self._findings.setdefault(job.key, [])
+        first = self.context.xid_history.first_start
         for kill in self.notes.kills(job.key, job.job_id, since=since):
             old = next((f for f in kept if f["signature"] == "oom_kill" and f["fields"]["pid"] == kill.pid), None)
-            finding = _oom_kill(kill, self._launcher_rank(kept, kill))
+            finding = _oom_kill(kill, self._launcher_rank(kept, kill), first is not None and first.before(kill.seq,
+                                                                                                         kill.usec))
             if old is not None:
                 old.update({k: v for k, v in finding.items() if k != "n"})
             elif sum(f["signature"] == "oom_kill" for f in kept) < MAX_PER_SIGNATURE:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from trainguard.core.listeners import Listeners
 from trainguard.core.text import linear
@@ -26,6 +27,8 @@ from trainguard.node.kmsg import KernelLog, KernelRecord, KmsgFollower
 from trainguard.node.mounts import Mount, mount_of
 from trainguard.node.procfs import ProcFS
 
+K = TypeVar("K")
+V = TypeVar("V")
 OOM_CLASSES = ("oom_kill_constraint", "oom_kill_memcg", "oom_kill")
 FS_CLASSES = ("nfs_not_responding", "nfs_timed_out", "lustre_evicted", "lustre_connection_lost")
 CLEAR_CLASSES = ("nfs_ok", "lustre_restored")
@@ -58,6 +61,7 @@ class OomKill:
     comm: str
     when: float  # wall time of the kernel's record
     usec: int
+    seq: int = -1  # the record's sequence number (-1 from the journal)
     memcg_limit: bool | None = None  # True: a memory cgroup's limit; False: the host's memory; None: not said
     memcg: str = ""
     anon_kb: int | None = None
@@ -146,6 +150,7 @@ class KernelNotes:
         self.clock = clock
         self._lock = threading.Lock()
         self._parser = KernelEventParser(classes=_classes())
+        self._parsing = threading.Lock()  # the parser is one reader's: two devices' followers take turns
         self._followers: dict[tuple[str, str], KmsgFollower] = {}
         self._boot_time: float | None = None
         self._kills: dict[int, OomKill] = {}
@@ -173,7 +178,8 @@ class KernelNotes:
 
     def feed(self, record: KernelRecord) -> None:
         """One kernel record (from the follower's thread)."""
-        events = self._parser.feed(record.message, record.usec, record.seq)
+        with self._parsing:
+            events = self._parser.feed(record.message, record.usec, record.seq)
         news = False
         for event in events:
             news |= self._note(event, self._when(record.usec))
@@ -218,7 +224,7 @@ class KernelNotes:
         old = self._kills.get(pid)
         if old is not None and abs(event.usec - old.usec) > MERGE_USEC:
             old = None  # an earlier kill of a pid since reused
-        kill = old or OomKill(pid, n.get("comm", "?"), when, event.usec, line=event.line)
+        kill = old or OomKill(pid, n.get("comm", "?"), when, event.usec, event.seq, line=event.line)
         if event.klass == "oom_kill_constraint":
             memcg = n.get("memcg", "")
             job, task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
@@ -298,7 +304,7 @@ class NotesReader:
             self.kernel_log.read_once(self.follower, before)
 
 
-def _bounded(table: dict, key: object, value: object, limit: int) -> None:  # type: ignore[type-arg]
+def _bounded(table: dict[K, V], key: K, value: V, limit: int) -> None:
     """Set `key` as the newest entry; the oldest go past `limit`."""
     table.pop(key, None)
     table[key] = value
