@@ -108,10 +108,11 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
 
 
 class HungMount:
-    def __init__(self, mountpoint: Path, call_log: Path, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, mountpoint: Path, call_log: Path, proc: subprocess.Popen[bytes], server: str = "") -> None:
         self.mountpoint = mountpoint
         self.call_log = call_log
         self.proc = proc
+        self.server = server  # the mount's source is `server:/export`, as an NFS mount's
 
     def statfs_calls(self) -> int:
         return self.call_log.read_text().count("statfs") if self.call_log.exists() else 0
@@ -148,10 +149,11 @@ def start_fuse(mnt: Path, helper: str, *args: str) -> subprocess.Popen[bytes]:
 
 @pytest.fixture
 def hung_mount(tmp_path: Path) -> Iterator[HungMount]:
-    """A FUSE mount whose statfs blocks forever."""
+    """A FUSE mount whose statfs blocks forever, and a read of its file `data` (the reader waits in D state)."""
     mnt, log = tmp_path / "hung", tmp_path / "statfs-calls.log"
-    proc = start_fuse(mnt, "hangfs.py", str(log))
-    hung = HungMount(mnt, log, proc)
+    server = f"tgnfs{random.randint(0, 1 << 30):x}"
+    proc = start_fuse(mnt, "hangfs.py", str(log), f"{server}:/export")
+    hung = HungMount(mnt, log, proc, server)
     yield hung
     hung.abort()
     subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=10)

@@ -21,6 +21,7 @@ from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError, Reading
 from trainguard.jobs.catalog import JobCatalog, JobView
+from trainguard.jobs.kernelnotes import KernelNotes
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import MAX_LOG_ENTRIES, MAX_LOG_FILES
 from trainguard.jobs.tree import LogFiles, job_log_files
@@ -101,7 +102,8 @@ class CheckContext:
     `state` is this check instance's own store (keys scoped to its name). `xid_history` is the node's XID ledger
     this boot: the xid check records into it and other checks (training_log) read it. `processes` is the node's
     shared /proc snapshot: the checks of one round (job_memory, hang, gpu_memory, memory) share one pass.
-    `kernel_log` is the node's one reader of the kernel log, shared by the xid and kernel checks. `paces`
+    `kernel_log` is the node's one reader of the kernel log, shared by the xid and kernel checks; `kernel_notes`
+    what it says that the job checks (training_log, job_liveness, hang) need, read through it. `paces`
     carries the step samples training_log reads in the jobs' logs to the job_pace check.
     """
 
@@ -116,6 +118,8 @@ class CheckContext:
     processes: ProcessSnapshots = field(default_factory=ProcessSnapshots)
     # The node's one kernel log reader: the xid and kernel checks subscribe to it (one follower, one cursor).
     kernel_log: KernelLog = field(default_factory=KernelLog)
+    # What the kernel log says that the job checks need (OOM kills by pid, file systems not answering), fed by it
+    kernel_notes: KernelNotes = field(default_factory=KernelNotes)
     paces: PaceLedger = field(default_factory=PaceLedger)
     # `trainguard check --since`: kernel log records stamped before this (microseconds since boot) do not count.
     kernel_since_usec: int | None = None

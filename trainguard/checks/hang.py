@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.checks.xid import KernelLogSettings, adopt_marks
 from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status
@@ -32,6 +33,7 @@ from trainguard.core.settings import Duration, Field
 from trainguard.core.text import one_line
 from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration
+from trainguard.jobs.kernelnotes import FsWait, KernelNotes, NotesReader, fs_wait
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import (
     FLIGHT_RECORDER_DUMPS,
@@ -43,6 +45,8 @@ from trainguard.jobs.tree import (
 )
 from trainguard.node.access import Identity, stat_as
 from trainguard.node.flight import Stall, analyze
+from trainguard.node.kernel_events import catalog
+from trainguard.node.mounts import Mount, StatfsProbe, Stuck, read_mounts
 from trainguard.node.procfs import ProcFS
 from trainguard.node.stacks import (
     Capture,
@@ -50,6 +54,7 @@ from trainguard.node.stacks import (
     ProcessStack,
     StackDumper,
     find_py_spy,
+    process_rank,
     ptrace_refusal,
     write_dumps,
 )
@@ -69,10 +74,9 @@ HUNG = Metric("trainguard_job_hung", "1 while the job is hung.", _JOB)
 METRICS = (LAST_PROGRESS, STALE_AFTER, HUNG)
 
 
-class HangSettings(CheckSettings):
+class HangSettings(KernelLogSettings):
     interval: Duration = Field(60.0, gt=0, description="Re-evaluation period (deadlines wake the check on time).")
     timeout: Duration = Field(30.0, gt=0, description="Room for the stack dumps of a hung job.")
-    jitter: Duration = Field(0.0, ge=0)
     stale_after: Duration = Field(1800.0, gt=0, description="Hung when no progress signal advanced for this long.")
     stale_after_by_name: dict[str, Duration] = Field(default_factory=dict, description="Per job name.")
     names: list[str] = Field(default_factory=list, description="Only jobs of these names; empty: every job here.")
@@ -103,6 +107,13 @@ class HangSettings(CheckSettings):
                                        "templates as logs; empty: none.")
     flight_recorder_timeout: Duration = Field(5.0, gt=0, description="Timeout of reading the flight recorders "
                                                                      "of one job.")
+    kernel_log: bool = Field(True, description="Name the file system a hung job's blocked ranks wait on (their "
+                             "kernel stack, wait channel and open files) as the hang's cause, with what the kernel log "
+                             "says of it (NFS server not responding, Lustre connection lost or evicted), read through "
+                             "the node's one kernel log reader; without a kernel record, whether the mount answers.")
+    mount_timeout: Duration = Field(1.0, gt=0, description="How long a blocked rank's mount may take to answer a "
+                                    "statfs before it counts as not answering (once per hang; a call that blocks "
+                                    "is not repeated while it does).")
 
 
 @dataclass(frozen=True)
@@ -166,11 +177,71 @@ class Evidence:
     stall: Stall | None = None
     note: str | None = None  # what the capture left out ("1496 more processes not dumped ...") or why it failed
     collectives: bool = True  # the flight recorders were read (not yet, for a capture restored from the state)
+    cause: str | None = None  # the file system its blocked ranks wait on, and what the kernel says of it
+    lever: str | None = None  # what to do about that file system
 
 
 def _stack_record(stack: ProcessStack) -> dict[str, Any]:
     """What the state keeps of a stack: all but the full dump text, which is in the dump file."""
     return {"pid": stack.pid, "rank": stack.rank, "state": stack.state, "where": stack.where, "wchan": stack.wchan}
+
+
+def blocked_waits(procs: list[psutil.Process], proc: ProcFS, mounts: list[Mount]) -> list[tuple[str, FsWait | None]]:
+    """The job's processes blocked in the kernel (D state), each named (its rank, else its pid) with the file system
+    it waits on, when its kernel stack, wait channel or open files say (None when they do not)."""
+    found = []
+    for p in procs:
+        try:
+            blocked = p.status() == psutil.STATUS_DISK_SLEEP
+        except psutil.Error:
+            continue
+        if blocked:
+            rank = process_rank(proc, p.pid)
+            found.append((f"rank {rank}" if rank is not None else f"pid {p.pid}", fs_wait(p.pid, mounts, proc)))
+    return found
+
+
+def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts: list[Mount],
+             answers: Callable[[Mount], str | None]) -> tuple[str, str] | None:
+    """The hang's cause when its blocked ranks wait on a file system, in words, and the lever: the mount most of them
+    wait on, with what the kernel says of it (NFS server not responding, a Lustre target lost), else whether it
+    answers now (`answers`: why not, None when it does). Ranks blocked on no mount their files name, while the kernel
+    says a mounted file system is not answering: that one, as the likely cause."""
+    if not waits:
+        return None
+    by_mount: dict[Mount, list[tuple[str, FsWait]]] = {}
+    for who, wait in waits:
+        if wait is not None:
+            by_mount.setdefault(wait.mount, []).append((who, wait))
+    if not by_mount:
+        trouble = next(((m, t) for m in mounts if (t := notes.trouble(m)) is not None), None)
+        if trouble is None:
+            return None
+        mount, t = trouble
+        return (f"{_who([w for w, _ in waits], 'blocked')} in D state while the kernel says {t.describe()}, mounted "
+                f"at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind))
+    mount, blocked = max(by_mount.items(), key=lambda kv: len(kv[1]))
+    what = one_line(f"{mount.fstype} {mount.device} at {mount.mountpoint}", 300)  # a user's FUSE names its source
+    hung = [n for _, w in blocked if (n := notes.hung(w.pid)) is not None]
+    also = f"; the kernel reported pid {hung[0].pid} blocked for more than {hung[0].seconds} s" if hung else ""
+    who = _who([w for w, _ in blocked], "waits" if len(blocked) == 1 else "wait")
+    if (t := notes.trouble(mount)) is not None:
+        return f"{who} in D state on {what}: the kernel says {t.describe()}{also}", _lever(t.kind)
+    why = answers(mount)
+    state = f"it does not answer ({why})" if why else "it answers now (slow, or answering again)"
+    return f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}", _lever("")
+
+
+def _who(names: list[str], verb: str = "") -> str:
+    listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{listed} {verb}" if verb else listed
+
+
+def _lever(kind: str) -> str:
+    if kind in ("nfs", "lustre"):
+        return catalog()["nfs_not_responding" if kind == "nfs" else "lustre_connection_lost"].lever
+    return ("the ranks wait on that file system, not on each other: bring its server (or FUSE daemon) back, or "
+            "requeue the job away from it; `trainguard kernel` reads what dmesg says of it")
 
 
 def _load_evidence(saved: dict[str, Any]) -> dict[str, Evidence]:
@@ -182,7 +253,8 @@ def _load_evidence(saved: dict[str, Any]) -> dict[str, Evidence]:
             stacks = [ProcessStack(int(s["pid"]), s["rank"], str(s["state"]), str(s["where"]), wchan=s["wchan"])
                       for s in record["stacks"]]
             dumps[key] = Evidence(float(record["since"]), stacks, Path(record["path"]) if record["path"] else None,
-                                  note=record.get("note"), collectives=False)
+                                  note=record.get("note"), collectives=False, cause=record.get("cause"),
+                                  lever=record.get("lever"))
         except (KeyError, TypeError, ValueError):
             continue
     return dumps
@@ -212,9 +284,11 @@ def summarize(job: Job, progress: Progress, stale_after: float, now: float, evid
     idle = format_duration(max(0.0, now - progress.last.at))
     if now - progress.last.at < stale_after:
         return f"{job.label()}: progressing ({progress.last.what}, {idle} ago)"
-    # The rank that never entered the collective leads: it is the cause, and headlines are cut at 120 characters.
+    # The file system the blocked ranks wait on leads, then the rank that never entered the collective: the cause,
+    # and headlines are cut at 120 characters.
     stacks = evidence.stacks
-    text = (f"{job.label()}: " + (f"{evidence.stall.describe()}; " if evidence.stall else "")
+    text = (f"{job.label()}: " + (f"cause: {evidence.cause}; " if evidence.cause else "")
+            + (f"{evidence.stall.describe()}; " if evidence.stall else "")
             + f"no progress for {idle} (stale after {format_duration(stale_after)}); last: {progress.last.what}")
     if stacks:
         text += "; stuck in: " + "; ".join(s.describe() for s in stacks[:8])
@@ -246,6 +320,9 @@ class HangCheck(JobCheck):
         self._dumps = _load_evidence(self.load_state(DUMPS_KEY))
         self._timer: WakeTimer | None = None
         self._dirty = False
+        self.kernel = (NotesReader(context.kernel_notes, context.kernel_log, name, self.settings.kmsg_path,
+                                   self.settings.journalctl) if self.settings.kernel_log else None)
+        self.probe = StatfsProbe(clock=context.clock)
 
     def _native(self) -> bool:
         """`native = true` where the sandbox allows ptrace; where it does not, said once here, at start, and the
@@ -260,10 +337,15 @@ class HangCheck(JobCheck):
 
     def start(self, wake: Callable[[], None]) -> None:
         self._timer = WakeTimer(wake, self.context.clock, name=f"deadline-{self.name}")
+        if self.kernel is not None:
+            self.kernel.start(lambda: None)  # read when a job hangs: a record alone changes no deadline
 
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.stop()
+        if self.kernel is not None:
+            self.kernel.stop()
+        self.probe.close()
 
     def _advanced(self, key: str, kind: str, value: float, when: float) -> float:
         """When `value` (a step, a byte count) last changed; `when` is the best known time of the current value."""
@@ -301,6 +383,8 @@ class HangCheck(JobCheck):
         return Progress(max(signals, key=lambda s: s.at), tuple(signals))
 
     def run(self) -> Sequence[Result]:
+        if self.kernel is not None:
+            self.kernel.read_once(lambda: adopt_marks(self.context, self.context.xid_history))
         view = self.view()
         now = self.context.clock()
         results = self.source_errors(view)
@@ -369,9 +453,33 @@ class HangCheck(JobCheck):
         stall = self._stall(job, procs)
         if stall is not None:
             log.warning("hung job collectives", extra=kv(job=job.key, stall=stall.describe()))
-        evidence = Evidence(progress.last.at, capture.stacks, path, stall, capture.note)
+        evidence = Evidence(progress.last.at, capture.stacks, path, stall, capture.note, **self._fs_cause(job, procs))
         self._dumps[job.key] = evidence
         return evidence
+
+    def _fs_cause(self, job: Job, procs: list[psutil.Process]) -> dict[str, str]:
+        """The file system the job's blocked processes wait on (`cause`), and what to do (`lever`): `fs_cause`;
+        empty when none is."""
+        if self.kernel is None:
+            return {}
+        try:
+            mounts = read_mounts(self.context.proc)
+        except OSError:
+            mounts = []
+        waits = blocked_waits(procs[:self.settings.inspect_processes], self.context.proc, mounts)
+        cause = fs_cause(waits, self.kernel.notes, mounts, self._answers)
+        if cause is None:
+            return {}
+        log.warning("hung job waits on a file system", extra=kv(job=job.key, cause=cause[0]))
+        return {"cause": cause[0], "lever": cause[1]}
+
+    def _answers(self, mount: Mount) -> str | None:
+        """Why the mount does not answer a statfs (blocked past `mount_timeout`, an error); None when it answers."""
+        outcome = self.probe.stat(mount.mountpoint, self.settings.mount_timeout)
+        if isinstance(outcome, Stuck):
+            blocked = format_duration(max(self.context.clock() - outcome.since, self.settings.mount_timeout))
+            return f"a statfs still blocked after {blocked}"
+        return f"statfs failed: {outcome.strerror or outcome}" if isinstance(outcome, OSError) else None
 
     def _stall(self, job: Job, procs: list[psutil.Process]) -> Stall | None:
         """What the ranks' flight recorders say: live from their worker sockets, else the NCCL watchdog's dumps."""
@@ -395,7 +503,8 @@ class HangCheck(JobCheck):
             self._dirty = False
             self.save_state(STATE_KEY, self._counters)
             self.save_state(DUMPS_KEY, {key: {"since": e.since, "path": str(e.path) if e.path else None,
-                                              "note": e.note, "stacks": [_stack_record(s) for s in e.stacks]}
+                                              "note": e.note, "stacks": [_stack_record(s) for s in e.stacks],
+                                              "cause": e.cause, "lever": e.lever}
                                         for key, e in self._dumps.items()})
 
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
@@ -410,6 +519,7 @@ class HangCheck(JobCheck):
             "stacks": [{"pid": s.pid, "rank": s.rank, "state": s.state, "where": s.where} for s in evidence.stacks],
             "stacks_path": str(evidence.path) if evidence.path else None,
             "collectives": evidence.stall.fields() if evidence.stall else None,
-            "next_step": next_step(evidence.stall, evidence.stacks)}
+            "cause": evidence.cause,
+            "next_step": evidence.lever or next_step(evidence.stall, evidence.stacks)}
         text = summarize(job, progress, limit, now, evidence)
         return self.result(job.key, status, text, details, samples)

@@ -8,24 +8,30 @@ node (a login or head node), not on every compute node: each agent that configur
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from trainguard.checks.base import CheckSettings, JobCheck
+from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.checks.xid import KernelLogSettings, adopt_marks
 from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.core.units import format_duration
+from trainguard.jobs.kernelnotes import NotesReader
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmError
 
 ALIVE = Metric("trainguard_job_alive", "1 if a job of this name is running or pending.", ("name",))
 
 
-class LivenessSettings(CheckSettings):
+class LivenessSettings(KernelLogSettings):
     names: list[str] = Field(min_length=1, description="Job names that must always be running or pending.")
     interval: Duration = Field(60.0, gt=0, description="Time between runs (each asks the controller once).")
     accounting: bool = Field(True, description="When the controller knows no job of a name any more, ask "
                                                "accounting (sacct) for the last one.")
     lookback: Duration = Field(7 * 86400.0, gt=0, description="How far back accounting is searched.")
+    kernel_log: bool = Field(True, description="A job that went down after the kernel OOM killer killed one of its "
+                             "processes on this node says so (which rank, which memory, when), read through the node's "
+                             "one kernel log reader.")
 
     @field_validator("names")
     @classmethod
@@ -72,7 +78,40 @@ class JobLivenessCheck(JobCheck):
     metrics = (ALIVE,)
     settings: LivenessSettings
 
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        self.kernel = (NotesReader(context.kernel_notes, context.kernel_log, name, self.settings.kmsg_path,
+                                   self.settings.journalctl) if self.settings.kernel_log else None)
+
+    def start(self, wake: Callable[[], None]) -> None:
+        if self.kernel is not None:
+            self.kernel.start(lambda: None)  # a kill does not bring a job down: its next run tells both
+
+    def stop(self) -> None:
+        if self.kernel is not None:
+            self.kernel.stop()
+
     def run(self) -> Sequence[Result]:
+        if self.kernel is not None:
+            self.kernel.read_once(lambda: adopt_marks(self.context, self.context.xid_history))
+        jobs, errors = self._listed()
+        if errors:
+            return errors
+        now = self.context.clock()
+        verdicts = {name: evaluate_liveness(name, jobs, now) for name in self.settings.names}
+        down = [name for name, (status, _, _) in verdicts.items() if status is Status.CRITICAL]
+        history, history_error = self._history(down)
+        out = []
+        for name in self.settings.names:
+            status, summary, details = verdicts[name]
+            if name in down:
+                status, summary, details = self._down(name, jobs, now, history, history_error)
+            out.append(self.result(name, status, summary, details,
+                                   [ALIVE(0 if status is Status.CRITICAL else 1, {"name": name})]))
+        return out
+
+    def _listed(self) -> tuple[list[Job], list[Result]]:
+        """The jobs of the watched names the sources know now, or the results saying why they can't say."""
         catalog = self.context.jobs
         if catalog is None:
             raise RuntimeError("no job source configured ([jobs] sources)")
@@ -81,27 +120,38 @@ class JobLivenessCheck(JobCheck):
             view = catalog.view()
             errors = self.source_errors(view, ["process"])
             if errors:
-                return errors
+                return [], list(errors)
             jobs += [j for j in view.jobs if j.source == "process"]
         if "slurm" in catalog.sources:
             try:
                 jobs += catalog.slurm.named(self.settings.names)
             except SlurmError as exc:
-                return [self.result("source:slurm", Status.UNKNOWN, f"job source slurm: {exc}", {"source": "slurm"})]
-        now = self.context.clock()
-        verdicts = {name: evaluate_liveness(name, jobs, now) for name in self.settings.names}
-        down = [name for name, (status, _, _) in verdicts.items() if status is Status.CRITICAL]
-        history, history_error = self._history(down)
-        out = []
-        for name in self.settings.names:
-            status, summary, details = verdicts[name]
-            if name in down and history is not None:
-                status, summary, details = evaluate_liveness(name, jobs, now, history)
-            if name in down and history_error:
-                details = {**details, "accounting_error": history_error}
-            out.append(self.result(name, status, summary, details,
-                                   [ALIVE(0 if status is Status.CRITICAL else 1, {"name": name})]))
-        return out
+                return [], [self.result("source:slurm", Status.UNKNOWN, f"job source slurm: {exc}",
+                                        {"source": "slurm"})]
+        return jobs, []
+
+    def _down(self, name: str, jobs: list[Job], now: float, history: list[Job] | None,
+              history_error: str | None) -> tuple[Status, str, dict[str, Any]]:
+        """A name with no job running or pending: how its last one ended, from accounting too, and the kernel's OOM
+        kill of it on this node."""
+        status, summary, details = evaluate_liveness(name, jobs, now, history)
+        if history_error:
+            details = {**details, "accounting_error": history_error}
+        summary, details = self._oom_killed(name, summary, details, now)
+        return status, summary, details
+
+    def _oom_killed(self, name: str, summary: str, details: dict[str, Any], now: float) -> tuple[str, dict[str, Any]]:
+        """A job down after the kernel killed one of its processes on this node (its SLURM id in the kill's memory
+        cgroup, or a pid its checks knew as its): the kill in its story."""
+        if self.kernel is None:
+            return summary, details
+        job_id = details.get("last_job_id")
+        kills = self.context.kernel_notes.kills(job_id=job_id if isinstance(job_id, str) else None, name=name,
+                                                since=now - self.settings.lookback)
+        if not kills:
+            return summary, details
+        return f"{summary}; {kills[-1].describe()}", {**details, "oom_kills": [
+            {"pid": k.pid, "rank": k.rank, "task": k.task, "memory": k.memory(), "at": k.when} for k in kills[-8:]]}
 
     def _history(self, names: list[str]) -> tuple[list[Job] | None, str | None]:
         """What accounting knows of these names; (None, why) when it can't say (not configured, slurmdbd down)."""

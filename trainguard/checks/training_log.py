@@ -30,18 +30,21 @@ from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
 from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.checks.xid import KernelLogSettings, adopt_marks
 from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field, Size
 from trainguard.core.text import linear, one_line
 from trainguard.core.units import format_bytes, parse_size
+from trainguard.jobs.kernelnotes import NotesReader, OomKill
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import (
     FLIGHT_RECORDER_DUMPS,
     flight_traces,
     heartbeat_path,
     job_fields,
+    job_pids,
     job_processes,
     read_heartbeat,
 )
@@ -49,7 +52,7 @@ from trainguard.logscan.collectives import ADVICE, Story, gather, observe, obser
 from trainguard.logscan.context import STEP_WINDOW, finite_loss, last_step, oom_gpu, relaunched, step_marks
 from trainguard.logscan.diagnose import diagnose_cuda, diagnose_nccl
 from trainguard.logscan.launcher import BLOCK, root_cause
-from trainguard.logscan.lines import plain, timestamp, unwrap
+from trainguard.logscan.lines import plain, stamp, timestamp, unwrap
 from trainguard.logscan.nccl import MID_RUN, NETWORK, diagnose_nccl_error
 from trainguard.logscan.nccl import PATTERN as NCCL_ERROR
 from trainguard.logscan.oom import IMPOSSIBLE, GpuContext, classify, explain, parse_oom
@@ -57,6 +60,8 @@ from trainguard.logscan.reader import LogTail, Look, Position, look
 from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettings, custom, final_exception, last_exception
 from trainguard.node.access import Identity, stat_as
 from trainguard.node.flight import Stall, analyze
+from trainguard.node.kernel_events import catalog
+from trainguard.node.stacks import process_rank
 
 log = logging.getLogger("trainguard.checks.training_log")
 
@@ -73,11 +78,13 @@ COLLECTIVES_KEY = "logscan.collectives"
 LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
 MAX_PER_SIGNATURE = 8  # per job and signature: a flood of one kind (25 ranks' timeouts) never crowds out another
+NEW_RANKS = 256  # a job's new processes whose rank is read per run, at most (one small /proc read each)
 
 
-class TrainingLogSettings(CheckSettings):
+class TrainingLogSettings(KernelLogSettings):
     interval: Duration = Field(15.0, gt=0)
-    jitter: Duration = Field(0.0, ge=0)
+    kernel_log: bool = Field(True, description="Tell the kernel OOM killer's kills of a job's processes in its story "
+                             "(which rank, which memory, when), read through the node's one kernel log reader.")
     logs: list[str] = Field(default_factory=list, description="More log paths or globs per job (templates as hang).")
     signatures: dict[str, SignatureSettings] = Field(default_factory=dict, description="Site signatures, by name.")
     nan_limit: int = Field(3, ge=1, description="This many NaN/Inf losses in a row (no finite loss between): "
@@ -100,8 +107,8 @@ class TrainingLogSettings(CheckSettings):
 # its final exception leads when nothing more specific came before. A cause that came after an echo in time is its
 # knock-on (an OOM after a NCCL timeout): it moves behind the echoes, and so does an impossible allocation.
 HARDWARE, CAUSE, END, GENERIC, ECHO, KNOCK_ON = 0, 1, 2, 3, 4, 5
-_TIER = {"cuda_oom": CAUSE, "cuda_error": CAUSE, "nccl_error": CAUSE, "nan_loss": CAUSE, "loss_scale_min": CAUSE,
-         "fp16_overflow": CAUSE, "launcher": END, "exit": CAUSE, "traceback": END, "nccl_timeout": ECHO,
+_TIER = {"oom_kill": CAUSE, "cuda_oom": CAUSE, "cuda_error": CAUSE, "nccl_error": CAUSE, "nan_loss": CAUSE,
+         "loss_scale_min": CAUSE, "fp16_overflow": CAUSE, "launcher": END, "exit": CAUSE, "traceback": END, "nccl_timeout": ECHO,
          "nccl_progress": ECHO, "collective_failure": ECHO}
 _CAUGHT = linear(r"(?i)\bwarn(?:ing)?\b")  # `| WARNING: ran out of memory`, `| WARNING | fairseq.trainer | OOM:`
 _NAN_NORM = linear(r"(?i)grad[_ ]norm['\"]?\W{0,40}(?:nan|[-+]?inf)\b")
@@ -192,6 +199,18 @@ def _written(path: str, identity: Identity) -> float:
         return float("inf")
 
 
+def _oom_kill(kill: OomKill, who: str | None, before_start: bool) -> dict[str, Any]:
+    """The finding of a kernel OOM kill of one of the job's processes: CRITICAL, unless logged before the agent's
+    first start on this boot (the first-start policy of every kernel event: reported, WARNING, not acted on)."""
+    lever = catalog()["oom_kill_memcg" if kill.memcg_limit else "oom_kill"].lever
+    title = kill.describe(who) + (" (logged before trainguard started: reported, not acted on)" if before_start else "")
+    return {"signature": "oom_kill", "rank": None, "path": None, "at": kill.when, "line": kill.line[:500],
+            "status": (Status.WARNING if before_start else Status.CRITICAL).name, "title": title,
+            "ts": stamp(kill.when), "n": 0,
+            "advice": lever, "fields": {"pid": kill.pid, "rank": kill.rank, "command": kill.comm,
+                                        "memory": kill.memory(), "memcg": kill.memcg, "anon_kb": kill.anon_kb}}
+
+
 def _gpu_dict(gpu: GpuContext | None) -> dict[str, Any] | None:
     if gpu is None:
         return None
@@ -236,17 +255,28 @@ class TrainingLogCheck(JobCheck):
         self._first: dict[tuple[str, str], tuple[Look | None, float]] = {}
         self._unlisten: Callable[[], None] | None = None
         self._behind: set[str] = set()  # jobs whose logs were left behind by their read budget, said once
+        self._dropped: dict[str, float] = {}  # job -> when its findings were last dropped: older kills are told
+        self.notes = context.kernel_notes
+        self.kernel = (NotesReader(self.notes, context.kernel_log, name, self.settings.kmsg_path,
+                                   self.settings.journalctl) if self.settings.kernel_log else None)
 
     def start(self, wake: Callable[[], None]) -> None:
-        """Run at once when a job starts here, to look at its logs before it writes (`_look`)."""
+        """Run at once when a job starts here, to look at its logs before it writes (`_look`), and when the kernel
+        kills a process for memory (`_kernel_kills`)."""
         if self.context.jobs is not None:
             self._unlisten = self.context.jobs.listen(wake)
+        if self.kernel is not None:
+            self.kernel.start(wake)
 
     def stop(self) -> None:
         if self._unlisten is not None:
             self._unlisten()
+        if self.kernel is not None:
+            self.kernel.stop()
 
     def run(self) -> Sequence[Result]:
+        if self.kernel is not None:
+            self.kernel.read_once(lambda: adopt_marks(self.context, self.context.xid_history))
         view = self.view()
         results = self.source_errors(view)
         paths: set[tuple[str, str]] = set()  # (job, log) read or kept this run
@@ -282,8 +312,10 @@ class TrainingLogCheck(JobCheck):
         self._look(job, files.paths)
         if not self._life(job, stale):
             return None
+        self._remember_ranks(job)
         behind = self._read_all(job, files.paths, deadline)
         self._heartbeat_loss(job)
+        self._kernel_kills(job)
         self._exit(job, files.paths)
         return self._result(job, files.notes, behind)
 
@@ -332,9 +364,10 @@ class TrainingLogCheck(JobCheck):
         for key in set(self._findings) - live:  # the job is gone: its story is told
             del self._findings[key]
         for table in (self._nan_streaks, self._beat_steps, self._counts, self._collectives, self._stalls,
-                      self._lives):
+                      self._lives, self._dropped):
             for key in set(table) - live:
                 del table[key]
+        self.notes.forget(live)
         self._behind &= live
         self.context.paces.forget(live)
         for log_key in set(self._positions) - paths:  # a log no longer read (gone, or past the newest) is forgotten
@@ -390,6 +423,7 @@ class TrainingLogCheck(JobCheck):
         for table in (self._findings, self._counts, self._collectives, self._stalls, self._pending_assert):
             table.pop(key, None)
         self._nan_streaks.get(key, {}).clear()
+        self._dropped[key] = self.context.clock()
         return dropped
 
     def _look(self, job: Job, logs: Sequence[str]) -> None:
@@ -531,6 +565,43 @@ class TrainingLogCheck(JobCheck):
                      "status": Status.CRITICAL.name, "title": title, "exit_code": code, "n": 1 << 30,
                      "advice": "read the end of the job's log; the final exception says what failed" if exc else
                      "no exception in the log: look for the OOM killer (dmesg), a signal, or the scheduler's reason"})
+
+    def _remember_ranks(self, job: Job) -> None:
+        """Tell the node's kernel notes the job's processes and their ranks while they live: a kill, read after the
+        process is gone, is then told as that rank's."""
+        if self.kernel is None:
+            return
+        known = self.notes.known_pids(job.key)
+        new = [pid for pid in job_pids(job, self.context.processes.get()) if pid not in known][:NEW_RANKS]
+        if new:
+            self.notes.remember(job.key, job.name, {pid: process_rank(self.context.proc, pid) for pid in new})
+
+    def _kernel_kills(self, job: Job) -> None:
+        """The kernel OOM killer's kills of the job's processes (since its start, and since its findings were last
+        dropped), as findings: which rank, which memory (the host's or its cgroup's limit), when."""
+        if self.kernel is None:
+            return
+        since = max((job.start_time or 0.0) - CLOCK_SKEW, self._dropped.get(job.key, 0.0))
+        kept = self._findings.setdefault(job.key, [])
+        first = self.context.xid_history.first_start
+        for kill in self.notes.kills(job.key, job.job_id, since=since):
+            old = next((f for f in kept if f["signature"] == "oom_kill" and f["fields"]["pid"] == kill.pid), None)
+            finding = _oom_kill(kill, self._launcher_rank(kept, kill), first is not None and first.before(kill.seq,
+                                                                                                         kill.usec))
+            if old is not None:
+                old.update({k: v for k, v in finding.items() if k != "n"})
+            elif sum(f["signature"] == "oom_kill" for f in kept) < MAX_PER_SIGNATURE:
+                kept.append(finding)
+
+    @staticmethod
+    def _launcher_rank(kept: list[dict[str, Any]], kill: OomKill) -> str | None:
+        """The rank torchrun named for the killed pid (`failed (exitcode: -9) local_rank: 3 (pid: 812917)`)."""
+        if kill.rank is not None:
+            return None
+        fields = next((f.get("fields") or {} for f in kept if f["signature"] == "launcher"
+                       and (f.get("fields") or {}).get("pid") == kill.pid), {})
+        rank, local = fields.get("rank"), fields.get("local_rank")
+        return f"rank {rank}" if rank is not None else f"local rank {local}" if local is not None else None
 
     def _record(self, job: Job, path: str, hit: Hit, data: bytes, base: int = 0) -> int:
         """Record one hit as a finding of the job; returns the end of the bytes it read (past its line when the

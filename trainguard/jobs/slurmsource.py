@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.core.listeners import Listeners
 from trainguard.core.logs import kv
 from trainguard.jobs.model import Job, ProcessRef
 from trainguard.jobs.prolog import PrologRecord, RecordReader
@@ -149,7 +150,7 @@ class SlurmSource:
         self._spool_seen: int | None = None
         self._stale: str | None = None
         self._discovery = _Discovery()
-        self._listeners: tuple[Callable[[], None], ...] = ()  # replaced whole under the lock; read without it
+        self._listeners = Listeners()
         self._discover(force=True)
 
     # discovery ------------------------------------------------------------------------------------------------
@@ -256,20 +257,10 @@ class SlurmSource:
     def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` (from this source's threads: it must return at once) when there is news of a job starting
         here: found between listings, its prolog record written, its first record back. Returns what stops it."""
-        with self._lock:
-            self._listeners = (*self._listeners, callback)
-
-        def stop() -> None:
-            with self._lock:
-                self._listeners = tuple(c for c in self._listeners if c is not callback)
-        return stop
+        return self._listeners.add(callback)
 
     def _announce(self, what: str) -> None:
-        for callback in self._listeners:
-            try:
-                callback()
-            except Exception as exc:  # noqa: BLE001 - a listener's failure never stops the watcher or the fetches
-                log.warning("job listener failed", extra=kv(news=what, error=exc))
+        self._listeners.tell(what)  # a listener's failure never stops the watcher or the fetches
 
     # the listing -----------------------------------------------------------------------------------------------
     def jobs(self) -> Sequence[Job]:

@@ -30,7 +30,7 @@ BLOCK = 2048  # the root-cause block is a dozen short lines
 _FAILED = linear(r"failed \(exitcode: (-?\d{1,4})\) local_rank: (\d{1,7})(?: \(pid: (\d{1,10})\))?")
 # a paste may have lost the line breaks and underscores: `rank2 (local rank: 2)exitcode: -9 (pid: 36071)`
 _RANK = linear(r"(?m)^\s{0,20}rank\s{0,20}:?\s{0,20}(\d{1,7}) \(local[_ ]rank:? ?(\d{1,7})\)")
-_EXIT = linear(r"exitcode\s{0,20}:\s{0,20}(-?\d{1,4})")
+_EXIT = linear(r"exitcode\s{0,20}:\s{0,20}(-?\d{1,4})(?: \(pid: (\d{1,10})\))?")
 _HOST = linear(r"(?m)^\s{0,20}host\s{0,20}: (\S{1,200})")
 _SIGNAL = linear(r"(?i)signal (\d{1,2}) \((SIG[A-Z]{2,8})\)")
 _END = linear(r"(?m)^={20}")
@@ -63,16 +63,16 @@ def root_cause(text: str) -> RootCause | None:
     """The first failed worker in a `failed (exitcode: ...)` line or a root-cause block (`text` from its first line
     on, at most BLOCK characters), or None when neither parses."""
     text = text[:BLOCK]
-    rank = local = host = None
+    rank = local = host = pid = None
     if (m := _FAILED.search(text)) is not None:
-        code, local = int(m.group(1)), int(m.group(2))
+        code, local, pid = int(m.group(1)), int(m.group(2)), m.group(3)
     else:
         if (end := _END.search(text, 40)) is not None:  # the block ends at its closing rule
             text = text[:end.start()]
         exit_code = _EXIT.search(text)
         if exit_code is None:
             return None
-        code = int(exit_code.group(1))
+        code, pid = int(exit_code.group(1)), exit_code.group(2)
         if (r := _RANK.search(text)) is not None:
             rank, local = int(r.group(1)), int(r.group(2))
         if (h := _HOST.search(text)) is not None:
@@ -86,4 +86,4 @@ def root_cause(text: str) -> RootCause | None:
     title = f"torchrun: {who} failed first: {how}" + (f" (on {host})" if host else "")
     advice = ADVICE.get(name or "", EXIT_ADVICE if signal is None else "ended by a signal: see its log")
     return RootCause(title, advice, rank, {"rank": rank, "local_rank": local, "host": host, "exit_code": code,
-                                           "signal": name or signal})
+                                           "signal": name or signal, "pid": int(pid) if pid else None})

@@ -11,6 +11,7 @@ All patterns are RE2 (linear in the line) and bounded; nothing here raises on an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,3 +93,10 @@ def timestamp(line: str) -> float | None:
     except ValueError:
         return None
     return ((month * 31 + day) * 24 + hour) * 3600.0 + minute * 60 + second
+
+
+def stamp(when: float) -> float:
+    """A wall time in the form `timestamp` gives (the node's local time, its year ignored): an event of the node (a
+    kernel record) placed among the job's lines."""
+    t = time.localtime(when)
+    return ((t.tm_mon * 31 + t.tm_mday) * 24 + t.tm_hour) * 3600.0 + t.tm_min * 60 + t.tm_sec + when % 1

@@ -49,6 +49,14 @@ class ProcessStack:
         return f"pid {self.pid}{rank}: {self.where}{kernel}"
 
 
+def process_rank(proc: ProcFS, pid: int) -> str | None:
+    """The rank a process's environment names (RANK, SLURM_PROCID, ...); None when none or unreadable."""
+    # A rank is a small number; the environment is the job's, so anything else is not a rank.
+    env = proc.environ_vars(pid, _RANK_VARS)
+    values = (env.get(v, "") for v in _RANK_VARS)
+    return next((v for v in values if v.isascii() and v.isdigit() and len(v) <= 9), None)
+
+
 def innermost(dump: str) -> str | None:
     """`function (file:line)` of the main thread's innermost Python frame in a py-spy dump (else the first thread's)."""
     first: str | None = None
@@ -231,10 +239,7 @@ class StackDumper:
         return Capture([stacks[p] for p in ordered], note)
 
     def _rank(self, pid: int) -> str | None:
-        # A rank is a small number; the environment is the job's, so anything else is not a rank.
-        env = self.proc.environ_vars(pid, _RANK_VARS)
-        values = (env.get(v, "") for v in _RANK_VARS)
-        return next((v for v in values if v.isascii() and v.isdigit() and len(v) <= 9), None)
+        return process_rank(self.proc, pid)
 
     def _choose(self, candidates: list[_Target]) -> list[_Target]:
         """One process per rank (the first that holds it: the rank itself, its data-loader workers inherit its

@@ -1,0 +1,310 @@
+"""The kernel's word in a job's own story: an OOM kill names the rank it killed (training_log, job_liveness), and a
+hang whose ranks wait on a file system that stopped answering names that file system (hang)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import tomllib
+
+from tests.conftest import HungMount, wait_until
+from trainguard.agent.configfile import parse_config
+from trainguard.checks.base import CheckContext
+from trainguard.checks.hang import HangCheck, HangSettings, fs_cause
+from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
+from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
+from trainguard.core.model import Status
+from trainguard.core.state import ScopedState
+from trainguard.gpu.nvml import Nvml
+from trainguard.jobs.catalog import JobCatalog, JobView
+from trainguard.jobs.kernelnotes import FsWait, KernelNotes, clock_time, fs_wait
+from trainguard.jobs.model import Job
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
+from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint, strip_prefix
+from trainguard.node.mounts import Mount, read_mounts
+from trainguard.node.procfs import ProcFS
+from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.store import Store
+
+from .helpers.fake_nvml import FakeNvml, NVMLError
+
+# A SLURM task's kill by its job's memory cgroup limit, and a kill for the host's memory, as kernels print them
+# (tests/data/kernel/fixtures.toml holds the cited originals of these forms)
+MEMCG_KILL = [
+    "python invoked oom-killer: gfp_mask=0xcc0(GFP_KERNEL), order=0, oom_score_adj=0",
+    "oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0-1,oom_memcg=/slurm/uid_1000/"
+    "job_4242,task_memcg=/slurm/uid_1000/job_4242/step_0/task_3,task=python,pid={pid},uid=1000",
+    "Memory cgroup out of memory: Killed process {pid} (python) total-vm:60000000kB, anon-rss:56623104kB, "
+    "file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:1372kB oom_score_adj:0"]
+HOST_KILL = [
+    "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0-1,global_oom,task_memcg=/user.slice,"
+    "task=python,pid={pid},uid=1000",
+    "Out of memory: Killed process {pid} (python) total-vm:61000000kB, anon-rss:56623104kB, file-rss:0kB, "
+    "shmem-rss:0kB, UID:1000 pgtables:1372kB oom_score_adj:0"]
+ROOT_CAUSE = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2025-05-21_15:43:03
+  host      : node1
+  rank      : 11 (local_rank: 3)
+  exitcode  : -9 (pid: {pid})
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID {pid}
+============================================================
+"""
+
+
+def feed(notes: KernelNotes, lines: list[str], pid: int) -> None:
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    for i, line in enumerate(lines):
+        notes.feed(KernelRecord(i, 4, 0, usec, line.format(pid=pid)))
+
+
+def logs_check(tmp_path: Path, job: Job, **settings: Any) -> TrainingLogCheck:
+    empty = tmp_path / "kmsg-copy"  # a saved kernel log with nothing in it: the one-shot read adds nothing
+    empty.write_text("")
+    made = TrainingLogCheck("logs", TrainingLogSettings(kmsg_path=str(empty), **settings), CheckContext(
+        "node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"), kernel_log=KernelLog(),
+        state=ScopedState(Store(None), "check/logs"), nvml=Nvml(FakeNvml(init_error=NVMLError))))
+    made.view = lambda: JobView((job,))  # type: ignore[method-assign]
+    return made
+
+
+def slurm_job(tmp_path: Path, **fields: Any) -> Job:
+    return Job("slurm:4242", "slurm", "train", "RUNNING", job_id="4242", user="root", uid=0, on_this_node=True,
+               start_time=time.time() - 60, stdout=str(tmp_path / "out.log"), log_paths=(str(tmp_path / "out.log"),),
+               **fields)
+
+
+def test_a_kill_by_the_jobs_memory_cgroup_is_the_rank_torchrun_names_in_the_jobs_story(tmp_path: Path) -> None:
+    """The kill names the SLURM job in its memory cgroup; torchrun's root cause names the pid's rank."""
+    pid = random.randint(100_000, 4_000_000)
+    (tmp_path / "out.log").write_text("step 100 loss=1.2\n" + ROOT_CAUSE.format(pid=pid))
+    check = logs_check(tmp_path, slurm_job(tmp_path))
+    feed(check.notes, MEMCG_KILL, pid)
+    [result] = check.run()
+    kill = check.notes.kills(job_id="4242")[0]
+    assert result.status is Status.CRITICAL
+    assert result.summary.startswith(f"job 4242 (train): rank 11 killed by the kernel OOM killer (memory cgroup "
+                                     f"limit, 54.0 GiB anon) at {clock_time(kill.when)}"), result.summary
+    lead = next(f for f in result.details["findings"] if f["signature"] == "oom_kill")
+    assert lead["fields"]["pid"] == pid and lead["fields"]["memcg"].endswith("/task_3")
+    assert "memory cgroup" in result.details["next_step"]
+    assert [f["signature"] for f in result.details["findings"]].count("oom_kill") == 1
+
+
+def test_a_host_memory_kill_names_the_rank_its_pid_had_while_it_lived(tmp_path: Path) -> None:
+    """A kill outside SLURM's cgroups: the pid the job's processes had, with the rank read from its environment."""
+    job = slurm_job(tmp_path)
+    (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
+    check = logs_check(tmp_path, job)
+    check.run()
+    pid = random.randint(100_000, 4_000_000)
+    check.notes.remember(job.key, job.name, {pid: "3"})  # what the check told of the job's processes while they lived
+    feed(check.notes, HOST_KILL, pid)
+    [result] = check.run()
+    assert "rank 3 killed by the kernel OOM killer (host memory, 54.0 GiB anon) at" in result.summary
+    assert "host memory" in result.details["next_step"]
+
+
+def test_a_kill_logged_before_the_agents_first_start_is_told_not_acted_on(tmp_path: Path) -> None:
+    (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
+    check = logs_check(tmp_path, slurm_job(tmp_path))
+    feed(check.notes, MEMCG_KILL, random.randint(100_000, 4_000_000))
+    check.context.xid_history.mark_first_start(lambda: LogPoint(10, int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)))
+    [result] = check.run()
+    assert result.status is Status.WARNING
+    assert "task 3 (pid " in result.summary and "(logged before trainguard started: reported, not acted on)" in \
+        result.summary
+
+
+def test_a_kill_before_the_jobs_start_or_of_another_jobs_pid_is_not_its_own(tmp_path: Path) -> None:
+    check = logs_check(tmp_path, slurm_job(tmp_path, restarts=0))
+    (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
+    feed(check.notes, HOST_KILL, 12345)  # no job named: its pid was never one of the job's
+    [result] = check.run()
+    assert result.status is Status.OK and "OOM" not in result.summary
+
+
+def test_the_liveness_of_a_job_down_after_an_oom_kill_says_so(tmp_path: Path) -> None:
+    jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+        "trainer": ProcessJobSettings(cmdline=f"no-such-process-{random.random()}", user="root")}), "node1")
+    empty = tmp_path / "kmsg-copy"
+    empty.write_text("")
+    check = JobLivenessCheck("alive", LivenessSettings(names=["trainer"], kmsg_path=str(empty)),
+                             CheckContext("node1", tmp_path, jobs=jobs, kernel_log=KernelLog()))
+    pid = random.randint(100_000, 4_000_000)
+    check.context.kernel_notes.remember("process:trainer", "trainer", {pid: "0"})
+    feed(check.context.kernel_notes, HOST_KILL, pid)
+    [result] = check.run()
+    assert result.status is Status.CRITICAL
+    assert "; rank 0 killed by the kernel OOM killer (host memory, 54.0 GiB anon) at " in result.summary
+    assert result.details["oom_kills"][0]["pid"] == pid
+
+
+def test_a_real_oom_kill_by_a_real_memory_cgroup_is_the_jobs_alert_naming_the_rank_within_a_second(
+        kmsg: Any, tmp_path: Path, memory_cgroup: Any) -> None:
+    """The agent end to end: a rank (RANK=3 in its environment) in a memory cgroup allocates past its limit and the
+    kernel kills it; the kill, read through the node's one kernel log reader, wakes training_log (its interval is a
+    minute) and the job's incident runs its bound action naming the rank, within 1 s of the kill."""
+    del kmsg  # the real /dev/kmsg, readable and under the test lock
+    tag = f"tgoomjob{random.randint(0, 1 << 30):x}"
+    gate, recorder = tmp_path / "go", tmp_path / "alerts"
+    cgroup = memory_cgroup(48 << 20)
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", tag])  # lives on, as torchrun
+    rank = subprocess.Popen(cgroup([sys.executable, "-c", f"# {tag}\nimport os, time\n"
+                                    f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
+                                    "b = [bytearray(1 << 20) for _ in range(512)]\ntime.sleep(30)"]),
+                            env={**os.environ, "RANK": "3"})
+    wait_until(lambda: Path(f"/proc/{rank.pid}/cmdline").read_bytes().count(tag.encode()), 10, what="the rank")
+    engine = Engine(parse_config({
+        "agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+        "jobs": {"sources": ["process"], "refresh": "0s",
+                 "processes": {"trainer": {"cmdline": tag, "user": "root"}}},
+        "checks": {"training_log": {"interval": "60s", "actions": {"critical": ["record"]}}},
+        "notifiers": {},
+        "actions": {"record": {"type": "exec", "command": [
+            "sh", "-c", f'echo "$(date +%s.%N)|$TRAINGUARD_SUMMARY" >> {recorder}']}}}, "test.toml"))
+    engine.start()
+    try:
+        wait_until(lambda: engine.shared.kernel_notes.known_pids("process:trainer").get(rank.pid) == "3", 10,
+                   what="the rank's pid known with its rank")
+        gate.write_text("")  # the rank allocates past its memory cgroup's limit: the kernel kills it
+        assert rank.wait(timeout=30) == -9
+        killed = time.time()
+        wait_until(lambda: recorder.exists() and recorder.read_text(), 10, what="the job's alert")
+        when, summary = recorder.read_text().splitlines()[0].split("|", 1)
+        assert summary.startswith("process job trainer: rank 3 killed by the kernel OOM killer (memory cgroup "
+                                  "limit"), summary
+        assert float(when) - killed < 1.0, f"alerted {float(when) - killed:.2f}s after the kill"
+    finally:
+        engine.stop()
+        for proc in (rank, launcher):
+            proc.kill()
+            proc.wait()
+
+
+def nfs_not_responding(server: str) -> str:
+    """The kernel's text of the real `nfs: server X not responding, still trying` line of the fixtures, naming
+    `server`."""
+    fixtures = tomllib.loads((Path(__file__).parent / "data" / "kernel" / "fixtures.toml").read_text())["fixture"]
+    real = next(f for f in fixtures if f["class"] == "nfs_not_responding" and "server" in f.get("names", {}))
+    return strip_prefix(real["text"]).replace(real["names"]["server"], server)
+
+
+def hang_check(tmp_path: Path, marker: str, kmsg: Path) -> HangCheck:
+    jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+        "trainer": ProcessJobSettings(cmdline=marker, user="root")}), "node1")
+    return HangCheck("hang", HangSettings(stale_after=0.5, flight_recorder=False, kmsg_path=str(kmsg)),
+                     CheckContext("node1", tmp_path, jobs=jobs, kernel_log=KernelLog()))
+
+
+def hung_result(check: HangCheck) -> Any:
+    check.run()  # the job's progress signals start now
+    time.sleep(0.6)
+    [result] = check.run()
+    assert result.status is Status.CRITICAL
+    return result
+
+
+def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
+        tmp_path: Path, hung_mount: HungMount, children: list[subprocess.Popen[str]]) -> None:
+    """A rank reads a file of a FUSE mount whose reads never return (D state). Without a kernel record the hang names
+    the mount its open file lies on, which does not answer a statfs; with the kernel's `nfs: server X not
+    responding` for the mount's server (a real line, through a FIFO standing in for /dev/kmsg), it names that."""
+    marker = f"tgfsjob{random.randint(0, 1 << 30):x}"
+    data = hung_mount.mountpoint / "data"
+    rank = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'rb').read(10)", str(data),
+                             marker], env={**os.environ, "RANK": "0"}, text=True)
+    children.append(rank)
+    wait_until(lambda: psutil.Process(rank.pid).status() == psutil.STATUS_DISK_SLEEP, 10, what="the rank in D state")
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # held open: the follower never sees the writer go
+    where = f"fuse {hung_mount.server}:/export at {hung_mount.mountpoint}"
+    silent = hang_check(tmp_path / "a", marker, fifo)
+    told = hang_check(tmp_path / "b", marker, fifo)
+    try:
+        result = hung_result(silent)
+        assert result.summary.startswith(f"process job trainer: cause: rank 0 waits in D state on {where} (seen in "
+                                         f"its open file {data}): it does not answer (a statfs still blocked after "
+                                         "1s)"), result.summary
+        assert "bring its server" in result.details["next_step"]
+
+        told.start(lambda: None)
+        assert told.kernel is not None
+        os.write(writer, f"4,1,{int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)},-;"
+                         f"{nfs_not_responding(hung_mount.server)}\n".encode())
+        wait_until(lambda: told.kernel is not None and told.kernel.follower.records >= 1, 10, what="the record read")
+        result = hung_result(told)
+        since = told.context.kernel_notes.trouble(next(m for m in read_mounts() if m.mountpoint == str(
+            hung_mount.mountpoint)))
+        assert since is not None
+        assert result.summary.startswith(f"process job trainer: cause: rank 0 waits in D state on {where}: the kernel "
+                                         f"says NFS server not responding (nfs {hung_mount.server}) since "
+                                         f"{clock_time(since.since)}"), result.summary
+        assert result.details["cause"] and "server stopped answering" in result.details["next_step"]
+    finally:
+        told.stop()
+        silent.stop()
+        os.close(writer)
+        hung_mount.abort()  # the rank's read returns: it ends
+
+
+def fake_proc(tmp_path: Path, pid: int, stack: str, files: dict[str, str]) -> ProcFS:
+    """A /proc with one process: its kernel stack and its open files (fd -> path) and working directory."""
+    root = tmp_path / "proc"
+    (root / str(pid) / "fd").mkdir(parents=True)
+    (root / str(pid) / "stack").write_text(stack)
+    (root / str(pid) / "wchan").write_text("0")
+    for fd, target in files.items():
+        os.symlink(target, root / str(pid) / ("cwd" if fd == "cwd" else f"fd/{fd}"))
+    return ProcFS(root)
+
+
+LUSTRE = Mount("/lustre/scratch", "10.0.0.1@o2ib:/scratch", "lustre", "0:51")
+NFS = Mount("/home", "fs1:/export/home", "nfs4", "0:52")
+MOUNTS = [Mount("/", "/dev/sda1", "ext4", "8:1"), NFS, LUSTRE]
+
+
+def test_the_mount_a_blocked_process_waits_on_is_the_one_its_kernel_stack_names(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path, 42, "[<0>] rpc_wait_bit_killable+0x1e/0xa0\n[<0>] nfs4_do_open+0x2c/0x40\n",
+                     {"3": "/lustre/scratch/run/shard-7.bin", "4": "/home/alice/train.log", "cwd": "/home/alice"})
+    wait = fs_wait(42, MOUNTS, proc)
+    assert wait is not None and wait.mount == NFS and wait.how == ("its kernel stack (rpc_...) and its open file "
+                                                                   "/home/alice/train.log")
+    quiet = fake_proc(tmp_path / "b", 43, "[<0>] folio_wait_bit_common+0x110/0x310\n",
+                      {"3": "/lustre/scratch/run/shard-7.bin"})
+    found = fs_wait(43, MOUNTS, quiet)
+    assert found is not None and found.mount == LUSTRE and found.how == "its open file /lustre/scratch/run/shard-7.bin"
+    assert fs_wait(44, MOUNTS, fake_proc(tmp_path / "c", 44, "", {"3": "/tmp/x"})) is None
+
+
+def test_a_lustre_target_the_kernel_lost_is_the_cause_and_a_blocked_rank_on_no_mount_gets_the_likely_one() -> None:
+    notes = KernelNotes()
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    notes.feed(KernelRecord(1, 4, 0, usec, "Lustre: scratch-OST0003-osc-ffff8e0b6c5e1000: Connection to scratch-OST0003 "
+                                           "(at 10.0.0.3@o2ib) was lost; in progress operations using this service "
+                                           "will wait for recovery to complete"))
+    assert notes.trouble(LUSTRE) is not None and notes.trouble(NFS) is None
+    waits = [("rank 0", FsWait(7, LUSTRE, "its open file /lustre/scratch/x")), ("rank 1", FsWait(8, LUSTRE, "x"))]
+    cause = fs_cause(waits, notes, MOUNTS, lambda m: None)
+    assert cause is not None
+    assert cause[0].startswith("rank 0, rank 1 wait in D state on lustre 10.0.0.1@o2ib:/scratch at /lustre/scratch: "
+                               "the kernel says Lustre connection lost (lustre scratch-OST0003) since "), cause[0]
+    likely = fs_cause([("pid 9", None)], notes, MOUNTS, lambda m: None)
+    assert likely is not None and "likely what they wait on" in likely[0] and "/lustre/scratch" in likely[0]
+    assert fs_cause([("pid 9", None)], KernelNotes(), MOUNTS, lambda m: None) is None
+    notes.feed(KernelRecord(2, 4, 0, usec + 1, "Lustre: scratch-OST0003-osc-ffff8e0b6c5e1000: Connection restored to "
+                                               "10.0.0.3@o2ib (at 10.0.0.3@o2ib)"))
+    assert notes.trouble(LUSTRE) is None

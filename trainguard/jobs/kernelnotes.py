@@ -1,0 +1,348 @@
+"""KernelNotes: what the node's kernel log says that a job's own story needs: the OOM killer's kills (the pid, the
+memory it ran out of: the host's or a memory cgroup's limit, the anon memory the victim held), the network file
+systems that stopped answering (an NFS server not responding, a Lustre target lost or evicting this client), and the
+tasks the kernel found blocked (hung task, by pid).
+
+It reads through the node's one kernel log reader (KernelLog: one follower and cursor per device, shared with the
+xid and kernel checks) with the kernel event catalog's own classes: a record holding none of their needles costs one
+Aho-Corasick pass. The job checks (training_log) tell it which job and rank each of their pids is, while the pid
+lives: a kill, read after the process is gone, is then attributed to its job and rank the moment it is read. Bounded:
+the newest MAX_KILLS kills, MAX_FS file systems, MAX_HUNG blocked tasks, MAX_PIDS pids per job.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from trainguard.core.listeners import Listeners
+from trainguard.core.text import linear
+from trainguard.core.units import format_bytes
+from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
+from trainguard.node.kmsg import KernelLog, KernelRecord, KmsgFollower
+from trainguard.node.mounts import Mount, mount_of
+from trainguard.node.procfs import ProcFS
+
+K = TypeVar("K")
+V = TypeVar("V")
+OOM_CLASSES = ("oom_kill_constraint", "oom_kill_memcg", "oom_kill")
+FS_CLASSES = ("nfs_not_responding", "nfs_timed_out", "lustre_evicted", "lustre_connection_lost")
+CLEAR_CLASSES = ("nfs_ok", "lustre_restored")
+NOTED = ("hung_task", *OOM_CLASSES, *FS_CLASSES, *CLEAR_CLASSES)
+MAX_KILLS = 256
+MAX_FS = 256
+MAX_HUNG = 256
+MAX_PIDS = 4096  # of one job remembered with its rank
+MAX_FDS = 1024  # of one process looked at for the mount it waits on
+MERGE_USEC = 2_000_000  # the lines of one kill (its constraint line, its `Killed process` line) come together
+_MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_123/step_0/task_3 (v1 and v2)
+_MEMCG_TASK = linear(r"/task_(\d{1,9})(?:/|$)")
+# Kernel functions that name the file system a task sleeps in (its /proc/PID/stack or wchan)
+_FS_FRAME = linear(r"\b(nfs4?|rpc|fuse|ll|ptlrpc|osc|mdc|ldlm|lov|cl|ceph|cifs|smb2|gpfs|mmfs)_")
+_FRAME_KIND = {"nfs": "nfs", "nfs4": "nfs", "rpc": "nfs", "fuse": "fuse", "ceph": "ceph", "cifs": "cifs", "smb2": "cifs",
+               "gpfs": "gpfs", "mmfs": "gpfs"}  # the rest: Lustre's
+NETWORK_FS = ("nfs", "nfs4", "lustre", "fuse", "ceph", "cifs", "smb3", "gpfs", "beegfs", "glusterfs", "9p")
+
+
+def clock_time(when: float) -> str:
+    """A wall time as the node's clock shows it (the time of day a log line of the job would carry)."""
+    return time.strftime("%H:%M:%S", time.localtime(when))
+
+
+@dataclass(frozen=True)
+class OomKill:
+    """One process the kernel's OOM killer killed."""
+
+    pid: int
+    comm: str
+    when: float  # wall time of the kernel's record
+    usec: int
+    seq: int = -1  # the record's sequence number (-1 from the journal)
+    memcg_limit: bool | None = None  # True: a memory cgroup's limit; False: the host's memory; None: not said
+    memcg: str = ""
+    anon_kb: int | None = None
+    job_id: str | None = None  # SLURM's, from the memory cgroup path
+    task: str | None = None  # SLURM's task, from the memory cgroup path
+    job_key: str | None = None  # the job whose processes held the pid (as its checks last told)
+    job_name: str | None = None
+    rank: str | None = None
+    line: str = ""
+
+    def memory(self) -> str:
+        """`host memory, 54.0 GiB anon`: what ran out, and what the victim held."""
+        kind = {True: "memory cgroup limit", False: "host memory", None: "memory"}[self.memcg_limit]
+        return kind + (f", {format_bytes(self.anon_kb * 1024)} anon" if self.anon_kb else "")
+
+    def who(self) -> str:
+        """`rank 3`, else the SLURM task, else the pid and command."""
+        if self.rank is not None:
+            return f"rank {self.rank}"
+        return f"task {self.task} (pid {self.pid})" if self.task is not None else f"pid {self.pid} ({self.comm})"
+
+    def describe(self, who: str | None = None) -> str:
+        return f"{who or self.who()} killed by the kernel OOM killer ({self.memory()}) at {clock_time(self.when)}"
+
+
+@dataclass(frozen=True)
+class FsTrouble:
+    """A network file system the kernel says is not answering: an NFS server, a Lustre target."""
+
+    kind: str  # nfs, lustre
+    name: str  # the server (nfs), the target or service (lustre)
+    title: str
+    line: str
+    since: float
+    last: float
+    cleared: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.cleared < self.last
+
+    def names(self, mount: Mount) -> bool:
+        """Whether this is the file system of `mount` (NFS: its server; Lustre: its file system's targets)."""
+        source, _, export = mount.device.partition(":")
+        if self.kind == "nfs":
+            return bool(export) and source.rpartition("@")[2] == self.name
+        fsname = export.strip("/").split("/")[0] if export else ""
+        return mount.fstype == "lustre" and bool(fsname) and (self.name == fsname or self.name.startswith(fsname + "-"))
+
+    def describe(self) -> str:
+        return f"{self.title} ({self.kind} {self.name}) since {clock_time(self.since)}"
+
+
+@dataclass(frozen=True)
+class HungTask:
+    pid: int
+    comm: str
+    seconds: int
+    when: float
+
+
+@dataclass(frozen=True)
+class FsWait:
+    """A process waiting on a file system: the mount, and how that is known."""
+
+    pid: int
+    mount: Mount
+    how: str  # "its kernel stack (fuse_...)", "its open file /mnt/x"
+
+
+def _classes() -> dict[str, KernelClass]:
+    # Each line its own event (no blocks): a kill's constraint line and its `Killed process` line are merged by pid
+    return {name: replace(catalog()[name], block="", family="") for name in NOTED if name in catalog()}
+
+
+def _int(text: str | None) -> int | None:
+    digits = (text or "").replace(",", "")
+    return int(digits) if digits.isdigit() and len(digits) <= 18 else None
+
+
+class KernelNotes:
+    """The node's notes from the kernel log for the job checks; thread-safe (the follower writes, checks read)."""
+
+    def __init__(self, proc: ProcFS | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.proc = proc or ProcFS()
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._parser = KernelEventParser(classes=_classes())
+        self._parsing = threading.Lock()  # the parser is one reader's: two devices' followers take turns
+        self._followers: dict[tuple[str, str], KmsgFollower] = {}
+        self._boot_time: float | None = None
+        self._kills: dict[int, OomKill] = {}
+        self._fs: dict[tuple[str, str], FsTrouble] = {}
+        self._hung: dict[int, HungTask] = {}
+        self._pids: dict[str, tuple[str, dict[int, str | None]]] = {}  # job key -> (name, pid -> rank)
+        self._listeners = Listeners()
+
+    # the reader ----------------------------------------------------------------------------
+    def attach(self, kernel_log: KernelLog, path: str = "/dev/kmsg", journalctl: str = "journalctl") -> KmsgFollower:
+        """The follower of `path` (the node's one reader of it), these notes fed by it once however many checks ask.
+        No cursor of its own: the xid and kernel checks keep theirs."""
+        with self._lock:
+            follower = self._followers.get((path, journalctl))
+            if follower is None:
+                follower = kernel_log.subscribe("kernel-notes", self.feed, path=path, journalctl=journalctl,
+                                                priority=20, kind="notes")
+                self._followers[(path, journalctl)] = follower
+            return follower
+
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """`callback` (it must return at once) is called on each OOM kill and each file system that stops answering;
+        returns what stops that."""
+        return self._listeners.add(callback)
+
+    def feed(self, record: KernelRecord) -> None:
+        """One kernel record (from the follower's thread)."""
+        with self._parsing:
+            events = self._parser.feed(record.message, record.usec, record.seq)
+        news = False
+        for event in events:
+            news |= self._note(event, self._when(record.usec))
+        if news:
+            self._listeners.tell("kernel notes")
+
+    def _when(self, usec: int) -> float:
+        """Wall time of a kernel timestamp (when it was logged, not when read)."""
+        if self._boot_time is None:
+            self._boot_time = self.proc.boot_time()
+        now = self.clock()
+        return min(self._boot_time + usec / 1e6, now) if usec >= 0 and self._boot_time > 0 else now
+
+    def _note(self, event: KernelEvent, when: float) -> bool:
+        n = event.names
+        with self._lock:
+            if event.klass in OOM_CLASSES:
+                return self._kill(event, when)
+            if event.klass == "hung_task" and (pid := _int(n.get("pid"))) is not None:
+                _bounded(self._hung, pid, HungTask(pid, n.get("comm", "?"), _int(n.get("seconds")) or 0, when), MAX_HUNG)
+                return False
+            kind = event.cls.kind
+            name = n.get("server") or n.get("target") or n.get("service") or n.get("by") or ""
+            if event.klass in CLEAR_CLASSES:
+                for key in [k for k in self._fs if k[1] == name or (kind == "lustre" and k[0] == kind
+                                                                    and n.get("service") == k[1])]:
+                    self._fs[key] = replace(self._fs[key], cleared=when)
+                return False
+            if not name:
+                return False
+            old = self._fs.get((kind, name))
+            fresh = old is None or not old.active
+            since = old.since if old is not None and old.active else when
+            _bounded(self._fs, (kind, name), FsTrouble(kind, name, event.cls.title, event.line, since, when), MAX_FS)
+            return fresh
+
+    def _kill(self, event: KernelEvent, when: float) -> bool:
+        n = event.names
+        pid = _int(n.get("pid"))
+        if pid is None:
+            return False
+        old = self._kills.get(pid)
+        if old is not None and abs(event.usec - old.usec) > MERGE_USEC:
+            old = None  # an earlier kill of a pid since reused
+        kill = old or OomKill(pid, n.get("comm", "?"), when, event.usec, event.seq, line=event.line)
+        if event.klass == "oom_kill_constraint":
+            memcg = n.get("memcg", "")
+            job, task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
+            kill = replace(kill, memcg=memcg, memcg_limit=n.get("constraint") == "CONSTRAINT_MEMCG",
+                           job_id=job.group(1) if job else kill.job_id, task=task.group(1) if task else kill.task)
+        else:
+            memcg_limit = kill.memcg_limit if kill.memcg_limit is not None else event.klass == "oom_kill_memcg"
+            kill = replace(kill, anon_kb=_int(n.get("anon_kb")) or kill.anon_kb, memcg_limit=memcg_limit,
+                           line=event.line)
+        for key, (name, pids) in self._pids.items():
+            if pid in pids:
+                kill = replace(kill, job_key=key, job_name=name, rank=pids[pid])
+                break
+        _bounded(self._kills, pid, kill, MAX_KILLS)
+        return old is None or kill != old
+
+    # what the job checks tell and ask ---------------------------------------------------
+    def remember(self, job_key: str, job_name: str, ranks: dict[int, str | None]) -> None:
+        """The job's processes now, with their ranks (a rank's pid is then known when the kernel kills it)."""
+        with self._lock:
+            _, known = self._pids.get(job_key, (job_name, {}))
+            self._pids[job_key] = (job_name, dict(list({**known, **ranks}.items())[-MAX_PIDS:]))
+
+    def known_pids(self, job_key: str) -> dict[int, str | None]:
+        with self._lock:
+            return dict(self._pids.get(job_key, ("", {}))[1])
+
+    def forget(self, live: Iterable[str]) -> None:
+        """Only the jobs still here keep their pids."""
+        keep = set(live)
+        with self._lock:
+            for key in set(self._pids) - keep:
+                del self._pids[key]
+
+    def kills(self, job_key: str | None = None, job_id: str | None = None, name: str | None = None,
+              since: float = 0.0) -> list[OomKill]:
+        """The kills of a job (by its key, its SLURM id from the memory cgroup, or its name), oldest first."""
+        with self._lock:
+            kills = list(self._kills.values())
+        return sorted((k for k in kills if k.when >= since and (
+            (job_key is not None and k.job_key == job_key) or (job_id is not None and k.job_id == job_id)
+            or (name is not None and k.job_name == name))), key=lambda k: k.when)
+
+    def trouble(self, mount: Mount) -> FsTrouble | None:
+        """What the kernel says of the file system of `mount`, while it says so (not cleared)."""
+        with self._lock:
+            troubles = list(self._fs.values())
+        return next((t for t in troubles if t.active and t.names(mount)), None)
+
+    def hung(self, pid: int) -> HungTask | None:
+        with self._lock:
+            return self._hung.get(pid)
+
+
+class NotesReader:
+    """One check's use of the notes: the node's reader attached when the check is made, started (and the check woken
+    by each kill and each file system that stops answering) while it runs; read once for a one-shot run."""
+
+    def __init__(self, notes: KernelNotes, kernel_log: KernelLog, name: str, path: str, journalctl: str) -> None:
+        self.notes, self.kernel_log, self.name = notes, kernel_log, name
+        self.follower = notes.attach(kernel_log, path, journalctl)
+        self._untap: Callable[[], None] | None = None
+
+    def start(self, wake: Callable[[], None]) -> None:
+        self._untap = self.notes.listen(wake)
+        self.kernel_log.start(self.name, self.follower)
+
+    def stop(self) -> None:
+        if self._untap is not None:
+            self._untap()
+            self.kernel_log.stop(self.name, self.follower)
+
+    def read_once(self, before: Callable[[], None]) -> None:
+        """One-shot (`trainguard check`, never started): what the kernel log holds now, read once for every consumer
+        (`before` as KernelLog.read_once)."""
+        if self._untap is None:
+            self.kernel_log.read_once(self.follower, before)
+
+
+def _bounded(table: dict[K, V], key: K, value: V, limit: int) -> None:
+    """Set `key` as the newest entry; the oldest go past `limit`."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > limit:
+        del table[next(iter(table))]
+
+
+def fs_wait(pid: int, mounts: list[Mount], proc: ProcFS) -> FsWait | None:
+    """The file system a (blocked) process waits on: a network or FUSE mount that its kernel stack or wait channel
+    names the code of, among those its open files and working directory lie on; else the first such mount they lie
+    on. Read from /proc without touching the mounts (a path is matched to its mount as a string)."""
+    stack = proc.read_text(pid, "stack") or ""
+    frames = [m.group(1) for m in _FS_FRAME.finditer(stack + "\n" + (proc.wchan(pid) or ""))]
+    kinds = {_FRAME_KIND.get(f, "lustre") for f in frames}
+    opened: list[tuple[str, str]] = []
+    try:
+        names = os.listdir(proc.path(pid, "fd"))[:MAX_FDS]
+    except OSError:
+        names = []
+    for name in [*names, "cwd"]:
+        try:
+            target = os.readlink(proc.path(pid, name) if name == "cwd" else proc.path(pid, "fd", name))
+        except OSError:
+            continue
+        if target.startswith("/"):
+            opened.append((name, target.removesuffix(" (deleted)")))
+    found: list[tuple[Mount, str]] = []
+    for name, target in opened:
+        mount = mount_of(target, mounts)
+        if mount is not None and mount.fstype.split(".")[0] in NETWORK_FS:
+            found.append((mount, "its working directory" if name == "cwd" else f"its open file {target}"))
+    for mount, how in found:
+        if _kind(mount) in kinds:
+            frame = next(f for f in frames if _FRAME_KIND.get(f, "lustre") == _kind(mount))
+            return FsWait(pid, mount, f"its kernel stack ({frame}_...) and {how}")
+    return FsWait(pid, found[0][0], found[0][1]) if found else None
+
+
+def _kind(mount: Mount) -> str:
+    base = mount.fstype.split(".")[0]
+    return "nfs" if base.startswith("nfs") else "cifs" if base in ("cifs", "smb3") else base
