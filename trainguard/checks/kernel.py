@@ -460,8 +460,12 @@ class KernelCheck(Check):
         if device is None or not device.pids or self.context.jobs is None:
             return []
         pids = set(device.pids)
-        table = self.context.processes.get()
-        return [job for job in self.context.jobs.view().on_node() if pids.intersection(job_pids(job, table))]
+        try:
+            view, table = self.context.jobs.view(), self.context.processes.get()
+        except Exception as exc:  # noqa: BLE001 - a failing job source must not lose the device's fault
+            log.warning("jobs using the device unknown", extra=kv(device=device.label, error=exc))
+            return []
+        return [job for job in view.on_node() if pids.intersection(job_pids(job, table))]
 
     def _subject_result(self, subject: str, graded: list[tuple[KernelClass, Entry, Grade]],
                         devices: dict[str, Device], mounts: list[Mount] | None) -> Result:
