@@ -19,6 +19,7 @@ import tomllib
 
 from tests.conftest import REPO, wait_until
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
+from tests.test_ledger import SCONTROL, SINFO
 from trainguard.actions.slurmctl import DRAIN_TAG, drain_reason
 from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import CheckContext
@@ -350,13 +351,37 @@ def test_a_file_system_error_names_the_mount_points_on_its_device(tmp_path: Path
     assert "ext4 error" in result.summary  # both events of the device, the worst first
 
 
-def test_a_node_faults_drain_reason_names_the_event_and_is_bounded(tmp_path: Path) -> None:
-    check = make(tmp_path)
-    feed(check, real("mce_uncorrected", "Bank 4: a600000000020408"))
-    result = by_subject(check)["mce:bank4"]
-    assert result.status is Status.CRITICAL
-    reason = drain_reason(result.summary)
-    assert reason.startswith("trainguard: kernel: mce_uncorrected CPU 0 bank 4: node fault") and len(reason) <= 200
+def test_an_uncorrected_machine_check_drains_the_node_with_the_event_as_its_reason(tmp_path: Path) -> None:
+    """The engine end to end with the real drain action against a scripted scontrol and sinfo (tests/test_ledger.py's
+    stand-in: it keeps the node's state and drain reason in a file): a real MCE report through a FIFO for /dev/kmsg."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", SCONTROL), ("sinfo", SINFO)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "jobs": {"sources": [], "slurm_bin_dir": str(bin_dir)},
+           "checks": {"kernel": {"kmsg_path": str(fifo), "actions": {"critical": ["drain"]}}}, "notifiers": {}}
+    engine = Engine(parse_config(raw, "test.toml"), notifiers={})
+    writer = os.open(fifo, os.O_RDWR)
+    engine.start()
+    try:
+        usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        follower = engine.checks["kernel"].follower  # type: ignore[attr-defined]
+        for seq, line in enumerate(real("mce_uncorrected", "Bank 4: a600000000020408"), 1):
+            os.write(writer, f"2,{seq},{usec},-;{strip_prefix(line)}\n".encode())
+            wait_until(lambda n=seq: follower.records >= n, 10, what="the record read")  # a FIFO read: one record
+        state = bin_dir / "node.state"
+        wait_until(lambda: state.exists() and state.read_text().startswith("IDLE+DRAIN"), 20, what="the drain")
+        reason = state.read_text().splitlines()[1]
+        assert reason.startswith("trainguard: kernel: mce_uncorrected CPU 0 bank 4: node fault: machine check, "
+                                 "uncorrected (until the node reboots): mce: [Hardware Error]: CPU 0: Machine Check: 0 Bank 4")
+        assert len(reason) <= 200
+    finally:
+        engine.stop()
+        os.close(writer)
 
 
 def test_a_fatal_aer_on_a_gpu_drains_and_acts_on_the_job_using_it_only(tmp_path: Path, two_jobs: Any) -> None:
@@ -378,8 +403,8 @@ def test_a_fatal_aer_on_a_gpu_drains_and_acts_on_the_job_using_it_only(tmp_path:
     engine.start()
     try:
         usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
-        for line in real("aer_fatal", "Multiple Uncorrected (Fatal) error received: 0000:00:03.0"):
-            os.write(writer, f"3,1,{usec},-;{line.split('] ', 1)[-1]}\n".encode())
+        [line] = real("aer_fatal", "Multiple Uncorrected (Fatal) error received: 0000:00:03.0")
+        os.write(writer, f"3,1,{usec},-;{strip_prefix(line)}\n".encode())
         wait_until(lambda: recorder.exists() and recorder.read_text(), 20, what="the bound action")
         job_ids, summary = recorder.read_text().splitlines()[0].split("|", 1)
         assert job_ids == "process:trainer"

@@ -48,7 +48,8 @@ _MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_1
 _MEMCG_TASK = linear(r"/task_(\d{1,9})(?:/|$)")
 _NAMESPACE = linear(r"^nvme\d{1,4}(?:c\d{1,4})?n\d{1,4}$")  # a controller's namespaces (block devices) in sysfs
 _PCI = linear(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}(?:\.[0-7])?$")
-DEVICE_NAMES = ("source", "pci", "gpu", "ctrl", "dev")  # what may name a device of the node, the most precise first
+PCI_NAMES = ("source", "pci", "gpu", "xid_pci")  # what names a PCI address, the most precise first (an AER source)
+DEVICE_NAMES = (*PCI_NAMES, "ctrl", "dev")  # what may name a device of the node
 MAX_WHAT = 80  # characters of a node fault's "what" (the head of the drain reason)
 
 
@@ -437,7 +438,7 @@ class KernelCheck(Check):
         if not named:
             return {}
         gpus: list[GpuState] = []
-        if named & {"source", "pci", "gpu"}:
+        if named & set(PCI_NAMES):
             try:
                 gpus = self.context.nvml.gpus()
             except NvmlUnavailableError:
@@ -498,14 +499,11 @@ class KernelCheck(Check):
     def _what(self, e: Entry, device: Device | None, on: list[str]) -> str:
         """The node fault in a few words (the head of the drain reason): `mce_uncorrected CPU 3 bank 5`."""
         n = e.names
-        if device is not None:
-            what = f"{device.label} {e.subject}"
-        elif on:
-            what = f"{e.subject} on {', '.join(on)}"
-        elif n.get("cpu"):
+        if device is None and not on and n.get("cpu"):
             what = f"CPU {n['cpu']}" + (f" bank {n['bank']}" if n.get("bank") else "")
         else:
-            what = e.subject
+            what = " ".join(x for x in (device.label if device else "", e.subject, f"on {', '.join(on)}" if on else "")
+                            if x)
         return f"{self.name}: {e.klass} {what}"[:MAX_WHAT]
 
     def _xid_reads(self) -> bool:
