@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +15,15 @@ from trainguard.checks.capacity import Usage, evaluate, summarize
 from trainguard.checks.disk import DiskCheck, DiskSettings
 from trainguard.core.forecast import Forecast
 from trainguard.core.model import Status
-from trainguard.node.mounts import StatfsProbe, Stuck, mount_of, parse_mountinfo, read_mounts, real_mounts
+from trainguard.node.mounts import (
+    StatfsProbe,
+    Stuck,
+    device_mounts,
+    mount_of,
+    parse_mountinfo,
+    read_mounts,
+    real_mounts,
+)
 
 GiB = 2**30
 
@@ -216,3 +225,40 @@ def test_hung_fuse_mount(hung_mount: HungMount) -> None:
     assert check.probe.stuck_paths() == [str(hung_mount.mountpoint)]
     hung_mount.abort()
     wait_until(lambda: check.probe.stuck_paths() == [], 5, what="blocked statvfs thread to return")
+
+
+def test_a_file_system_gone_read_only_under_a_read_write_mount_is_reported_on_its_path(
+        tmpfs: Callable[..., Path], tmp_path: Path) -> None:
+    """What the kernel does after an ext4 error (errors=remount-ro): the file system read-only, the mount still rw. A
+    bind mount of a tmpfs whose original is remounted read-only is the same state, really mounted."""
+    mnt = tmpfs(size="1m")
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    subprocess.run(["mount", "--bind", str(mnt), str(bound)], check=True, timeout=10)
+    try:
+        check = _check([str(bound), str(mnt)])
+        assert [r.status for r in check.run()] == [Status.OK, Status.OK]
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, timeout=10)
+        mounts = {m.mountpoint: m for m in read_mounts()}
+        assert mounts[str(bound)].went_read_only and not mounts[str(mnt)].went_read_only  # ro on purpose: not a fault
+        gone, on_purpose = check.run()
+        assert gone.status is Status.WARNING and gone.details["read_only"]
+        assert gone.summary.startswith(f"{bound}: file system read-only under a read-write mount (tmpfs: ")
+        assert on_purpose.status is Status.OK
+    finally:
+        subprocess.run(["umount", "-l", str(bound)], check=False, timeout=10)
+
+
+def test_device_mounts_finds_the_mounts_of_a_kernel_device_name_by_device_number(tmp_path: Path) -> None:
+    text = ("27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard\n"
+            "40 27 254:1 / /scratch rw,relatime - xfs /dev/mapper/vg-scratch ro,attr2\n"
+            "41 27 0:40 / /data rw - btrfs /dev/sdb2 rw\n")
+    mounts = parse_mountinfo(text)
+    assert mounts[1].went_read_only and mounts[1].options == "rw,relatime" and mounts[1].super_options == "ro,attr2"
+    sysfs = tmp_path / "class-block"  # /sys/class/block's layout: each device's `dev` is its major:minor
+    for name, number in (("vda", "254:0"), ("dm-1", "254:1")):
+        (sysfs / name).mkdir(parents=True)
+        (sysfs / name / "dev").write_text(f"{number}\n")
+    assert [m.mountpoint for m in device_mounts("dm-1", mounts, str(sysfs))] == ["/scratch"]  # /dev/mapper's
+    assert [m.mountpoint for m in device_mounts("sdb2", mounts, str(sysfs))] == ["/data"]  # by its source's name
+    assert device_mounts("..", mounts, str(sysfs)) == [] and device_mounts("sdz", mounts, str(sysfs)) == []

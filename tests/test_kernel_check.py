@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import wait_until
+import pytest
+import tomllib
+
+from tests.conftest import REPO, wait_until
+from tests.helpers.fake_nvml import FakeGpu, FakeNvml
+from tests.test_ledger import SCONTROL, SINFO
 from trainguard.actions.slurmctl import DRAIN_TAG, drain_reason
 from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import CheckContext
@@ -20,21 +28,30 @@ from trainguard.checks.xid import XidCheck, XidSettings
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.faults import XidLedger
+from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
-from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint
+from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint, strip_prefix
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 
+FIXTURES = tomllib.loads((REPO / "tests" / "data" / "kernel" / "fixtures.toml").read_text())["fixture"]
+IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"  # a real tree, read-only
 
-def make(tmp_path: Path, **settings: Any) -> KernelCheck:
+
+def real(klass: str, needle: str) -> list[str]:
+    """The lines of the real kernel report (tests/data/kernel/fixtures.toml) of this class holding `needle`."""
+    return next(f["text"] for f in FIXTURES if f["class"] == klass and needle in f["text"]).splitlines()
+
+
+def make(tmp_path: Path, nvml: Nvml | None = None, jobs: JobCatalog | None = None, **settings: Any) -> KernelCheck:
     tmp_path.mkdir(parents=True, exist_ok=True)
     store = Store(tmp_path / "state")
-    context = CheckContext("node", tmp_path, xid_history=XidLedger(store), kernel_log=KernelLog(),
-                           state=ScopedState(store, "check/kernel"))
+    context = CheckContext("node", tmp_path, jobs=jobs, nvml=nvml or Nvml(FakeNvml([])), xid_history=XidLedger(store),
+                           kernel_log=KernelLog(), state=ScopedState(store, "check/kernel"))
     empty = tmp_path / "kmsg-copy"  # a saved kernel log with nothing in it: the one-shot read finds no record
     empty.write_text("")
-    return KernelCheck("kernel", KernelSettings(kmsg_path=str(empty), **settings), context)
+    return KernelCheck("kernel", KernelSettings(**{"kmsg_path": str(empty), **settings}), context)
 
 
 def feed(check: KernelCheck, lines: list[str], seq: int = 0, usec: int | None = None) -> None:
@@ -232,7 +249,8 @@ def test_a_node_fault_runs_the_bound_actions_with_the_drain_reason_naming_it(tmp
         wait_until(lambda: recorder.exists() and recorder.read_text(), 20, what="the bound action")
         subject, summary = recorder.read_text().splitlines()[0].split("|", 1)
         assert subject == "nvme:nvme7"
-        assert drain_reason(summary).startswith(f"{DRAIN_TAG} nvme:nvme7: node fault: NVMe controller lost")
+        assert drain_reason(summary).startswith(f"{DRAIN_TAG} kernel: nvme_reset_failed nvme:nvme7: node fault: "
+                                                "NVMe controller lost")
     finally:
         engine.stop()
         os.close(writer)
@@ -246,3 +264,168 @@ def test_an_operator_clear_forgets_the_subject(tmp_path: Path) -> None:
     assert "nvme:nvme2" not in by_subject(check) and "nvme:nvme2" not in by_subject(make(tmp_path))
     feed(check, ["[11508.697971] nvme nvme2: Device not ready; aborting reset"], seq=3)
     assert by_subject(check)["nvme:nvme2"].status is Status.CRITICAL  # a new one fires as new
+
+
+# devices, mounts and jobs ------------------------------------------------------------------------------------------
+@pytest.fixture
+def two_jobs() -> Iterator[tuple[JobCatalog, subprocess.Popen[bytes], subprocess.Popen[bytes]]]:
+    """Two process jobs of this node, each a real process: `trainer` (on the GPU that fails) and `other`."""
+    marks = [f"tg-kernel-{name}-{uuid.uuid4().hex[:8]}" for name in ("trainer", "other")]
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", m]) for m in marks]
+    jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+        name: ProcessJobSettings(cmdline=m, user="root") for name, m in zip(("trainer", "other"), marks, strict=True)}),
+        "node1")
+    try:
+        wait_until(lambda: len(jobs.view().on_node()) == 2, 10, what="both jobs listed")
+        yield jobs, procs[0], procs[1]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def gpus_on(bus: str, trainer: int, other: int) -> FakeNvml:
+    """GPU 1 on `bus` used by `trainer`, GPU 0 by `other` (NVML's compute processes)."""
+    return FakeNvml([FakeGpu("GPU-00000000-0000-4000-8000-000000000018", serial="1652823054967",
+                             bus_id=b"00000000:18:00.0", processes=[(other, 1 << 30)]),
+                     FakeGpu("GPU-00000001-0000-4000-8000-000000000003", serial="1652823054968",
+                             bus_id=f"0000{bus.upper()}".encode(), processes=[(trainer, 1 << 30)])])
+
+
+def test_an_aer_error_on_a_gpu_names_the_gpu_and_the_job_using_it(tmp_path: Path, two_jobs: Any) -> None:
+    jobs, trainer, other = two_jobs
+    line = real("aer_fatal", "Multiple Uncorrected (Fatal) error received: 0000:00:03.0")
+    check = make(tmp_path, Nvml(gpus_on("0000:00:03.0", trainer.pid, other.pid)), jobs)
+    feed(check, line)
+    result = by_subject(check)["pci:0000:00:03.0"]
+    assert result.status is Status.CRITICAL
+    assert result.details["device"] == {"kind": "gpu", "label": "GPU 1 (serial 1652823054968)", "index": 1,
+                                        "uuid": "GPU-00000001-0000-4000-8000-000000000003",
+                                        "serial": "1652823054968", "bus_id": "0000:00:03"}
+    assert result.details["jobs"] == ["process job trainer"] and result.details["job_key"] == "process:trainer"
+    assert result.summary.startswith("kernel: aer_fatal GPU 1 (serial 1652823054968) pci:0000:00:03.0 (used by "
+                                     "process job trainer): node fault: PCIe AER uncorrected fatal")
+
+
+def test_an_hca_and_an_nvme_are_named_by_their_device_names(tmp_path: Path) -> None:
+    ib = tmp_path / "infiniband"
+    shutil.copytree(IB_TREE, ib)
+    nvme = tmp_path / "nvme"
+    (nvme / "nvme2" / "nvme2n1" / "nvme2n1p1").mkdir(parents=True)  # the controller's sysfs layout, namespaces inside
+    for name, pci, where in (("mlx5_0", "0000:5e:00.0", ib), ("nvme2", "0000:03:00.0", nvme)):
+        (tmp_path / "pci" / pci).mkdir(parents=True)
+        (where / name / "device").symlink_to(tmp_path / "pci" / pci)
+    check = make(tmp_path / "check", infiniband_root=str(ib), nvme_root=str(nvme))
+    feed(check, real("mlx5_health", "health compromised") + real("nvme_reset_failed", "nvme nvme2:")
+         + real("aer_corrected", "nvme 0000:03:00.0"))
+    results = by_subject(check)
+    hca, lost, aer = results["pci:0000:5e:00.0"], results["nvme:nvme2"], results["pci:0000:03:00.0"]
+    assert hca.details["device"]["hca"] == "mlx5_0" and hca.summary.startswith(
+        "kernel: mlx5_health HCA mlx5_0 pci:0000:5e:00.0: node fault: mlx5 device health compromised")
+    assert lost.details["device"]["block_devices"] == ["nvme2n1", "nvme2n1p1"]
+    assert lost.summary.startswith("kernel: nvme_reset_failed NVMe nvme2 (nvme2n1) nvme:nvme2: node fault")
+    assert aer.status is Status.OK and aer.details["device"]["controller"] == "nvme2"  # one corrected: a counter
+    assert "jobs" not in hca.details  # no job known to use it: the actions act on the node's jobs
+
+
+def root_device() -> tuple[str, str]:
+    """The kernel's name of the block device the root file system is mounted from, and its source."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if left.split()[4] == "/":
+            source = right.split()[1]
+            return Path(os.path.realpath(source)).name, source
+    raise AssertionError("no root mount")
+
+
+def test_a_file_system_error_names_the_mount_points_on_its_device(tmp_path: Path) -> None:
+    dev, source = root_device()
+    if not source.startswith("/dev/"):
+        pytest.skip(f"the root file system is not on a block device here ({source})")
+    check = make(tmp_path)
+    # Real lines, for the device this machine's root really is mounted from
+    feed(check, [x.replace("xvda9", dev) for x in real("ext4_error", "xvda9") + real("fs_readonly", "xvda9")])
+    result = by_subject(check)[f"fs:{dev}"]
+    assert result.status is Status.CRITICAL and "/" in result.details["mounts"]
+    assert result.summary.startswith(f"kernel: fs_readonly fs:{dev} on /")
+    assert "ext4 error" in result.summary  # both events of the device, the worst first
+
+
+def test_an_uncorrected_machine_check_drains_the_node_with_the_event_as_its_reason(tmp_path: Path) -> None:
+    """The engine end to end with the real drain action against a scripted scontrol and sinfo (tests/test_ledger.py's
+    stand-in: it keeps the node's state and drain reason in a file): a real MCE report through a FIFO for /dev/kmsg."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", SCONTROL), ("sinfo", SINFO)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "jobs": {"sources": [], "slurm_bin_dir": str(bin_dir)},
+           "checks": {"kernel": {"kmsg_path": str(fifo), "actions": {"critical": ["drain"]}}}, "notifiers": {}}
+    engine = Engine(parse_config(raw, "test.toml"), notifiers={})
+    writer = os.open(fifo, os.O_RDWR)
+    engine.start()
+    try:
+        usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        follower = engine.checks["kernel"].follower  # type: ignore[attr-defined]
+        for seq, line in enumerate(real("mce_uncorrected", "Bank 4: a600000000020408"), 1):
+            os.write(writer, f"2,{seq},{usec},-;{strip_prefix(line)}\n".encode())
+            wait_until(lambda n=seq: follower.records >= n, 10, what="the record read")  # a FIFO read: one record
+        state = bin_dir / "node.state"
+        wait_until(lambda: state.exists() and state.read_text().startswith("IDLE+DRAIN"), 20, what="the drain")
+        reason = state.read_text().splitlines()[1]
+        assert reason.startswith("trainguard: kernel: mce_uncorrected CPU 0 bank 4: node fault: machine check, "
+                                 "uncorrected (until the node reboots): mce: [Hardware Error]: CPU 0: Machine Check: 0 Bank 4")
+        assert len(reason) <= 200
+    finally:
+        engine.stop()
+        os.close(writer)
+
+
+def test_a_fatal_aer_on_a_gpu_drains_and_acts_on_the_job_using_it_only(tmp_path: Path, two_jobs: Any) -> None:
+    """The engine end to end (a FIFO for /dev/kmsg, the scripted NVML): the actions get the one job whose process
+    uses the GPU, and the drain reason names the fault."""
+    _, trainer, other = two_jobs
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    recorder = tmp_path / "actions"
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "node_name": "node1", "listen": ""},
+           "jobs": {"sources": ["process"], "refresh": "0s", "processes": {
+               name: {"cmdline": p.args[-1], "user": "root"} for name, p in (("trainer", trainer), ("other", other))}},
+           "checks": {"kernel": {"kmsg_path": str(fifo), "actions": {"critical": ["record"]}}},
+           "notifiers": {},
+           "actions": {"record": {"type": "exec", "command": [
+               "sh", "-c", f'echo "$TRAINGUARD_JOB_IDS|$TRAINGUARD_SUMMARY" >> {recorder}']}}}
+    engine = Engine(parse_config(raw, "test.toml"), nvml=Nvml(gpus_on("0000:00:03.0", trainer.pid, other.pid)))
+    writer = os.open(fifo, os.O_RDWR)
+    engine.start()
+    try:
+        usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        [line] = real("aer_fatal", "Multiple Uncorrected (Fatal) error received: 0000:00:03.0")
+        os.write(writer, f"3,1,{usec},-;{strip_prefix(line)}\n".encode())
+        wait_until(lambda: recorder.exists() and recorder.read_text(), 20, what="the bound action")
+        job_ids, summary = recorder.read_text().splitlines()[0].split("|", 1)
+        assert job_ids == "process:trainer"
+        assert drain_reason(summary).startswith(f"{DRAIN_TAG} kernel: aer_fatal GPU 1 (serial 1652823054968)")
+    finally:
+        engine.stop()
+        os.close(writer)
+
+
+def test_a_one_shot_run_grades_by_the_same_windows_and_says_what_it_cannot_know(tmp_path: Path) -> None:
+    """`trainguard check` reads the buffer once: each window counts from the record's kernel timestamp (a hung task
+    two hours old is over), and the check says which records it saw and what a one-shot read cannot know."""
+    saved = tmp_path / "kmsg-copy"
+    now = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    old = now - 7200 * 10**6
+    hung, nfs = real("hung_task", "jfsmount")[0], real("nfs_not_responding", "not responding")[0]
+    saved.write_text(f"4,120,{max(old, 0)},-;{hung}\n4,121,{now},-;{strip_prefix(nfs)}\n")
+    results = {r.subject: r for r in make(tmp_path / "check", kmsg_path=str(saved)).run()}
+    head = results.pop("kernel-log")
+    assert head.details["one_shot"] and head.details["first_seq"] == 120 and head.details["records"] == 2
+    assert "the 120 older records were overwritten" in head.summary and "operator clears" in head.summary
+    assert [r.status for r in results.values() if r.subject.startswith("nfs:")] == [Status.WARNING]
+    if old > 0:  # the node has been up long enough for a record two hours old
+        assert results["task:jfsmount:136986"].status is Status.OK

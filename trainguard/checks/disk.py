@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.capacity import CapacitySettings, CapacityTracker, Usage, summarize, time_to_full
-from trainguard.core.model import Metric, Result, Status
+from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field, Regex, field_validator, model_validator
 from trainguard.core.units import format_duration
 from trainguard.core.worker import KEEP_S
@@ -104,4 +104,11 @@ class DiskCheck(Check):
         details = {**labels, "size_bytes": usage.size, "avail_bytes": usage.avail, "files": usage.files,
                    "files_free": usage.files_free}
         samples += time_to_full(TIME_TO_FULL, labels, bytes_fc, inodes_fc, details)
-        return self.result(path, verdict.status, summarize(usage, verdict), details, samples)
+        status, summary = verdict.status, summarize(usage, verdict)
+        if mount is not None and mount.went_read_only:  # the kernel check grades the fault and names its line
+            details["read_only"] = True
+            status = worst([status, Status.WARNING])
+            summary = (f"{path}: file system read-only under a read-write mount ({mount.device}: the kernel remounts "
+                       "one so after an error; the kernel check's result names its line); "
+                       + summary.removeprefix(f"{path}: "))
+        return self.result(path, status, summary, details, samples)

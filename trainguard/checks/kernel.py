@@ -25,10 +25,12 @@ from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field
 from trainguard.core.text import linear
 from trainguard.core.units import format_duration
-from trainguard.gpu.nvml import normalize_bus_id
+from trainguard.gpu.nvml import GpuState, NvmlUnavailableError, normalize_bus_id
+from trainguard.jobs.model import Job
+from trainguard.jobs.tree import job_pids
 from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
 from trainguard.node.kmsg import KernelRecord, LogPoint
-from trainguard.node.mounts import read_mounts
+from trainguard.node.mounts import Mount, device_mounts, read_mounts
 
 log = logging.getLogger("trainguard.checks.kernel")
 
@@ -51,6 +53,11 @@ HARDWARE_KINDS = frozenset({"cpu", "memory", "pcie", "gpu", "nic", "disk", "node
 _SLURM_CG = r"^/(?:system\.slice/slurmstepd\.scope|slurm[^/]{0,64}/uid_\d{1,10})/job_(\d{1,20})"
 _MEMCG_JOB = linear(_SLURM_CG + r"(?:/|$)")
 _MEMCG_TASK = linear(_SLURM_CG + r"/step_[^/]{1,20}(?:/user)?/task_(\d{1,9})(?:/|$)")
+_NAMESPACE = linear(r"^nvme\d{1,4}(?:c\d{1,4})?n\d{1,4}$")  # a controller's namespaces (block devices) in sysfs
+_PCI = linear(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}(?:\.[0-7])?$")
+PCI_NAMES = ("source", "pci", "gpu", "xid_pci")  # what names a PCI address, the most precise first (an AER source)
+DEVICE_NAMES = (*PCI_NAMES, "ctrl", "dev")  # what may name a device of the node
+MAX_WHAT = 80  # characters of a node fault's "what" (the head of the drain reason)
 
 
 class KernelSettings(KernelLogSettings):
@@ -61,6 +68,10 @@ class KernelSettings(KernelLogSettings):
                                        description="Mount points whose file system read-only or shut down is a node "
                                        "fault (CRITICAL); elsewhere it is a WARNING.")
     max_subjects: int = Field(1024, gt=0, description="Subjects kept; the oldest quiet ones go first.")
+    infiniband_root: str = Field("/sys/class/infiniband", description="Where sysfs lists the HCAs: a PCI address an "
+                                 "event names is reported as the HCA's device name (mlx5_0).")
+    nvme_root: str = Field("/sys/class/nvme", description="Where sysfs lists the NVMe controllers: a PCI address or "
+                           "controller an event names is reported with the drive's block devices.")
     actions: ActionBinding = Field(default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]))
 
 
@@ -123,6 +134,70 @@ def grade(c: KernelClass, e: Entry, now: float, s: KernelSettings, mount_critica
     return Grade(status, why)
 
 
+@dataclass(frozen=True)
+class Device:
+    """A device of this node that a kernel event names by its PCI address or its driver's name."""
+
+    kind: str  # gpu, nic, disk
+    label: str  # in words: "GPU 2 (serial 1652823054967)", "HCA mlx5_0", "NVMe nvme0 (nvme0n1)"
+    details: dict[str, Any]
+    pids: tuple[int, ...] = ()  # the processes using it: a GPU's compute processes, as NVML lists them
+
+
+def node_devices(gpus: Sequence[GpuState], infiniband_root: str, nvme_root: str) -> dict[str, Device]:
+    """The node's GPUs (from NVML), HCAs and NVMe drives (from sysfs), by every name a kernel line gives them: a PCI
+    address (a GPU's without its function, as NVML gives it), an HCA's or an NVMe controller's name, an NVMe
+    namespace or partition (block devices)."""
+    out: dict[str, Device] = {}
+    for g in gpus:
+        out[g.bus_id] = Device("gpu", f"GPU {g.index}" + (f" (serial {g.serial})" if g.serial else ""),
+                               {"index": g.index, "uuid": g.uuid, "serial": g.serial, "bus_id": g.bus_id},
+                               tuple(p.pid for p in g.processes or ()))
+    for hca in _listdir(infiniband_root):
+        pci = _pci_of(os.path.join(infiniband_root, hca))
+        out[hca] = Device("nic", f"HCA {hca}", {"hca": hca, "pci": pci})
+        if pci:
+            out[pci] = out[hca]
+    for ctrl in _listdir(nvme_root):
+        path = os.path.join(nvme_root, ctrl)
+        pci = _pci_of(path)
+        disks = [n for n in _listdir(path) if _NAMESPACE.search(n)]
+        parts = [p for d in disks for p in _listdir(os.path.join(path, d)) if p.startswith(f"{d}p")]
+        device = Device("disk", f"NVMe {ctrl}" + (f" ({', '.join(disks)})" if disks else ""),
+                        {"controller": ctrl, "pci": pci, "block_devices": disks + parts})
+        for key in (ctrl, *disks, *parts, *([pci] if pci else [])):
+            out[key] = device
+    return out
+
+
+def device_of(names: dict[str, Any], devices: dict[str, Device]) -> Device | None:
+    """The device an event names, the most precise name first (an AER error's source before its reporting port)."""
+    for key in DEVICE_NAMES:
+        value = str(names.get(key) or "").lower()
+        if not value:
+            continue
+        found = devices.get(value) or (devices.get(normalize_bus_id(value)) if _PCI.search(value) else None)
+        if found is not None:
+            return found
+    return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _pci_of(path: str) -> str:
+    """The PCI address a sysfs class device sits on (its `device` link: ../../../0000:3b:00.0), "" when not PCI."""
+    try:
+        name = os.path.basename(os.readlink(os.path.join(path, "device")))
+    except OSError:
+        return ""
+    return name.lower() if _PCI.search(name.lower()) else ""
+
+
 class KernelCheck(Check):
     layer = "hardware"  # a node fault takes down every job on the node: its alerts group with theirs
 
@@ -147,6 +222,7 @@ class KernelCheck(Check):
         self._boot_time = context.proc.boot_time()
         self._pci_kind: dict[str, str] = {}
         self._xid: bool | None = None  # whether an xid check reads the same log (asked once, after all subscribed)
+        self._first = (-1, -1)  # the first record read (seq, usec): what a one-shot read could still see
         self._load()
 
     # lifecycle ---------------------------------------------------------------------------
@@ -197,6 +273,8 @@ class KernelCheck(Check):
         since = self.context.kernel_since_usec
         if since is not None and 0 <= record.usec < since:
             return
+        if self._first[0] < 0:
+            self._first = (record.seq, record.usec)
         events = self.parser.feed(record.message, record.usec, record.seq)
         for event in events:
             self._record(event, record)
@@ -279,38 +357,34 @@ class KernelCheck(Check):
         return self._pci_kind[pci]
 
     # grading -----------------------------------------------------------------------------
-    def _mount_critical(self, e: Entry) -> bool | None:
+    def _mounts(self, e: Entry, mounts: list[Mount] | None = None) -> list[Mount] | None:
+        """The mounts of the block device the event names (its partitions' too); None when it names none or the
+        mount table can't be read."""
         dev = e.names.get("dev")
         if not dev:
             return None
         try:
-            mounts = read_mounts(self.context.proc)
+            return device_mounts(dev, mounts if mounts is not None else read_mounts(self.context.proc))
         except OSError:
             return None
-        points = [m.mountpoint for m in mounts if os.path.basename(m.device) == dev or m.device.endswith(f"/{dev}")]
-        return any(p in self.settings.critical_mounts for p in points)
+
+    def _mount_critical(self, e: Entry) -> bool | None:
+        mounts = self._mounts(e)
+        return None if mounts is None else any(m.mountpoint in self.settings.critical_mounts for m in mounts)
 
     def _grade(self, c: KernelClass, e: Entry, now: float, explain: bool = True) -> Grade:
         return grade(c, e, now, self.settings, self._mount_critical(e) if c.mount_fault else None, explain)
 
     def _history(self, c: KernelClass, e: Entry, g: Grade) -> Grade:
         """The first-start policy: logged before the agent's first start on this boot: at most WARNING (no drain),
-        unless the fault is still there (a file system still mounted read-only)."""
+        unless the fault is still there (a file system still read-only)."""
         first = self.ledger.first_start
         if g.status is not Status.CRITICAL or first is None or not first.before(e.last_seq, e.last_usec):
             return g
-        if c.mount_fault and self._still_read_only(e):
+        if c.mount_fault and any(m.went_read_only or "ro" in m.options.split(",") for m in self._mounts(e) or ()):
             return Grade(g.status, f"{g.why}; logged before trainguard started and still mounted read-only")
         return Grade(Status.WARNING, f"logged at boot+{format_duration(max(e.last_usec, 0) / 1e6)}, before trainguard "
                                      f"started: reported, not acted on; {g.status.name} if logged now ({g.why})")
-
-    def _still_read_only(self, e: Entry) -> bool:
-        dev = e.names.get("dev", "")
-        try:
-            text = self.context.proc.mountinfo()
-        except OSError:
-            return False
-        return any(f"/{dev} " in line and " ro," in line for line in text.splitlines() if dev)
 
     def run(self) -> Sequence[Result]:
         if not self._started and self.follower.records == 0:  # one-shot `trainguard check`: this boot's buffer
@@ -336,27 +410,16 @@ class KernelCheck(Check):
                 continue
             g = self._history(c, e, self._grade(c, e, now))
             by_subject.setdefault(e.subject, []).append((c, e, g))
+        devices = self._devices(entries)
+        mounts = self._mount_table(entries)
         results = []
         active: set[tuple[str, str]] = set()
         for subject, graded in sorted(by_subject.items()):
-            status = worst(g.status for _, _, g in graded)
-            bad = sorted(((c, e, g) for c, e, g in graded if g.status is not Status.OK),
-                         key=lambda t: -t[2].status.severity)
-            active |= {(c.name, self._kind(c, e)) for c, e, _ in bad}
-            details: dict[str, Any] = {"events": [
-                {"class": c.name, "title": c.title, "count": e.count, "first": e.first, "last": e.last,
-                 "status": g.status.name, "why": g.why, "names": e.names, "line": e.line, "lever": c.lever,
-                 "node_fault": c.node_fault and g.status is Status.CRITICAL} for c, e, g in graded]}
-            if bad:
-                details["next_step"] = bad[0][0].lever
-            details.update(self._hardware(bad or graded))
-            results.append(self.result(subject, status, self._summary(subject, graded, bad), details))
+            active |= {(c.name, self._kind(c, e)) for c, e, g in graded if g.status is not Status.OK}
+            results.append(self._subject_result(subject, graded, devices, mounts))
         samples = [EVENTS(v, {"class": k, "kind": kind}) for (k, kind), v in sorted(totals.items())]
         samples += [ACTIVE(1 if key in active else 0, {"class": key[0], "kind": key[1]}) for key in sorted(totals)]
-        f = self.follower
-        head = f"reading {f.source}: {f.records} records, {sum(totals.values())} kernel events"
-        results.insert(0, self.result("kernel-log", Status.OK, head, {"source": f.source, "records": f.records},
-                                      samples))
+        results.insert(0, self.result("kernel-log", Status.OK, *self._reading(sum(totals.values())), samples))
         return results
 
     def _hardware(self, graded: list[tuple[KernelClass, Entry, Grade]]) -> dict[str, Any]:
@@ -371,6 +434,98 @@ class KernelCheck(Check):
             out["bus_id"] = normalize_bus_id(str(pci))
         return out
 
+    def _reading(self, events: int) -> tuple[str, dict[str, Any]]:
+        """What was read. A one-shot run (`trainguard check`) reads this boot's buffer once and grades it by the
+        same windows, counted from each record's kernel timestamp; it says what it cannot know."""
+        f = self.follower
+        details: dict[str, Any] = {"source": f.source, "records": f.records}
+        head = f"reading {f.source}: {f.records} records, {events} kernel events"
+        if self._started:
+            return head, details
+        first_seq, first_usec = self._first
+        details.update(one_shot=True, first_seq=first_seq, first_usec=first_usec)
+        since = (f"seq {first_seq} on (boot+{format_duration(first_usec / 1e6)}); the "
+                 f"{first_seq} older records were overwritten" if first_seq > 0 else "the whole boot")
+        return (f"one-shot read of {f.source}: {f.records} records of this boot ({since}), {events} kernel events, "
+                f"windows counted from each record's kernel timestamp; not known to a one-shot read: events the "
+                f"buffer no longer holds and operator clears (`trainguard clear kernel/...`); the agent's "
+                f"`trainguard status` has both", details)
+
+    def _devices(self, entries: list[Entry]) -> dict[str, Device]:
+        """The node's devices, when some event names one by PCI address or name (NVML asked once per run)."""
+        named = {k for e in entries for k in DEVICE_NAMES if e.names.get(k)}
+        if not named:
+            return {}
+        gpus: list[GpuState] = []
+        if named & set(PCI_NAMES):
+            try:
+                gpus = self.context.nvml.gpus()
+            except NvmlUnavailableError:
+                pass  # no GPU driver here: no GPU to name
+            except Exception as exc:  # noqa: BLE001 - a GPU off the bus can fail NVML: the kernel's word still stands
+                log.warning("GPUs not listed: kernel events name PCI addresses only", extra=kv(error=exc))
+        return node_devices(gpus, self.settings.infiniband_root, self.settings.nvme_root)
+
+    def _mount_table(self, entries: list[Entry]) -> list[Mount] | None:
+        if not any(e.names.get("dev") for e in entries):
+            return None
+        try:
+            return read_mounts(self.context.proc)
+        except OSError:
+            return None
+
+    def _jobs_using(self, device: Device | None) -> list[Job]:
+        """The jobs whose processes use the device (a GPU's compute processes); none known: [] (then the actions act
+        on every job of the node, as for any hardware fault)."""
+        if device is None or not device.pids or self.context.jobs is None:
+            return []
+        pids = set(device.pids)
+        try:
+            view, table = self.context.jobs.view(), self.context.processes.get()
+        except Exception as exc:  # noqa: BLE001 - a failing job source must not lose the device's fault
+            log.warning("jobs using the device unknown", extra=kv(device=device.label, error=exc))
+            return []
+        return [job for job in view.on_node() if pids.intersection(job_pids(job, table))]
+
+    def _subject_result(self, subject: str, graded: list[tuple[KernelClass, Entry, Grade]],
+                        devices: dict[str, Device], mounts: list[Mount] | None) -> Result:
+        status = worst(g.status for _, _, g in graded)
+        bad = sorted(((c, e, g) for c, e, g in graded if g.status is not Status.OK), key=lambda t: -t[2].status.severity)
+        lead = (bad or graded)[0][1]
+        device = device_of(lead.names, devices)
+        on = [m.mountpoint for m in self._mounts(lead, mounts) or ()] if mounts is not None else []
+        jobs = self._jobs_using(device)
+        details: dict[str, Any] = {"events": [
+            {"class": c.name, "title": c.title, "count": e.count, "first": e.first, "last": e.last,
+             "status": g.status.name, "why": g.why, "names": e.names, "line": e.line, "lever": c.lever,
+             "node_fault": c.node_fault and g.status is Status.CRITICAL} for c, e, g in graded]}
+        if device is not None:
+            details["device"] = {"kind": device.kind, "label": device.label, **device.details}
+        if on:
+            details["mounts"] = on
+        if jobs:
+            details["jobs"] = [j.label() for j in jobs]
+            if len(jobs) == 1:  # the actions act on the one job using the device, not on every job of the node
+                details["job_key"] = jobs[0].key
+        if bad:
+            details["next_step"] = bad[0][0].lever
+        details.update(self._hardware(bad or graded))
+        where = [x for x in (device.label if device else "", f"on {', '.join(on)}" if on else "",
+                             f"used by {', '.join(details['jobs'])}" if jobs else "") if x]
+        head = f"{subject} ({'; '.join(where)})" if where else subject
+        fault = self._what(lead, device, on) + (f" (used by {', '.join(details['jobs'])})" if jobs else "")
+        return self.result(subject, status, self._summary(head, graded, bad, fault), details)
+
+    def _what(self, e: Entry, device: Device | None, on: list[str]) -> str:
+        """The node fault in a few words (the head of the drain reason): `mce_uncorrected CPU 3 bank 5`."""
+        n = e.names
+        if device is None and not on and n.get("cpu"):
+            what = f"CPU {n['cpu']}" + (f" bank {n['bank']}" if n.get("bank") else "")
+        else:
+            what = " ".join(x for x in (device.label if device else "", e.subject, f"on {', '.join(on)}" if on else "")
+                            if x)
+        return f"{self.name}: {e.klass} {what}"[:MAX_WHAT]
+
     def _xid_reads(self) -> bool:
         """Whether an xid check reads this log too (then it acts on the classes it grades as XIDs)."""
         if self._xid is None:
@@ -378,17 +533,21 @@ class KernelCheck(Check):
         return self._xid
 
     @staticmethod
-    def _summary(subject: str, graded: list[tuple[KernelClass, Entry, Grade]],
-                 bad: list[tuple[KernelClass, Entry, Grade]]) -> str:
+    def _summary(head: str, graded: list[tuple[KernelClass, Entry, Grade]],
+                 bad: list[tuple[KernelClass, Entry, Grade]], fault: str) -> str:
+        """A node fault's summary (the drain reason) starts with what it is (`kernel: mce_uncorrected CPU 3 bank 5`);
+        the others with their subject and what it is (a GPU, the mount points, the jobs using it)."""
         if not bad:
             total = sum(e.count for _, e, _ in graded)
-            return f"{subject}: no active kernel event ({total} recorded)"
+            return f"{head}: no active kernel event ({total} recorded)"
         parts = []
         for c, e, g in bad:
             count = f" x{e.count}" if e.count > 1 else ""
-            fault = "node fault: " if c.node_fault and g.status is Status.CRITICAL else ""
-            parts.append(f"{fault}{_victim(e)}{c.title}{count} ({g.why}): {e.line[:160]}")
-        return f"{subject}: " + "; ".join(parts)
+            tag = "node fault: " if c.node_fault and g.status is Status.CRITICAL else ""
+            parts.append(f"{tag}{_victim(e)}{c.title}{count} ({g.why}): {e.line[:160]}")
+        c, _, g = bad[0]
+        prefix = f"{fault}: " if c.node_fault and g.status is Status.CRITICAL else f"{head}: "
+        return prefix + "; ".join(parts)
 
 
 def _victim(e: Entry) -> str:

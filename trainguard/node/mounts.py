@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from trainguard.core.text import linear
 from trainguard.core.worker import KEEP_S, Worker
 from trainguard.node.procfs import ProcFS
+from trainguard.node.sysfs import read_small
 
 PSEUDO_FSTYPES = (
     "autofs", "binfmt_misc", "bpf", "cgroup", "cgroup2", "configfs", "debugfs", "devpts", "devtmpfs", "efivarfs",
@@ -38,6 +39,14 @@ class Mount:
     device: str
     fstype: str
     dev_id: str  # major:minor
+    options: str = ""  # the mount's own (rw/ro per mount point)
+    super_options: str = ""  # the file system's: `ro` here under a `rw` mount is a file system gone read-only
+
+    @property
+    def went_read_only(self) -> bool:
+        """Mounted read-write, but its file system is read-only now: what the kernel does to ext4 (errors=remount-ro)
+        and btrfs after an error (a mount made read-only on purpose is `ro` in both)."""
+        return "ro" in self.super_options.split(",") and "rw" in self.options.split(",")
 
 
 def read_mounts(proc: ProcFS | None = None) -> list[Mount]:
@@ -51,8 +60,33 @@ def parse_mountinfo(text: str) -> list[Mount]:
         fields, tail = left.split(), right.split()
         if not sep or len(fields) < 5 or len(tail) < 2:
             continue
-        mounts.append(Mount(_unescape(fields[4]), _unescape(tail[1]), tail[0], fields[2]))
+        mounts.append(Mount(_unescape(fields[4]), _unescape(tail[1]), tail[0], fields[2], fields[5] if len(fields) > 5
+                            else "", tail[2] if len(tail) > 2 else ""))
     return mounts
+
+
+def device_mounts(dev: str, mounts: list[Mount], sysfs_block: str = "/sys/class/block") -> list[Mount]:
+    """The mounts of the block device the kernel calls `dev` (`sda1`, `nvme0n1`, `dm-3`, `vda`) and of its partitions:
+    by device number (`/sys/class/block/DEV/dev`), which finds a /dev/mapper or /dev/disk/by-* source too; by the
+    source's name where sysfs has no such device (btrfs mounts carry an anonymous device number)."""
+    if not dev or "/" in dev or not dev.strip("."):
+        return []
+    numbers: set[str] = set()
+    names = {dev}
+    root = os.path.join(sysfs_block, dev)
+    for name in [dev, *_partitions(root, dev)]:
+        names.add(name)
+        number = read_small(os.path.join(sysfs_block, name, "dev"))
+        if number:
+            numbers.add(number)
+    return [m for m in mounts if m.dev_id in numbers or os.path.basename(m.device) in names]
+
+
+def _partitions(root: str, dev: str) -> list[str]:
+    try:
+        return [e.name for e in os.scandir(root) if e.name.startswith(dev) and e.name != dev]
+    except OSError:
+        return []
 
 
 def real_mounts(mounts: list[Mount], exclude_fstypes: tuple[str, ...] | list[str] = PSEUDO_FSTYPES,
