@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         "selftest", help="prove the running agent works end to end: a test fault through each real path",
         description="The running agent injects a harmless test fault through each real path and this command shows "
                     "each hop as it happens: a record in the kernel log read by the xid check's reader (written "
-                    "when run as root), a disk threshold on a scratch directory, the incidents, their events, each "
+                    "when run as root), a disk threshold on a scratch directory, a test job's hang (a process the agent starts, "
+                    "watched by the hang check), the incidents, their events, each "
                     "channel's answer, the series on /metrics, then the resolution and its messages. Everything "
                     "sent says [trainguard selftest] TEST (Alertmanager: label test=\"true\"); no action ever runs "
                     "for it, and nothing is left afterwards. Over the control socket: root and the trainguard group. "
