@@ -9,6 +9,7 @@ import logging
 import os
 import select
 import signal
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from trainguard.core.text import one_line
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.config import Config, ConfigError
 from trainguard.pipeline.engine import ACTIONS_GRACE_S, BrokenCheck, Engine
-from trainguard.pipeline.store import Store, open_read_only
+from trainguard.pipeline.store import SchemaTooNewError, Store, open_read_only
 
 log = logging.getLogger("trainguard.daemon")
 
@@ -196,12 +197,11 @@ def refusal(config: Config) -> str | None:
     its one line."""
     try:
         open_read_only(config.agent.state_dir).close()
-    except FileNotFoundError:
-        pass  # none yet: the agent creates it
-    except PermissionError as exc:  # `trainguard validate` by the trainguard group: the agent itself may read it
-        log.debug("state database schema not checked", extra=kv(error=exc))
-    except Exception as exc:  # noqa: BLE001 - a newer release's, or unreadable: said as the refusal
+    except SchemaTooNewError as exc:
         return f"state database: {one_line(str(exc), 500)}"
+    except (OSError, sqlite3.Error) as exc:  # none yet (the agent creates it), not this user's to read (`validate` by
+        # the trainguard group), or damaged (the agent moves it aside and starts over, as at start): no refusal
+        log.debug("state database schema not checked", extra=kv(error=exc))
     with _quiet_here():
         try:
             engine = Engine(config, store=Store(None), self_check=True, ledger=config.ledger.enabled)
