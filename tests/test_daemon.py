@@ -9,6 +9,7 @@ import pwd
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -452,9 +453,10 @@ def test_malloc_arena_max_in_the_environment_wins(monkeypatch: pytest.MonkeyPatc
 
 def test_sighup_reloads_a_good_config_and_refuses_a_bad_one(
         tmp_path: Path, agent_process: Callable[..., AgentProcess]) -> None:
-    """`systemctl reload` (SIGHUP): a broken config is refused in one line and the running config keeps running; a
-    good one applies in the same process (a check added, one removed, one changed) without losing the firing
-    incident (not announced again), and the endpoint serves throughout."""
+    """`systemctl reload` (SIGHUP): a broken config, or one whose engine cannot be built, is refused in one line and
+    the running config keeps running; a good one applies in the same process (a check added, one removed, one
+    changed) without losing the firing incident (not announced again), and the endpoint serves throughout.
+    `trainguard validate` says the same of each beforehand."""
     port = free_port()
     config = write_config(tmp_path, port)
     agent = agent_process(config)
@@ -469,6 +471,31 @@ def test_sighup_reloads_a_good_config_and_refuses_a_bad_one(
     [refused] = [line for line in agent.output().splitlines() if "reload refused" in line]
     assert "checks.broken.free_warning" in refused and "Traceback" not in agent.output()
     assert "broken" not in requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["checks"]
+
+    # one that parses, but whose engine cannot be built (its state database is a newer release's): refused before the
+    # running engine stops, in one line; the incident, the endpoint and the process stay as they were
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    with sqlite3.connect(newer / "state.db") as db:
+        db.execute("PRAGMA user_version = 99")
+    config.write_text(good.replace(f'state_dir = "{tmp_path}/state"', f'state_dir = "{newer}"'))
+    validate = subprocess.run([sys.executable, "-m", "trainguard", "validate", "--config", str(config)],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert validate.returncode == 2 and "a running agent would refuse it" in validate.stderr, validate.stderr
+    assert "schema version 99" in validate.stderr
+    mark = len(agent.output())
+    agent.signal(signal.SIGHUP)
+    wait_until(lambda: agent.output().count("reload refused") == 2, 70, what="the second refusal")
+    after = agent.output()[mark:]
+    [refused] = [line for line in after.splitlines() if "reload refused" in line]
+    assert "schema version 99, newer than this trainguard's" in refused, refused
+    assert "Traceback" not in after and "msg=reloading" not in after and "engine started" not in after, after
+    assert "msg=stopped" not in after and [line for line in after.splitlines() if "logger=trainguard.daemon" in line] \
+        == [refused], after  # its one line, nothing stopped
+    [incident] = [i for i in requests.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["incidents"]
+                  if i["check"] == "scratch"]
+    assert incident["firing"]
+    assert (newer / "state.db").stat().st_size <= 8192  # neither migrated nor written
 
     # memory switched off, ib changed, a second disk check added
     changed = (good.replace("[checks.memory]", "[checks.memory]\nenabled = false")

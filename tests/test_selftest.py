@@ -1,5 +1,6 @@
 """`trainguard selftest` against a real agent process: a test record in the real kernel log read by the xid check's
-reader, a disk threshold on a scratch directory, the incidents, their events to a Slack emulator, a real SMTP server
+reader, a disk threshold on a scratch directory, a test job's hang (a process the agent starts, which the hang check's
+code finds hung, then ended), the incidents, their events to a Slack emulator, a real SMTP server
 and Debian's Alertmanager, the series on /metrics, the resolution; everything marked as a test, no action run, nothing
 left. A channel that fails is named, and the command exits non-zero. The responder never acts on a test event.
 
@@ -8,12 +9,14 @@ The first test writes one record to /dev/kmsg (not XID-shaped): run under `flock
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -107,10 +110,16 @@ def test_selftest_shows_every_hop_marks_everything_runs_no_action_and_leaves_not
     done = selftest(path)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
-    for hop in ("kernel   detected", "disk     detected", "disk     incident", "disk     event", "slack delivered",
-                "email delivered", "metrics  metric", "disk     resolved", "slack resolved delivered",
-                "email resolved delivered", "cleanup  cleanup"):
+    for hop in ("job      started", "kernel   detected", "disk     detected", "disk     incident", "disk     event",
+                "slack delivered", "email delivered", "metrics  metric", "job      detected", "job      incident",
+                "job      event", "job      metric", "job      ended", "disk     resolved", "job      resolved",
+                "slack resolved delivered", "email resolved delivered", "cleanup  cleanup"):
         assert hop in out, f"{hop!r} not in:\n{out}"
+    assert out.count("slack delivered") == 2 and out.count("email delivered") == 2, out  # the job's own firing too
+    assert "CRITICAL by the hang check: [trainguard selftest] TEST: process job trainguard-selftest: no progress" in out
+    assert 'trainguard_job_hung{job_id="trainguard-selftest",name="trainguard-selftest"} 1' in out, out
+    pid = int(re.search(r"test job trainguard-selftest pid (\d+)", out)[1])  # type: ignore[index]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
     assert "FAILED" not in out and "skipped" not in out, out
     assert "check xid's kernel log reader read the record (kmsg seq" in out, out
     assert "HTTP 200 ok" in out and "250 accepted for 1 recipient(s)" in out, out  # each channel's answer
@@ -119,6 +128,8 @@ def test_selftest_shows_every_hop_marks_everything_runs_no_action_and_leaves_not
     # both channels got the firing and the resolution, each marked as a test
     tests = [p["json"] for p in slack.posts if MARKER in p["json"]["text"]]
     assert len(tests) >= 2 and any("RESOLVED" in t["text"] or "OK" in t["text"] for t in tests), slack.posts
+    hung = [t["text"] for t in tests if "trainguard-selftest" in t["text"]]
+    assert any("no progress" in t for t in hung) and any("ended" in t for t in hung), tests  # fired, then resolved
     mails = [m for m in mailbox.messages if MARKER in m["Subject"]]
     assert len(mails) >= 2, [m["Subject"] for m in mailbox.messages]
     assert all("TEST" in m["Subject"] for m in mails)
@@ -203,7 +214,8 @@ def test_one_selftest_at_a_time_in_process_and_nothing_left(tmp_path: Path) -> N
     engine.start()
     try:
         who = Operator("root", 0, "test")
-        first = engine.selftest(who, kmsg=False, metrics=lambda: b'trainguard_check_status{check="selftest"} 1\n')
+        first = engine.selftest(who, kmsg=False, metrics=lambda: b'trainguard_check_status{check="selftest"} 1\n'
+                                b'trainguard_job_hung{name="trainguard-selftest"} 1\n')
         with pytest.raises(OperatorError, match=f"under way already \\(id {first['id']}"):
             engine.selftest(who, kmsg=False, metrics=bytes)
         wait_until(lambda: (engine.selftest_status() or {}).get("done"), 20, what="the self-test's end")

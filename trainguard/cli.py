@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         "selftest", help="prove the running agent works end to end: a test fault through each real path",
         description="The running agent injects a harmless test fault through each real path and this command shows "
                     "each hop as it happens: a record in the kernel log read by the xid check's reader (written "
-                    "when run as root), a disk threshold on a scratch directory, the incidents, their events, each "
+                    "when run as root), a disk threshold on a scratch directory, a test job's hang (a process the agent starts, "
+                    "watched by the hang check), the incidents, their events, each "
                     "channel's answer, the series on /metrics, then the resolution and its messages. Everything "
                     "sent says [trainguard selftest] TEST (Alertmanager: label test=\"true\"); no action ever runs "
                     "for it, and nothing is left afterwards. Over the control socket: root and the trainguard group. "
@@ -788,14 +789,29 @@ def _config(args: argparse.Namespace) -> Config | int:
         return default_config(nvml_probe=lambda: "not needed by this command")
 
 
+def cmd_validate(config: Config) -> int:
+    """The effective config, and whether a running agent would take it at a reload: its engine built as the agent's
+    reload builds it first (trainguard.agent.daemon.refusal). Warnings keep exit 0: the agent starts, and says them."""
+    from trainguard.agent.daemon import refusal
+
+    print(json.dumps(config.to_dict(), indent=2))
+    warned = _warn(config)
+    source = config.source or "(built-in default)"
+    why = refusal(config)
+    if why is not None:
+        print(f"trainguard validate: {source} parses, but a running agent would refuse it at `systemctl reload "
+              f"trainguard` (and keep its own): {one_line(why, 2000)}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"config OK: {source}" + (" (with warnings)" if warned else "") + "; a running agent takes it at "
+          "`systemctl reload trainguard` (a config it refuses, it says why in the journal and keeps its own)",
+          file=sys.stderr)
+    return 0
+
+
 def _one_shot(config: Config, args: argparse.Namespace) -> int:
     if args.command == "validate":
         print(json.dumps(config.to_dict(), indent=2))
-        warned = _warn(config)  # valid, so exit 0: the agent would start, and say the same
-        print(f"config OK: {config.source or '(built-in default)'}" + (" (with warnings)" if warned else "")
-              + "; a running agent takes it at `systemctl reload trainguard` (a config it refuses, it says why in the "
-              "journal and keeps its own)", file=sys.stderr)
-        return 0
+        return cmd_validate(config)
     if args.command == "check":
         return cmd_check(config, args.json, args.critical_only, args.drain, args.since)
     if args.command == "status":

@@ -3,14 +3,16 @@ SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import select
 import signal
+import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from trainguard import __version__
@@ -21,7 +23,8 @@ from trainguard.core.logs import kv
 from trainguard.core.text import one_line
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.config import Config, ConfigError
-from trainguard.pipeline.engine import ACTIONS_GRACE_S, Engine
+from trainguard.pipeline.engine import ACTIONS_GRACE_S, BrokenCheck, Engine
+from trainguard.pipeline.store import SchemaTooNewError, Store, open_read_only
 
 log = logging.getLogger("trainguard.daemon")
 
@@ -55,6 +58,15 @@ class _Serving:
         if not self.engine.store.persistent:
             log.error("running without persistent state", extra=kv(state_dir=config.agent.state_dir))
         self.endpoint: HttpEndpoint | None = None
+        self.control: ControlSocket | None = None
+        try:
+            self._serve(config)
+            self.engine.start()
+        except BaseException:  # a reload falls back to the config before: nothing of this one may hold on
+            self.stop(0.0)
+            raise
+
+    def _serve(self, config: Config) -> None:
         if config.agent.listen:
             host, port = config.agent.listen_address()
             try:
@@ -62,15 +74,15 @@ class _Serving:
                 self.endpoint.start()
             except OSError as exc:
                 # Checks and alerts matter more than the endpoint: keep running without it.
+                self.endpoint = None
                 log.error("cannot listen; HTTP endpoint off", extra=kv(address=config.agent.listen, error=exc))
-        self.control: ControlSocket | None = None
         try:
             self.control = ControlSocket(self.engine, config.agent.control_path())
             self.control.start()
         except OSError as exc:
+            self.control = None
             log.error("cannot open the control socket; local details off", extra=kv(
                 path=config.agent.control_path(), error=exc.strerror or exc))
-        self.engine.start()
 
     def stop(self, grace: float) -> None:
         t0 = time.monotonic()
@@ -176,28 +188,84 @@ def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> in
     return 0
 
 
+def refusal(config: Config) -> str | None:
+    """Why a running agent would refuse `config` at a reload; None where it would take it. Asked before the running
+    engine stops (and by `trainguard validate`): the engine built as the agent builds it, on a state kept in memory
+    (the node's state is neither read nor written), each check built as configured (a check that cannot start would
+    replace a working one with an UNKNOWN), and the state database the config names read for its schema (a newer
+    release's is refused, as at start). What the trial's construction logs stays out of the journal: the refusal is
+    its one line."""
+    try:
+        open_read_only(config.agent.state_dir).close()
+    except SchemaTooNewError as exc:
+        return f"state database: {one_line(str(exc), 500)}"
+    except (OSError, sqlite3.Error) as exc:  # none yet (the agent creates it), not this user's to read (`validate` by
+        # the trainguard group), or damaged (the agent moves it aside and starts over, as at start): no refusal
+        log.debug("state database schema not checked", extra=kv(error=exc))
+    with _quiet_here():
+        try:
+            engine = Engine(config, store=Store(None), self_check=True, ledger=config.ledger.enabled)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the config cannot run: said, never raised
+            return f"its engine cannot be built: {type(exc).__name__}: {one_line(str(exc), 500)}"
+        try:
+            broken = [f"check {name} cannot start: {check.error}" for name, check in engine.checks.items()
+                      if isinstance(check, BrokenCheck)]
+        finally:
+            engine.stop(grace=0.0)
+    return "; ".join(broken) or None
+
+
+@contextlib.contextmanager
+def _quiet_here() -> Iterator[None]:
+    """Records logged by this thread go nowhere meanwhile (the engine's other threads still log)."""
+    me = threading.get_ident()
+
+    def elsewhere(record: logging.LogRecord) -> bool:
+        return record.thread != me
+
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(elsewhere)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(elsewhere)
+
+
 def _reload(serving: _Serving, load: Callable[[], Config], systemd: SystemdNotifier) -> _Serving:
-    """SIGHUP (`systemctl reload`): the config validated first; a bad one is refused in one line and the running one
-    stays. A good one stops the engine as a shutdown does (actions under way get their grace) and starts it again on
-    the new config in this process: incidents, silences, the outbox and what the checks remember are in the state
-    database, as across a restart, and the endpoints are opened again (a changed address applies)."""
+    """SIGHUP (`systemctl reload`): the config validated and its engine tried first (`refusal`); a bad one is refused
+    in one line and the running one stays. A good one stops the engine as a shutdown does (actions under way get
+    their grace) and starts it again on the new config in this process: incidents, silences, the outbox and what the
+    checks remember are in the state database, as across a restart, and the endpoints are opened again (a changed
+    address applies). Should the new one still fail to start, the config before starts again the same way."""
     systemd.notify("RELOADING=1", "STATUS=reloading the config")
     t0 = time.monotonic()
     try:
         config = load()
+        why = refusal(config)
     except (ConfigError, ValidatorError) as exc:
-        log.error("reload refused; the running config stays", extra=kv(error=one_line(str(exc), 2000)))
-        systemd.notify("READY=1", _status_line(len(serving.engine.configured), serving.engine.pending())
-                       + "; the last reload was refused: journalctl -u trainguard")
-        return serving
+        why = str(exc)
+    if why is not None:
+        return _refused(serving, why, systemd)
     changed = changes(serving.config, config)
     log.warning("reloading", extra=kv(config=config.source or "(built-in default)", **changed) if changed
                 else kv(config=config.source or "(built-in default)", changes="none"))
     _warn(config)
     serving.stop(ACTIONS_GRACE_S)
-    serving = _Serving(config)
+    try:
+        serving = _Serving(config)
+    except Exception as exc:  # noqa: BLE001 - anything: the config before runs again, as it ran
+        return _refused(_Serving(serving.config), f"it did not start: {type(exc).__name__}: {exc}", systemd)
     systemd.notify("READY=1", _status_line(len(serving.engine.configured), serving.engine.pending()))
     log.info("reloaded", extra=kv(checks=len(serving.engine.configured), took_s=round(time.monotonic() - t0, 3)))
+    return serving
+
+
+def _refused(serving: _Serving, why: str, systemd: SystemdNotifier) -> _Serving:
+    log.error("reload refused; the running config stays", extra=kv(error=one_line(why, 2000)))
+    systemd.notify("READY=1", _status_line(len(serving.engine.configured), serving.engine.pending())
+                   + "; the last reload was refused: journalctl -u trainguard")
     return serving
 
 

@@ -7,6 +7,12 @@ channel, its series are on the real /metrics. The paths:
 
 - disk: the disk check's own code on a scratch directory in the state directory, with a free-space floor of 100%
   (it fires at once), then with the floor lifted (it resolves).
+- job: a test job's hang. The agent starts a harmless process job of its own (`/bin/sh` writing three steps to its
+  log, then `sleep`: no GPU, no file outside the scratch directory), as its own user, found by its pidfile through the
+  process job source, the source every node has: no `[jobs]` table, no SLURM partition, account or allocation, so it
+  works alike on a SLURM node and elsewhere, and the node's real jobs and job checks never see it. The hang check's own
+  code watches it with `stale_after` = HANG_AFTER_S (no stack dump, no flight recorder: nothing to read in `sleep`);
+  once its log stops moving it is hung, and at the end it is killed, so its incident resolves as a job that ended.
 - kernel: `trainguard selftest`, as root, writes one record to /dev/kmsg, `trainguard-selftest ID: ...`, and each
   configured check that follows the kernel log (xid) must read it through its own reader. Not an XID line: every
   reader of this node's kernel log (DCGM, a node health check, a log shipper, other agents) would take a `NVRM: Xid`
@@ -15,14 +21,18 @@ channel, its series are on the real /metrics. The paths:
 
 Everything it sends is marked: each summary begins `[trainguard selftest] TEST`, each event's details hold
 `test = true` (Alertmanager gets the label test="true"). The responder never runs an action for such an event
-(Responder.handle). At the end the incidents resolve (their resolved messages go out), the check is detached, the
-scratch directory is removed, and what a failed channel still held of the test in the outbox is dropped.
+(Responder.handle). At the end the test job is killed, the incidents resolve (their resolved messages go out), the
+check is detached, the scratch directory is removed, and what a failed channel still held of the test in the outbox is dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pwd
 import shutil
+import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -33,13 +43,17 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.checks.base import Check, CheckContext, CheckSettings
 from trainguard.checks.disk import DiskCheck, DiskSettings
+from trainguard.checks.hang import HangCheck, HangSettings
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
 from trainguard.core.settings import PLAIN
 from trainguard.core.state import ScopedState
 from trainguard.core.units import Limit
+from trainguard.jobs.catalog import JobCatalog
+from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.node.kmsg import KernelRecord, KmsgFollower
+from trainguard.node.proctable import ProcessSnapshots
 from trainguard.pipeline.incidents import Operator
 
 if TYPE_CHECKING:
@@ -54,6 +68,12 @@ SCRATCH_PREFIX = "selftest-"
 KERNEL_WAIT_S = 10.0  # the record, written by the command after the start's answer, read by each follower
 DELIVERY_WAIT_S = 20.0  # each channel's answer after its group_window; a retrying channel has failed once by then
 GIVE_UP_S = 300.0  # the command waits this long for the whole test (two group windows of a channel, and more)
+JOB_NAME = "trainguard-selftest"  # the test job's name: its key, `process:trainguard-selftest`, is its subject
+JOB_STEPS = 3  # the test job logs this many steps, STEP_S apart, then stops making progress
+STEP_S = 0.2
+HANG_AFTER_S = 3.0  # the test job is hung this long after its last step (the hang check's stale_after)
+HANG_WAIT_S = 20.0  # ... and detected within this much more, or the hop fails
+JOB_END_S = 5.0  # SIGTERM, then SIGKILL after this
 
 
 def settings(cls: type[CheckSettings], **values: Any) -> CheckSettings:
@@ -81,7 +101,7 @@ class SelfTestCheck(Check):
     """The disk check's code on the scratch directory (a floor that fires, then none), and what each kernel log
     reader read of the test record; every result marked as a test."""
 
-    def __init__(self, context: CheckContext, scratch: Path, test_id: str) -> None:
+    def __init__(self, context: CheckContext, scratch: Path, test_id: str, job: TestJob | None = None) -> None:
         super().__init__(NAME, settings(CheckSettings, interval=3600.0, jitter=0.0, timeout=10.0), context)
         self.test_id = test_id
         self.fault = True
@@ -90,9 +110,17 @@ class SelfTestCheck(Check):
         self.faulty = DiskCheck(NAME, settings(DiskSettings, free_warning=Limit(100.0, True), **floors), context)
         self.healthy = DiskCheck(NAME, settings(DiskSettings, free_warning=Limit(0.0, True), **floors), context)
         self.kernel: dict[str, str] = {}  # reader check -> what it read of the record
+        self.hang = None if job is None else HangCheck(NAME, settings(
+            HangSettings, interval=3600.0, jitter=0.0, timeout=10.0, stale_after=HANG_AFTER_S, stacks=False,
+            flight_recorder=False, flight_recorder_dumps="", heartbeat=""), replace(context, jobs=job.catalog,
+                                                                                     processes=job.catalog.snapshots))
 
     def run(self) -> Sequence[Result]:
         results = list((self.faulty if self.fault else self.healthy).run())
+        if self.hang is not None:  # the test job, hung or not yet; once it ended (the fault is over), said so
+            subject = f"process:{JOB_NAME}"
+            results += [r for r in self.hang.run() if r.subject == subject] or (
+                [] if self.fault else [self.result(subject, Status.OK, f"process job {JOB_NAME}: ended")])
         for reader, read in sorted(self.kernel.items()):
             results.append(self.result(f"kernel-log/{reader}", Status.WARNING if self.fault else Status.OK,
                                        f"check {reader}'s kernel log reader read the test record ({read})"))
@@ -106,6 +134,52 @@ class SelfTestCheck(Check):
     def stop(self) -> None:
         self.faulty.stop()
         self.healthy.stop()
+        if self.hang is not None:
+            self.hang.stop()
+
+
+class TestJob:
+    """The self-test's job: a process of the agent's own user in its own session, declared to a job catalog of its
+    own (the process job source, by pidfile). Its log moves JOB_STEPS times, then never again; `sleep` ends it by
+    GIVE_UP_S should everything else fail."""
+
+    def __init__(self, scratch: Path, node: str, proc: Any) -> None:
+        self.log = scratch / "job.log"
+        pidfile = scratch / "job.pid"
+        user = pwd.getpwuid(os.getuid()).pw_name  # KeyError: a uid without a name, said as the hop
+        script = (f'for i in {" ".join(str(i + 1) for i in range(JOB_STEPS))}; do echo "step $i of {JOB_NAME}" '
+                  f'>> "$1"; sleep {STEP_S:g}; done; exec sleep {GIVE_UP_S:g}')
+        self.process = subprocess.Popen(["/bin/sh", "-c", script, JOB_NAME, str(self.log)], cwd=scratch,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True,
+                                        env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
+        pidfile.write_text(f"{self.process.pid}\n")
+        spec = settings(ProcessJobSettings, pidfile=pidfile, user=user, logs=[str(self.log)], cmdline=None,
+                        switch_dir=None, job_id="")
+        jobs = settings(JobsSettings, sources=[], processes={JOB_NAME: spec}, refresh=0.0)
+        self.catalog = JobCatalog(jobs, node, processes=ProcessSnapshots(proc, max_age=0.0))
+        self.user = user
+
+    def end(self) -> str:
+        """SIGTERM to its session, SIGKILL after JOB_END_S: how it ended."""
+        if self.process.poll() is not None:
+            return f"had ended already (exit {self.process.returncode})"
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(JOB_END_S)
+                return f"ended by {sig.name}"
+            except subprocess.TimeoutExpired:
+                continue
+        return f"still running after SIGKILL and {JOB_END_S:g}s"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.end()
+        self.catalog.close()
 
 
 class SelfTest:
@@ -132,6 +206,7 @@ class SelfTest:
         self._readers: dict[str, KmsgFollower] = {}
         self._untap: list[Callable[[], None]] = []
         self.check: SelfTestCheck | None = None
+        self.job: TestJob | None = None
 
     # what the command sees ---------------------------------------------------------------------------------------
     def document(self) -> dict[str, Any]:
@@ -154,11 +229,14 @@ class SelfTest:
         try:
             self.scratch.mkdir(mode=0o700)
             context = replace(self.engine.shared, state=ScopedState(None, f"check/{NAME}"))
-            self.check = SelfTestCheck(context, self.scratch, self.id)
+            self._start_job()
+            self.check = SelfTestCheck(context, self.scratch, self.id, self.job)
             self.engine.attach(self.check, NAME)
         except Exception:  # refused (the command says why): nothing is left, and a next one may start
             if self.check is not None:
                 self.check.stop()
+            if self.job is not None:
+                self.job.close()
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.done = True
             raise
@@ -170,6 +248,16 @@ class SelfTest:
         log.warning("self-test started", extra=kv(id=self.id, by=self.by, scratch=self.scratch))
         threading.Thread(target=self._run, name=f"selftest-{self.id}", daemon=True).start()
         return self.document()
+
+    def _start_job(self) -> None:
+        try:
+            self.job = TestJob(self.scratch, self.engine.node, self.engine.shared.proc)
+        except (OSError, KeyError, subprocess.SubprocessError) as exc:  # the other paths are still tested
+            self._hop("job", "started", False, f"the test job could not start: {type(exc).__name__}: {exc}")
+            return
+        self._hop("job", "started", True, f"test job {JOB_NAME} pid {self.job.process.pid} as {self.job.user} (a "
+                  f"process job, by pidfile): {JOB_STEPS} steps to {self.job.log}, then no progress; hung after "
+                  f"{HANG_AFTER_S:g}s")
 
     def _run(self) -> None:
         try:
@@ -194,14 +282,41 @@ class SelfTest:
         for r in report.results:
             if r.subject == str(self.scratch):
                 self._hop("disk", "detected", r.status is not Status.OK, f"{r.status.name}: {r.summary}")
+        self._incidents([r for r in report.results if _path(r.subject) != "job"])
+        self._announced(EventKind.FIRED, "event", "delivered", ("disk", "kernel"))
+        self._metric()
+        self._hang()
+
+    def _incidents(self, results: Sequence[Result]) -> None:
         firing = {i.subject: i for i in self.engine.tracker.incidents() if i.check == NAME and i.firing}
-        for r in report.results:
+        for r in results:
             incident = firing.get(r.subject)
             self._hop(_path(r.subject), "incident", incident is not None,
                       f"incident {incident.id} firing: {NAME}/{r.subject}" if incident is not None
                       else f"no incident firing for {NAME}/{r.subject} (a silence of {NAME}?)")
-        self._announced(EventKind.FIRED, "event", "delivered")
-        self._metric()
+
+    def _hang(self) -> None:
+        """The test job's path: the hang check run (through the engine) until it finds the job hung, then the same
+        hops as the others."""
+        if self.job is None:
+            return
+        subject = f"process:{JOB_NAME}"
+        deadline = time.monotonic() + HANG_AFTER_S + JOB_STEPS * STEP_S + HANG_WAIT_S
+        found: Result | None = None
+        while time.monotonic() < deadline and not self.engine.stop_event.is_set():
+            report = self.engine.run_check(NAME)
+            found = next((r for r in report.results if r.subject == subject), None) if report else None
+            if found is not None and found.status is not Status.OK:
+                break
+            self.engine.stop_event.wait(0.5)
+        if found is None or found.status is Status.OK:
+            self._hop("job", "detected", False, f"the hang check did not find the test job hung in time "
+                      f"({found.summary if found else 'it did not list the job'})")
+            return
+        self._hop("job", "detected", True, f"{found.status.name} by the hang check: {found.summary}")
+        self._incidents([found])
+        self._announced(EventKind.FIRED, "event", "delivered", ("job",))
+        self._metric("job", "trainguard_job_hung{", f'name="{JOB_NAME}"')
 
     def _kernel(self) -> None:
         if not self._readers:
@@ -233,6 +348,11 @@ class SelfTest:
     def _resolve(self) -> None:
         if self.check is None:
             return
+        if self.job is not None:  # a job that ended is no longer reported: its incident resolves
+            running = self.job.process.poll() is None
+            how = self.job.end()
+            self._hop("job", "ended", running and self.job.process.poll() is not None,
+                      f"test job pid {self.job.process.pid} {how}")
         self.check.fault = False
         before = {i.subject: i.id for i in self.engine.tracker.incidents() if i.check == NAME}
         self.engine.run_check(NAME)
@@ -242,10 +362,10 @@ class SelfTest:
                       f"incident {incident} resolved" if subject not in left else f"incident {incident} still open")
         self._announced(EventKind.RESOLVED, "resolved event", "resolved delivered")
 
-    def _announced(self, kind: EventKind, event_hop: str, delivered_hop: str) -> None:
-        """The events of `kind` queued for the channels, and each channel's answer."""
+    def _announced(self, kind: EventKind, event_hop: str, delivered_hop: str, paths: Sequence[str] = ()) -> None:
+        """The events of `kind` queued for the channels (of `paths` only, when given), and each channel's answer."""
         with self._changed:
-            events = [e for e in self.events if e.kind is kind]
+            events = [e for e in self.events if e.kind is kind and (not paths or _path(e.subject) in paths)]
         routed: dict[str, list[Event]] = {name: [] for name in self.engine.notifiers}
         for e in events:
             refused = {n: rule for n, notifier in self.engine.notifiers.items() if (rule := notifier.refusal(e))}
@@ -316,17 +436,16 @@ class SelfTest:
         window = self.engine.notifiers[name].settings.group_window
         return f"{name} (sent after its {window:g}s group_window)" if window > 0 else name
 
-    def _metric(self) -> None:
+    def _metric(self, path: str = "metrics", prefix: str = "trainguard_check_status{",
+                label: str = f'check="{NAME}"') -> None:
         try:
             text = self.metrics().decode("utf-8", "replace")
         except Exception as exc:  # noqa: BLE001 - the hop fails, with why
-            self._hop("metrics", "metric", False, f"/metrics failed: {type(exc).__name__}: {exc}")
+            self._hop(path, "metric", False, f"/metrics failed: {type(exc).__name__}: {exc}")
             return
-        series = [line for line in text.splitlines()
-                  if line.startswith(("trainguard_check_status{", "trainguard_incident_firing{"))
-                  and f'check="{NAME}"' in line]
-        self._hop("metrics", "metric", bool(series), "; ".join(series[:3]) if series
-                  else f"no trainguard_check_status series of check {NAME} on /metrics")
+        series = [line for line in text.splitlines() if line.startswith(prefix) and label in line]
+        self._hop(path, "metric", bool(series), "; ".join(series[:3]) if series
+                  else f"no {prefix.rstrip('{')} series with {label} on /metrics")
 
     def _cleanup(self) -> None:
         for untap in self._untap:
@@ -346,13 +465,19 @@ class SelfTest:
         except Exception as exc:  # noqa: BLE001 - said as a failed hop
             ok = False
             notes.append(f"FAILED: {type(exc).__name__}: {exc}")
+        if self.job is not None:
+            self.job.close()
+            if self.job.process.poll() is None:
+                ok = False
+                notes.append(f"FAILED: test job pid {self.job.process.pid} still running")
         shutil.rmtree(self.scratch, ignore_errors=True)
         still = [f"{i.check}/{i.subject}" for i in engine.tracker.incidents() if i.check == NAME]
         ok = ok and not still and not self.scratch.exists() and NAME not in engine.checks
         self._hop("cleanup", "cleanup", ok, "; ".join([f"check {NAME} detached, {self.scratch} removed",
+                                                        *(["test job ended"] if self.job is not None else []),
                                                         f"incidents left: {', '.join(still)}" if still
                                                         else "no incident left", *notes]))
 
 
 def _path(subject: str) -> str:
-    return "kernel" if subject.startswith("kernel-log/") else "disk"
+    return "kernel" if subject.startswith("kernel-log/") else "job" if subject.startswith("process:") else "disk"
