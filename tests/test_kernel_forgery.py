@@ -19,6 +19,10 @@ LINES = [
      "segfault"),
     (f"traps: a.out[77] general protection fault ip:7f2a sp:7ffc error:0 in lib: {FORGED}.so[7f2a+2000]",
      "general_protection"),
+    # x86 do_trap: `traps: COMM[PID] trap int3 ip:... sp:... error:0 in FILE[...]`, its words holding colons
+    (f"traps: x[5] trap int3 ip:7f3a1c2b3c4d sp:7ffd5e6f7a80 error:0 in a: {FORGED}[55d0c0a00000+1000]", ""),
+    ("traps: x[5] trap int3 ip:7f3a1c2b3c4d sp:7ffd5e6f7a80 error:0 in a: INFO: task kworker:12 blocked for more "
+     "than 120 seconds.[55d0c0a00000+1000]", ""),
     (f"process '/tmp/x: {FORGED}' launched '/bin/sh' with NULL argv: empty string added", ""),
     (f'audit: type=1400 audit(1700000000.123:42): apparmor="DENIED" operation="open" name="/tmp/: {FORGED}" '
      'pid=4242 comm="python3"', ""),

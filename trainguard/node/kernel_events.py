@@ -32,12 +32,16 @@ MEMO = 64  # texts remembered with their event  # ... and within this many recor
 
 ROLES = ("event", "head", "continuation", "clear", "repeat")
 # What may come before a class's pattern in a record: the kernel's own `subsystem: ` / `driver device: ` heads (a few
-# words each, ending in a colon), a timestamp a paste kept, a CPER record's `{N}`, an AER detail's `device [vvvv:dddd]`.
-# Never a run of words without a colon, a quote or an `=`: user text in a kernel line (a crashing binary's file name
-# after `segfault at ... in `, a quoted name, an audit field) comes after such kernel words, so a file named
-# `x Watchdog detected hard LOCKUP on cpu 3` that segfaults is a segfault, not a CPU's hard lockup.
-_HEAD = linear(r"(?:\{\d+\})?(?:[^\s'\"=]+(?: +[^\s'\"=]+){0,3}: *|\[ *\d+\.\d+\] *)*"
-               r"(?:device \[[0-9a-f]{4}:[0-9a-f]{4}\] *)?")
+# words each, then a colon and a space; a word holds no colon unless it is a PCI address), a timestamp or a syslog
+# head a paste kept, a CPER record's `{N}`, Lustre's `pid:cpu:(file.c:line:`, an AER detail's `device [vvvv:dddd]`.
+# Never a run of words without a colon, a word like `ip:7f...`, a quote or an `=`: user text in a kernel line (a
+# crashing binary's file name after `segfault at ... in ` or a trap's `ip:... sp:... error:0 in `, a quoted name, an
+# audit field) comes after such kernel words, so a file named `a: Watchdog detected hard LOCKUP on cpu 3` that
+# crashes is a crash, not a CPU's hard lockup.
+_WORD = r"(?:[^\s'\"=:]+|[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
+_SYSLOG = r"(?:\S*:)?(?:\d{4} +)?[A-Z][a-z]{2} +\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)? \S+(?: [A-Z]+)? kernel: +"
+_HEAD = linear(rf"(?:{_SYSLOG})?(?:\{{\d+\}})?(?:{_WORD}(?: +{_WORD}){{0,3}}: +|\[ *\d+\.\d+\] *|"
+               r"\d+:\d+:\([\w.-]+:\d+:)*(?:device \[[0-9a-f]{4}:[0-9a-f]{4}\] *)?")
 CLEARS = ("reboot", "window", "pair")
 
 
