@@ -291,7 +291,7 @@ def test_kernel_faults_of_the_hardware_are_recorded_against_their_gpu_and_users_
         report = e.run_check("kernel")
         assert report is not None
         fired = {r.subject for r in report.results if r.status is not Status.OK}
-        assert fired == {"process:a.out:4242", "process:python:31337", "pci:0000:18:00.0"}
+        assert fired == {"process:a.out", "process:python", "pci:0000:18:00.0"}
         assert e.ledger is not None
         faults = [(r.kind, r.component, r.data["subject"]) for r in e.ledger.history() if r.event == "fault"]
         assert faults == [("gpu", "1320000000001", "pci:0000:18:00.0")]
