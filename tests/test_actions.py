@@ -332,11 +332,12 @@ def test_an_action_with_nothing_to_act_on_is_skipped_and_never_said_done(tmp_pat
     (not `failed`, which would list as a failure in `trainguard status`; not `ok`, which the alert would state as
     done: "job requeued", "array held"); an action that acted (the hook) is still said."""
     marker = tmp_path / "ran"
-    raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+    no_slurm = tmp_path / "no-slurm"  # a node without SLURM: nothing to drain, and nothing failed
+    raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": [], "slurm_bin_dir": str(no_slurm)},
            "actions": {"hook": {"type": "exec", "command": ["sh", "-c", f"echo x >> {marker}"]},
                        "save": {"type": "switch", "switch": "save"}},
            "checks": {"disk": {"paths": ["/"], "free_critical": "100%",
-                               "actions": {"critical": ["signal", "save", "requeue", "hold-array", "hook"]}}}}
+                               "actions": {"critical": ["signal", "save", "requeue", "hold-array", "drain", "hook"]}}}}
     engine = Engine(parse_config(raw, "t.toml"), store=Store(None))
     try:
         with caplog.at_level("INFO"):
@@ -349,9 +350,11 @@ def test_an_action_with_nothing_to_act_on_is_skipped_and_never_said_done(tmp_pat
                             "save": ("skipped", "no job on this node to switch"),
                             "requeue": ("skipped", "no SLURM job on this node: nothing to requeue"),
                             "hold-array": ("skipped", "not an array job: nothing pending to stop"),
+                            "drain": ("skipped", f"drain: no SLURM on this node (sinfo not installed (not in "
+                                                 f"{no_slurm}))"),
                             "hook": ("ok", "exited 0")}
         skipped = [r for r in caplog.records if r.getMessage() == "action" and r.__dict__["kv"]["outcome"] == "skipped"]
-        assert len(skipped) == 4 and all(r.levelname == "INFO" for r in skipped)  # not an ERROR at 3 a.m.
+        assert len(skipped) == 5 and all(r.levelname == "INFO" for r in skipped)  # not an ERROR at 3 a.m.
         fired = Event(EventKind.FIRED, incident.id, "disk", "/", Status.CRITICAL, "/: full", "n1", 1.0, 1.0,
                       details={"actions_taken": incident.actions})
         assert actions_done(fired) == ["hook done"]

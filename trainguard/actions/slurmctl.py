@@ -21,7 +21,7 @@ from trainguard.actions.diag import LEVEL_HELP, DiagToolSettings, Level, reason_
 from trainguard.core.settings import Duration, Field, field_validator, model_validator
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.model import Job
-from trainguard.jobs.slurm import SlurmError, parse_job_record
+from trainguard.jobs.slurm import SlurmError, SlurmMissingError, parse_job_record
 
 DRAIN_TAG = "trainguard:"
 # A job in these states is back in the queue: requeued already (a job that ended, COMPLETED or FAILED, is requeued:
@@ -40,6 +40,8 @@ def drain_reason(summary: str) -> str:
 def _slurm(call: str, fn: Callable[..., T], *args: object) -> T:
     try:
         return fn(*args)
+    except SlurmMissingError as exc:  # a node without SLURM: nothing to drain or resume, and nothing failed
+        raise ActionSkippedError(f"{call}: no SLURM on this node ({exc})") from None
     except SlurmError as exc:
         raise ActionError(f"{call}: {exc}") from None
 

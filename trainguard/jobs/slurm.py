@@ -5,6 +5,7 @@ here are typed and bounded, and never raise."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,10 @@ class SlurmError(Exception):
     """A SLURM command failed, timed out, or is not installed."""
 
 
+class SlurmMissingError(SlurmError):
+    """The SLURM command is not on this node: there is no SLURM here to ask or to act on."""
+
+
 @dataclass(frozen=True)
 class SlurmClient:
     timeout: float = 10.0
@@ -25,6 +30,9 @@ class SlurmClient:
 
     def run(self, *args: str, timeout: float | None = None) -> str:
         cmd = [os.path.join(self.bin_dir, args[0]) if self.bin_dir else args[0], *args[1:]]
+        if shutil.which(cmd[0]) is None:
+            where = f"not in {self.bin_dir}" if self.bin_dir else "not found on PATH"
+            raise SlurmMissingError(f"{args[0]} not installed ({where})")
         return run_tool(cmd, timeout or self.timeout, SlurmError, label=" ".join(args[:2]),
                         hint=" (slurmctld not answering?)")
 
