@@ -810,7 +810,6 @@ def cmd_validate(config: Config) -> int:
 
 def _one_shot(config: Config, args: argparse.Namespace) -> int:
     if args.command == "validate":
-        print(json.dumps(config.to_dict(), indent=2))
         return cmd_validate(config)
     if args.command == "check":
         return cmd_check(config, args.json, args.critical_only, args.drain, args.since)

@@ -31,8 +31,7 @@ class SlurmClient:
     def run(self, *args: str, timeout: float | None = None) -> str:
         cmd = [os.path.join(self.bin_dir, args[0]) if self.bin_dir else args[0], *args[1:]]
         if shutil.which(cmd[0]) is None:
-            where = f"not in {self.bin_dir}" if self.bin_dir else "not found on PATH"
-            raise SlurmMissingError(f"{args[0]} not installed ({where})")
+            raise SlurmMissingError(f"{args[0]} not installed (not found on PATH)")  # as run_tool says it
         return run_tool(cmd, timeout or self.timeout, SlurmError, label=" ".join(args[:2]),
                         hint=" (slurmctld not answering?)")
 
