@@ -51,7 +51,8 @@ SHM_MAX = 64 << 20
 GPU_SLACK = 512 << 20
 GRACE_S = 3.0
 WALK_MAX = 20000  # entries of other users a tmp walk looks at
-WALK_S = 2.0  # the tmp walk's deadline, and that of the look at what the user's processes hold
+WALK_S = 2.0  # the tmp walk's deadline
+HELD_S = 2.0  # the deadline of the look at what the user's processes hold (its own: a long walk does not cut it)
 NAMED_MAX = 10  # leftovers named in the reason
 EXIT_FAIL = 2
 
@@ -360,23 +361,31 @@ def _user_files(top: str, uid: int, walk: _Walk) -> list[tuple[int, str, tuple[i
     return found
 
 
-def held_files(proc: ProcFS, uid: int, deadline: float) -> tuple[set[str], set[tuple[int, int]], list[int]]:
-    """What the live processes of `uid` hold: the paths of their open descriptors, the (device, inode) of their
-    mapped files, and the pids that hold any (by the deadline)."""
-    paths: set[str] = set()
-    keys: set[tuple[int, int]] = set()
-    pids = []
+@dataclass
+class Held:
+    """What the live processes of a user hold: the paths of their open descriptors, the (device, inode) of their
+    mapped files, the pids that hold any, and whether the deadline cut the look short (then some were not seen)."""
+    paths: set[str] = field(default_factory=set)
+    keys: set[tuple[int, int]] = field(default_factory=set)
+    pids: list[int] = field(default_factory=list)
+    cut: bool = False
+
+
+def held_files(proc: ProcFS, uid: int, deadline: float) -> Held:
+    """What the live processes of `uid` hold, as far as the deadline lets the look go."""
+    held = Held()
     for pid in proc.pids():
         if time.monotonic() > deadline:
+            held.cut = True
             break
         if proc.real_uid(pid) != uid:
             continue
         opened, mapped = proc.open_paths(pid), proc.mapped_files(pid)
-        paths |= opened
-        keys |= mapped
+        held.paths |= opened
+        held.keys |= mapped
         if opened or mapped:
-            pids.append(pid)
-    return paths, keys, pids
+            held.pids.append(pid)
+    return held
 
 
 def job_files(uid: int, dirs: Sequence[str], limit: int, proc: ProcFS) -> tuple[list[str], list[str]]:
@@ -385,6 +394,7 @@ def job_files(uid: int, dirs: Sequence[str], limit: int, proc: ProcFS) -> tuple[
     more than `limit`, the largest named. Symlinks are not followed; a walk cut short says so."""
     failures, notes = [], []
     deadline = time.monotonic() + WALK_S
+    held: Held | None = None
     for top in dirs:
         walk = _Walk(deadline)
         files = _user_files(os.path.realpath(top), uid, walk)  # realpath: what /proc/PID/fd's links name
@@ -392,12 +402,19 @@ def job_files(uid: int, dirs: Sequence[str], limit: int, proc: ProcFS) -> tuple[
             notes.append(f"{top}: walk cut {walk.cut}: the job's user's files after it not counted")
         if sum(n for n, _, _ in files) <= limit:
             continue
-        paths, keys, pids = held_files(proc, uid, deadline)
-        held = [(n, p) for n, p, key in files if p in paths or key in keys]
-        free = [(n, p) for n, p, key in files if (n, p) not in held]
-        if held:
-            notes.append(f"{top}: {len(held)} file(s) of the job's user ({format_bytes(sum(n for n, _ in held))}) "
-                         f"held open or mapped by its running processes (pid {', '.join(map(str, pids[:5]))}): "
+        if held is None:  # once, on its own deadline: what a running job holds must not be charged to this one
+            held = held_files(proc, uid, time.monotonic() + HELD_S)
+        if held.cut:
+            notes.append(f"{top}: the look at what the job's user's processes hold was cut after {HELD_S:g}s: "
+                         f"{len(files)} file(s) of the user ({format_bytes(sum(n for n, _, _ in files))}) not "
+                         "checked, not counted")
+            continue
+        free, taken = [], []
+        for n, p, key in files:  # one pass: a user's files and what their processes hold can each be 100,000s
+            (taken if p in held.paths or key in held.keys else free).append((n, p))
+        if taken:
+            notes.append(f"{top}: {len(taken)} file(s) of the job's user ({format_bytes(sum(n for n, _ in taken))}) "
+                         f"held open or mapped by its running processes (pid {', '.join(map(str, held.pids[:5]))}): "
                          "not counted")
         total = sum(n for n, _ in free)
         if total > limit:
