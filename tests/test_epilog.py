@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,54 @@ def test_a_cut_look_at_held_files_is_said_and_charges_nothing(monkeypatch: pytes
     assert failures == []
     assert notes == ["/dev/shm: the look at what the job's user's processes hold was cut after 0.05s: 1 file(s) of the "
                      "user (3.0 MiB) not checked, not counted"]
+
+
+def _owned(path: Path, uid: int, size: int = 0) -> Path:
+    path.write_bytes(b"x" * size)
+    os.chown(path, uid, -1)
+    return path
+
+
+def test_the_tmp_walk_enters_no_symlink_swapped_in_for_a_listed_dir(
+        tmp_path: Path, job_user: int, other_user: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's writable directory is listed, then swapped for a symlink to the job user's files elsewhere
+    before the walk enters it (other users' directories are entered last): the walk does not follow it, and those
+    files are not charged to the job."""
+    shm, scratch = tmp_path / "shm", tmp_path / "scratch"
+    swapped, mine = shm / "d", shm / "mine"
+    for folder, uid in ((shm, 0), (scratch, job_user), (swapped, other_user), (mine, job_user)):
+        folder.mkdir()
+        folder.chmod(0o777)
+        os.chown(folder, uid, -1)
+    _owned(scratch / "big", job_user, 3 << 20)
+    _owned(mine / "small", job_user)
+    clock, calls = time.monotonic, [0]
+
+    def swapping() -> float:
+        """Call 1 sets the deadline, 2 and 3 are the top's two entries, 4 the first entry of the user's own dir."""
+        calls[0] += 1
+        if calls[0] == 4:
+            swapped.rename(shm / "was-d")
+            swapped.symlink_to(scratch)
+        return clock()
+
+    monkeypatch.setattr(gates.time, "monotonic", swapping)
+    failures, notes = gates.job_files(job_user, [str(shm)], 2 << 20, ProcFS())
+    monkeypatch.undo()
+    assert calls[0] >= 4 and swapped.is_symlink()
+    assert (failures, notes) == ([], [])
+
+
+def test_the_tmp_walk_does_not_enter_another_filesystem(
+        tmp_path: Path, job_user: int, tmpfs: Callable[..., Path]) -> None:
+    """A mount below the tmp dir (a user cannot make one, but a hung NFS mount must not hang the epilog) is not
+    entered: only the top's filesystem is walked."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mounted = tmpfs(size="8m", parent=shm)
+    os.chown(mounted, job_user, -1)
+    _owned(mounted / "big", job_user, 3 << 20)
+    left = _owned(shm / "left", job_user, 1 << 20)
+    failures, notes = gates.job_files(job_user, [str(shm)], 512 << 10, ProcFS())
+    assert (failures, notes) == ([f"{shm}: the job's user left 1.0 MiB in 1 file(s) (over 512.0 KiB): {left} (1.0 MiB)"],
+                                 [])
