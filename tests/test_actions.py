@@ -40,7 +40,15 @@ from trainguard.node.access import Identity
 from trainguard.notifiers.text import actions_done, headline
 from trainguard.pipeline.engine import Engine, OperatorError
 from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker, Operator
-from trainguard.pipeline.responder import LISTS_KEY, RESUME_WITHIN_S, Responder, _brief, event_jobs
+from trainguard.pipeline.responder import (
+    HANDED,
+    LISTS_KEY,
+    RESUME_WITHIN_S,
+    STOPPED,
+    Responder,
+    _brief,
+    event_jobs,
+)
 from trainguard.pipeline.store import Store
 from trainguard.registry import Registry
 from trainguard.trainer import Trainer
@@ -510,6 +518,11 @@ def test_a_list_cut_short_is_not_taken_up_where_that_is_not_safe(tmp_path: Path,
         [incident] = second.tracker.incidents()
         [interrupted] = [a for a in incident.actions if a["outcome"] == "interrupted"]
         assert interrupted["action"] == held, incident.actions
+        assert interrupted["detail"] == {  # why, as it was
+            "cut_signal": "cut short by the agent's stop or crash; not run again at start (not safe to repeat), nor "
+                          "the actions after it",
+            "unbound": "cut short at the agent's stop or crash; not taken up (no longer bound as it was)",
+            "too_old": "cut short at the agent's stop or crash; not taken up (cut more than 600s ago)"}[case]
     finally:
         release.set()
 
@@ -771,25 +784,38 @@ def test_the_trainer_holds_its_own_arrays_pending_tasks_once_on_a_stop_switch(
     assert stop_seen(SLURM_ARRAY_JOB_ID="77;rm -rf") == ""  # an id is digits
 
 
-@pytest.mark.parametrize("held", ["requeue", "signal"])
+@pytest.mark.parametrize(("held", "how", "ago"), [("requeue", HANDED, 0.0), ("signal", HANDED, 0.0),
+                                                ("requeue", HANDED, RESUME_WITHIN_S + 60),
+                                                ("requeue", STOPPED, RESUME_WITHIN_S + 60)])
 def test_a_reload_in_the_middle_of_a_list_runs_each_action_once_and_records_what_ran(
-        tmp_path: Path, held: str, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, held: str, how: str, ago: float, caplog: pytest.LogCaptureFixture) -> None:
     """`systemctl reload` while a list's action waits (a requeue for the ranks' save): the old engine's thread goes on
     in the process with that action, and begins no other; the new engine on the same state neither runs it again nor
-    calls it cut short (a signal: not safe to repeat), records what it did once handed over, and runs the rest."""
+    calls it cut short (a signal: not safe to repeat), records what it did once handed over, and runs the rest. That
+    action may have run longer than RESUME_WITHIN_S (a diag at its standard level, a requeue's wait): a reload's list
+    is taken up all the same, handed over or stopped between two actions (its action ended within the stop's grace)."""
     ran: list[str] = []
     release = threading.Event()
     first = _engine_with(tmp_path, ran, ["signal", "requeue", "notify"], held, release)
+
+    def release_at_the_stop() -> None:
+        wait_until(lambda: first.responder._closing, 10, what="the reload's stop")
+        release.set()
+
     try:
         first.run_round()
         wait_until(lambda: held in ran, 10, what=f"{held} under way")
-        first.stop(grace=0.2)  # the reload: the old engine stops, its action still under way
+        if how == STOPPED:
+            threading.Thread(target=release_at_the_stop, daemon=True).start()
+        first.stop(grace=0.2 if how == HANDED else 10)  # the reload: the old engine stops, its action still under way
         second = _engine_with(tmp_path, ran, ["signal", "requeue", "notify"])
         second.responder.process = first.responder.process  # the same process
+        second.responder.clock = lambda: time.time() + ago
         with caplog.at_level("INFO"):
             second.start()
-            time.sleep(0.5)
-            assert ran == ["signal", "requeue"][:["signal", "requeue"].index(held) + 1]  # nothing again, nothing more
+            if how == HANDED:
+                time.sleep(0.5)
+                assert ran == ["signal", "requeue"][:["signal", "requeue"].index(held) + 1]  # nothing again, nor more
             release.set()
             wait_until(lambda: len(second.tracker.incidents()[0].actions) == 3, 10, what="the rest of the list")
             for thread in second.responder.threads:
@@ -797,7 +823,7 @@ def test_a_reload_in_the_middle_of_a_list_runs_each_action_once_and_records_what
         assert ran == ["signal", "requeue", "notify"]
         assert [(a["action"], a["outcome"]) for a in second.tracker.incidents()[0].actions] == [
             ("signal", "ok"), ("requeue", "ok"), ("notify", "ok")]
-        [taken] = [r for r in caplog.records if r.getMessage() == "action list handed over after a reload; taken up"]
+        [taken] = [r for r in caplog.records if r.getMessage() == f"action list {how}; taken up"]
         assert taken.__dict__["kv"]["actions"] == ("requeue,notify" if held == "signal" else "notify")
         second.stop()
         third = _engine_with(tmp_path, ran, ["signal", "requeue", "notify"])  # nothing is left to take up

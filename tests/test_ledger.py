@@ -28,7 +28,7 @@ from trainguard.pipeline.lemon import HoldGate
 from trainguard.pipeline.store import SCHEMA_VERSION, SchemaTooNewError, Store
 
 from .conftest import AgentProcess, wait_until
-from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_ResetRequired
+from .helpers.fake_nvml import FakeGpu, FakeNvml, NVMLError_ResetRequired, NVMLError_Unknown
 
 ROOT = Path(__file__).resolve().parent.parent
 BUS = b"00000000:18:00.0"
@@ -534,6 +534,29 @@ def test_a_gpu_reset_is_recorded_against_its_serial_when_what_awaited_it_clears_
     after.stop()
     events = [r.event for r in read_history(Path(site["raw"]["agent"]["state_dir"]), 0)[0]]
     assert events.count("reset") == 2 and events.count("reboot") == 1  # the reboot cleared it: no third reset
+
+
+def test_a_failed_health_query_is_no_gpu_reset(site: dict[str, Any]) -> None:
+    """A reading where the remap query fails (a transient NVML error: the field reads nothing) proves nothing: the
+    pending remap is still awaited, and the one real reset later is recorded once."""
+    clock = Clock()
+    site["raw"]["checks"]["gpu"]["actions"] = {}
+    gpu = FakeGpu("GPU-00000001-0000-4000-8000-000000000000", serial="1320000000001", bus_id=BUS, remap=(0, 0, 1, 0))
+    e = engine(site, [gpu], clock)
+
+    def resets() -> list[Any]:
+        return [r for r in read_history(Path(site["raw"]["agent"]["state_dir"]), 0)[0] if r.event == "reset"]
+
+    settle(e)  # a row remap awaits a reset
+    gpu.fail = {"nvmlDeviceGetRemappedRows": NVMLError_Unknown}
+    settle(e)
+    assert resets() == []
+    gpu.fail = {}
+    settle(e)  # still pending
+    gpu.remap = (0, 0, 0, 0)  # the reset
+    settle(e)
+    e.stop()
+    assert [(r.uuid, r.data["cleared"]) for r in resets()] == [(gpu.uuid, ["row remap pending"])]
 
 
 def test_diagnostics_runs_go_into_the_ledger_the_metrics_and_history(site: dict[str, Any], tmp_path: Path) -> None:

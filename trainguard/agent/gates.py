@@ -51,7 +51,8 @@ SHM_MAX = 64 << 20
 GPU_SLACK = 512 << 20
 GRACE_S = 3.0
 WALK_MAX = 20000  # entries of other users a tmp walk looks at
-WALK_S = 2.0  # the tmp walk's deadline, and that of the look at what the user's processes hold
+WALK_S = 2.0  # the tmp walk's deadline
+HELD_S = 2.0  # the deadline of the look at what the user's processes hold (its own: a long walk does not cut it)
 NAMED_MAX = 10  # leftovers named in the reason
 EXIT_FAIL = 2
 
@@ -317,66 +318,126 @@ def gpu_memory(gpus: Sequence[GpuState], baseline: Mapping[str, object], job_pid
     return held, notes
 
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_File = tuple[int, str, tuple[int, int]]  # (bytes, path, (device, inode))
+_Dir = tuple[str, tuple[str, ...], tuple[int, int]]  # (path, its names below the top, (device, inode) when listed)
+
+
 @dataclass
 class _Walk:
-    """One tmp dir's walk: entries of other users looked at, and why it stopped early ("" while not)."""
+    """One tmp dir's walk for `uid`'s files: entries of other users looked at, and why it stopped early ("" while
+    not)."""
+    uid: int
     deadline: float
+    dev: int = 0  # the top's device: entries on another (a mount point) are not entered
     others: int = 0
     cut: str = ""
+    found: list[_File] = field(default_factory=list)
+    todo: deque[_Dir] = field(default_factory=deque)
 
 
-def _user_files(top: str, uid: int, walk: _Walk) -> list[tuple[int, str, tuple[int, int]]]:
-    """(bytes, path, (device, inode)) of `uid`'s files under `top`. The directories are read lazily, one entry at a
-    time; entries of other users count towards WALK_MAX, and the walk stops there or at the deadline (`walk.cut`).
-    Directories of another user that `uid` cannot write to are not entered (none of `uid`'s files can be there), and
-    `uid`'s own are walked first: another user's files cannot use up the walk to hide the job's."""
-    found = []
-    todo = deque([top])
-    while todo:
-        try:
-            with os.scandir(todo.pop()) as entries:
-                for entry in entries:
-                    if time.monotonic() > walk.deadline:
-                        walk.cut = f"after {WALK_S:g}s"
-                        return found
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if st.st_uid != uid:
-                        walk.others += 1
-                        if walk.others > WALK_MAX:
-                            walk.cut = f"at {WALK_MAX} entries of other users"
-                            return found
-                    if stat.S_ISDIR(st.st_mode):
-                        if st.st_uid == uid:
-                            todo.append(entry.path)
-                        elif st.st_uid == 0 or st.st_mode & 0o022:
-                            todo.appendleft(entry.path)
-                    elif st.st_uid == uid:
-                        found.append((st.st_blocks * 512, entry.path, (st.st_dev, st.st_ino)))
-        except OSError:
-            continue
-    return found
+def _user_files(top: str, walk: _Walk) -> list[_File]:
+    """`walk.uid`'s files under `top`. The directories are read lazily, one entry at a time; entries of other users
+    count towards WALK_MAX, and the walk stops there or at the deadline (`walk.cut`). Directories of another user that
+    the user cannot write to are not entered (none of the user's files can be there), and the user's own are walked
+    first: another user's files cannot use up the walk to hide the job's. A directory is opened from the top one name
+    at a time on descriptors, never through a symlink, and only if it is still the one listed: another user who swaps
+    a writable directory for a symlink (to a third user's files, to a hung mount) between the two gets nothing."""
+    try:
+        top_fd = os.open(top, _DIR)
+    except OSError:
+        return walk.found
+    try:
+        st = os.fstat(top_fd)
+        walk.dev = st.st_dev
+        walk.todo.append((top, (), (st.st_dev, st.st_ino)))
+        while walk.todo:
+            path, names, key = walk.todo.pop()
+            fd = _open_below(top_fd, names, key)
+            if fd is not None and not _list(fd, path, names, walk):
+                break
+    finally:
+        os.close(top_fd)
+    return walk.found
 
 
-def held_files(proc: ProcFS, uid: int, deadline: float) -> tuple[set[str], set[tuple[int, int]], list[int]]:
-    """What the live processes of `uid` hold: the paths of their open descriptors, the (device, inode) of their
-    mapped files, and the pids that hold any (by the deadline)."""
-    paths: set[str] = set()
-    keys: set[tuple[int, int]] = set()
-    pids = []
+def _open_below(top_fd: int, names: Sequence[str], key: tuple[int, int]) -> int | None:
+    """A descriptor of the directory `names` below the top, opened one name at a time with O_NOFOLLOW; None when one is
+    gone, a symlink or not a directory, or when it is no longer the (device, inode) that was listed."""
+    fd = os.dup(top_fd)
+    try:
+        for name in names:
+            fd, parent = os.open(name, _DIR, dir_fd=fd), fd
+            os.close(parent)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == key:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _list(fd: int, path: str, names: tuple[str, ...], walk: _Walk) -> bool:
+    """Look at one directory's entries (closes `fd`); False once the walk is cut."""
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if time.monotonic() > walk.deadline:
+                    walk.cut = f"after {WALK_S:g}s"
+                    return False
+                try:
+                    st = entry.stat(follow_symlinks=False)  # fstatat on `fd`: no path is resolved again
+                except OSError:
+                    continue
+                if st.st_dev != walk.dev:
+                    continue
+                if st.st_uid != walk.uid:
+                    walk.others += 1
+                    if walk.others > WALK_MAX:
+                        walk.cut = f"at {WALK_MAX} entries of other users"
+                        return False
+                inside = f"{path.rstrip('/')}/{entry.name}"
+                if stat.S_ISDIR(st.st_mode):
+                    below = (inside, (*names, entry.name), (st.st_dev, st.st_ino))
+                    if st.st_uid == walk.uid:
+                        walk.todo.append(below)
+                    elif st.st_uid == 0 or st.st_mode & 0o022:
+                        walk.todo.appendleft(below)
+                elif st.st_uid == walk.uid:
+                    walk.found.append((st.st_blocks * 512, inside, (st.st_dev, st.st_ino)))
+    except OSError:  # a directory that fails while listed (EIO) ends its listing
+        pass
+    finally:
+        os.close(fd)
+    return True
+
+
+@dataclass
+class Held:
+    """What the live processes of a user hold: the paths of their open descriptors, the (device, inode) of their
+    mapped files, the pids that hold any, and whether the deadline cut the look short (then some were not seen)."""
+    paths: set[str] = field(default_factory=set)
+    keys: set[tuple[int, int]] = field(default_factory=set)
+    pids: list[int] = field(default_factory=list)
+    cut: bool = False
+
+
+def held_files(proc: ProcFS, uid: int, deadline: float) -> Held:
+    """What the live processes of `uid` hold, as far as the deadline lets the look go."""
+    held = Held()
     for pid in proc.pids():
         if time.monotonic() > deadline:
+            held.cut = True
             break
         if proc.real_uid(pid) != uid:
             continue
         opened, mapped = proc.open_paths(pid), proc.mapped_files(pid)
-        paths |= opened
-        keys |= mapped
+        held.paths |= opened
+        held.keys |= mapped
         if opened or mapped:
-            pids.append(pid)
-    return paths, keys, pids
+            held.pids.append(pid)
+    return held
 
 
 def job_files(uid: int, dirs: Sequence[str], limit: int, proc: ProcFS) -> tuple[list[str], list[str]]:
@@ -385,19 +446,27 @@ def job_files(uid: int, dirs: Sequence[str], limit: int, proc: ProcFS) -> tuple[
     more than `limit`, the largest named. Symlinks are not followed; a walk cut short says so."""
     failures, notes = [], []
     deadline = time.monotonic() + WALK_S
+    held: Held | None = None
     for top in dirs:
-        walk = _Walk(deadline)
-        files = _user_files(os.path.realpath(top), uid, walk)  # realpath: what /proc/PID/fd's links name
+        walk = _Walk(uid, deadline)
+        files = _user_files(os.path.realpath(top), walk)  # realpath: what /proc/PID/fd's links name
         if walk.cut:
             notes.append(f"{top}: walk cut {walk.cut}: the job's user's files after it not counted")
         if sum(n for n, _, _ in files) <= limit:
             continue
-        paths, keys, pids = held_files(proc, uid, deadline)
-        held = [(n, p) for n, p, key in files if p in paths or key in keys]
-        free = [(n, p) for n, p, key in files if (n, p) not in held]
-        if held:
-            notes.append(f"{top}: {len(held)} file(s) of the job's user ({format_bytes(sum(n for n, _ in held))}) "
-                         f"held open or mapped by its running processes (pid {', '.join(map(str, pids[:5]))}): "
+        if held is None:  # once, on its own deadline: what a running job holds must not be charged to this one
+            held = held_files(proc, uid, time.monotonic() + HELD_S)
+        if held.cut:
+            notes.append(f"{top}: the look at what the job's user's processes hold was cut after {HELD_S:g}s: "
+                         f"{len(files)} file(s) of the user ({format_bytes(sum(n for n, _, _ in files))}) not "
+                         "checked, not counted")
+            continue
+        free, taken = [], []
+        for n, p, key in files:  # one pass: a user's files and what their processes hold can each be 100,000s
+            (taken if p in held.paths or key in held.keys else free).append((n, p))
+        if taken:
+            notes.append(f"{top}: {len(taken)} file(s) of the job's user ({format_bytes(sum(n for n, _ in taken))}) "
+                         f"held open or mapped by its running processes (pid {', '.join(map(str, held.pids[:5]))}): "
                          "not counted")
         total = sum(n for n, _ in free)
         if total > limit:

@@ -183,13 +183,18 @@ def by_incident(rows: Iterable[LedgerRow]) -> list[float]:
     return list(first.values())
 
 
+def _reset_fields(details: Mapping[str, Any]) -> list[tuple[str, bool | None]]:
+    """Each health field a GPU reset clears, in words, and whether it awaits one: None where it reads nothing (a
+    query that failed, or a GPU without it)."""
+    out = [(words, None if details.get(key) is None else bool(details.get(key))) for key, words in AWAITS_RESET]
+    ecc = details.get("ecc_uncorrected_volatile")  # volatile: the counter starts again at a reset
+    out.append(("uncorrected ECC errors", ecc > 0 if isinstance(ecc, int) else None))
+    return out
+
+
 def awaiting_reset(details: Mapping[str, Any]) -> list[str]:
     """What a GPU's health fields (the gpu check's result details) say awaits a reset."""
-    out = [words for key, words in AWAITS_RESET if details.get(key)]
-    ecc = details.get("ecc_uncorrected_volatile")
-    if isinstance(ecc, int) and ecc > 0:
-        out.append("uncorrected ECC errors")  # volatile: the counter starts again at a reset
-    return out
+    return [words for words, awaits in _reset_fields(details) if awaits]
 
 
 def diag_row(node: str, boot_id: str, report: DiagReport, source: str, at: float) -> LedgerRow | None:
@@ -294,14 +299,14 @@ class Ledger:
         if "remap_pending" not in r.details:
             return None
         index = str(r.details.get("index"))
-        now = awaiting_reset(r.details)
+        fields = dict(_reset_fields(r.details))
+        now = [words for words, awaits in fields.items() if awaits]
         before = self._awaiting.pop(index, [])
-        if now:
-            self._awaiting[index] = now
-            return None
-        # a reading that failed (NVML error, no UUID) proves nothing: what it awaited still stands
-        if before and not r.details.get("uuid"):
-            self._awaiting[index] = before
+        # A reading that failed proves nothing: what it awaited still stands, where the GPU was not read (no UUID)
+        # or the field was not (a transient NVML error reads None). Only a definite False or 0 clears it.
+        unknown = before if not r.details.get("uuid") else [w for w in before if fields.get(w) is None]
+        if now or unknown:
+            self._awaiting[index] = now + [w for w in unknown if w not in now]
             return None
         return before or None
 

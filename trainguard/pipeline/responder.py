@@ -66,6 +66,11 @@ RESUME_WITHIN_S = 600.0
 HANDOVER_KEY = "responder.handover/"  # + a list id: what a list left running by a reload did after it (`_end`)
 PROCESS = uuid.uuid4().hex  # this process: a list marked live by it still runs here (a reload), it was not cut short
 FOLLOW_MARGIN_S = 5.0  # past its action's timeout, a list followed after a reload is given up (its outcome unknown)
+# How a list came to be taken up (`_take_up`). Only one cut short by a stop or a crash may be stale: a reload's (handed
+# over, or stopped between two actions, in this same process) is taken up at once, however long its action ran.
+CUT = "cut short by the agent's stop or crash"
+HANDED = "handed over after a reload"
+STOPPED = "stopped between two actions by a reload"
 
 
 def _brief(job: Job) -> dict[str, Any]:
@@ -317,6 +322,8 @@ class Responder:
                 log.error("handing over an action list failed", extra=kv(list=list_id, error=exc))
         elif whole or not self._closing:
             self._keep(list_id, None)
+        elif (kept := self._lists.get(list_id)) is not None:  # stopped between two actions: by a reload if the
+            self._keep(list_id, {**kept, "stopped": self.process})  # responder that takes it up is in this process
         if close is not None:
             close()
 
@@ -399,7 +406,8 @@ class Responder:
                 threading.Thread(target=self._follow, args=(str(list_id), entry, bindings),
                                  name=f"follow-{list_id}", daemon=True).start()
                 continue
-            thread = self._take_up(str(list_id), entry, bindings)
+            stopped = isinstance(entry, dict) and entry.get("stopped") == self.process
+            thread = self._take_up(str(list_id), entry, bindings, STOPPED if stopped else CUT)
             if thread is not None:
                 threads.append(thread)
             if self._closing:
@@ -426,7 +434,7 @@ class Responder:
                               "actions after it")
             return
         self._keep(list_id, None)
-        self._take_up(list_id, entry, bindings, "handed over after a reload")
+        self._take_up(list_id, entry, bindings, HANDED)
 
     def _handed_in(self, list_id: str, entry: dict[str, Any]) -> dict[str, Any]:
         """`entry` after what its old responder handed over (`_end`), that recorded here: its outcomes on the incident
@@ -456,8 +464,8 @@ class Responder:
         return {**entry, "next": int(data["next"]), "started": False}
 
     def _take_up(self, list_id: str, entry: Any, bindings: Mapping[str, ActionBinding],
-                 how: str = "cut short by the agent's stop or crash") -> threading.Thread | None:
-        """One list cut short (`resume`), or handed over after a reload (`how`): its rest started, or said why not."""
+                 how: str = CUT) -> threading.Thread | None:
+        """One list cut short (`resume`), or left by a reload (`how`): its rest started, or said why not."""
         try:
             entry = self._handed_in(list_id, entry)
             event = Event.from_dict(entry["event"])
@@ -482,11 +490,14 @@ class Responder:
         binding = bindings.get(event.check)
         bound = set(binding.for_status(event.status)) if binding is not None else set()
         again = [n for n in left if n in bound and n in self.actions and kinds.get(n) == type(self.actions[n]).__name__]
-        if again[:1] != left[:1] or self.clock() - at > RESUME_WITHIN_S:
-            log.error("action list cut short; not taken up: its first action is no longer bound as it was, or it "
-                      f"was cut more than {RESUME_WITHIN_S:g}s ago", extra=where)
-            self._interrupted(event, left[0], ("cut short" if started else "not begun") + " at the agent's stop "
-                              "or crash; not taken up at start (no longer bound as it was, or too long ago)")
+        why = ("no longer bound as it was" if again[:1] != left[:1] else
+               f"cut more than {RESUME_WITHIN_S:g}s ago" if how == CUT and self.clock() - at > RESUME_WITHIN_S else "")
+        if why:
+            log.error(f"action list {how}; not taken up: {why}", extra=where)
+            what = f"not begun: the list was {how}"  # the action a reload left ran to its end
+            if how == CUT:
+                what = ("cut short" if started else "not begun") + " at the agent's stop or crash"
+            self._interrupted(event, left[0], f"{what}; not taken up ({why})")
             _withdraw(event, reports)
             return None
         if started and not self.actions[again[0]].resumes:
