@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.checks.kernel import _MEMCG_JOB, _MEMCG_TASK, Entry, _victim
+from trainguard.checks.kernel import Entry, _victim
+from trainguard.jobs.kernelnotes import KernelNotes
+from trainguard.jobs.slurmnode import job_of_cgroup
 from trainguard.node.kernel_events import KernelEventParser
+from trainguard.node.kmsg import KernelRecord
 
 FORGED = "Watchdog detected hard LOCKUP on cpu 3"
 # (the record as the kernel prints it with the user's text in it, the class it really is: "" when none)
@@ -53,9 +56,21 @@ def test_a_forged_oom_record_names_no_number_it_lacks() -> None:
 def test_only_slurms_own_cgroup_tree_names_a_job() -> None:
     """A user's delegated cgroup tree may hold a `job_4711` of their making: it names no job (it would blame
     another user's job for their OOM kill)."""
-    assert _MEMCG_JOB.search("/user.slice/user-1000.slice/user@1000.service/app.slice/job_4711") is None
-    for memcg, job, task in (("/slurm/uid_1000/job_4242/step_0/task_3", "4242", "3"),
-                             ("/system.slice/slurmstepd.scope/job_77/step_0/user/task_1", "77", "1")):
-        found, in_task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
-        assert found is not None and in_task is not None
-        assert (found.group(1), in_task.group(2)) == (job, task)
+    assert job_of_cgroup("/user.slice/user-1000.slice/user@1000.service/app.slice/job_4711") == (None, None)
+    assert job_of_cgroup("/slurm/uid_1000/job_4242/step_0/task_3") == ("4242", "3")
+    assert job_of_cgroup("/system.slice/slurmstepd.scope/job_77/step_0/user/task_1") == ("77", "1")
+    assert job_of_cgroup("/system.slice/n3_slurmstepd.scope/job_78/step_batch/user/task_0") == ("78", "0")
+    assert job_of_cgroup("/slurm_n3/uid_5/job_9") == ("9", None)
+
+
+def test_the_job_checks_notes_take_a_job_only_from_slurms_tree_too() -> None:
+    """The job checks' kernel notes read the same record: a kill in a user's own `job_4711` is no kill of job 4711."""
+    notes = KernelNotes(clock=lambda: 1e9)
+    memcg = "/user.slice/user-1000.slice/user@1000.service/app.slice/job_4711"
+    notes.feed(KernelRecord(1, 3, 0, 5_000_000, "oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,"
+                            f"mems_allowed=0,oom_memcg={memcg},task_memcg={memcg},task=python,pid=31337,uid=1000"))
+    assert notes.kills(job_id="4711") == []
+    notes.feed(KernelRecord(2, 3, 0, 6_000_000, "oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,"
+                            "mems_allowed=0,oom_memcg=/slurm/uid_1000/job_4242,task_memcg=/slurm/uid_1000/job_4242/"
+                            "step_0/task_3,task=python,pid=31338,uid=1000"))
+    assert [(k.pid, k.task) for k in notes.kills(job_id="4242")] == [(31338, "3")]

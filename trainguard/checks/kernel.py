@@ -27,6 +27,7 @@ from trainguard.core.text import linear
 from trainguard.core.units import format_duration
 from trainguard.gpu.nvml import GpuState, NvmlUnavailableError, normalize_bus_id
 from trainguard.jobs.model import Job
+from trainguard.jobs.slurmnode import job_of_cgroup
 from trainguard.jobs.tree import job_pids
 from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
 from trainguard.node.kmsg import KernelRecord, LogPoint
@@ -47,12 +48,6 @@ PCI_KINDS = {"nvidia": "gpu", "mlx5_core": "nic", "nvme": "disk"}
 # The catalog's kinds that are the node's hardware, for the node ledger (`node`: the firmware's CPER records); an OOM
 # kill (kind memory, block oom), a process's crash, a file system or a network file server are not.
 HARDWARE_KINDS = frozenset({"cpu", "memory", "pcie", "gpu", "nic", "disk", "node"})
-# SLURM's own cgroup tree only: v2 /system.slice/slurmstepd.scope/job_123/step_0/user/task_3, v1
-# /slurm[_node]/uid_1000/job_123/step_0/task_3. A `job_N` a user made in a delegated tree of their own
-# (user@.service/app.slice/job_4711) must not name another user's job.
-_SLURM_CG = r"^/(?:system\.slice/slurmstepd\.scope|slurm[^/]{0,64}/uid_\d{1,10})/job_(\d{1,20})"
-_MEMCG_JOB = linear(_SLURM_CG + r"(?:/|$)")
-_MEMCG_TASK = linear(_SLURM_CG + r"/step_[^/]{1,20}(?:/user)?/task_(\d{1,9})(?:/|$)")
 _NAMESPACE = linear(r"^nvme\d{1,4}(?:c\d{1,4})?n\d{1,4}$")  # a controller's namespaces (block devices) in sysfs
 _PCI = linear(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}(?:\.[0-7])?$")
 PCI_NAMES = ("source", "pci", "gpu", "xid_pci")  # what names a PCI address, the most precise first (an AER source)
@@ -326,14 +321,14 @@ class KernelCheck(Check):
         """The job (and SLURM task) an OOM kill hit: from the memory cgroup the record names (SLURM's job_N/task_M),
         else the job whose processes held the pid in the last listing (the process is gone by now)."""
         memcg, pid = names.get("memcg", ""), names.get("pid", "")
-        job_id, task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
-        out = {"task": task.group(2)} if task else {}
+        job_id, task = job_of_cgroup(memcg)  # SLURM's own tree only: a user's `job_N` names no job
+        out = {"task": task} if task else {}
         view = self.context.jobs.cached() if self.context.jobs is not None else None
         for job in view.jobs if view is not None else ():
-            if (job_id and job.job_id == job_id.group(1)) or (pid.isdigit() and
+            if (job_id and job.job_id == job_id) or (pid.isdigit() and
                                                                 any(p.pid == int(pid) for p in job.processes)):
                 return {**out, "job": job.key, "job_name": job.name, **({"job_id": job.job_id} if job.job_id else {})}
-        return {**out, "job_id": job_id.group(1)} if job_id else out
+        return {**out, "job_id": job_id} if job_id else out
 
     def _make_room(self) -> None:
         if len(self.entries) < self.settings.max_subjects:

@@ -22,6 +22,7 @@ from typing import TypeVar
 from trainguard.core.listeners import Listeners
 from trainguard.core.text import linear
 from trainguard.core.units import format_bytes
+from trainguard.jobs.slurmnode import job_of_cgroup
 from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
 from trainguard.node.kmsg import KernelLog, KernelRecord, KmsgFollower
 from trainguard.node.mounts import Mount, mount_of
@@ -39,8 +40,6 @@ MAX_HUNG = 256
 MAX_PIDS = 4096  # of one job remembered with its rank
 MAX_FDS = 1024  # of one process looked at for the mount it waits on
 MERGE_USEC = 2_000_000  # the lines of one kill (its constraint line, its `Killed process` line) come together
-_MEMCG_JOB = linear(r"/job_(\d{1,20})(?:/|$)")  # SLURM's cgroup tree: .../job_123/step_0/task_3 (v1 and v2)
-_MEMCG_TASK = linear(r"/task_(\d{1,9})(?:/|$)")
 # Kernel functions that name the file system a task sleeps in (its /proc/PID/stack or wchan)
 _FS_FRAME = linear(r"\b(nfs4?|rpc|fuse|ll|ptlrpc|osc|mdc|ldlm|lov|cl|ceph|cifs|smb2|gpfs|mmfs)_")
 _FRAME_KIND = {"nfs": "nfs", "nfs4": "nfs", "rpc": "nfs", "fuse": "fuse", "ceph": "ceph", "cifs": "cifs", "smb2": "cifs",
@@ -227,9 +226,9 @@ class KernelNotes:
         kill = old or OomKill(pid, n.get("comm", "?"), when, event.usec, event.seq, line=event.line)
         if event.klass == "oom_kill_constraint":
             memcg = n.get("memcg", "")
-            job, task = _MEMCG_JOB.search(memcg), _MEMCG_TASK.search(memcg)
+            job, task = job_of_cgroup(memcg)  # SLURM's own tree only: a user's `job_N` names no job
             kill = replace(kill, memcg=memcg, memcg_limit=n.get("constraint") == "CONSTRAINT_MEMCG",
-                           job_id=job.group(1) if job else kill.job_id, task=task.group(1) if task else kill.task)
+                           job_id=job or kill.job_id, task=task or kill.task)
         else:
             memcg_limit = kill.memcg_limit if kill.memcg_limit is not None else event.klass == "oom_kill_memcg"
             kill = replace(kill, anon_kb=_int(n.get("anon_kb")) or kill.anon_kb, memcg_limit=memcg_limit,

@@ -32,6 +32,18 @@ MAX_PIDS = 65536
 _SOCKET = linear(r"^(.+)_(\d{1,10})\.(\d{1,10})(?:\.\d{1,10})?$")
 _JOB_DIR = linear(r"^job_(\d{1,10})$")
 _UID_DIR = linear(r"^uid_(\d{1,10})$")
+# A cgroup path (as the kernel names a task's memory cgroup) in SLURM's own tree only, v1 and v2 with the `<node>_`
+# forms: a `job_N` a user made in a delegated tree of their own (user@.service/app.slice/job_4711) names no job
+_CGROUP_JOB = linear(r"^/(?:system\.slice/(?:[^/]{1,64}_)?slurmstepd\.scope|slurm[^/]{0,64}/uid_\d{1,10})"
+                     r"/job_(\d{1,20})(?:/step_[^/]{1,20}(?:/user)?/task_(\d{1,9}))?(?:/|$)")
+
+
+def job_of_cgroup(path: str) -> tuple[str | None, str | None]:
+    """(SLURM job id, task) of a cgroup path in SLURM's own tree (`/slurm/uid_1000/job_4242/step_0/task_3`,
+    `/system.slice/slurmstepd.scope/job_77/step_0/user/task_1`); (None, None) elsewhere, the task None when the
+    path stops above it."""
+    m = _CGROUP_JOB.match(path)
+    return (m.group(1), m.group(2)) if m else (None, None)
 
 
 def conf_path(env: Mapping[str, str]) -> Path | None:
