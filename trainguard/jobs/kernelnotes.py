@@ -318,23 +318,16 @@ def fs_wait(pid: int, mounts: list[Mount], proc: ProcFS) -> FsWait | None:
     stack = proc.read_text(pid, "stack") or ""
     frames = [m.group(1) for m in _FS_FRAME.finditer(stack + "\n" + (proc.wchan(pid) or ""))]
     kinds = {_FRAME_KIND.get(f, "lustre") for f in frames}
-    opened: list[tuple[str, str]] = []
+    opened = [(f"its open file {t}", t) for t in sorted(proc.open_paths(pid, limit=MAX_FDS))]
     try:
-        names = os.listdir(proc.path(pid, "fd"))[:MAX_FDS]
+        opened.append(("its working directory", os.readlink(proc.path(pid, "cwd"))))
     except OSError:
-        names = []
-    for name in [*names, "cwd"]:
-        try:
-            target = os.readlink(proc.path(pid, name) if name == "cwd" else proc.path(pid, "fd", name))
-        except OSError:
-            continue
-        if target.startswith("/"):
-            opened.append((name, target.removesuffix(" (deleted)")))
+        pass
     found: list[tuple[Mount, str]] = []
-    for name, target in opened:
-        mount = mount_of(target, mounts)
+    for how, target in opened:
+        mount = mount_of(target.removesuffix(" (deleted)"), mounts) if target.startswith("/") else None
         if mount is not None and mount.fstype.split(".")[0] in NETWORK_FS:
-            found.append((mount, "its working directory" if name == "cwd" else f"its open file {target}"))
+            found.append((mount, how.removesuffix(" (deleted)")))
     for mount, how in found:
         if _kind(mount) in kinds:
             frame = next(f for f in frames if _FRAME_KIND.get(f, "lustre") == _kind(mount))

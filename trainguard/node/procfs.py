@@ -128,13 +128,15 @@ class ProcFS:
             return []
         return sorted(int(pid) for pid in entries if (self.read_text(pid, "comm") or "").rstrip("\n") == comm)
 
-    def open_paths(self, pid: int) -> set[str]:
+    def open_paths(self, pid: int, limit: int | None = None) -> set[str]:
         """What each open descriptor of the process names (its /proc/PID/fd link, read, never followed: a stat through
-        it would block on a hung mount); empty when it can't be read."""
+        it would block on a hung mount), of its first `limit` descriptors when given; empty when it can't be read."""
         out = set()
         try:
             with os.scandir(self.path(pid, "fd")) as fds:
-                for fd in fds:
+                for n, fd in enumerate(fds):
+                    if limit is not None and n >= limit:
+                        break
                     try:
                         out.add(os.readlink(fd.path))
                     except OSError:
