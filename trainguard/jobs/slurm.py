@@ -5,7 +5,6 @@ here are typed and bounded, and never raise."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,10 +29,8 @@ class SlurmClient:
 
     def run(self, *args: str, timeout: float | None = None) -> str:
         cmd = [os.path.join(self.bin_dir, args[0]) if self.bin_dir else args[0], *args[1:]]
-        if shutil.which(cmd[0]) is None:
-            raise SlurmMissingError(f"{args[0]} not installed (not found on PATH)")  # as run_tool says it
         return run_tool(cmd, timeout or self.timeout, SlurmError, label=" ".join(args[:2]),
-                        hint=" (slurmctld not answering?)")
+                        hint=" (slurmctld not answering?)", missing=SlurmMissingError)
 
     # on this node: answered by the local slurmstepds, no RPC to slurmctld ------------------------------------------
     def local_pids(self, node: str = "") -> dict[str, list[int]]:
