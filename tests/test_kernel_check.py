@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import tomllib
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, require, wait_until
 from tests.helpers.fake_nvml import FakeGpu, FakeNvml
 from tests.test_ledger import SCONTROL, SINFO
 from trainguard.actions.slurmctl import DRAIN_TAG, drain_reason
@@ -352,8 +352,7 @@ def root_device() -> tuple[str, str]:
 
 def test_a_file_system_error_names_the_mount_points_on_its_device(tmp_path: Path) -> None:
     dev, source = root_device()
-    if not source.startswith("/dev/"):
-        pytest.skip(f"the root file system is not on a block device here ({source})")
+    require(source.startswith("/dev/"), f"the root file system on a block device (here: {source})")
     check = make(tmp_path)
     # Real lines, for the device this machine's root really is mounted from
     feed(check, [x.replace("xvda9", dev) for x in real("ext4_error", "xvda9") + real("fs_readonly", "xvda9")])
