@@ -75,7 +75,7 @@ from trainguard.agent.configfile import parse_config
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
 # drawn only when named (or by `--schedule fleet`): the seven's seeded schedules stay as they were
-EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic", "maintenance")
+EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic", "maintenance", "cuda_error")
 SLOW_FACTOR = 1.5
 # The GPU faults: the XID line the driver prints (after "NVRM: Xid (PCI:<bus>): "; real lines, tests/test_xid.py and
 # NVIDIA's XID catalog) and the NVML state of the GPU that goes with it (benchmarks/goodput_agent.py).
@@ -89,7 +89,8 @@ XID_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # The check that answers each fault kind, and the action(s) that make the job come back.
 CHECK_OF = {"hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
-            "time_limit": "job_timelimit", "nan": "training_log", "slow": "job_pace", "ib_down": "infiniband",
+            "time_limit": "job_timelimit", "nan": "training_log", "cuda_error": "training_log", "slow": "job_pace",
+            "ib_down": "infiniband",
             "nic": "kernel", "maintenance": "training_log",  # no check of trainguard's answers a host's maintenance:
             # what it sees is the job's end (the peers' collective timeout in its log)
             **dict.fromkeys(XID_FAULTS, "xid")}
@@ -504,6 +505,8 @@ class Run:
             self.restore_limit = True
         elif f.kind == "nan":
             write_as_user(faults / "nan", attempt)
+        elif f.kind == "cuda_error":
+            write_as_user(faults / "crash", f"{attempt} {f.target}")
         elif f.kind == "slow" and node:
             write_as_user(faults / f"slow-{node}", f"{attempt} {SLOW_FACTOR}")
         self.rec.faults.append(row)
@@ -806,7 +809,7 @@ def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
             "leak": f.get("oom_in", 0.0),
             "disk_full": f.get("full_in", 0.0), "stop_switch": 3.0,
             "time_limit": max(0.0, f.get("limit_at", 0.0) - f["injected"] - scale(600, 3)) + 2.0,
-            "nan": 3 * step_time + 2.0, "slow": 2 * scale(600) + 2.0}[f["kind"]]
+            "nan": 3 * step_time + 2.0, "cuda_error": step_time + 2.0, "slow": 2 * scale(600) + 2.0}[f["kind"]]
 
 
 def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:

@@ -36,8 +36,10 @@ CAUSES = (
           "the GPU lost; the rank there hangs in a CUDA call"),
     Cause("GPU HBM3 memory", 72, "hbm", "XID 48 (double bit ECC error) in the kernel log; its scripted NVML reads "
           "uncorrected volatile ECC errors and a pending row remap; the rank there hangs"),
-    Cause("Software bug", 54, "nan", "a NaN streak in the loss (a crash or a CUDA error line would be the other "
-          "shapes: not injected yet)"),
+    # Table 5 does not split its software bugs by shape: half are drawn as each of the two the harness makes.
+    Cause("Software bug (half)", 27, "nan", "a NaN streak in the loss: the run diverges"),
+    Cause("Software bug (half)", 27, "cuda_error", "one rank crashes on a CUDA error (PyTorch's illegal memory access "
+          "lines, a real capture); the others wait for it in the collective"),
     Cause("Network switch/cable", 35, "ib_down", "the node's HCA port (a recorded H100 sysfs tree, "
           "tests/data/infiniband) goes DOWN/Disabled; the rank there logs NCCL's NET/IB completion error and hangs "
           "in the collective"),

@@ -10,7 +10,9 @@ carries its vote (stop, save), so all ranks decide together, as a collective wou
 Faults are files the harness writes into `<run-dir>/faults/`, each naming the attempt (job id, restart count, srun
 step) it hits, so a requeued or restarted job runs clean: `gpu-lost-NODE` (the rank there hangs in a CUDA call, as
 processes on a GPU that fell off the bus do), `ib-down-NODE` (the rank there logs NCCL's NET/IB completion error and
-hangs in its collective, as over an HCA port that went down), `hang` (`ATTEMPT RANK`: that rank stops before the barrier), `leak`
+hangs in its collective, as over an HCA port that went down), `hang` (`ATTEMPT RANK`: that rank stops before the barrier),
+`crash` (`ATTEMPT RANK`: that rank dies of a CUDA error, PyTorch's traceback in its log; the others wait for it in the
+barrier until the collective timeout), `leak`
 (`ATTEMPT NODE MB`: the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this
 attempt), `slow-NODE` (`ATTEMPT FACTOR`: the rank there takes FACTOR times as long a step, as on a throttled GPU; the
 others wait for it in the barrier).
@@ -96,6 +98,17 @@ def gpu_gone(run_dir: Path, node: str, rank: int, step: int) -> None:
         stuck_in_cuda_call()
 
 
+# What PyTorch 2.8+ prints when a kernel faults: the lines of a real illegal memory access (THUDM/slime#1297, kept in
+# tests/data/messages/corpus.toml), after the traceback's head.
+CUDA_CRASH = """\
+Traceback (most recent call last):
+  File "goodput_trainer.py", in main (step {step})
+torch.AcceleratorError: CUDA error: an illegal memory access was encountered
+Search for `cudaErrorIllegalAddress' in \
+https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.
+Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."""
+
+
 def stuck_before_all_reduce() -> None:
     while True:
         time.sleep(3600)
@@ -169,6 +182,11 @@ def main() -> int:
         if hang[:2] == [attempt, str(rank)]:
             print(f"rank {rank}: step {step}: stops before all_reduce", flush=True)
             stuck_before_all_reduce()
+        crash = fault(a.run_dir, "crash")
+        if crash[:2] == [attempt, str(rank)]:
+            print(CUDA_CRASH.format(step=step), flush=True)
+            record_stop("crashed: CUDA error: an illegal memory access was encountered", step)
+            return 1
         time.sleep(a.step_time)
         slow = fault(a.run_dir, f"slow-{node}")
         if slow[:1] == [attempt]:

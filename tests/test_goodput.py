@@ -43,6 +43,8 @@ from benchmarks.goodput import (
 from benchmarks.goodput_trainer import resume_step
 from tests.conftest import require, require_root, wait_until
 from tests.slurm_cluster import REPO, missing_components
+from trainguard.logscan.diagnose import diagnose_cuda
+from trainguard.logscan.signatures import BUILTIN, Scanner
 
 
 def test_the_schedule_is_the_seeds_each_kind_once_inside_the_run() -> None:
@@ -213,6 +215,25 @@ def test_the_trainer_records_why_each_attempt_stopped(tmp_path: Path) -> None:
     assert _stops(tmp_path)[-1]["why"] == "collective timeout: 1 of 2 ranks missing after 1s"
 
 
+def test_a_crash_fault_kills_its_rank_with_pytorchs_cuda_error(tmp_path: Path) -> None:
+    """The fleet's software bugs' other shape: the rank dies of a CUDA error that training_log reads as one."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "run" / "faults").mkdir(parents=True)
+    (tmp_path / "run" / "faults" / "crash").write_text("7.2.0 0")  # this attempt, rank 0
+    proc = _trainer(tmp_path, 1)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 1
+    assert _stops(tmp_path)[-1]["why"] == "crashed: CUDA error: an illegal memory access was encountered"
+    assert "cuda_error" in {h.signature.name for h in Scanner(BUILTIN).scan(out.encode())}, out
+    d = diagnose_cuda(out)
+    assert d.fields["error"] == "illegal memory access" and not d.hardware, out  # the job's bug: no drain
+    (tmp_path / "run" / "faults" / "crash").write_text("7.3.0 0")  # another attempt's: this one runs on
+    proc = _trainer(tmp_path, 1)
+    wait_until(lambda: "step 2 " in (tmp_path / "run" / "progress.log").read_text(), 20, what="steps past the crash")
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(20) == 0
+
+
 def test_each_attempts_end_is_rank_0s_record_where_it_has_one() -> None:
     rec = Record(trainguard=True)
     rec.stops = [{"t": 5.0, "attempt": "1.0", "rank": 2, "node": "n3", "step": 9, "why": "stop voted: rank 1: SIGUSR1"},
@@ -229,7 +250,7 @@ def test_the_fleet_mix_is_llama_3s_table_mapped_to_harness_kinds() -> None:
     known = set(KINDS) | set(EXTRA_KINDS)
     assert all(c.kind in known for c in fleet.CAUSES if c.kind) and all(c.how for c in fleet.CAUSES)
     w = fleet.weights()
-    assert w["xid79"] == 148 and w["hbm"] == 72 and w["nan"] == 54 and w["ib_down"] == 35 and w["slow"] == 6
+    assert w["xid79"] == 148 and w["hbm"] == 72 and w["nan"] + w["cuda_error"] == 54 and w["ib_down"] == 35 and w["slow"] == 6
     assert w["maintenance"] == 32 and w["nic"] == 7 and sum(w.values()) == 397  # of the 419
     assert fleet.covered() == sum(w.values()) / 419
     assert max(w, key=w.__getitem__) == "xid79"
