@@ -1095,17 +1095,18 @@ class Human:
 
 def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = KINDS, step_time: float = 0.5,
               ckpt_every: int = 20, out_dir: Path | None = None, human: Human = Human(),
-              also_without: tuple[float, ...] = (), site: Site = Site(),
-              faults: list[Fault] | None = None) -> tuple[list[dict[str, Any]], list[Record]]:
+              also_without: tuple[float, ...] = (), site: Site = Site(), faults: list[Fault] | None = None,
+              without_only: bool = False) -> tuple[list[dict[str, Any]], list[Record]]:
     """The run with trainguard and the one without it, with `human`; then one more run without it for each of
     `also_without` (how often that human looks, in minutes): the same schedule (`faults`, else the default one of
     `seed` and `kinds`) against other people on call. With a lemon node (`site.lemon_every`), last, one more run with
-    trainguard whose agents have no lemon rules."""
+    trainguard whose agents have no lemon rules. `without_only`: the runs without trainguard alone (more humans for
+    seeds whose run with it is saved already: `--report-from` joins them)."""
     duration = minutes * 60
     faults = schedule(seed, duration, kinds) if faults is None else faults
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-goodput-", dir="/tmp"))
     base.chmod(0o755)
-    runs = [(True, human, "with", site), (False, human, "without", site)] + [
+    runs = ([] if without_only else [(True, human, "with", site)]) + [(False, human, "without", site)] + [
         (False, Human(m, human.page_response_min), f"without-{i}-look{m:g}", site) for i, m in enumerate(also_without)]
     if site.lemon_every:
         runs.append((True, human, "with-no-lemon-policy", replace(site, lemon_policy=False)))
@@ -1121,8 +1122,8 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
                for r, (_, person, _, where) in zip(records, runs, strict=True)]
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "goodput.json").write_text(json.dumps({"results": results, "records": [asdict(r) for r in records]},
-                                                         indent=1))
+        (out_dir / "goodput.json").write_text(json.dumps({"seed": seed, "minutes": minutes, "results": results,
+                                                          "records": [asdict(r) for r in records]}, indent=1))
     return results, records
 
 
@@ -1135,6 +1136,38 @@ def other_humans(text: str, look_every: float) -> tuple[float, ...]:
     if not all(math.isfinite(m) and m > 0 for m in minutes):
         raise ValueError(f"--also-without: {text!r} is not a comma-separated list of minutes above 0")
     return tuple(sorted(minutes - {look_every}))
+
+
+def run_key(r: dict[str, Any]) -> tuple[bool, Any]:
+    """Which run of a seed this is: without trainguard, its human; with it, its lemon rules (whoever was on call)."""
+    return (True, r.get("lemon_policy", True)) if r["trainguard"] else (False, r["human"]["look_every_min"])
+
+
+def saved(dirs: list[Path]) -> dict[int, tuple[list[dict[str, Any]], list[Record]]]:
+    """The runs earlier invocations saved (each `--out`: its `seed-N/goodput.json`, or its `goodput.json`), joined by
+    seed in the order given: the runs of record can be made a few at a time (`--without-only` adds humans to seeds
+    whose run with trainguard is saved), then reported together. A seed's first run with trainguard is the one
+    compared; a human already seen for a seed is not counted twice. ValueError names a file that is not a saved run."""
+    per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
+    for d in dirs:
+        files = sorted(d.glob("seed-*/goodput.json"), key=lambda f: f.parent.name) or [d / "goodput.json"]
+        for f in files:
+            try:
+                data = json.loads(f.read_text())
+                seed = int(data.get("seed", f.parent.name.removeprefix("seed-")))
+                runs = list(zip(data["results"], [Record(**r) for r in data["records"]], strict=True))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{f}: not a saved goodput run ({e})") from e
+            results, records = per_seed.setdefault(seed, ([], []))
+            seen = {run_key(r) for r in results}
+            for r, rec in runs:
+                if (key := run_key(r)) not in seen:
+                    seen.add(key)
+                    results.append(r)
+                    records.append(rec)
+    if missing := [seed for seed, (rs, _) in per_seed.items() if not any(r["trainguard"] for r in rs)]:
+        raise ValueError(f"seeds {missing}: no run with trainguard saved")
+    return per_seed
 
 
 def seed_list(text: str) -> list[int]:
@@ -1184,6 +1217,12 @@ def parser() -> argparse.ArgumentParser:
                    help="how long the paged human takes to act (real-world minutes, scaled)")
     p.add_argument("--also-without", default="", metavar="MINUTES[,MINUTES...]",
                    help="one more run without trainguard for each: a human who looks that often (minutes)")
+    p.add_argument("--without-only", action="store_true",
+                   help="only the runs without trainguard (--look-every's human and --also-without's): more humans for "
+                        "seeds whose run with it is saved; --report-from joins them")
+    p.add_argument("--report-from", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="run nothing: the report over the seeds (and the plot) from the runs saved in each DIR (an "
+                        "earlier --out), joined by seed, written to --out")
     return p
 
 
@@ -1203,6 +1242,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     scale = Scale(a.scale)
+    if a.report_from:
+        try:
+            per_seed = saved(a.report_from)
+        except ValueError as e:
+            p.error(f"--report-from: {e}")
+        a.out.mkdir(parents=True, exist_ok=True)
+        report(per_seed, scale, a.out, a.plot, "fault-free" if a.fault_free else a.schedule)
+        return 0
     kinds = () if a.fault_free else tuple(k for k in a.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS) - set(EXTRA_KINDS):
         p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS + EXTRA_KINDS)}")
@@ -1215,10 +1262,14 @@ def main(argv: list[str] | None = None) -> int:
         faults = fleet_schedule(seed, a.minutes * 60, scale, a.rate) if fleet_like else None
         out = a.out / f"seed-{seed}" if len(seeds) > 1 else a.out
         per_seed[seed] = benchmark(seed, a.minutes, scale, kinds, out_dir=out, human=Human(a.look_every, a.page_response),
-                                   also_without=() if a.fault_free else also, site=site, faults=faults)
+                                   also_without=() if a.fault_free else also, site=site, faults=faults,
+                                   without_only=a.without_only)
+        if a.without_only:
+            continue  # nothing to compare here: --report-from joins these runs to the saved ones with trainguard
         if not a.fault_free:
             print(table(per_seed[seed][0], seed, scale), flush=True)
-    report(per_seed, scale, a.out, a.plot, "fault-free" if a.fault_free else "fleet" if fleet_like else "default")
+    if not a.without_only:
+        report(per_seed, scale, a.out, a.plot, "fault-free" if a.fault_free else "fleet" if fleet_like else "default")
     return 0
 
 

@@ -34,6 +34,7 @@ from benchmarks.goodput import (
     other_humans,
     paired,
     report,
+    saved,
     schedule,
     seeds_table,
     step_cost,
@@ -384,3 +385,36 @@ def test_the_report_over_seeds_is_written_beside_the_runs(tmp_path: Path) -> Non
     assert json.loads((tmp_path / "summary.json").read_text())["with"]["mean"] == 0.85
     report({3: ([], [rec, rec])}, Scale(60), tmp_path, tmp_path / "plot.png", "fault-free")
     assert "| 3 | 9 / 9 | 0.5 / 0.5 | +0.00% |" in (tmp_path / "report.md").read_text()
+
+
+def _save(out: Path, seed: int, results: list[dict[str, object]]) -> None:
+    (out / f"seed-{seed}").mkdir(parents=True)
+    rec = {"trainguard": True, "steps": [[0.5 * i, i, True] for i in range(10)]}
+    (out / f"seed-{seed}" / "goodput.json").write_text(json.dumps({"results": results, "records": [rec] * len(results)}))
+
+
+def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The runs of record take hours: made by several invocations (--without-only adds humans to saved seeds)."""
+    first, later = tmp_path / "first", tmp_path / "later"
+    for seed, w in ((1, 0.96), (2, 0.98)):
+        _save(first, seed, [_result(True, w), _result(False, 0.7)])
+    _save(later, 1, [_result(False, 0.75), _result(False, 0.5, 120), _result(True, 0.5)])  # a second 30 and "with"
+    _save(later, 2, [_result(False, 0.4, 120)])
+    per_seed = saved([first, later])
+    assert [[(r["trainguard"], r["goodput"]) for r in rs] for rs, _ in per_seed.values()] == [
+        [(True, 0.96), (False, 0.7), (False, 0.5)], [(True, 0.98), (False, 0.7), (False, 0.4)]]  # first ones kept
+    assert per_seed[1][1][0].steps[-1] == [4.5, 9, True]
+    out = tmp_path / "report"
+    assert main(["--report-from", str(first), str(later), "--schedule", "fleet", "--out", str(out),
+                 "--plot", str(out / "p.png")]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["with"]["mean"] == 0.97 and summary["without"]["120"]["goodput"]["mean"] == 0.45
+    assert "over 2 seeds (1, 2; schedule fleet" in (out / "report.md").read_text()
+    _save(tmp_path / "none-with", 3, [_result(False, 0.4)])
+    (tmp_path / "torn" / "seed-4").mkdir(parents=True)
+    (tmp_path / "torn" / "seed-4" / "goodput.json").write_text("{")
+    for bad, says in (("none-with", "seeds [3]: no run with trainguard saved"), ("torn", "seed-4/goodput.json: not a "
+                                                                                    "saved goodput run")):
+        with pytest.raises(SystemExit):
+            main(["--report-from", str(tmp_path / bad), "--out", str(out)])
+        assert says in capsys.readouterr().err
