@@ -1096,17 +1096,18 @@ class Human:
 def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = KINDS, step_time: float = 0.5,
               ckpt_every: int = 20, out_dir: Path | None = None, human: Human = Human(),
               also_without: tuple[float, ...] = (), site: Site = Site(), faults: list[Fault] | None = None,
-              without_only: bool = False) -> tuple[list[dict[str, Any]], list[Record]]:
+              with_tg: bool = True, without: bool = True) -> tuple[list[dict[str, Any]], list[Record]]:
     """The run with trainguard and the one without it, with `human`; then one more run without it for each of
     `also_without` (how often that human looks, in minutes): the same schedule (`faults`, else the default one of
     `seed` and `kinds`) against other people on call. With a lemon node (`site.lemon_every`), last, one more run with
-    trainguard whose agents have no lemon rules. `without_only`: the runs without trainguard alone (more humans for
-    seeds whose run with it is saved already: `--report-from` joins them)."""
+    trainguard whose agents have no lemon rules. `with_tg`, `without`: whether the run with trainguard, and the one
+    without it with `human`, are made (the runs without alone: more humans for seeds whose run with it is saved
+    already, which `--report-from` joins)."""
     duration = minutes * 60
     faults = schedule(seed, duration, kinds) if faults is None else faults
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-goodput-", dir="/tmp"))
     base.chmod(0o755)
-    runs = ([] if without_only else [(True, human, "with", site)]) + [(False, human, "without", site)] + [
+    runs = [(True, human, "with", site)] * with_tg + [(False, human, "without", site)] * without + [
         (False, Human(m, human.page_response_min), f"without-{i}-look{m:g}", site) for i, m in enumerate(also_without)]
     if site.lemon_every:
         runs.append((True, human, "with-no-lemon-policy", replace(site, lemon_policy=False)))
@@ -1263,7 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
         out = a.out / f"seed-{seed}" if len(seeds) > 1 else a.out
         per_seed[seed] = benchmark(seed, a.minutes, scale, kinds, out_dir=out, human=Human(a.look_every, a.page_response),
                                    also_without=() if a.fault_free else also, site=site, faults=faults,
-                                   without_only=a.without_only)
+                                   with_tg=not a.without_only)
         if a.without_only:
             continue  # nothing to compare here: --report-from joins these runs to the saved ones with trainguard
         if not a.fault_free:

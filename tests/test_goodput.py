@@ -137,7 +137,9 @@ def test_a_restarted_rank_resumes_after_the_last_checkpoint_whose_loss_is_finite
 
 
 @pytest.mark.slow
-def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_beats_the_run_without() -> None:
+def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_restarts_in_place() -> None:
+    """The harness end to end with trainguard (the run without it, the human's, is the benchmark's alone: the suite's
+    minutes go to the product)."""
     require_root()
     missing = missing_components()
     require(not missing, f"needs SLURM and munge installed (missing: {', '.join(missing)})")
@@ -150,16 +152,12 @@ def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_be
     # seed 6: the NaN, then the XID, then the stop switch: both faults trainguard restarts in place come while the
     # job still holds the spare its first allocation got (after a requeue it may start on 3 nodes, without one)
     seed = 6
-    results, records = benchmark(seed=seed, minutes=0.8, scale=Scale(60), kinds=kinds)
-    print("\n" + table(results, seed, Scale(60)))
-    with_tg, without = results
-    assert with_tg["trainguard"] and not without["trainguard"]
+    [with_tg], [record] = benchmark(seed=seed, minutes=0.8, scale=Scale(60), kinds=kinds, without=False)
+    assert with_tg["trainguard"]
     planned = [f.kind for f in schedule(seed, 48, kinds)]
-    for r in results:
-        injected = [f["kind"] for f in r["faults"]]  # a fault due while the job is down waits for it to run again
-        assert injected == planned[:len(injected)], r["faults"]
-        assert all(d["right"] for d in r["drains"]), r["drains"]  # no node drained that had no fault
-    assert {f["kind"] for f in with_tg["faults"]} == set(kinds), with_tg["faults"]
+    injected = [f["kind"] for f in with_tg["faults"]]  # a fault due while the job is down waits for it to run again
+    assert injected == planned and set(injected) == set(kinds), with_tg["faults"]
+    assert all(d["right"] for d in with_tg["drains"]), with_tg["drains"]  # no node drained that had no fault
     xid = next(f for f in with_tg["faults"] if f["kind"] == "xid79")
     assert xid["by"] == "trainguard" and xid["detect_s"] is not None and xid["detect_s"] <= xid["deadline_s"], xid
     assert [d["node"] for d in with_tg["drains"]] == [xid["node"]]
@@ -170,12 +168,11 @@ def test_short_goodput_run_detects_each_fault_drains_only_the_faulty_node_and_be
     assert nan["by"] == "trainguard" and nan["detect_s"] <= nan["deadline_s"], nan
     # the NaN streak restarts the ranks in place (training_log -> restart) and so does the lost node (on the spare):
     # the allocation kept, no requeue
-    assert with_tg["in_place"] >= 2 and without["in_place"] == 0, (with_tg["in_place"], without["in_place"])
+    assert with_tg["in_place"] >= 2, with_tg["in_place"]
     assert nan["resume_s"] is not None and nan["resume_s"] < 10, nan
-    assert 0 < with_tg["goodput"] <= 1.05 and 0 <= without["goodput"] <= 1.05
-    assert records[0].steps and records[1].steps
-    for r in results:  # every attempt that ended before the run did says why (issue 24: early exits, cause unknown)
-        assert len(r["attempt_ends"]) >= r["restarts"] and all(e["why"] for e in r["attempt_ends"]), r["attempt_ends"]
+    assert 0 < with_tg["goodput"] <= 1.05 and record.steps
+    # every attempt that ended before the run did says why (issue 24: early exits, cause unknown)
+    assert len(with_tg["attempt_ends"]) >= with_tg["restarts"] and all(e["why"] for e in with_tg["attempt_ends"])
 
 
 def _trainer(tmp_path: Path, ntasks: int, *args: str) -> subprocess.Popen[str]:
