@@ -1148,8 +1148,10 @@ def saved(dirs: list[Path]) -> dict[int, tuple[list[dict[str, Any]], list[Record
     """The runs earlier invocations saved (each `--out`: its `seed-N/goodput.json`, or its `goodput.json`), joined by
     seed in the order given: the runs of record can be made a few at a time (`--without-only` adds humans to seeds
     whose run with trainguard is saved), then reported together. A seed's first run with trainguard is the one
-    compared; a human already seen for a seed is not counted twice. ValueError names a file that is not a saved run."""
+    compared; a human already seen for a seed is not counted twice. ValueError names a file that is not a saved run,
+    or one whose length differs from its seed's first (another length is another schedule)."""
     per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
+    lengths: dict[int, float | None] = {}
     for d in dirs:
         files = sorted(d.glob("seed-*/goodput.json"), key=lambda f: f.parent.name) or [d / "goodput.json"]
         for f in files:
@@ -1159,6 +1161,9 @@ def saved(dirs: list[Path]) -> dict[int, tuple[list[dict[str, Any]], list[Record
                 runs = list(zip(data["results"], [Record(**r) for r in data["records"]], strict=True))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{f}: not a saved goodput run ({e})") from e
+            if lengths.setdefault(seed, data.get("minutes")) != data.get("minutes"):
+                raise ValueError(f"{f}: {data.get('minutes')}-minute runs, seed {seed}'s first were "
+                                 f"{lengths[seed]}-minute ones: another schedule")
             results, records = per_seed.setdefault(seed, ([], []))
             seen = {run_key(r) for r in results}
             for r, rec in runs:

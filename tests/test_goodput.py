@@ -384,10 +384,11 @@ def test_the_report_over_seeds_is_written_beside_the_runs(tmp_path: Path) -> Non
     assert "| 3 | 9 / 9 | 0.5 / 0.5 | +0.00% |" in (tmp_path / "report.md").read_text()
 
 
-def _save(out: Path, seed: int, results: list[dict[str, object]]) -> None:
+def _save(out: Path, seed: int, results: list[dict[str, object]], minutes: float = 8) -> None:
     (out / f"seed-{seed}").mkdir(parents=True)
     rec = {"trainguard": True, "steps": [[0.5 * i, i, True] for i in range(10)]}
-    (out / f"seed-{seed}" / "goodput.json").write_text(json.dumps({"results": results, "records": [rec] * len(results)}))
+    (out / f"seed-{seed}" / "goodput.json").write_text(json.dumps({"minutes": minutes, "results": results,
+                                                                   "records": [rec] * len(results)}))
 
 
 def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -410,8 +411,10 @@ def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys
     _save(tmp_path / "none-with", 3, [_result(False, 0.4)])
     (tmp_path / "torn" / "seed-4").mkdir(parents=True)
     (tmp_path / "torn" / "seed-4" / "goodput.json").write_text("{")
-    for bad, says in (("none-with", "seeds [3]: no run with trainguard saved"), ("torn", "seed-4/goodput.json: not a "
-                                                                                    "saved goodput run")):
+    _save(tmp_path / "longer", 1, [_result(False, 0.4, 60)], minutes=15)
+    for bad, says in (("none-with", "seeds [3]: no run with trainguard saved"),
+                      ("torn", "seed-4/goodput.json: not a saved goodput run"),
+                      ("longer", "15-minute runs, seed 1's first were 8-minute ones: another schedule")):
         with pytest.raises(SystemExit):
-            main(["--report-from", str(tmp_path / bad), "--out", str(out)])
+            main(["--report-from", str(first), str(tmp_path / bad), "--out", str(out)])
         assert says in capsys.readouterr().err
