@@ -1,8 +1,10 @@
 """Real training-log excerpts (tests/data/logs/excerpts.toml: each from a public thread, with what it concluded) read
-by the training-log check as a job's log: the lead diagnosis of each, as the thread's conclusion has it."""
+by the training-log check as a job's log: the lead diagnosis of each, as the thread's conclusion has it; and the tags
+launchers put in front of the lines (tests/data/logs/prefixes.toml): each names its rank."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -19,11 +21,17 @@ from trainguard.core.model import Result, Status
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
+from trainguard.logscan.collectives import observe
+from trainguard.logscan.lines import MAX_LINE, Plain, plain, timestamp
+from trainguard.logscan.signatures import last_exception
+from trainguard.node.access import Identity
 
 from .helpers.fake_nvml import FakeNvml, NVMLError
 
 EXCERPTS: list[dict[str, Any]] = tomllib.loads(
     (Path(__file__).parent / "data" / "logs" / "excerpts.toml").read_text())["log"]
+TAGGED: list[dict[str, Any]] = tomllib.loads(
+    (Path(__file__).parent / "data" / "logs" / "prefixes.toml").read_text())["line"]
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +152,80 @@ def test_the_step_of_a_timeout_is_named(tmp_path: Path, job_marker: str) -> None
     result = read_logs(tmp_path, job_marker, {"rank.log": "\n".join(excerpt("timeout_far_behind_nemo")) + "\n"})
     assert "; at step 32000 — " in result.summary, result.summary
     assert result.details["collectives"]["first"] == [7]
+
+
+@pytest.mark.parametrize("entry", TAGGED, ids=[e["launcher"] for e in TAGGED])
+def test_each_launchers_tag_names_its_rank(entry: dict[str, Any]) -> None:
+    assert entry["source"].startswith("https://github.com/") and entry["line"].startswith(entry["tag"])
+    p = plain(entry["line"])
+    assert p.text == entry["line"][len(entry["tag"]):]
+    assert p.rank == (entry["rank"] or None)
+
+
+@pytest.mark.parametrize(("tag", "rank"), [
+    ("[1,3][gpu-node-7:81234]<stderr>: ", "3"),  # --output tag-detailed
+    ("[3]<stderr>: ", "3"),  # --output rank
+    ("[Thu Jun 18 14:28:35 2020][1,3]<stderr>: ", "3"),  # --output tag,timestamp
+    ("[Thu Jun 18 14:28:35 2020]<stderr>: ", None),  # --output timestamp: no rank
+    ("Thu Jun 18 14:28:35 2020<stderr>:", None),  # Open MPI 4's --timestamp-output alone
+])
+def test_the_forms_no_capture_was_found_for(tag: str, rank: str | None) -> None:
+    """Open MPI 5's other forms, as openpmix's src/common/pmix_iof.c writes them (and Open MPI 4's
+    orte/mca/iof/base/iof_base_output.c its timestamp alone), in front of a real message."""
+    message = excerpt("mpirun_tagged_device_assert_embedding")[0].removeprefix("[1,1]<stderr>:")
+    assert plain(tag + message) == Plain(message, rank)
+
+
+def test_hostile_tags_are_left_as_text() -> None:
+    """A rank past 7 digits, a tag cut short or without its stream, a namespace past 100 characters: not a tag, the
+    line kept whole (up to what a diagnosis reads of one), nothing raised; a flood of tag-like text is read in linear
+    time (RE2)."""
+    for line in ("[1,99999999999]<stderr>:x", "[1,13]<stder", "[1,13]", "[1,13]<stdout>", "[,]<stdout>x",
+                 "[" + "n" * 101 + ",1]<stdout>:x", "Thu May  7 10:39:20 2020[1,", "[1,1]<stderr>" * 50_000):
+        assert plain(line).rank is None and plain(line).text == line[:MAX_LINE]
+    assert plain("[1,2]<stderr>:" * 20 + "x").rank == "2"  # a few stacked tags are read; the rest stays text
+    assert timestamp("Thu May 77 10:39:20 2020[1,1]<stdout>:x") is None
+    assert timestamp("Thu Mai  7 10:39:20 2020[1,1]<stdout>:x") is None
+
+
+def test_the_launchers_timestamp_is_the_lines_time() -> None:
+    """mpirun --timestamp-output's ctime (open-mpi/ompi#7710) reads as the same time as PyTorch's ISO form; a time in
+    the message itself comes first."""
+    [ompi] = [e["line"] for e in TAGGED if e["source"].endswith("/ompi/issues/7710")]
+    assert timestamp(ompi) == timestamp("2020-05-07 10:39:20")
+    assert timestamp(ompi + " 2020-05-07 10:39:25") == timestamp("2020-05-07 10:39:25")
+
+
+def test_pytorchs_global_rank_comes_before_the_launchers(tmp_path: Path, job_marker: str) -> None:
+    """mpirun or srun starting one torchrun per node: their tag names the node's task, PyTorch's `[rankN]:` the
+    global rank (the ECC line of pytorch/pytorch#113128 as torchrun --tee printed it, behind each launcher's tag)."""
+    ecc = excerpt("ecc_default_prefix")[0]
+    for tag in ("[1,1]<stderr>:", "1: "):
+        assert (plain(tag + ecc).rank, plain(tag + ecc).local_rank) == ("12", "0")
+    result = read_logs(tmp_path, job_marker, {"rank.log": "[1,1]<stderr>:" + ecc + "\n"})
+    assert "(rank 12): CUDA error: uncorrectable ECC error" in result.summary, result.summary
+
+
+def test_a_timeout_behind_mpiruns_tags_is_its_ranks(tmp_path: Path, job_marker: str) -> None:
+    """The watchdog lines of pytorch/pytorch#118369 (ranks 0 and 7, PyTorch 2.0-2.1: no `[rankN]:`) behind Open MPI
+    4's tags, one a line and glued on one line as mpirun splits a write (jaeyun95/error_collections): found, each its
+    tag's rank. The tag is the process's MPI rank, its global rank; the message's `[Rank N]` is its rank in the
+    process group: the tag wins."""
+    from .test_messages import CORPUS
+
+    rank0, rank7 = CORPUS["nccl"]["old_one_rank"]["lines"]
+    for where, text in (("lines", f"[1,0]<stderr>:{rank0}\n[1,7]<stderr>:{rank7}\n"),
+                        ("glued", f"[1,0]<stderr>:{rank0}[1,7]<stderr>:{rank7}\n")):
+        result = read_logs(tmp_path / where, job_marker, {"rank.log": text})
+        assert result.status is Status.CRITICAL and "NCCL collective timeout" in result.summary, result.summary
+        assert result.details["collectives"]["seen"] == [0, 7], where
+        assert next(f["rank"] for f in result.details["findings"] if f["signature"] == "nccl_timeout") == "0"
+    assert observe("[1,3]<stderr>:" + rank0).rank == 3
+
+
+def test_the_last_exception_behind_a_tag_is_read(tmp_path: Path) -> None:
+    """A job that exited without a traceback in what was scanned: its log's last exception line, behind mpirun's tag
+    (horovod/horovod#3871's rank 1), is still the line that begins with the exception."""
+    log = tmp_path / "rank.log"
+    log.write_text("\n".join(excerpt("horovod_mpirun_broadcast_unhandled_cuda_wsl2")) + "\n")
+    assert last_exception(str(log), Identity(os.getuid())) == "RuntimeError: ncclBroadcast failed: unhandled cuda error"

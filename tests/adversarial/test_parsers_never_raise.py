@@ -57,7 +57,8 @@ REAL = [line for f in sorted((DATA / "quota").glob("*.txt")) for line in f.read_
     "step 100 loss=1.25", "[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB",
     "Traceback (most recent call last):", "RuntimeError: CUDA error: an illegal memory access was encountered",
 ] + [line for entry in tomllib.loads((DATA / "logs" / "excerpts.toml").read_text())["log"]
-     for line in entry["text"].splitlines()]
+     for line in entry["text"].splitlines()] + [
+    entry["line"] for entry in tomllib.loads((DATA / "logs" / "prefixes.toml").read_text())["line"]]
 # Digits, separators and units: the alphabet of numbers, where overflow and backtracking live.
 NUMERIC = st.text(alphabet="0123456789.,:-+eE %*kKmMgGtTpPiIBbsdhw ", max_size=400)
 FRAGMENT = st.one_of(st.sampled_from(REAL), st.text(max_size=80), NUMERIC,

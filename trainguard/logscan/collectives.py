@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trainguard.core.text import linear
-from trainguard.logscan.lines import plain
+from trainguard.logscan.lines import MPI_TAG, plain
 from trainguard.node.flight import Stall, ranges
 
 MAX_RANKS = 4096
@@ -33,8 +33,9 @@ _BARRIER = linear(r"\[Rank (\d{1,7})\]: Ranks? ([\d, ]{1,200}) failed to pass mo
 _PEER = linear(r"Connection closed by peer \[([^\]]{1,100})\]:(\d{1,5})")
 _GLOO_TIMEOUT = linear(r"Timed out waiting (\d{1,12})ms for (recv|send) operation")
 _DIGITS = linear(r"\d{1,7}")
-# PyTorch 2.2+'s prefix names the global rank; the message's own `[Rank N]` is the rank in its process group
-_GLOBAL = linear(r"\[rank(\d{1,7})\]:")
+# PyTorch 2.2+'s prefix names the global rank, else mpirun's tag (`[1,3]<stderr>:`, a tag glued mid-line too); the
+# message's own `[Rank N]` is the rank in its process group
+_GLOBAL = linear(r"\[rank(\d{1,7})\]:|" + MPI_TAG)
 
 ADVICE = ("a collective hang: one rank died, hung or OOMed and the others waited in the next collective until their "
           "watchdog fired; the rank that stopped first is the cause: read its log, and the XIDs of its node")
@@ -80,8 +81,8 @@ def observe_all(text: str) -> list[Observation]:
                                              completed=int(completed))))
     if found:
         found.sort(key=lambda f: f[0])
-        prefixes = [(m.start(), int(m.group(1))) for m in _GLOBAL.finditer(text)]
-        # each message's global rank: the last `[rankN]:` before it (two glued lines carry one each)
+        prefixes = [(m.start(), int(r)) for m in _GLOBAL.finditer(text) if (r := m.group(1) or m.group(2))]
+        # each message's global rank: the last prefix before it (two glued lines carry one each)
         return [replace(obs, rank=next((r for p, r in reversed(prefixes) if p < at), obs.rank)) for at, obs in found]
     if (m := _BARRIER.search(text)) is not None:
         culprits = tuple(int(r) for r in _DIGITS.findall(m.group(2)))[:MAX_RANKS]

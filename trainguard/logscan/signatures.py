@@ -16,7 +16,7 @@ from trainguard.core.model import Status
 from trainguard.core.settings import Field, Regex, SettingsModel, StatusName
 from trainguard.core.text import Pattern, linear
 from trainguard.logscan import launcher, nccl
-from trainguard.logscan.lines import plain
+from trainguard.logscan.lines import LAUNCHER, plain
 from trainguard.node.access import Identity, read_as
 
 
@@ -122,9 +122,10 @@ class Scanner:
                     yield Hit(sig, text, start)
 
 
-_EXCEPTION_TEXT = r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$"
-_EXCEPTION = linear(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$")
-_EXCEPTION_LINE = linear("(?m)" + _EXCEPTION_TEXT)
+_EXCEPTION_TEXT = r"(?P<exception>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b.*)$"
+_EXCEPTION = linear("^" + _EXCEPTION_TEXT)
+# behind the launchers' prefixes (`[rank1]: `, mpirun's `[1,1]<stderr>:`), which `plain` strips from a hit's line
+_EXCEPTION_LINE = linear(r"(?m)^(?:(?:" + LAUNCHER + r")[ \t]*)*" + _EXCEPTION_TEXT)
 
 
 def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None:
@@ -137,7 +138,7 @@ def final_exception(data: bytes, start: int, max_lines: int = 400) -> str | None
         line = data[pos + 1:end if end >= 0 else len(data)].decode("utf-8", errors="replace")
         m = _EXCEPTION.match(plain(line).text)
         if m:
-            return m.group(1)
+            return m.group("exception")
         pos = end
     return None
 
@@ -152,4 +153,4 @@ def last_exception(path: str, identity: Identity, window: int = 64 << 10) -> str
     found = None
     for found in _EXCEPTION_LINE.finditer(tail):  # noqa: B007 - the last one is wanted
         pass
-    return found.group(1) if found else None
+    return found.group("exception") if found else None
