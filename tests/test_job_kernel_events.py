@@ -24,12 +24,13 @@ from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog, JobView
-from trainguard.jobs.kernelnotes import FsWait, KernelNotes, clock_time, fs_wait
+from trainguard.jobs.kernelnotes import FsWait, JobProcess, KernelNotes, clock_time, fs_wait
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint, strip_prefix
 from trainguard.node.mounts import Mount, read_mounts
 from trainguard.node.procfs import ProcFS
+from trainguard.node.proctable import ProcessTable, read_table
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.store import Store
 
@@ -110,7 +111,7 @@ def test_a_host_memory_kill_names_the_rank_its_pid_had_while_it_lived(tmp_path: 
     check = logs_check(tmp_path, job)
     check.run()
     pid = random.randint(100_000, 4_000_000)
-    check.notes.remember(job.key, job.name, {pid: "3"})  # what the check told of the job's processes while they lived
+    check.notes.remember(job.key, job.name, {pid: JobProcess("3")})  # what the check told while they lived
     feed(check.notes, HOST_KILL, pid)
     [result] = check.run()
     assert "rank 3 killed by the kernel OOM killer (host memory, 54.0 GiB anon) at" in result.summary
@@ -144,12 +145,75 @@ def test_the_liveness_of_a_job_down_after_an_oom_kill_says_so(tmp_path: Path) ->
     check = JobLivenessCheck("alive", LivenessSettings(names=["trainer"], kmsg_path=str(empty)),
                              CheckContext("node1", tmp_path, jobs=jobs, kernel_log=KernelLog()))
     pid = random.randint(100_000, 4_000_000)
-    check.context.kernel_notes.remember("process:trainer", "trainer", {pid: "0"})
+    check.context.kernel_notes.remember("process:trainer", "trainer", {pid: JobProcess("0")})
     feed(check.context.kernel_notes, HOST_KILL, pid)
     [result] = check.run()
     assert result.status is Status.CRITICAL
     assert "; rank 0 killed by the kernel OOM killer (host memory, 54.0 GiB anon) at " in result.summary
     assert result.details["oom_kills"][0]["pid"] == pid
+
+
+# The kernel's record of a DataLoader worker's kill (its rank then raised `DataLoader worker (pid 61138) is killed by
+# signal: Killed.`), from tests/data/kernel/fixtures.toml (Ace3Z/LeMonkey, track B debugging, failure 8): the poster
+# wrapped it after the command name, the kernel prints it as one line
+WORKER_KILL = ["Out of memory: Killed process {pid} (pt_data_worker) total-vm:79272196kB, anon-rss:43230644kB"]
+# A rank's worker as ps shows it: forked (or spawned) by its rank, with the rank's environment
+WORKER_CODE = "import os, sys, time\nif os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\ntime.sleep(30)\n"
+
+
+def test_a_killed_dataloader_worker_is_its_ranks_worker_and_the_rank_is_not_said_dead(tmp_path: Path) -> None:
+    """torchrun (SLURM_PROCID only) starts rank 3 (RANK=3), which starts its DataLoader worker (RANK=3 too, its
+    parent the rank): the kernel's kill of the worker is the worker's, of rank 3; the rank lives on."""
+    job = slurm_job(tmp_path)
+    (tmp_path / "out.log").write_text("step 1 loss=1.0\n")
+    check = logs_check(tmp_path, job)
+    launcher, rank, worker = (random.randint(100_000, 4_000_000) + i for i in range(3))
+    ranks = ("3", "0", "", "", "3")
+    check.notes.remember(job.key, job.name, {launcher: JobProcess("0", 1, "torchrun", ("", "0", "", "", "")),
+                                             rank: JobProcess("3", launcher, "python", ranks),
+                                             worker: JobProcess("3", rank, "python", ranks)})
+    feed(check.notes, WORKER_KILL, worker)
+    [result] = check.run()
+    assert result.status is Status.CRITICAL  # the job's own memory problem still
+    assert f"job 4242 (train): a DataLoader worker of rank 3 (pid {worker}, pt_data_worker) killed by the kernel OOM " \
+        "killer (host memory, 41.2 GiB anon) at " in result.summary, result.summary
+    assert "rank 3 killed" not in result.summary
+    lead = next(f for f in result.details["findings"] if f["signature"] == "oom_kill")
+    assert lead["fields"]["worker"] is True and lead["advice"].startswith("A worker of the rank, not the rank")
+    feed(check.notes, HOST_KILL, rank)  # the rank itself (python, its parent torchrun): the rank
+    assert [k.who() for k in check.notes.kills(job.key)] == [f"a DataLoader worker of rank 3 (pid {worker}, "
+                                                             "pt_data_worker)", "rank 3"]
+
+
+def test_an_older_pytorchs_worker_is_told_by_its_parent_and_a_wrapper_is_not_a_rank() -> None:
+    """Real processes: a rank (RANK=3) forks a worker (`python`: an older PyTorch does not rename it), whose kill is
+    a subprocess's of rank 3; a wrapper shell (SLURM_PROCID=3) runs the rank as its child, which is the rank."""
+    notes, proc = KernelNotes(), ProcFS()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                                                            "LOCAL_RANK")}
+    rank = subprocess.Popen([sys.executable, "-c", WORKER_CODE], env={**env, "RANK": "3"})
+    shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(30)'; :"],
+                             env={**env, "SLURM_PROCID": "3"})
+
+    def settled() -> ProcessTable | None:  # the rank forked, the shell's child runs python
+        table = read_table()
+        pids = table.descendants([rank.pid, shell.pid])
+        return table if len(pids) == 4 and all(table.procs[p].comm != "sh" for p in pids if p != shell.pid) else None
+
+    try:
+        table = wait_until(settled, 10, what="the worker and the wrapped rank")
+        assert isinstance(table, ProcessTable)
+        pids = table.descendants([rank.pid, shell.pid])
+        notes.remember("slurm:7", "train", {p: JobProcess.read(table.procs[p], proc) for p in pids})
+        worker, wrapped = (p for p in pids if p not in (rank.pid, shell.pid))
+        for pid in (worker, wrapped, rank.pid):
+            feed(notes, HOST_KILL, pid)
+        assert {k.pid: k.who() for k in notes.kills("slurm:7")} == {
+            worker: f"a subprocess of rank 3 (pid {worker}, python)", wrapped: "rank 3", rank.pid: "rank 3"}
+    finally:
+        for p in (rank, shell):
+            p.kill()
+            p.wait()
 
 
 def test_a_real_oom_kill_by_a_real_memory_cgroup_is_the_jobs_alert_naming_the_rank_within_a_second(
@@ -177,8 +241,8 @@ def test_a_real_oom_kill_by_a_real_memory_cgroup_is_the_jobs_alert_naming_the_ra
             "sh", "-c", f'echo "$(date +%s.%N)|$TRAINGUARD_SUMMARY" >> {recorder}']}}}, "test.toml"))
     engine.start()
     try:
-        wait_until(lambda: engine.shared.kernel_notes.known_pids("process:trainer").get(rank.pid) == "3", 10,
-                   what="the rank's pid known with its rank")
+        wait_until(lambda: getattr(engine.shared.kernel_notes.known_pids("process:trainer").get(rank.pid), "rank", None)
+                   == "3", 10, what="the rank's pid known with its rank")
         gate.write_text("")  # the rank allocates past its memory cgroup's limit: the kernel kills it
         assert rank.wait(timeout=30) == -9
         killed = time.time()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from trainguard.checks.kernel import Entry, _victim
-from trainguard.jobs.kernelnotes import KernelNotes
+from trainguard.jobs.kernelnotes import JobProcess, KernelNotes
 from trainguard.jobs.slurmnode import job_of_cgroup
 from trainguard.node.kernel_events import KernelEventParser
 from trainguard.node.kmsg import KernelRecord
@@ -51,6 +51,15 @@ def test_a_forged_oom_record_names_no_number_it_lacks() -> None:
     assert [e.klass for e in events] == ["oom_kill"]
     entry = Entry(events[0].klass, events[0].subject, {**events[0].names, "job_id": "7"}, line, 0.0, 0.0)
     assert _victim(entry) == "job 7 (x, pid 5) killed: "
+    real = KernelEventParser().feed("Out of memory: Killed process 15784 (python3) total-vm:11964kB, anon-rss:4288kB, "
+                                    "file-rss:3028kB, shmem-rss:0kB")[0]  # tests/data/kernel/fixtures.toml's
+    entry = Entry(real.klass, real.subject, {**real.names, "job_id": "7"}, real.line, 0.0, 0.0)
+    assert _victim(entry) == "job 7 (python3, pid 15784, 4.2 MiB anon) killed: "
+    notes = KernelNotes(clock=lambda: 1e9)  # the job checks' notes read the same number the same way
+    notes.remember("j", "j", {5: JobProcess("0"), 15784: JobProcess("1")})
+    notes.feed(KernelRecord(1, 3, 0, 5_000_000, line))
+    notes.feed(KernelRecord(2, 3, 0, 9_000_000, real.line))
+    assert [(k.pid, k.anon_kb) for k in notes.kills("j")] == [(5, None), (15784, 4288)]
 
 
 def test_only_slurms_own_cgroup_tree_names_a_job() -> None:

@@ -150,8 +150,7 @@ class JobLivenessCheck(JobCheck):
                                                 since=now - self.settings.lookback)
         if not kills:
             return summary, details
-        return f"{summary}; {kills[-1].describe()}", {**details, "oom_kills": [
-            {"pid": k.pid, "rank": k.rank, "task": k.task, "memory": k.memory(), "at": k.when} for k in kills[-8:]]}
+        return f"{summary}; {kills[-1].describe()}", {**details, "oom_kills": [k.fields() for k in kills[-8:]]}
 
     def _history(self, names: list[str]) -> tuple[list[Job] | None, str | None]:
         """What accounting knows of these names; (None, why) when it can't say (not configured, slurmdbd down)."""

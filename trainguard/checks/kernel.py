@@ -24,12 +24,12 @@ from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field
 from trainguard.core.text import linear
-from trainguard.core.units import format_duration
+from trainguard.core.units import format_bytes, format_duration
 from trainguard.gpu.nvml import GpuState, NvmlUnavailableError, normalize_bus_id
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurmnode import job_of_cgroup
 from trainguard.jobs.tree import job_pids
-from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
+from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog, number
 from trainguard.node.kmsg import KernelRecord, LogPoint
 from trainguard.node.mounts import Mount, device_mounts, read_mounts
 
@@ -320,13 +320,12 @@ class KernelCheck(Check):
     def _job_of(self, names: dict[str, Any]) -> dict[str, str]:
         """The job (and SLURM task) an OOM kill hit: from the memory cgroup the record names (SLURM's job_N/task_M),
         else the job whose processes held the pid in the last listing (the process is gone by now)."""
-        memcg, pid = names.get("memcg", ""), names.get("pid", "")
+        memcg, pid = names.get("memcg", ""), number(names.get("pid"))
         job_id, task = job_of_cgroup(memcg)  # SLURM's own tree only: a user's `job_N` names no job
         out = {"task": task} if task else {}
         view = self.context.jobs.cached() if self.context.jobs is not None else None
         for job in view.jobs if view is not None else ():
-            if (job_id and job.job_id == job_id) or (pid.isdigit() and
-                                                                any(p.pid == int(pid) for p in job.processes)):
+            if (job_id and job.job_id == job_id) or any(p.pid == pid for p in job.processes):
                 return {**out, "job": job.key, "job_name": job.name, **({"job_id": job.job_id} if job.job_id else {})}
         return {**out, "job_id": job_id} if job_id else out
 
@@ -550,8 +549,7 @@ def _victim(e: Entry) -> str:
     n = e.names
     job = f"job {n['job_id']}" if n.get("job_id") else f"job {n['job_name']}" if n.get("job_name") else ""
     task = f"task {n['task']}" if n.get("task") else ""
-    kib = str(n.get("anon_kb", "")).replace(",", "")  # the record's text: `anon-rss:,kB` is no number
-    anon = f", {int(kib) / 2**20:.1f} GiB anon" if kib.isdigit() else ""
+    anon = f", {format_bytes(kb * 1024)} anon" if (kb := number(n.get("anon_kb"))) else ""
     who = " ".join(x for x in (job, task) if x)
     return f"{who} ({n.get('comm', '?')}, pid {n.get('pid', '?')}{anon}) killed: " if who else ""
 

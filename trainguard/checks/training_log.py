@@ -37,7 +37,7 @@ from trainguard.core.model import Metric, Result, Status, worst
 from trainguard.core.settings import Duration, Field, Size
 from trainguard.core.text import linear, one_line
 from trainguard.core.units import format_bytes, parse_size
-from trainguard.jobs.kernelnotes import NotesReader, OomKill
+from trainguard.jobs.kernelnotes import JobProcess, NotesReader, OomKill
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import (
     FLIGHT_RECORDER_DUMPS,
@@ -61,7 +61,6 @@ from trainguard.logscan.signatures import BUILTIN, Hit, Scanner, SignatureSettin
 from trainguard.node.access import Identity, stat_as
 from trainguard.node.flight import Stall, analyze
 from trainguard.node.kernel_events import catalog
-from trainguard.node.stacks import process_rank
 
 log = logging.getLogger("trainguard.checks.training_log")
 
@@ -78,6 +77,10 @@ COLLECTIVES_KEY = "logscan.collectives"
 LIVES_KEY = "logscan.lives"  # job key -> the life (SLURM restart count) its findings belong to
 FINDINGS = Metric("trainguard_log_findings", "Known failures found in the job's logs.", ("job_id", "name"))
 MAX_PER_SIGNATURE = 8  # per job and signature: a flood of one kind (25 ranks' timeouts) never crowds out another
+# A worker's kill is not the rank's: the rank then fails by PyTorch's exception (or catches it), not by the kernel
+WORKER_KILLED = ("A worker of the rank, not the rank: PyTorch then raises `DataLoader worker (pid N) is killed by signal: "
+                 "Killed.` (or `... exited unexpectedly`) in the rank. Fewer DataLoader workers (num_workers) or less memory "
+                 "per worker. ")
 NEW_RANKS = 256  # a job's new processes whose rank is read per run, at most (one small /proc read each)
 
 
@@ -202,13 +205,11 @@ def _written(path: str, identity: Identity) -> float:
 def _oom_kill(kill: OomKill, who: str | None, before_start: bool) -> dict[str, Any]:
     """The finding of a kernel OOM kill of one of the job's processes: CRITICAL, unless logged before the agent's
     first start on this boot (the first-start policy of every kernel event: reported, WARNING, not acted on)."""
-    lever = catalog()["oom_kill_memcg" if kill.memcg_limit else "oom_kill"].lever
+    lever = (WORKER_KILLED if kill.worker else "") + catalog()["oom_kill_memcg" if kill.memcg_limit else "oom_kill"].lever
     title = kill.describe(who) + (" (logged before trainguard started: reported, not acted on)" if before_start else "")
     return {"signature": "oom_kill", "rank": None, "path": None, "at": kill.when, "line": kill.line[:500],
             "status": (Status.WARNING if before_start else Status.CRITICAL).name, "title": title,
-            "ts": stamp(kill.when), "n": 0,
-            "advice": lever, "fields": {"pid": kill.pid, "rank": kill.rank, "command": kill.comm,
-                                        "memory": kill.memory(), "memcg": kill.memcg, "anon_kb": kill.anon_kb}}
+            "ts": stamp(kill.when), "n": 0, "advice": lever, "fields": kill.fields()}
 
 
 def _gpu_dict(gpu: GpuContext | None) -> dict[str, Any] | None:
@@ -567,14 +568,14 @@ class TrainingLogCheck(JobCheck):
                      "no exception in the log: look for the OOM killer (dmesg), a signal, or the scheduler's reason"})
 
     def _remember_ranks(self, job: Job) -> None:
-        """Tell the node's kernel notes the job's processes and their ranks while they live: a kill, read after the
-        process is gone, is then told as that rank's."""
+        """Tell the node's kernel notes the job's processes, their ranks and parents while they live: a kill, read
+        after the process is gone, is then told as that rank's (or as its worker's)."""
         if self.kernel is None:
             return
-        known = self.notes.known_pids(job.key)
-        new = [pid for pid in job_pids(job, self.context.processes.get()) if pid not in known][:NEW_RANKS]
+        known, table = self.notes.known_pids(job.key), self.context.processes.get()
+        new = [pid for pid in job_pids(job, table) if pid not in known][:NEW_RANKS]
         if new:
-            self.notes.remember(job.key, job.name, {pid: process_rank(self.context.proc, pid) for pid in new})
+            self.notes.remember(job.key, job.name, {pid: JobProcess.read(table.procs[pid], self.context.proc) for pid in new})
 
     def _kernel_kills(self, job: Job) -> None:
         """The kernel OOM killer's kills of the job's processes (since its start, and since its findings were last

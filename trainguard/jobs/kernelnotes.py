@@ -5,8 +5,9 @@ tasks the kernel found blocked (hung task, by pid).
 
 It reads through the node's one kernel log reader (KernelLog: one follower and cursor per device, shared with the
 xid and kernel checks) with the kernel event catalog's own classes: a record holding none of their needles costs one
-Aho-Corasick pass. The job checks (training_log) tell it which job and rank each of their pids is, while the pid
-lives: a kill, read after the process is gone, is then attributed to its job and rank the moment it is read. Bounded:
+Aho-Corasick pass. The job checks (training_log) tell it which job and rank each of their pids is, and its parent,
+while the pid lives: a kill, read after the process is gone, is then attributed to its job and rank the moment it is
+read, and a rank's own worker (a DataLoader worker) is told as that, not as the rank. Bounded:
 the newest MAX_KILLS kills, MAX_FS file systems, MAX_HUNG blocked tasks, MAX_PIDS pids per job.
 """
 
@@ -17,16 +18,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from trainguard.core.listeners import Listeners
 from trainguard.core.text import linear
 from trainguard.core.units import format_bytes
 from trainguard.jobs.slurmnode import job_of_cgroup
-from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog
+from trainguard.node.kernel_events import KernelClass, KernelEvent, KernelEventParser, catalog, number
 from trainguard.node.kmsg import KernelLog, KernelRecord, KmsgFollower
 from trainguard.node.mounts import Mount, mount_of
 from trainguard.node.procfs import ProcFS
+from trainguard.node.proctable import ProcInfo
+from trainguard.node.stacks import rank_vars
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -38,6 +41,7 @@ MAX_KILLS = 256
 MAX_FS = 256
 MAX_HUNG = 256
 MAX_PIDS = 4096  # of one job remembered with its rank
+DATA_WORKER = "pt_data_worker"  # the command name recent PyTorch gives its DataLoader workers (else `python`)
 MAX_FDS = 1024  # of one process looked at for the mount it waits on
 MERGE_USEC = 2_000_000  # the lines of one kill (its constraint line, its `Killed process` line) come together
 # Kernel functions that name the file system a task sleeps in (its /proc/PID/stack or wchan)
@@ -69,7 +73,13 @@ class OomKill:
     job_key: str | None = None  # the job whose processes held the pid (as its checks last told)
     job_name: str | None = None
     rank: str | None = None
+    forked: bool = False  # a process the rank started (its parent carried the same rank), not the rank
     line: str = ""
+
+    @property
+    def worker(self) -> bool:
+        """A worker of a rank (PyTorch names its DataLoader workers; an older one's are `python` forks), not a rank."""
+        return self.forked or self.comm == DATA_WORKER
 
     def memory(self) -> str:
         """`host memory, 54.0 GiB anon`: what ran out, and what the victim held."""
@@ -77,13 +87,44 @@ class OomKill:
         return kind + (f", {format_bytes(self.anon_kb * 1024)} anon" if self.anon_kb else "")
 
     def who(self) -> str:
-        """`rank 3`, else the SLURM task, else the pid and command."""
-        if self.rank is not None:
-            return f"rank {self.rank}"
-        return f"task {self.task} (pid {self.pid})" if self.task is not None else f"pid {self.pid} ({self.comm})"
+        """`rank 3`, else the SLURM task, else the pid and command; a worker as its rank's (`a DataLoader worker of rank
+        3 (pid 4242, pt_data_worker)`): the rank lives on, and a message must not say it died."""
+        owner = f"rank {self.rank}" if self.rank is not None else f"task {self.task}" if self.task is not None else ""
+        if self.worker:
+            kind = "a DataLoader worker" if self.comm == DATA_WORKER else "a subprocess"
+            return f"{kind} of {owner or 'the job'} (pid {self.pid}, {self.comm})"
+        return owner if self.rank is not None else f"{owner} (pid {self.pid})" if owner else f"pid {self.pid} ({self.comm})"
 
     def describe(self, who: str | None = None) -> str:
         return f"{who or self.who()} killed by the kernel OOM killer ({self.memory()}) at {clock_time(self.when)}"
+
+    def fields(self) -> dict[str, Any]:
+        """What a finding or a result's details carry of the kill."""
+        return {"pid": self.pid, "rank": self.rank, "worker": self.worker, "task": self.task, "command": self.comm,
+                "memory": self.memory(), "memcg": self.memcg, "anon_kb": self.anon_kb, "at": self.when}
+
+
+@dataclass(frozen=True)
+class JobProcess:
+    """One process of a job as its checks saw it while it lived."""
+
+    rank: str | None
+    ppid: int = 0
+    comm: str = ""
+    ranks: tuple[str, ...] = ()  # its rank variables (stacks.rank_vars)
+
+    @classmethod
+    def read(cls, info: ProcInfo, proc: ProcFS) -> JobProcess:
+        ranks = rank_vars(proc, info.pid)
+        return cls(next((r for r in ranks if r), None), info.ppid, info.comm, ranks)
+
+    def worker_of(self, parent: JobProcess | None) -> bool:
+        """Whether this is a worker its parent (another process of the job, a rank) started, not a rank: a fork or a
+        multiprocessing spawn carries its parent's rank variables and, unless PyTorch renamed it, its command name.
+        A rank differs from its parent in one or the other (torchrun sets RANK for its children; `bash run.sh` runs
+        `python`)."""
+        return (parent is not None and self.rank is not None and parent.ranks == self.ranks
+                and self.comm in (parent.comm, DATA_WORKER))
 
 
 @dataclass(frozen=True)
@@ -136,11 +177,6 @@ def _classes() -> dict[str, KernelClass]:
     return {name: replace(catalog()[name], block="", family="") for name in NOTED if name in catalog()}
 
 
-def _int(text: str | None) -> int | None:
-    digits = (text or "").replace(",", "")
-    return int(digits) if digits.isdigit() and len(digits) <= 18 else None
-
-
 class KernelNotes:
     """The node's notes from the kernel log for the job checks; thread-safe (the follower writes, checks read)."""
 
@@ -155,7 +191,7 @@ class KernelNotes:
         self._kills: dict[int, OomKill] = {}
         self._fs: dict[tuple[str, str], FsTrouble] = {}
         self._hung: dict[int, HungTask] = {}
-        self._pids: dict[str, tuple[str, dict[int, str | None]]] = {}  # job key -> (name, pid -> rank)
+        self._pids: dict[str, tuple[str, dict[int, JobProcess]]] = {}  # job key -> (name, pid -> process)
         self._listeners = Listeners()
 
     # the reader ----------------------------------------------------------------------------
@@ -197,8 +233,8 @@ class KernelNotes:
         with self._lock:
             if event.klass in OOM_CLASSES:
                 return self._kill(event, when)
-            if event.klass == "hung_task" and (pid := _int(n.get("pid"))) is not None:
-                _bounded(self._hung, pid, HungTask(pid, n.get("comm", "?"), _int(n.get("seconds")) or 0, when), MAX_HUNG)
+            if event.klass == "hung_task" and (pid := number(n.get("pid"))) is not None:
+                _bounded(self._hung, pid, HungTask(pid, n.get("comm", "?"), number(n.get("seconds")) or 0, when), MAX_HUNG)
                 return False
             kind = event.cls.kind
             name = n.get("server") or n.get("target") or n.get("service") or n.get("by") or ""
@@ -216,8 +252,9 @@ class KernelNotes:
             return fresh
 
     def _kill(self, event: KernelEvent, when: float) -> bool:
+        """One line of a kill (its constraint line, its `Killed process` line), from the names the parser read."""
         n = event.names
-        pid = _int(n.get("pid"))
+        pid = number(n.get("pid"))
         if pid is None:
             return False
         old = self._kills.get(pid)
@@ -231,23 +268,29 @@ class KernelNotes:
                            job_id=job or kill.job_id, task=task or kill.task)
         else:
             memcg_limit = kill.memcg_limit if kill.memcg_limit is not None else event.klass == "oom_kill_memcg"
-            kill = replace(kill, anon_kb=_int(n.get("anon_kb")) or kill.anon_kb, memcg_limit=memcg_limit,
+            kill = replace(kill, anon_kb=number(n.get("anon_kb")) or kill.anon_kb, memcg_limit=memcg_limit,
                            line=event.line)
-        for key, (name, pids) in self._pids.items():
-            if pid in pids:
-                kill = replace(kill, job_key=key, job_name=name, rank=pids[pid])
-                break
+        kill = self._held(kill)
         _bounded(self._kills, pid, kill, MAX_KILLS)
         return old is None or kill != old
 
+    def _held(self, kill: OomKill) -> OomKill:
+        """The kill as the job's whose processes held its pid: its rank's, or the worker's of its rank."""
+        for key, (name, procs) in self._pids.items():
+            if (held := procs.get(kill.pid)) is not None:
+                forked = held.worker_of(procs.get(held.ppid))
+                return replace(kill, job_key=key, job_name=name, rank=held.rank, forked=forked)
+        return kill
+
     # what the job checks tell and ask ---------------------------------------------------
-    def remember(self, job_key: str, job_name: str, ranks: dict[int, str | None]) -> None:
-        """The job's processes now, with their ranks (a rank's pid is then known when the kernel kills it)."""
+    def remember(self, job_key: str, job_name: str, procs: dict[int, JobProcess]) -> None:
+        """The job's processes now, with their ranks and parents (a rank's pid is then known when the kernel kills it,
+        and a worker's as its rank's)."""
         with self._lock:
             _, known = self._pids.get(job_key, (job_name, {}))
-            self._pids[job_key] = (job_name, dict(list({**known, **ranks}.items())[-MAX_PIDS:]))
+            self._pids[job_key] = (job_name, dict(list({**known, **procs}.items())[-MAX_PIDS:]))
 
-    def known_pids(self, job_key: str) -> dict[int, str | None]:
+    def known_pids(self, job_key: str) -> dict[int, JobProcess]:
         with self._lock:
             return dict(self._pids.get(job_key, ("", {}))[1])
 

@@ -168,6 +168,13 @@ def _mce_uncorrected(names: Mapping[str, str]) -> bool:
 DECODERS = {"mce_uncorrected": _mce_uncorrected}
 
 
+def number(text: str | None) -> int | None:
+    """A number a class's pattern names (a pid, `anon-rss:56623104kB`'s kB, with any thousands separators); None
+    where the text holds none: a forged record's `anon-rss:,kB` is no number, and reading it must not raise."""
+    digits = (text or "").replace(",", "")
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
+
+
 def _clean(text: str, limit: int) -> str:
     """One printable line of at most `limit` characters (str.isprintable is the fast path: kernel text mostly is)."""
     text = text[:limit]

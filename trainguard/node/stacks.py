@@ -49,12 +49,18 @@ class ProcessStack:
         return f"pid {self.pid}{rank}: {self.where}{kernel}"
 
 
+def rank_vars(proc: ProcFS, pid: int) -> tuple[str, ...]:
+    """The rank variables of a process's environment (RANK, SLURM_PROCID, ...) in that order, "" for each unset or
+    not a rank: a rank's forked or spawned child (a DataLoader worker) carries its parent's; torchrun, which sets RANK
+    for its children, does not."""
+    # A rank is a small number; the environment is the job's, so anything else is not a rank (nor kept).
+    env = proc.environ_vars(pid, _RANK_VARS)
+    return tuple(v if v.isascii() and v.isdigit() and len(v) <= 9 else "" for v in (env.get(n, "") for n in _RANK_VARS))
+
+
 def process_rank(proc: ProcFS, pid: int) -> str | None:
     """The rank a process's environment names (RANK, SLURM_PROCID, ...); None when none or unreadable."""
-    # A rank is a small number; the environment is the job's, so anything else is not a rank.
-    env = proc.environ_vars(pid, _RANK_VARS)
-    values = (env.get(v, "") for v in _RANK_VARS)
-    return next((v for v in values if v.isascii() and v.isdigit() and len(v) <= 9), None)
+    return next((v for v in rank_vars(proc, pid) if v), None)
 
 
 def innermost(dump: str) -> str | None:
