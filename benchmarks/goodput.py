@@ -323,8 +323,11 @@ class Run:
                                               actions={"critical": ["drain", "restart_elsewhere"]})
         # The GPU read bad through NVML (lost, uncorrected ECC errors) after an XID: the XID's actions restart the job;
         # these checks only drain (their default requeue would race the restart without the node).
+        # Their period scaled like the rest (the installed 30 s would be 30 minutes here): one fault seen by `xid` and by
+        # `gpu` must come within the ledger's same_fault_within (10 scaled minutes), as it does at the real scale,
+        # or the lemon rules count it twice and hold a node after one fault.
         for name in ("gpu", "nvlink", "fabric"):
-            c.setdefault(name, {}).update(actions={"critical": ["drain"]})
+            c.setdefault(name, {}).update(fast, actions={"critical": ["drain"]})
         c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["restart"]})
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
@@ -1199,7 +1202,7 @@ def parser() -> argparse.ArgumentParser:
                         f"{24 / fleet.LLAMA3_MTBI_H:.2f})")
     p.add_argument("--repair-after", type=float, default=None, metavar="MINUTES",
                    help="a drained node whose hardware failed is repaired and resumed this long after its drain "
-                        "(real-world minutes, scaled; default: 120 with --schedule fleet, never with the default "
+                        "(real-world minutes, scaled; default: 30 with --schedule fleet, never with the default "
                         "schedule)")
     p.add_argument("--scenario", choices=["lemon"], default=None,
                    help=f"lemon: {LEMON_NODE}'s GPU fails (XID 79) every --lemon-every while the job runs there, "
@@ -1223,6 +1226,9 @@ def parser() -> argparse.ArgumentParser:
                    help="how long the paged human takes to act (real-world minutes, scaled)")
     p.add_argument("--also-without", default="", metavar="MINUTES[,MINUTES...]",
                    help="one more run without trainguard for each: a human who looks that often (minutes)")
+    p.add_argument("--with-only", action="store_true",
+                   help="only the run with trainguard: a seed's run with it made again (--report-from takes the "
+                        "first directory's)")
     p.add_argument("--without-only", action="store_true",
                    help="only the runs without trainguard (--look-every's human and --also-without's): more humans for "
                         "seeds whose run with it is saved; --report-from joins them")
@@ -1240,6 +1246,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--look-every must be a number of minutes above 0, --page-response one of at least 0")
     if a.rate is not None and not (math.isfinite(a.rate) and a.rate > 0):
         p.error("--rate must be a number of interruptions a day above 0")
+    if a.with_only and a.without_only:
+        p.error("--with-only and --without-only: one of them")
     if a.repair_after is not None and not (math.isfinite(a.repair_after) and a.repair_after >= 0):
         p.error("--repair-after must be a number of minutes of at least 0")
     try:
@@ -1260,7 +1268,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(kinds) - set(KINDS) - set(EXTRA_KINDS):
         p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS + EXTRA_KINDS)}")
     fleet_like = not a.fault_free and (a.schedule == "fleet" or a.scenario == "lemon")
-    repair = a.repair_after if a.repair_after is not None else 120.0 if fleet_like else None
+    # 30 minutes, a reset or a reboot: at a fleet's scale a drained node's place is taken by a spare at once, and this
+    # cluster has one; a longer repair would make two faults in a row leave the 3-node job without nodes
+    repair = a.repair_after if a.repair_after is not None else 30.0 if fleet_like else None
     site = Site(a.slow_policy, None if repair is None else scale(repair * 60),
                 scale(a.lemon_every * 60) if a.scenario == "lemon" and not a.fault_free else 0.0)
     per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
@@ -1269,12 +1279,12 @@ def main(argv: list[str] | None = None) -> int:
         out = a.out / f"seed-{seed}" if len(seeds) > 1 else a.out
         per_seed[seed] = benchmark(seed, a.minutes, scale, kinds, out_dir=out, human=Human(a.look_every, a.page_response),
                                    also_without=() if a.fault_free else also, site=site, faults=faults,
-                                   with_tg=not a.without_only)
-        if a.without_only:
+                                   with_tg=not a.without_only, without=not a.with_only)
+        if a.without_only or a.with_only:
             continue  # nothing to compare here: --report-from joins these runs to the saved ones with trainguard
         if not a.fault_free:
             print(table(per_seed[seed][0], seed, scale), flush=True)
-    if not a.without_only:
+    if not (a.without_only or a.with_only):
         report(per_seed, scale, a.out, a.plot, "fault-free" if a.fault_free else "fleet" if fleet_like else "default")
     return 0
 

@@ -39,7 +39,7 @@ CAUSES = (
     # Table 5 does not split its software bugs by shape: half are drawn as each of the two the harness makes.
     Cause("Software bug (half)", 27, "nan", "a NaN streak in the loss: the run diverges"),
     Cause("Software bug (half)", 27, "cuda_error", "one rank crashes on a CUDA error (PyTorch's illegal memory access "
-          "lines, a real capture); the others wait for it in the collective"),
+          "lines, a real capture); srun ends the others (--kill-on-bad-exit, as torchrun ends a failed worker's peers)"),
     Cause("Network switch/cable", 35, "ib_down", "the node's HCA port (a recorded H100 sysfs tree, "
           "tests/data/infiniband) goes DOWN/Disabled; the rank there logs NCCL's NET/IB completion error and hangs "
           "in the collective"),

@@ -11,8 +11,8 @@ Faults are files the harness writes into `<run-dir>/faults/`, each naming the at
 step) it hits, so a requeued or restarted job runs clean: `gpu-lost-NODE` (the rank there hangs in a CUDA call, as
 processes on a GPU that fell off the bus do), `ib-down-NODE` (the rank there logs NCCL's NET/IB completion error and
 hangs in its collective, as over an HCA port that went down), `hang` (`ATTEMPT RANK`: that rank stops before the barrier),
-`crash` (`ATTEMPT RANK`: that rank dies of a CUDA error, PyTorch's traceback in its log; the others wait for it in the
-barrier until the collective timeout), `leak`
+`crash` (`ATTEMPT RANK`: that rank dies of a CUDA error, PyTorch's traceback in its log; srun's --kill-on-bad-exit
+ends the others), `leak`
 (`ATTEMPT NODE MB`: the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this
 attempt), `slow-NODE` (`ATTEMPT FACTOR`: the rank there takes FACTOR times as long a step, as on a throttled GPU; the
 others wait for it in the barrier).
