@@ -418,3 +418,6 @@ def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys
         with pytest.raises(SystemExit):
             main(["--report-from", str(first), str(tmp_path / bad), "--out", str(out)])
         assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--with-only", "--without-only"])
+    assert "--with-only and --without-only: one of them" in capsys.readouterr().err
