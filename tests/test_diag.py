@@ -42,12 +42,17 @@ def test_dcgmi_failure_names_the_test_the_gpu_and_dcgms_reason() -> None:
     assert r.status is Status.CRITICAL
     assert r.details["failed"] == ["software"]
     assert "GPU 0: Persistence Mode" in r.summary and "DCGM error 29" in r.summary
+    # The GPU it failed on, for the ledger: GPU id 0; the GB10's `serial_num` is DCGM's <<<NOT_SUPPORTED>>> blank.
+    [gpu] = r.details["failed_gpus"]
+    assert (gpu["index"], gpu["serial"]) == (0, "")
+    assert gpu["reasons"][0].startswith("software: Persistence Mode: Persistence mode for GPU 0 is disabled")
 
 
 def test_dcgmi_pass_lists_the_tests_that_passed() -> None:
     r = diagtools.read_dcgmi(3, 0, text("dcgmi-r3-pass-8gpu.json"))
     assert r.status is Status.OK
     assert r.details["passed"] == ["diagnostic"] and r.summary == "dcgmi diag -r 3: passed diagnostic"
+    assert r.details["failed_gpus"] == []  # eight GPUs named, none failed
 
 
 def test_dcgmi_without_a_document_is_unknown_never_a_pass() -> None:
@@ -69,6 +74,20 @@ def test_nvidia_smi_pending_row_remap_is_critical() -> None:
     r = diagtools.read_nvidia_smi(0, text("nvidia-smi-q-a100-remap-pending.txt"), expected_gpus=8)
     assert r.status is Status.CRITICAL
     assert r.summary == "nvidia-smi: GPU 00000000:10:1C.0: row remap pending (reset the GPU)"
+    # The GPU by its bus id as NVML's (the ledger's slots); this quote elides its serial and UUID.
+    assert r.details["failed_gpus"] == [{"bus_id": "0000:10:1c", "serial": "", "uuid": "",
+                                         "reasons": ["row remap pending (reset the GPU)"]}]
+
+
+def test_nvidia_smi_names_a_failed_gpu_by_its_serial_and_uuid() -> None:
+    pending = text("nvidia-smi-q-h100-pass.txt").replace("Pending                           : No",
+                                                         "Pending                           : Yes")
+    r = diagtools.read_nvidia_smi(0, pending, expected_gpus=1)
+    assert r.status is Status.CRITICAL
+    assert r.details["failed_gpus"] == [{"bus_id": "0000:19:00", "serial": "1654123038646",
+                                         "uuid": "GPU-10f35015-e921-bfab-2eb8-4e9b6664d5f1",
+                                         "reasons": ["row remap pending (reset the GPU)"]}]
+    assert diagtools.read_nvidia_smi(0, text("nvidia-smi-q-h100-pass.txt"), 1).details["failed_gpus"] == []
 
 
 def test_nvidia_smi_persistence_off_warns_and_a_lost_driver_is_critical() -> None:

@@ -16,13 +16,15 @@ from typing import Any
 
 import pytest
 
+from trainguard.actions.diag import DiagReport
 from trainguard.agent.configfile import parse_config
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Result, Status
+from trainguard.gpu import diagtools
 from trainguard.gpu.nvml import Nvml
 from trainguard.pipeline.engine import Engine
 from trainguard.pipeline.incidents import Operator
-from trainguard.pipeline.ledger import DAY, Component, Ledger, LedgerSettings, LemonRule, read_history
+from trainguard.pipeline.ledger import DAY, Component, Ledger, LedgerSettings, LemonRule, read_history, record_diag
 from trainguard.pipeline.lemon import NAME as LEMON
 from trainguard.pipeline.lemon import HoldGate
 from trainguard.pipeline.store import SCHEMA_VERSION, SchemaTooNewError, Store
@@ -557,6 +559,73 @@ def test_a_failed_health_query_is_no_gpu_reset(site: dict[str, Any]) -> None:
     settle(e)
     e.stop()
     assert [(r.uuid, r.data["cleared"]) for r in resets()] == [(gpu.uuid, ["row remap pending"])]
+
+
+GB10 = {"index": 0, "uuid": "GPU-00000001-0000-4000-8000-000000000000", "serial": "1320000000001",
+        "name": "NVIDIA GB10", "bus_id": "000f:01:00"}
+
+
+def diag_report(level: str, *results: Result) -> DiagReport:
+    return DiagReport(level, list(results), seconds=1.0)  # type: ignore[arg-type]
+
+
+def test_a_failed_diagnostic_is_a_fault_of_the_gpu_it_names_and_a_repair_that_did_not_fix_it_is_held(
+        tmp_path: Path) -> None:
+    """dcgmi names the GPU by its id (NVML's index), the GB10 by no serial (tests/data/diag/dcgmi-r1-fail-gb10.json):
+    the GPU the gpu check saw at that index this boot. Its history: the XID, the repair, the diagnostic failed."""
+    from tests.test_diag import text
+
+    ledger, clock = ledger_at(tmp_path)
+    ledger.learn([Result("gpu", GB10["uuid"], Status.OK, "GPU 0", GB10)])
+    assert ledger.on_event(fault(clock, {**GB10, "xids": [{"xid": 79}]}), "xid") == []
+    clock.now += 3600
+    ledger.on_clear("xid", "s", "root", 0, "GPU reseated")
+    clock.now += 3600
+    failed = diag_report("quick", diagtools.read_dcgmi(1, 226, text("dcgmi-r1-fail-gb10.json")))
+    [hold] = ledger.on_diag(failed, "resume")
+    assert hold.reason == "GPU 1320...0001 XID 79,diag failed 2x in 2h: RMA" and hold.rule == "repeat-fault"
+    gpu = [(r.event, r.cls) for r in ledger.history(component="1320000000001")]
+    assert gpu == [("fault", "xid"), ("fault", "diag"), ("lemon", "repeat-fault")]
+    diag = ledger.history(component="1320000000001")[1]
+    assert diag.summary.startswith("GPU 1320...0001 diag quick failed: dcgmi diag -r 1: software: Persistence Mode")
+    assert (diag.uuid, diag.model, diag.data["source"]) == (GB10["uuid"], "NVIDIA GB10", "resume")
+    node = [(r.event, r.cls, r.data.get("passed")) for r in ledger.history(component="node1")]
+    assert node == [("clear", "xid", None), ("diag", "quick", False)]  # the run itself stays the node's
+
+
+def test_a_failed_diagnostic_counts_once_with_the_fault_it_confirms_and_a_passed_one_not_at_all(
+        tmp_path: Path) -> None:
+    """`same_fault_within` as the others; nvidia-smi names the GPU by its bus id
+    (tests/data/diag/nvidia-smi-q-a100-remap-pending.txt); a GPU the ledger can't tell stays the node's."""
+    from tests.test_diag import text
+
+    ledger, clock = ledger_at(tmp_path)
+    a100 = {**GB10, "bus_id": "0000:10:1c", "name": "NVIDIA A100-SXM4-80GB"}
+    ledger.learn([Result("gpu", a100["uuid"], Status.OK, "GPU 0", a100)])
+    assert ledger.on_event(fault(clock, {**a100, "remap_pending": True}, "gpu"), "gpu") == []
+    clock.now += 60
+    remap = diagtools.read_nvidia_smi(0, text("nvidia-smi-q-a100-remap-pending.txt"), 8)
+    assert ledger.on_diag(diag_report("quick", remap), "action") == []  # 60s after the fault: the same one
+    assert [r.component for r in ledger.history() if r.cls == "diag"] == ["1320000000001"]
+    clock.now += DAY
+    passed = diagtools.read_dcgmi(3, 0, text("dcgmi-r3-pass-8gpu.json"))
+    assert ledger.on_diag(diag_report("long", passed), "resume") == []
+    assert [r.event for r in ledger.history(component="1320000000001")] == ["fault", "fault"]
+    other, _ = ledger_at(tmp_path / "other")  # nothing learned: GPU 0 is no board it knows
+    other.on_diag(diag_report("quick", diagtools.read_dcgmi(1, 226, text("dcgmi-r1-fail-gb10.json"))), "cli")
+    assert [(r.kind, r.event) for r in other.history()] == [("node", "diag")]
+
+
+def test_trainguard_diag_records_the_gpus_fault_from_another_process(tmp_path: Path) -> None:
+    """`trainguard diag` and the prolog write into the agent's database: the GPU from the identities it keeps."""
+    from tests.test_diag import text
+
+    ledger, _ = ledger_at(tmp_path)
+    ledger.learn([Result("gpu", GB10["uuid"], Status.OK, "GPU 0", GB10)])
+    failed = diag_report("quick", diagtools.read_dcgmi(1, 226, text("dcgmi-r1-fail-gb10.json")))
+    assert record_diag(tmp_path, "node1", failed, "cli", tmp_path / "boot_id") == ""
+    assert [(r.kind, r.component, r.event, r.cls) for r in ledger.history()] == [
+        ("node", "node1", "diag", "quick"), ("gpu", "1320000000001", "fault", "diag")]
 
 
 def test_diagnostics_runs_go_into_the_ledger_the_metrics_and_history(site: dict[str, Any], tmp_path: Path) -> None:

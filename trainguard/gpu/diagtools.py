@@ -15,8 +15,10 @@ from typing import Any
 
 from trainguard.core.model import Result, Status, worst
 from trainguard.core.text import one_line
+from trainguard.gpu.nvml import normalize_bus_id
 
 CHECK = "diag"
+FAILED_GPUS = "failed_gpus"  # a result's GPUs with a fault: index or bus id, serial, UUID where said, reasons
 _LINE = 300  # the most of one tool line a summary quotes
 
 
@@ -86,15 +88,9 @@ def _dcgm_warnings(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def read_dcgmi(level: int, rc: int, out: str) -> Result:
-    """`dcgmi diag -r LEVEL -j`: CRITICAL when a test failed on an entity (named with DCGM's own explanation),
-    WARNING when one warned, OK when every test that ran passed (skipped tests are listed, not judged). dcgmi exits
-    non-zero on a failure (226, DCGM_ST_NVVS_ERROR): the document decides; without one, the run said nothing."""
-    subject = f"dcgmi diag -r {level}"
-    doc = _dcgm_document(out)
-    tests = list(_dcgm_tests(doc)) if doc else []
-    if not tests:
-        return _result(subject, Status.UNKNOWN, f"{subject} gave no result (exit {rc}): {_last_line(out)}", rc=rc)
+def _dcgm_verdicts(tests: list[tuple[str, list[dict[str, Any]]]]
+                   ) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str], list[str]]:
+    """Each test's reasons by verdict: failed and warned (`ENTITY: reason`), and the tests passed or skipped."""
     failed: dict[str, list[str]] = {}
     warned: dict[str, list[str]] = {}
     skipped, passed = [], []
@@ -108,8 +104,48 @@ def read_dcgmi(level: int, rc: int, out: str) -> Result:
                     f"{_dcgm_entity(r)}: {w}" for w in said)
         if not failed.get(name) and not warned.get(name):
             (passed if "pass" in statuses else skipped).append(name)
+    return failed, warned, passed, skipped
+
+
+def _known(value: object) -> str:
+    """An identifier as the tools print it, "" for their blanks (DCGM's `<<<NOT_SUPPORTED>>>`, nvidia-smi's N/A)."""
+    text = str(value or "").strip()
+    return "" if text.startswith("<<<") or text in ("N/A", "[N/A]") else text[:64]
+
+
+def _dcgm_failed_gpus(doc: dict[str, Any], tests: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Each GPU a test failed on: its DCGM GPU id (NVML's index), its serial where `entity_groups` lists one, and
+    the reasons (`TEST: reason`): what the ledger records against that GPU."""
+    serials: dict[int, str] = {}
+    for group in doc.get("entity_groups") if isinstance(doc.get("entity_groups"), list) else []:
+        if isinstance(group, dict) and group.get("entity_group") == "GPU" and isinstance(group.get("entities"), list):
+            serials.update((e["entity_id"], _known(e.get("serial_num"))) for e in group["entities"]
+                           if isinstance(e, dict) and isinstance(e.get("entity_id"), int))
+    gpus: dict[int, dict[str, Any]] = {}
+    for name, results in tests:
+        for r in results:
+            index = r.get("entity_id", r.get("gpu_id"))
+            if (str(r.get("status", "")).strip().lower() in _DCGM_FAIL and r.get("entity_group", "GPU") == "GPU"
+                    and isinstance(index, int) and not isinstance(index, bool)):
+                gpu = gpus.setdefault(index, {"index": index, "serial": serials.get(index, ""), "reasons": []})
+                gpu["reasons"].extend(f"{name}: {w}" for w in _dcgm_warnings(r) or ["fail"])
+    return list(gpus.values())[:64]
+
+
+def read_dcgmi(level: int, rc: int, out: str) -> Result:
+    """`dcgmi diag -r LEVEL -j`: CRITICAL when a test failed on an entity (named with DCGM's own explanation),
+    WARNING when one warned, OK when every test that ran passed (skipped tests are listed, not judged). dcgmi exits
+    non-zero on a failure (226, DCGM_ST_NVVS_ERROR): the document decides; without one, the run said nothing. The
+    GPUs a test failed on are listed (`failed_gpus`)."""
+    subject = f"dcgmi diag -r {level}"
+    doc = _dcgm_document(out)
+    tests = list(_dcgm_tests(doc)) if doc else []
+    if not doc or not tests:
+        return _result(subject, Status.UNKNOWN, f"{subject} gave no result (exit {rc}): {_last_line(out)}", rc=rc)
+    failed, warned, passed, skipped = _dcgm_verdicts(tests)
     details = {"rc": rc, "failed": sorted(failed), "warned": sorted(warned), "passed": passed, "skipped": skipped,
-               "reasons": [w for ws in failed.values() for w in ws][:20]}
+               "reasons": [w for ws in failed.values() for w in ws][:20],
+               FAILED_GPUS: _dcgm_failed_gpus(doc, tests)}
     if failed:
         first = next(iter(failed.items()))
         return _result(subject, Status.CRITICAL, f"{subject}: failed {', '.join(failed)}: {first[1][0]}", **details)
@@ -135,6 +171,31 @@ class _SmiGpu:
     bus_id: str
     faults: list[str]
     warnings: list[str]
+    serial: str = ""
+    uuid: str = ""
+
+    def read(self, where: str, key: str, value: str) -> None:
+        """One `key : value` line of this GPU's section (`where`: the subsection's path)."""
+        if where == "Remapped Rows" and value == "Yes":
+            self.faults.append("row remapping failed (RMA)" if key == "Remapping Failure Occurred"
+                               else "row remap pending (reset the GPU)")
+        elif where == "Retired Pages" and key == "Pending Page Blacklist" and value == "Yes":
+            self.faults.append("page retirement pending (reset the GPU)")
+        elif where == "ECC Errors/Volatile" and "Uncorrectable" in key and value.isdigit() and int(value) > 0:
+            self.faults.append(f"{value} volatile {key} ECC error(s)")
+        elif where == "GPU Reset Status" and key == "Reset Required" and value == "Yes":
+            self.faults.append("reset required")
+        elif not where and key == "Persistence Mode" and value == "Disabled":
+            self.warnings.append("persistence mode off")
+        elif where.startswith("Clocks Event Reasons") and key.startswith("HW") and value == "Active":
+            self.warnings.append(f"{key} active")
+        elif not where and key in ("Serial Number", "GPU UUID"):
+            setattr(self, "serial" if key == "Serial Number" else "uuid", _known(value))
+
+    def failed(self) -> dict[str, Any]:
+        """This GPU's faults as the ledger reads them: the bus id as NVML's (normalised), serial and UUID."""
+        return {"bus_id": normalize_bus_id(self.bus_id), "serial": self.serial, "uuid": self.uuid,
+                "reasons": self.faults}
 
 
 def _smi_sections(out: str) -> Iterator[tuple[list[str], str, str]]:
@@ -156,7 +217,8 @@ def _smi_sections(out: str) -> Iterator[tuple[list[str], str, str]]:
 def read_nvidia_smi(rc: int, out: str, expected_gpus: int = 0) -> Result:
     """`nvidia-smi -q`: CRITICAL for fewer GPUs than `expected_gpus`, a pending row remap or page retirement (the
     GPU needs a reset), a failed remap (RMA), uncorrectable ECC errors since the driver loaded, a reset required;
-    WARNING for persistence mode off or a hardware clock slowdown."""
+    WARNING for persistence mode off or a hardware clock slowdown. The GPUs with a fault are listed
+    (`failed_gpus`: bus id, serial, UUID)."""
     subject = "nvidia-smi"
     if rc != 0:
         why = SMI_EXITS.get(rc)
@@ -172,24 +234,12 @@ def read_nvidia_smi(rc: int, out: str, expected_gpus: int = 0) -> Result:
             gpus.append(_SmiGpu(path[0][4:], [], []))
         if not gpus or not path:
             continue
-        where, gpu = "/".join(path[1:]), gpus[-1]
-        if where == "Remapped Rows" and value == "Yes":
-            gpu.faults.append("row remapping failed (RMA)" if key == "Remapping Failure Occurred"
-                              else "row remap pending (reset the GPU)")
-        elif where == "Retired Pages" and key == "Pending Page Blacklist" and value == "Yes":
-            gpu.faults.append("page retirement pending (reset the GPU)")
-        elif where == "ECC Errors/Volatile" and "Uncorrectable" in key and value.isdigit() and int(value) > 0:
-            gpu.faults.append(f"{value} volatile {key} ECC error(s)")
-        elif where == "GPU Reset Status" and key == "Reset Required" and value == "Yes":
-            gpu.faults.append("reset required")
-        elif not path[1:] and key == "Persistence Mode" and value == "Disabled":
-            gpu.warnings.append("persistence mode off")
-        elif where.startswith("Clocks Event Reasons") and key.startswith("HW") and value == "Active":
-            gpu.warnings.append(f"{key} active")
+        gpus[-1].read("/".join(path[1:]), key, value)
     count = attached if attached is not None else len(gpus)
     details: dict[str, Any] = {"gpus": count, "expected": expected_gpus,
                                "faults": {g.bus_id: g.faults for g in gpus if g.faults},
-                               "warnings": {g.bus_id: g.warnings for g in gpus if g.warnings}}
+                               "warnings": {g.bus_id: g.warnings for g in gpus if g.warnings},
+                               FAILED_GPUS: [g.failed() for g in gpus if g.faults]}
     if attached is None and not gpus:
         return _result(subject, Status.UNKNOWN, f"nvidia-smi -q printed no GPU: {_last_line(out)}", **details)
     problems = [f"GPU {g.bus_id}: {', '.join(g.faults)}" for g in gpus if g.faults]

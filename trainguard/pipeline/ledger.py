@@ -6,7 +6,9 @@ or a drain is recorded: a component or node that failed again and again is held 
 
 Identity: a GPU is its board serial from NVML (its UUID where NVML has no serial), an HCA its node GUID, an NVSwitch
 its PCI address, anything else the node. A swapped part is a new component with a clean record, even in the same
-slot: the PCI bus id names where a part sits, never which part it is.
+slot: the PCI bus id names where a part sits, never which part it is. A GPU a diagnostic names (dcgmi by its index
+and serial, nvidia-smi by its bus id, serial and UUID) is the one that answered there this boot: its failure is a
+fault of that GPU (class `diag`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
-from trainguard.core.model import Result
+from trainguard.core.model import Result, Status
 from trainguard.core.settings import Duration, Field, SettingsModel, field_validator
+from trainguard.gpu.diagtools import FAILED_GPUS
 from trainguard.pipeline.store import LedgerRow, SchemaTooNewError, Store, ledger_append, ledger_query, open_read_only
 
 if TYPE_CHECKING:
@@ -139,6 +142,61 @@ class Hold:
     history: list[str]
 
 
+@dataclass
+class Identities:
+    """What the hardware checks told the ledger: kept in the state database (kv `ledger.identities`), read by the
+    agent and by `trainguard diag` or a prolog into it."""
+
+    serials: dict[str, dict[str, str]]  # uuid -> serial, model
+    slots: dict[str, str]  # bus id -> uuid, this boot's only: a part can only be swapped with the power off
+    indexes: dict[str, str]  # GPU index -> uuid, this boot's only (NVML's order follows the slots)
+
+    @classmethod
+    def stored(cls, ids: Mapping[str, Any], boot_id: str) -> Identities:
+        same_boot = ids.get("boot_id") == boot_id
+        return cls(dict(ids.get("uuid") or {}), dict(ids.get("bus") or {}) if same_boot else {},
+                   dict(ids.get("index") or {}) if same_boot else {})
+
+    def learn(self, details: Mapping[str, Any]) -> bool:
+        """A GPU result's serial, model, bus id and index for its UUID: whether anything changed."""
+        uuid, bus, index = details.get("uuid"), details.get("bus_id"), details.get("index")
+        if not isinstance(uuid, str) or not uuid:
+            return False
+        known = {"serial": str(details.get("serial") or ""), "model": str(details.get("name") or "")}
+        old = self.serials.get(uuid, {})
+        merged = {k: known[k] or old.get(k, "") for k in known}
+        places = [(self.slots, bus)] if isinstance(bus, str) and bus else []
+        if isinstance(index, int) and not isinstance(index, bool):
+            places.append((self.indexes, str(index)))
+        changed = merged != old or any(table.get(key) != uuid for table, key in places)
+        self.serials[uuid] = merged
+        for table, key in places:
+            table[key] = uuid
+        return changed
+
+    def resolve(self, details: Mapping[str, Any], node: str) -> Component:
+        """The component a result's or an event's details name (the module's docstring says how)."""
+        uuid, bus, serial = (str(details.get(k) or "") for k in ("uuid", "bus_id", "serial"))
+        if not uuid and bus and not details.get("switch"):
+            uuid = self.slots.get(bus, "")
+        if not uuid and details.get("index") is not None:  # a diagnostic naming a GPU by its index alone
+            uuid = self.indexes.get(str(details.get("index")), "")
+        known = self.serials.get(uuid, {}) if uuid else {}
+        if uuid:
+            return Component("gpu", serial or known.get("serial") or uuid, uuid, bus,
+                             str(details.get("name") or known.get("model") or ""))
+        if details.get("node_guid"):
+            return Component("hca", str(details["node_guid"]), bus_id=str(details.get("device") or ""),
+                             model=str(details.get("hca_type") or ""))
+        if details.get("switch") and bus:
+            return Component("nvswitch", bus, bus_id=bus)
+        if serial:  # a diagnostic's GPU by its serial: the board, whatever this boot's UUIDs
+            return Component("gpu", serial, bus_id=bus)
+        if bus:  # a GPU that never answered NVML this boot (off the bus at start): its slot is all there is
+            return Component("gpu", f"pci:{bus}", bus_id=bus)
+        return Component("node", node)
+
+
 def short(ident: str) -> str:
     """`1320...0004` for a long serial or GUID: a drain reason is one short line."""
     return ident if len(ident) <= 12 else f"{ident[:4]}...{ident[-4:]}"
@@ -158,7 +216,8 @@ def fault_label(cls: str, details: Mapping[str, Any]) -> str:
         xids = sorted({e.get("xid") for e in details.get("xids") or () if isinstance(e, dict)
                        and isinstance(e.get("xid"), int)})
         return "XID " + ",".join(map(str, xids)) if xids else "XID"
-    names = {"gpu": "GPU fault", "nvlink": "NVLink", "pcie": "PCIe", "infiniband": "link", "fabric": "fabric"}
+    names = {"gpu": "GPU fault", "diag": "diag failed", "nvlink": "NVLink", "pcie": "PCIe", "infiniband": "link",
+             "fabric": "fabric"}
     return names.get(cls, cls or "fault")
 
 
@@ -208,16 +267,55 @@ def diag_row(node: str, boot_id: str, report: DiagReport, source: str, at: float
     return LedgerRow(at, boot_id, "node", node, DIAG, report.level, report.summary()[:500], data=data)
 
 
+def diag_faults(boot_id: str, report: DiagReport, source: str, at: float,
+                identify: Callable[[Mapping[str, Any]], Component]) -> list[LedgerRow]:
+    """A `fault` (class `diag`, CRITICAL) against each GPU a failed test names (FAILED_GPUS) that `identify`
+    knows: a repair that did not fix it, which the lemon rules count. A GPU it does not know stays in the run's
+    entry, against the node."""
+    named: dict[str, tuple[Component, list[str]]] = {}
+    for result in report.failed:
+        failed_gpus = result.details.get(FAILED_GPUS)
+        for gpu in failed_gpus if isinstance(failed_gpus, list) else ():
+            component = identify(gpu) if isinstance(gpu, dict) else None
+            if component is not None and component.kind == "gpu":
+                reasons = named.setdefault(component.id, (component, []))[1]
+                reasons.extend(f"{result.subject}: {why}" for why in gpu.get("reasons") or ["failed"])
+    data = {"check": DIAG, "subject": f"diag {report.level}", "status": Status.CRITICAL.name, "label": "diag failed",
+            "level": report.level, "source": source}
+    return [LedgerRow(at, boot_id, c.kind, c.id, "fault", DIAG, f"{c.label()} diag {report.level} failed: "
+                      f"{'; '.join(reasons)}"[:500], c.uuid, c.bus_id, c.model, dict(data))
+            for c, reasons in named.values()]
+
+
+def stored_identities(state_dir: Path, boot_id: str) -> Identities:
+    """The agent's identities, for another process's diagnostics; none where they can't be read (the output's own
+    serials and UUIDs still name their GPUs)."""
+    try:
+        conn = open_read_only(state_dir)
+        try:
+            row = conn.execute("SELECT value FROM kv WHERE key = ?", (IDENTITIES_KEY,)).fetchone()
+        finally:
+            conn.close()
+        ids = json.loads(row[0]) if row else {}
+    except (OSError, ValueError, SchemaTooNewError, sqlite3.Error):
+        ids = {}
+    return Identities.stored(ids if isinstance(ids, dict) else {}, boot_id)
+
+
 def record_diag(state_dir: Path, node: str, report: DiagReport, source: str,
                 boot_id_path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str:
     """A run of another process (`trainguard diag`, the prolog gate) into the agent's ledger: "" once recorded,
     else why not, in words (no agent database here, busy, another schema, not permitted): never raises, and
-    waits at most EXTERNAL_TIMEOUT_S for a busy database."""
-    row = diag_row(node, read_boot_id(boot_id_path), report, source, time.time())
+    waits at most EXTERNAL_TIMEOUT_S for a busy database. Its GPU faults count at the agent's next judgement of
+    that GPU (another fault of it)."""
+    boot_id, at = read_boot_id(boot_id_path), time.time()
+    row = diag_row(node, boot_id, report, source, at)
     if row is None:
         return "nothing ran"
+    known = stored_identities(state_dir, boot_id) if report.failed else Identities({}, {}, {})
+    faults = diag_faults(boot_id, report, source, at, lambda details: known.resolve(details, node))
     try:
-        ledger_append(state_dir, [row], EXTERNAL_TIMEOUT_S)
+        ledger_append(state_dir, [row, *faults], EXTERNAL_TIMEOUT_S)
     except (OSError, ValueError, SchemaTooNewError, sqlite3.Error) as exc:
         return f"not recorded in the ledger: {exc}"
     return ""
@@ -246,10 +344,8 @@ class Ledger:
         self._judging = threading.Lock()  # one judgement at a time: two checks' faults at once hold a part once
         self._pruned_at = -PRUNE_EVERY_S
         ids = self._load(IDENTITIES_KEY)
-        self._serials: dict[str, dict[str, str]] = dict(ids.get("uuid") or {})  # uuid -> serial, model
-        # bus id -> uuid, this boot's only: a part can only be swapped with the power off
+        self._known = Identities.stored(ids, self.boot_id)
         same_boot = ids.get("boot_id") == self.boot_id
-        self._slots: dict[str, str] = dict(ids.get("bus") or {}) if same_boot else {}
         # GPU index -> what it awaited a reset for, this boot's only (a reboot resets every GPU, recorded as such)
         self._awaiting: dict[str, list[str]] = dict(ids.get("awaiting") or {}) if same_boot else {}
 
@@ -273,19 +369,10 @@ class Ledger:
                 cleared = self._reset_seen(r)
                 if cleared:
                     resets.append((r, cleared))
-                uuid, bus = r.details.get("uuid"), r.details.get("bus_id")
-                if not isinstance(uuid, str) or not uuid:
-                    continue
-                known = {"serial": str(r.details.get("serial") or ""), "model": str(r.details.get("name") or "")}
-                old = self._serials.get(uuid, {})
-                merged = {k: known[k] or old.get(k, "") for k in known}
-                if merged != old:
-                    self._serials[uuid], changed = merged, True
-                if isinstance(bus, str) and bus and self._slots.get(bus) != uuid:
-                    self._slots[bus], changed = uuid, True
+                changed = self._known.learn(r.details) or changed
             changed = changed or self._awaiting != awaited
-            data = json.dumps({"uuid": self._serials, "bus": self._slots, "boot_id": self.boot_id,
-                               "awaiting": self._awaiting})
+            data = json.dumps({"uuid": self._known.serials, "bus": self._known.slots, "index": self._known.indexes,
+                               "boot_id": self.boot_id, "awaiting": self._awaiting})
         if changed:
             self.store.put(IDENTITIES_KEY, data)
         for r, cleared in resets:
@@ -313,27 +400,11 @@ class Ledger:
     def present(self) -> list[str]:
         """The model of each GPU seen this boot (one entry per GPU)."""
         with self._lock:
-            return [self._serials.get(uuid, {}).get("model") or "unknown" for uuid in self._slots.values()]
+            return [self._known.serials.get(uuid, {}).get("model") or "unknown" for uuid in self._known.slots.values()]
 
     def identify(self, details: Mapping[str, Any]) -> Component:
-        uuid = str(details.get("uuid") or "")
-        bus = str(details.get("bus_id") or "")
         with self._lock:
-            if not uuid and bus and not details.get("switch"):
-                uuid = self._slots.get(bus, "")
-            known = self._serials.get(uuid, {}) if uuid else {}
-        if uuid:
-            serial = str(details.get("serial") or known.get("serial") or "")
-            model = str(details.get("name") or known.get("model") or "")
-            return Component("gpu", serial or uuid, uuid, bus, model)
-        if details.get("node_guid"):
-            return Component("hca", str(details["node_guid"]), bus_id=str(details.get("device") or ""),
-                             model=str(details.get("hca_type") or ""))
-        if details.get("switch") and bus:
-            return Component("nvswitch", bus, bus_id=bus)
-        if bus:  # a GPU that never answered NVML this boot (off the bus at start): its slot is all there is
-            return Component("gpu", f"pci:{bus}", bus_id=bus)
-        return Component("node", self.node)
+            return self._known.resolve(details, self.node)
 
     # recording -----------------------------------------------------------------------------------------------
     def _add(self, component: Component, event: str, cls: str = "", summary: str = "",
@@ -378,12 +449,18 @@ class Ledger:
             "incident": event.incident_id})
         return self.judge(node, "drain") if what == "drain" else []
 
-    def on_diag(self, report: DiagReport, source: str) -> None:
+    def on_diag(self, report: DiagReport, source: str) -> list[Hold]:
         """A diagnostics run (the `diag` action, the `resume` action's validation): its level, verdict, failed tests
-        and duration, against the node. A run refused, or with no tool to run, ran nothing and is not recorded."""
-        row = diag_row(self.node, self.boot_id, report, source, self.clock())
-        if row is not None:
-            self.store.ledger_add([row])
+        and duration, against the node; a fault against each GPU its failed tests name, judged. A run refused, or
+        with no tool to run, ran nothing and is not recorded."""
+        at = self.clock()
+        row = diag_row(self.node, self.boot_id, report, source, at)
+        if row is None:
+            return []
+        faults = diag_faults(self.boot_id, report, source, at, self.identify)
+        self.store.ledger_add([row, *faults])
+        return [h for f in faults for h in self.judge(Component(f.kind, f.component, f.uuid, f.bus_id, f.model),
+                                                      "fault")]
 
     def on_clear(self, check: str, subject: str, by: str, uid: int, reason: str) -> None:
         """An operator's clear: the repair, recorded against the component held (or the node)."""
