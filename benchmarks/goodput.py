@@ -732,7 +732,10 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
         t = f["injected"]
         until = rec.faults[i + 1]["injected"] if i + 1 < len(rec.faults) else rec.duration
         check = CHECK_OF[f["kind"]]
-        fired = [a for a in rec.alerts if a["check"] == check and t <= a["t"] < until + 5]
+        # its check's alerts up to that check's next fault: a slow check's (the time limit's margin) may come after
+        # another kind of fault was injected
+        mine = next((g["injected"] for g in rec.faults[i + 1:] if CHECK_OF[g["kind"]] == check), rec.duration)
+        fired = [a for a in rec.alerts if a["check"] == check and t <= a["t"] < max(mine, until + 5)]
         humans = [a for a in rec.actions if a["who"].startswith("human") and t <= a["t"] < until]
         detected = fired[0]["t"] - t if fired else (humans[0]["t"] - t if humans else None)
         # a slowdown every node of the job sees: the node named is the one whose finding its own GPU explains
@@ -1147,11 +1150,13 @@ def run_key(r: dict[str, Any]) -> tuple[bool, Any]:
     return (True, r.get("lemon_policy", True)) if r["trainguard"] else (False, r["human"]["look_every_min"])
 
 
-def saved(dirs: list[Path]) -> dict[int, tuple[list[dict[str, Any]], list[Record]]]:
+def saved(dirs: list[Path], scale: Scale, step_time: float = 0.5) -> dict[int, tuple[list[dict[str, Any]],
+                                                                                   list[Record]]]:
     """The runs earlier invocations saved (each `--out`: its `seed-N/goodput.json`, or its `goodput.json`), joined by
     seed in the order given: the runs of record can be made a few at a time (`--without-only` adds humans to seeds
     whose run with trainguard is saved), then reported together. A seed's first run with trainguard is the one
-    compared; a human already seen for a seed is not counted twice. ValueError names a file that is not a saved run,
+    compared; a human already seen for a seed is not counted twice. Each run's records are analysed again by this
+    code (a fix of the analysis applies to runs made before it). ValueError names a file that is not a saved run,
     or one whose length differs from its seed's first (another length is another schedule)."""
     per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
     lengths: dict[int, float | None] = {}
@@ -1172,7 +1177,7 @@ def saved(dirs: list[Path]) -> dict[int, tuple[list[dict[str, Any]], list[Record
             for r, rec in runs:
                 if (key := run_key(r)) not in seen:
                     seen.add(key)
-                    results.append(r)
+                    results.append({**r, **analyse(rec, scale, step_time)})
                     records.append(rec)
     if missing := [seed for seed, (rs, _) in per_seed.items() if not any(r["trainguard"] for r in rs)]:
         raise ValueError(f"seeds {missing}: no run with trainguard saved")
@@ -1258,7 +1263,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = Scale(a.scale)
     if a.report_from:
         try:
-            per_seed = saved(a.report_from)
+            per_seed = saved(a.report_from, scale)
         except ValueError as e:
             p.error(f"--report-from: {e}")
         a.out.mkdir(parents=True, exist_ok=True)

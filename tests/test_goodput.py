@@ -76,6 +76,21 @@ def test_goodput_counts_steps_up_to_the_last_finite_checkpoint_and_charges_redon
     assert fault["stalled_s"] == 3.0  # no step from the fault (6 s) to the next attempt's first (9 s)
 
 
+def test_a_slow_checks_alert_after_another_kind_of_fault_is_still_its_own_faults() -> None:
+    """Seed 2 of the fleet's runs: the time limit's margin fired 50 s after its fault, 13 s after a disk fault."""
+    rec = Record(trainguard=True, duration=100.0)
+    rec.steps = [(0.5 * i, i, True) for i in range(200)]
+    rec.faults = [{"kind": "time_limit", "at": 10.0, "target": 0, "node": "n1", "injected": 10.0, "limit_at": 70.0},
+                  {"kind": "disk_full", "at": 40.0, "target": 0, "node": "n1", "injected": 40.0, "full_in": 60.0},
+                  {"kind": "time_limit", "at": 80.0, "target": 0, "node": "n1", "injected": 80.0, "limit_at": 99.0}]
+    alert = {"node": "n1", "subject": "slurm:1", "status": "WARNING", "event": "fired"}
+    rec.alerts = [{**alert, "t": 50.0, "check": "disk"}, {**alert, "t": 58.0, "check": "job_timelimit"}]
+    limit, disk, again = analyse(rec, Scale(60), 0.5)["faults"]
+    assert limit["by"] == "trainguard" and limit["detect_s"] == 48.0, limit
+    assert disk["by"] == "trainguard" and disk["detect_s"] == 10.0, disk
+    assert again["by"] == "-" and again["detect_s"] is None  # its check's alert before it is not its own
+
+
 def test_the_time_without_a_step_is_told_apart_from_the_time_to_the_next_attempt() -> None:
     rec = Record(trainguard=True, duration=30.0)
     # the time limit approaches at 6 s; the job trains on to step 27 (13.5 s) and saves it, the next life at 16 s
@@ -385,10 +400,13 @@ def test_the_report_over_seeds_is_written_beside_the_runs(tmp_path: Path) -> Non
 
 
 def _save(out: Path, seed: int, results: list[dict[str, object]], minutes: float = 8) -> None:
+    """Saved runs whose records make each result's goodput: a step every 0.5 s for 50 s (100 possible), the last
+    finite checkpoint at the step that counts that share of them."""
     (out / f"seed-{seed}").mkdir(parents=True)
-    rec = {"trainguard": True, "steps": [[0.5 * i, i, True] for i in range(10)]}
+    records = [{"trainguard": r["trainguard"], "duration": 50.0, "steps": [[0.5 * i, i, True] for i in range(100)],
+                "checkpoints": [[40.0, round(100 * float(r["goodput"])) - 1, True]]} for r in results]  # type: ignore[arg-type]
     (out / f"seed-{seed}" / "goodput.json").write_text(json.dumps({"minutes": minutes, "results": results,
-                                                                   "records": [rec] * len(results)}))
+                                                                   "records": records}))
 
 
 def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -398,10 +416,10 @@ def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys
         _save(first, seed, [_result(True, w), _result(False, 0.7)])
     _save(later, 1, [_result(False, 0.75), _result(False, 0.5, 120), _result(True, 0.5)])  # a second 30 and "with"
     _save(later, 2, [_result(False, 0.4, 120)])
-    per_seed = saved([first, later])
+    per_seed = saved([first, later], Scale(60))
     assert [[(r["trainguard"], r["goodput"]) for r in rs] for rs, _ in per_seed.values()] == [
         [(True, 0.96), (False, 0.7), (False, 0.5)], [(True, 0.98), (False, 0.7), (False, 0.4)]]  # first ones kept
-    assert per_seed[1][1][0].steps[-1] == [4.5, 9, True]
+    assert per_seed[1][1][0].steps[-1] == [49.5, 99, True]  # the records, analysed again
     out = tmp_path / "report"
     assert main(["--report-from", str(first), str(later), "--schedule", "fleet", "--out", str(out),
                  "--plot", str(out / "p.png")]) == 0
