@@ -323,8 +323,11 @@ class Run:
                                               actions={"critical": ["drain", "restart_elsewhere"]})
         # The GPU read bad through NVML (lost, uncorrected ECC errors) after an XID: the XID's actions restart the job;
         # these checks only drain (their default requeue would race the restart without the node).
+        # Their period scaled like the rest (the installed 30 s would be 30 minutes here): one fault seen by `xid` and by
+        # `gpu` must come within the ledger's same_fault_within (10 scaled minutes), as it does at the real scale,
+        # or the lemon rules count it twice and hold a node after one fault.
         for name in ("gpu", "nvlink", "fabric"):
-            c.setdefault(name, {}).update(actions={"critical": ["drain"]})
+            c.setdefault(name, {}).update(fast, actions={"critical": ["drain"]})
         c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["restart"]})
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
