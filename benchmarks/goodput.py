@@ -1159,7 +1159,7 @@ def saved(dirs: list[Path], scale: Scale, step_time: float = 0.5) -> dict[int, t
     code (a fix of the analysis applies to runs made before it). ValueError names a file that is not a saved run,
     or one whose length differs from its seed's first (another length is another schedule)."""
     per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
-    lengths: dict[int, float | None] = {}
+    lengths: dict[int, float | None] = {}  # each seed's run length, where a saved run says it
     for d in dirs:
         files = sorted(d.glob("seed-*/goodput.json"), key=lambda f: f.parent.name) or [d / "goodput.json"]
         for f in files:
@@ -1169,7 +1169,11 @@ def saved(dirs: list[Path], scale: Scale, step_time: float = 0.5) -> dict[int, t
                 runs = list(zip(data["results"], [Record(**r) for r in data["records"]], strict=True))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{f}: not a saved goodput run ({e})") from e
-            if lengths.setdefault(seed, data.get("minutes")) != data.get("minutes"):
+            # runs saved before their length was recorded join any (their schedule is the seed's at the length given)
+            minutes = data.get("minutes")
+            if lengths.get(seed) is None:
+                lengths[seed] = minutes
+            elif minutes is not None and minutes != lengths[seed]:
                 raise ValueError(f"{f}: {data.get('minutes')}-minute runs, seed {seed}'s first were "
                                  f"{lengths[seed]}-minute ones: another schedule")
             results, records = per_seed.setdefault(seed, ([], []))

@@ -399,7 +399,7 @@ def test_the_report_over_seeds_is_written_beside_the_runs(tmp_path: Path) -> Non
     assert "| 3 | 9 / 9 | 0.5 / 0.5 | +0.00% |" in (tmp_path / "report.md").read_text()
 
 
-def _save(out: Path, seed: int, results: list[dict[str, object]], minutes: float = 8) -> None:
+def _save(out: Path, seed: int, results: list[dict[str, object]], minutes: float | None = 8) -> None:
     """Saved runs whose records make each result's goodput: a step every 0.5 s for 50 s (100 possible), the last
     finite checkpoint at the step that counts that share of them."""
     (out / f"seed-{seed}").mkdir(parents=True)
@@ -429,6 +429,8 @@ def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys
     _save(tmp_path / "none-with", 3, [_result(False, 0.4)])
     (tmp_path / "torn" / "seed-4").mkdir(parents=True)
     (tmp_path / "torn" / "seed-4" / "goodput.json").write_text("{")
+    _save(tmp_path / "unsaid", 1, [_result(False, 0.4, 60)], minutes=None)  # saved before lengths were: joins
+    assert [r["human"]["look_every_min"] for r in saved([first, tmp_path / "unsaid"], Scale(60))[1][0]] == [30, 30, 60]
     _save(tmp_path / "longer", 1, [_result(False, 0.4, 60)], minutes=15)
     for bad, says in (("none-with", "seeds [3]: no run with trainguard saved"),
                       ("torn", "seed-4/goodput.json: not a saved goodput run"),
