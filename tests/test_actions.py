@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import pwd
@@ -49,7 +50,7 @@ from trainguard.pipeline.responder import (
     _brief,
     event_jobs,
 )
-from trainguard.pipeline.store import Store
+from trainguard.pipeline.store import Store, open_read_only
 from trainguard.registry import Registry
 from trainguard.trainer import Trainer
 
@@ -830,5 +831,7 @@ def test_a_reload_in_the_middle_of_a_list_runs_each_action_once_and_records_what
         third.start()
         third.stop()
         assert ran == ["signal", "requeue", "notify"]
+        with contextlib.closing(open_read_only(tmp_path / "state")) as conn:  # nor any hand-over key, empty or not
+            assert conn.execute("SELECT key FROM kv WHERE key LIKE 'responder.handover/%'").fetchall() == []
     finally:
         release.set()

@@ -245,3 +245,31 @@ def test_the_tmp_walk_does_not_enter_another_filesystem(
     failures, notes = gates.job_files(job_user, [str(shm)], 512 << 10, ProcFS())
     assert (failures, notes) == ([f"{shm}: the job's user left 1.0 MiB in 1 file(s) (over 512.0 KiB): {left} (1.0 MiB)"],
                                  [])
+
+
+class _Marked(ProcFS):
+    """Processes of one user whose /proc/PID/cgroup and environ texts are given."""
+
+    def __init__(self, texts: dict[int, tuple[str, str]]) -> None:
+        self.texts = texts
+
+    def cgroup(self, pid: int) -> str | None:
+        return self.texts[pid][0]
+
+    def read_text(self, pid: int | str, name: str) -> str | None:
+        return self.texts[int(pid)][1] if name == "environ" else None
+
+
+def test_a_jobs_cgroup_mark_is_read_as_slurm_names_it_and_job_1_is_not_job_12() -> None:
+    """The epilog reads a process's cgroup as the kernel checks do (`job_of_cgroup`, v1 and v2): job 1's epilog
+    takes none of job 12's processes, whose environment is unreadable (a zombie), nor a `job_1` a user made."""
+    v1_12 = "12:memory:/slurm/uid_1000/job_12/step_0/task_0\n4:freezer:/slurm/uid_1000/job_12/step_0\n"
+    v1_1 = "12:memory:/slurm/uid_1000/job_1\n4:freezer:/slurm/uid_1000/job_1\n"  # a path may stop at the job
+    v2_12 = "0::/system.slice/slurmstepd.scope/job_12/step_0/user/task_0\n"
+    v2_1 = "0::/system.slice/n3_slurmstepd.scope/job_1/step_batch/user/task_0\n"
+    own = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/job_1/x\n"
+    proc = _Marked({1: (v1_12, ""), 2: (v2_12, ""), 3: (v1_1, ""), 4: (v2_1, ""), 5: (own, ""),
+                    6: (own, "SLURM_JOB_ID=1\0"), 7: (v2_12, "SLURM_JOB_ID=1\0"), 8: ("0::/\n", "HOME=/\0")})
+    assert [gates._job_mark(proc, pid, "1") for pid in range(1, 9)] == [
+        None, None, "in the job's cgroup", "in the job's cgroup", "", "SLURM_JOB_ID=1", "SLURM_JOB_ID=1", None]
+    assert [gates._job_mark(proc, pid, "12") for pid in (1, 2, 3)] == ["in the job's cgroup"] * 2 + [None]

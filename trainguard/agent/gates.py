@@ -41,6 +41,7 @@ from trainguard.core.model import Result, Status
 from trainguard.core.text import one_line
 from trainguard.core.units import format_bytes
 from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
+from trainguard.jobs.slurmnode import jobs_of_proc_cgroup
 from trainguard.node.procfs import ProcFS
 from trainguard.pipeline.config import Config
 from trainguard.pipeline.ledger import record_diag
@@ -262,16 +263,17 @@ def job_processes(job: EpilogJob, proc: ProcFS, gpu_pids: Mapping[int, str]) -> 
 
 def _job_mark(proc: ProcFS, pid: int, job_id: str) -> str | None:
     """Why a process of the job's user is the job's ("in the job's cgroup", "SLURM_JOB_ID=N"); "" when nothing
-    readable says (a zombie's or a kernel-cleared environment is empty); None when its environment or cgroup says it
-    is not: another job's, or started outside any job (an ssh session)."""
-    cgroup = proc.cgroup(pid) or ""
-    if f"/job_{job_id}/" in cgroup:
+    readable says (a zombie's or a kernel-cleared environment is empty); None when its environment or its cgroup (in
+    SLURM's own tree, `jobs_of_proc_cgroup`) says it is not: another job's, or started outside any job (an ssh
+    session)."""
+    jobs = jobs_of_proc_cgroup(proc.cgroup(pid) or "")
+    if job_id in jobs:
         return "in the job's cgroup"
     environ = proc.read_text(pid, "environ") or ""
     if environ:
         value = next((e[13:] for e in environ.split("\0") if e.startswith("SLURM_JOB_ID=")), None)
         return f"SLURM_JOB_ID={job_id}" if value == job_id else None
-    return None if "/job_" in cgroup else ""
+    return None if jobs else ""
 
 
 def _ancestors(pid: int, table: Mapping[int, tuple[int, str, str, int | None]]) -> set[int]:

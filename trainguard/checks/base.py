@@ -29,6 +29,7 @@ from trainguard.node.access import NOBODY, Identity
 from trainguard.node.kmsg import KernelLog
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessSnapshots
+from trainguard.node.users import UserNames
 
 log = logging.getLogger("trainguard.checks")
 
@@ -104,7 +105,8 @@ class CheckContext:
     shared /proc snapshot: the checks of one round (job_memory, hang, gpu_memory, memory) share one pass.
     `kernel_log` is the node's one reader of the kernel log, shared by the xid and kernel checks; `kernel_notes`
     what it says that the job checks (training_log, job_liveness, hang) need, read through it. `paces`
-    carries the step samples training_log reads in the jobs' logs to the job_pace check.
+    carries the step samples training_log reads in the jobs' logs to the job_pace check. `user_names` names the users
+    of processes in summaries, each NSS lookup bounded, shared by the checks (one cache, one lookup per uid at a time).
     """
 
     node: str
@@ -121,6 +123,7 @@ class CheckContext:
     # What the kernel log says that the job checks need (OOM kills by pid, file systems not answering), fed by it
     kernel_notes: KernelNotes = field(default_factory=KernelNotes)
     paces: PaceLedger = field(default_factory=PaceLedger)
+    user_names: UserNames = field(default_factory=UserNames)
     # `trainguard check --since`: kernel log records stamped before this (microseconds since boot) do not count.
     kernel_since_usec: int | None = None
 

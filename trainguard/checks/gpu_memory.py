@@ -23,6 +23,7 @@ from trainguard.gpu.health import unreachable
 from trainguard.gpu.nvml import GpuState
 from trainguard.jobs.model import Job
 from trainguard.jobs.tree import job_pids
+from trainguard.node.users import UserNames
 
 SECONDS_TO_FULL = Metric("trainguard_gpu_memory_seconds_to_full",
                          "Forecast time until the GPU's memory is full at the current trend (+Inf: never).", ("gpu", "uuid"))
@@ -57,13 +58,13 @@ class Holder:
         return f"pid {self.pid} ({owner}) {used}"
 
 
-def holders(gpu: GpuState, owner_of: dict[int, Job]) -> list[Holder]:
+def holders(gpu: GpuState, owner_of: dict[int, Job], names: UserNames) -> list[Holder]:
     out = []
     for p in gpu.processes or ():
         user, command = None, "?"
         try:
             proc = psutil.Process(p.pid)
-            user, command = proc.username(), " ".join(proc.cmdline()) or proc.name()
+            user, command = names.name(proc.uids().real), " ".join(proc.cmdline()) or proc.name()
         except psutil.Error:
             pass
         out.append(Holder(p.pid, p.used, owner_of.get(p.pid), user, command))
@@ -144,7 +145,7 @@ class GpuMemoryCheck(NvmlCheck):
             if gpu.memory_total is not None and gpu.memory_used is not None:
                 window.add(now, gpu.memory_used)
                 forecast = window.forecast_growth_into(gpu.memory_total - gpu.memory_used)
-            found = holders(gpu, owner_of)
+            found = holders(gpu, owner_of, self.context.user_names)
             verdict = evaluate(gpu, forecast, found, jobs_known, self.settings)
             results.append(self._result(gpu, verdict, forecast, found))
         return results

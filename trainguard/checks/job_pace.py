@@ -310,7 +310,8 @@ class JobPaceCheck(JobCheck):
         pids = job_pids(job, node.table)
         evidence = self._evidence(job_id, pids, node, samples)
         if found is not None and found[1].slow_since is not None:  # the CPUs are looked at only for a slow job
-            evidence += busy_on_job_cpus(node.cpu_use, node.table, pids, self.context.proc)
+            evidence += busy_on_job_cpus(node.cpu_use, node.table, pids, self.context.proc,
+                                         self.context.user_names)
         evidence += node.said
         samples.append(EVIDENCE(float(len(evidence)), {"job_id": job_id}))
         details: dict[str, Any] = {"job_key": job.key, "job_id": job.job_id, "name": job.name}
@@ -382,8 +383,8 @@ class JobPaceCheck(JobCheck):
             if replays is not None:
                 self._replays[index] = replays
             others = [p for p in gpu.processes or () if p.pid not in pids]
-            named = [co_tenant(p.pid, node.command(p.pid), user_name(self.context.proc, p.pid), p.used,
-                               gpu.memory_total) for p in others[:MAX_OTHERS]]
+            named = [co_tenant(p.pid, node.command(p.pid), user_name(self.context.proc, p.pid, self.context.user_names),
+                               p.used, gpu.memory_total) for p in others[:MAX_OTHERS]]
             found: GpuEvidence = gpu_evidence(index, clocks, link, gpu, grew, named, len(others))
             labels = {"job_id": job_id, "gpu": str(index)}
             if found.clock_ratio is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import grp
 import os
-import pwd
 import stat
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -73,13 +72,6 @@ def listed(directory: Path) -> frozenset[str]:
         return frozenset()
 
 
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
 class SwitchCheck(JobCheck):
     """A switch touched by the job's owner, root or a member of `switch_group` is a request: WARNING, so the bound
     actions relay it.
@@ -140,7 +132,8 @@ class SwitchCheck(JobCheck):
                 if sw.path in seen:  # array tasks share a switch dir: one request, one incident
                     break
                 seen.add(sw.path)
-                details = {"job_key": job.key, "job_id": job.job_id, "path": str(sw.path), "by": _user(sw.uid),
+                by = self.context.user_names.get(sw.uid) or f"uid {sw.uid}"  # for display: the uid decides
+                details = {"job_key": job.key, "job_id": job.job_id, "path": str(sw.path), "by": by,
                            "switch": self.settings.switch}
                 if sw.path.parent == stop_dir:
                     # the operator's stop dir is this node's own (/etc): the other nodes of the job do not see it
@@ -151,11 +144,11 @@ class SwitchCheck(JobCheck):
                         if self.settings.switch_group else f"{job.user} or root"
                     out.append(self.result(subject, Status.UNKNOWN,
                                            f"ignored {self.settings.switch} switch for {job.label()}: {sw.path} was "
-                                           f"created by {_user(sw.uid)}, not by the job's owner {allowed}",
+                                           f"created by {by}, not by the job's owner {allowed}",
                                            details))
                 else:
                     out.append(self.result(subject, Status.WARNING,
-                                           f"{self.settings.switch} switch touched for {job.label()} by {_user(sw.uid)}",
+                                           f"{self.settings.switch} switch touched for {job.label()} by {by}",
                                            details))
                 break
         return out

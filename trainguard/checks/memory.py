@@ -14,6 +14,7 @@ from trainguard.core.settings import Field, SizeLimit
 from trainguard.core.thresholds import Floors
 from trainguard.core.units import format_bytes, parse_size_limit
 from trainguard.node.proctable import ProcessTable
+from trainguard.node.users import UserNames
 
 TOTAL = Metric("trainguard_memory_total_bytes", "Host memory in bytes.")
 AVAILABLE = Metric("trainguard_memory_available_bytes", "Host memory available for new work.")
@@ -43,14 +44,14 @@ def gather() -> MemoryUsage:
     return MemoryUsage(vm.total, vm.available, sw.total, sw.free)
 
 
-def top_consumers(n: int, table: ProcessTable) -> list[dict[str, Any]]:
+def top_consumers(n: int, table: ProcessTable, names: UserNames) -> list[dict[str, Any]]:
     """The `n` largest processes of the shared snapshot; only their owners and command lines are read."""
     procs = []
     for info in table.largest(n):
         user, cmd = None, info.comm
         try:
             p = psutil.Process(info.pid)
-            user, cmd = p.username(), " ".join(p.cmdline()) or info.comm
+            user, cmd = names.name(p.uids().real), " ".join(p.cmdline()) or info.comm
         except psutil.Error:
             pass
         procs.append({"pid": info.pid, "user": user, "rss_bytes": info.rss, "command": cmd[:200]})
@@ -88,7 +89,7 @@ class MemoryCheck(Check):
     def run(self) -> Sequence[Result]:
         u = gather()
         status, reasons = evaluate(u, self.settings)
-        top = top_consumers(self.settings.top, self.context.processes.get())
+        top = top_consumers(self.settings.top, self.context.processes.get(), self.context.user_names)
         samples = [TOTAL(u.total), AVAILABLE(u.available), SWAP_TOTAL(u.swap_total), SWAP_FREE(u.swap_free)]
         details = {"total_bytes": u.total, "available_bytes": u.available, "swap_total_bytes": u.swap_total,
                    "swap_free_bytes": u.swap_free, "top": top}

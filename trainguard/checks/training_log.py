@@ -772,7 +772,7 @@ class TrainingLogCheck(JobCheck):
         """The OOM's diagnosis, with what NVML knows of that GPU now and the step it came at."""
         report = parse_oom(text)
         pids = {p.pid for p in job_processes(job)}
-        gpu = oom_gpu(self.nvml, report.gpu, pids, self.context.proc, self._job_of_pid)
+        gpu = oom_gpu(self.nvml, report.gpu, pids, self.context.user_names, self.context.proc, self._job_of_pid)
         # the job's own processes, whatever they hold, are its ranks, not co-tenants
         mine = replace(gpu or GpuContext(), own_pids=frozenset(pids), user=job.user)
         rule, facts = classify(report, mine)

@@ -18,6 +18,12 @@ class KeyValue(Protocol):
     def put(self, key: str, value: str) -> None: ...
 
 
+class KeyValueStore(KeyValue, Protocol):
+    """A store whose keys can be removed: a key written for one reader once (a hand-over) leaves nothing behind."""
+
+    def delete(self, key: str) -> None: ...
+
+
 def scoped_key(scope: str, key: str) -> str:
     """Where `ScopedState(store, scope)` keeps `key` (tests seed state through it)."""
     return f"{scope}/{key}"

@@ -46,6 +46,13 @@ def job_of_cgroup(path: str) -> tuple[str | None, str | None]:
     return (m.group(1), m.group(2)) if m else (None, None)
 
 
+def jobs_of_proc_cgroup(text: str) -> frozenset[str]:
+    """The SLURM job ids a process's /proc/PID/cgroup text places it in (`hierarchy:controllers:path` lines, one per
+    v1 hierarchy, `0::path` for v2), each path read as `job_of_cgroup` reads it: `job_1` is never `job_12`."""
+    return frozenset(job for line in text.splitlines()
+                     if (job := job_of_cgroup(line.split(":", 2)[-1])[0]) is not None)
+
+
 def conf_path(env: Mapping[str, str]) -> Path | None:
     """slurm.conf as SLURM's commands find it: $SLURM_CONF, the usual places, the configless cache."""
     candidates = [env["SLURM_CONF"]] if env.get("SLURM_CONF") else []

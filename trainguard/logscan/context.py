@@ -14,6 +14,7 @@ from trainguard.gpu.nvml import GpuState, Nvml, NvmlUnavailableError
 from trainguard.logscan.lines import MAX_LINE, plain, timestamp
 from trainguard.logscan.oom import CoTenant, GpuContext
 from trainguard.node.procfs import ProcFS
+from trainguard.node.users import UserNames
 
 STEP_WINDOW = 64 << 10  # step lines are printed every step or few: the last one is close by
 # `step 100`, `Step: 100`, `global_step=100`, Megatron's `iteration      100/  500000`; not `Skipping step.`
@@ -119,16 +120,16 @@ def pick_gpu(gpus: list[GpuState], ordinal: int | None, job_pids: Collection[int
     return None
 
 
-def _who(pid: int) -> tuple[str | None, str | None]:
+def _who(pid: int, names: UserNames) -> tuple[str | None, str | None]:
     """A process's command name and user, None where it is gone or hidden."""
     try:
         proc = psutil.Process(pid)
-        return proc.name(), proc.username()
-    except (psutil.Error, KeyError):
+        return proc.name(), names.name(proc.uids().real)
+    except psutil.Error:
         return None, None
 
 
-def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int], proc: ProcFS | None = None,
+def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int], names: UserNames, proc: ProcFS | None = None,
             job_of: Callable[[int], str | None] | None = None) -> GpuContext | None:
     """The OOMed GPU as NVML sees it now: the other processes holding its memory (command, user, and the job they
     belong to, `job_of(pid)`: a job's label or None), its faults, and whether the job runs on a MIG slice.
@@ -146,6 +147,6 @@ def oom_gpu(nvml: Nvml, ordinal: int | None, job_pids: Collection[int], proc: Pr
     for p in gpu.processes or ():
         if p.pid in job_pids:
             continue
-        command, user = _who(p.pid)
+        command, user = _who(p.pid, names)
         others.append(CoTenant(p.pid, p.used, command, user, job_of(p.pid) if job_of else None))
     return GpuContext(gpu.index, tuple(others), tuple(gpu_faults(gpu)), mig)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import heapq
 import os
-import pwd
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from trainguard.core.text import one_line
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import SAME_PROCESS_S, TICKS, ProcessTable
+from trainguard.node.users import UserNames
 
 PSI = ("cpu", "io", "memory")
 # Above these, the host is a suspect (thresholds as data): PSI `some avg60` percent, steal and iowait shares of CPU
@@ -131,18 +131,14 @@ def allowed_cpus(proc: ProcFS, pid: int) -> frozenset[int] | None:
     return None
 
 
-def user_name(proc: ProcFS, pid: int) -> str:
+def user_name(proc: ProcFS, pid: int, names: UserNames) -> str:
+    """The user of a process, for display: its name within `names`' bound, else its uid; "?" when it is gone."""
     uid = proc.real_uid(pid)
-    if uid is None:
-        return "?"
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
+    return "?" if uid is None else names.name(uid)
 
 
 def busy_on_job_cpus(use: Mapping[int, float], table: ProcessTable, job_pids: Collection[int],
-                     proc: ProcFS) -> list[str]:
+                     proc: ProcFS, names: UserNames) -> list[str]:
     """In words: other processes busy on the job's CPUs (at most MAX_NAMED, the busiest), and the job's own
     processes using nearly all its CPUs (the busiest named: a data loader's workers, a rank spinning)."""
     if not use:
@@ -158,17 +154,18 @@ def busy_on_job_cpus(use: Mapping[int, float], table: ProcessTable, job_pids: Co
         theirs = allowed_cpus(proc, pid)
         if job_cpus is not None and theirs is not None and not theirs & job_cpus:
             continue  # pinned elsewhere: it does not compete with the job's ranks
-        others.append(_busy(pid, cpus, count, table, proc).describe())
+        others.append(_busy(pid, cpus, count, table, proc, names).describe())
     if others:
         said.append("busy on the job's CPUs: " + "; ".join(others))
     own = sum(use.get(p, 0.0) for p in mine)
     if mine and own >= CO_TENANT["own"] * count:
         top = max(mine, key=lambda p: use.get(p, 0.0))
         said.append(f"the job's own processes use {own:.1f} of its {count} CPUs (busiest: "
-                    f"{_busy(top, use.get(top, 0.0), count, table, proc).describe()})")
+                    f"{_busy(top, use.get(top, 0.0), count, table, proc, names).describe()})")
     return said
 
 
-def _busy(pid: int, cpus: float, count: int, table: ProcessTable, proc: ProcFS) -> Busy:
+def _busy(pid: int, cpus: float, count: int, table: ProcessTable, proc: ProcFS, names: UserNames) -> Busy:
     info = table.procs.get(pid)
-    return Busy(pid, one_line(info.comm if info is not None else "?", 32), user_name(proc, pid), cpus, cpus / count)
+    return Busy(pid, one_line(info.comm if info is not None else "?", 32), user_name(proc, pid, names), cpus,
+                cpus / count)

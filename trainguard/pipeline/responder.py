@@ -45,7 +45,7 @@ from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Status
-from trainguard.core.state import KeyValue
+from trainguard.core.state import KeyValueStore
 from trainguard.jobs.catalog import JobCatalog, JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import SlurmClient
@@ -150,7 +150,7 @@ def event_jobs(catalog: JobCatalog, event: Event, record_wait: float = RECORD_WA
 class Responder:
     def __init__(self, config: Config, registry: Registry, catalog: JobCatalog | None, tracker: IncidentTracker,
                  clock: Callable[[], float] = time.time,
-                 forget: Callable[[str, str], None] | None = None, state: KeyValue | None = None,
+                 forget: Callable[[str, str], None] | None = None, state: KeyValueStore | None = None,
                  ledger: Ledger | None = None, resume_gates: Sequence[ResumeGate] = ()) -> None:
         self.actions: dict[str, Action] = {
             name: registry.action_class(config.kind_of_action(name))(name, settings)
@@ -443,7 +443,7 @@ class Responder:
         raw = state.get(HANDOVER_KEY + list_id) if state is not None else None
         if state is None or not raw:
             return entry
-        state.put(HANDOVER_KEY + list_id, "")
+        state.delete(HANDOVER_KEY + list_id)  # read once: a crash while recording records nothing twice
         data = json.loads(raw)
         event = Event.from_dict(entry["event"])
         for record in data["records"]:

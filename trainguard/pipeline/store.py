@@ -516,6 +516,9 @@ class Store:
     def put(self, key: str, value: str) -> None:
         self._write(lambda conn: conn.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, value)))
 
+    def delete(self, key: str) -> None:
+        self._write(lambda conn: conn.execute("DELETE FROM kv WHERE key = ?", (key,)))
+
     def close(self) -> None:
         with self._lock:
             try:
