@@ -1300,7 +1300,8 @@ def test_leave_node_on_a_node_the_job_runs_nothing_on_leaves_the_job_alone(tmp_p
 
 # A stand-in `srun` under a real relaunch loop, the job's one step: it logs its options, says which launch it is and
 # its pid (LoopSlurm lists it as the step here), and the first launch trains until a save signal, then saves for a
-# moment and exits 0; a later one is the fresh start, which exits 3 after a moment unless a second restart ends it.
+# moment and exits 0; a later one is the fresh start, which exits 3 once the test is over (`end`), unless a second
+# restart ends it first.
 RANK_SRUN = r"""#!PYTHON
 import json, os, signal, sys, pathlib, time
 here = pathlib.Path(os.environ["SW"]).parent; n = int(os.environ["TRAINGUARD_RESTARTS"])
@@ -1312,10 +1313,12 @@ if n == 0:
     (here / "step").write_text(f"{n} {os.getpid()}")
     while not asked:
         signal.pause()
-    time.sleep(0.8)
+    time.sleep(1.5)
     sys.exit(0)
 (here / "step").write_text(f"{n} {os.getpid()}")
-time.sleep(1.5)
+deadline = time.monotonic() + 20
+while not (here / "end").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
 sys.exit(3)
 """
 
@@ -1440,6 +1443,8 @@ def test_a_restart_in_place_under_way_still_leaves_the_node_a_restart_without_it
             RestartAction("restart_elsewhere", ELSEWHERE), _event("infiniband", "mlx5_0/1")), out)
         for thread in (first, second):
             thread.join(15)
+        wait_until(lambda: len(_launched(tmp_path)) == 2 and slurm.local_steps("5"), 10, what="the relaunch")
+        (tmp_path / "end").touch()
         loop.communicate(timeout=30)
     assert sorted(o.split(" (")[0] for o in out) == ["ok: restart of 5 requested", "ok: restart of 5 without n1 requested"]
     assert _launched(tmp_path) == [["python", "train.py"], ["--exclude=n1", "python", "train.py"]]
@@ -1466,6 +1471,7 @@ def test_a_restart_in_place_after_a_restart_without_the_node_is_skipped(tmp_path
         first.join(15)
         wait_until(lambda: len(_launched(tmp_path)) == 2 and slurm.local_steps("5"), 10, what="the relaunch")
         in_place.append(log_agent(RestartAction("restart", IN_PLACE), replace(nccl, incident_id="i2"))())
+        (tmp_path / "end").touch()
         loop.communicate(timeout=30)
     assert elsewhere[0].startswith("ok: restart of 5 without n1 requested"), elsewhere
     if same_agent:

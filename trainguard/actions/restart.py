@@ -254,19 +254,22 @@ class RestartAction(Action):
     @staticmethod
     def _restarted_lately(job: Job, ctx: ActionContext) -> bool:
         """Whether a restart of the job was asked less than RELAUNCH_GRACE ago: one this agent did, or any agent's
-        request in the switch dir (another node's restart for the same fault). The request's change time is its file
-        system's clock and the job user's to fake: at worst their own restart waits RELAUNCH_WAIT."""
+        request in the switch dir (another node's restart for the same fault), unless the job left this node (its next
+        srun never comes here). The request's change time is its file system's clock and the job user's to fake: at
+        worst their own restart waits RELAUNCH_WAIT."""
         assert job.job_id
         if ctx.claims.last(job.job_id, RELAUNCH_GRACE) is not None:
             return True
         if not job.switch_dir or job.uid is None:
             return False
         name = request_name(job.job_id)
+        left = left_name(job.job_id, job.restarts, ctx.node) if job.restarts is not None else ""
         try:
-            request = switch_stats(job.switch_dir, [name], job_owner(job)[0]).get(name)
+            present = switch_stats(job.switch_dir, [name, left] if left else [name], job_owner(job)[0])
         except ActionError:
             return False
-        return request is not None and abs(time.time() - request.st_ctime) < RELAUNCH_GRACE
+        request = present.get(name)
+        return request is not None and left not in present and abs(time.time() - request.st_ctime) < RELAUNCH_GRACE
 
     def _spare_left(self, job: Job, ctx: ActionContext) -> str:
         """A node the job holds but runs nothing on (the spare itself lost its GPU): the job goes on untouched; a
