@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -235,11 +236,11 @@ while :; do sleep 0.2; done
 
 
 def _looped_job(multinode: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch, name: str, nodes: str,
-                srun_options: str) -> tuple[str, Path, Path]:
-    """A job of RANK_SCRIPT ranks under the relaunch loop, on `nodes` (sbatch -N): its id, workdir and ranks' log."""
+                srun_options: str, script: str = RANK_SCRIPT) -> tuple[str, Path, Path]:
+    """A job of `script` ranks under the relaunch loop, on `nodes` (sbatch -N): its id, workdir and ranks' log."""
     monkeypatch.setenv("SLURM_CONF", str(multinode.conf))
     workdir = multinode.workdir()
-    (workdir / "rank.sh").write_text(RANK_SCRIPT)
+    (workdir / "rank.sh").write_text(script)
     shutil.chown(workdir / "rank.sh", JOB_USER, JOB_USER)
     command = (f"exec {multinode.python} {multinode.lib}/trainguard/trainer.py relaunch -- "
                f"srun {srun_options}--ntasks-per-node=1 bash rank.sh")
@@ -415,6 +416,86 @@ def test_a_lost_spare_is_recorded_and_the_next_restart_keeps_off_it(multinode: M
         multinode.run("scancel", job_id, check=False)
         for node in lost:
             multinode.resume(node)
+
+
+# A rank that takes a few seconds to save on SIGUSR1, as a real one does, then exits.
+SAVING_RANK_SCRIPT = """#!/bin/bash
+echo "start step=$SLURM_STEP_ID rank=$SLURM_PROCID node=$SLURMD_NODENAME" >> ranks.log
+trap 'sleep 3; echo "saved step=$SLURM_STEP_ID rank=$SLURM_PROCID" >> ranks.log; exit 0' USR1
+while :; do sleep 0.2; done
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["in_place", "elsewhere"])
+def test_a_restart_in_place_and_one_without_the_node_start_the_job_once_without_it(
+        multinode: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """The goodput runs of record: a port down on one node of the job puts NCCL errors in its log; `training_log` on
+    the other rank's node restarts it in place, `infiniband` on the faulty node restarts it without the node, a moment
+    apart, in either order, from two agents (only the switch dir between them). The job starts again once, without
+    the node, on its spare: the restart without the node goes on beside one in place under way, and one in place
+    after it is skipped."""
+    from trainguard.actions.base import ActionContext, ActionError, ActionSkippedError
+    from trainguard.actions.restart import RestartAction, RestartSettings
+    from trainguard.core.events import Event, EventKind
+    from trainguard.jobs.slurm import SlurmClient
+
+    job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-race", "2-3", "-N 2 ", SAVING_RANK_SCRIPT)
+
+    def nodes(step: int) -> list[str]:
+        return sorted(line.rsplit("node=", 1)[1] for line in (log.read_text().splitlines() if log.exists() else ())
+                      if line.startswith(f"start step={step} "))
+
+    faulty = ""
+    try:
+        wait_until(lambda: len(nodes(0)) == 2, 30, what="both ranks of step 0")
+        assert len(expand(multinode.job(job_id)["NodeList"])) == 3  # the allocation holds a spare
+        faulty, other = nodes(0)
+        multinode.run("scontrol", "update", f"nodename={faulty}", "state=drain", "reason=test: port down")
+        outcomes: dict[str, str] = {}
+
+        def act(name: str, node: str, event: Event, settings: RestartSettings) -> threading.Thread:
+            job = _job_record(job_id, node)
+
+            def run() -> None:
+                try:
+                    outcomes[name] = "ok: " + RestartAction(name, settings).run(
+                        ActionContext(event, (job,), node, SlurmClient(10.0), time.time, slurmd=node))
+                except ActionSkippedError as exc:
+                    outcomes[name] = f"skipped: {exc}"
+                except ActionError as exc:
+                    outcomes[name] = f"failed: {exc}"
+            return threading.Thread(target=run)
+
+        nccl = Event(EventKind.FIRED, "i1", "training_log", f"slurm:{job_id}", Status.CRITICAL, "NCCL error", other,
+                     time.time(), time.time(), details={"job_key": f"slurm:{job_id}"})
+        port = Event(EventKind.FIRED, "i2", "infiniband", "mlx5_0/1", Status.CRITICAL, "mlx5_0/1 down", faulty,
+                     time.time(), time.time())
+        threads = {"restart": act("restart", other, nccl, RestartSettings(wait_exit=20, timeout=40)),
+                   "restart_elsewhere": act("restart_elsewhere", faulty, port,
+                                            RestartSettings(wait_exit=20, timeout=40, leave_node=True))}
+        order = ["restart", "restart_elsewhere"] if first == "in_place" else ["restart_elsewhere", "restart"]
+        threads[order[0]].start()
+        wait_until((workdir / ".trainguard" / f"restart.{job_id}").exists, 20, what="the first restart's request")
+        time.sleep(0.5)  # the ranks are saving (3 s)
+        threads[order[1]].start()
+        for thread in threads.values():
+            thread.join(60)
+        assert outcomes["restart_elsewhere"].startswith(f"ok: restart of {job_id} without {faulty} requested"), outcomes
+        if first == "in_place":
+            assert outcomes["restart"].startswith(f"ok: restart of {job_id} requested"), outcomes
+        else:
+            assert outcomes["restart"].startswith(f"skipped: job {job_id} (tg-race): not restarted in place: "), outcomes
+        wait_until(lambda: len(nodes(1)) == 2, 30, what="both ranks of step 1")
+        assert faulty not in nodes(1) and other in nodes(1)
+        time.sleep(3)  # a second restart would have started step 2 by now
+        assert nodes(2) == [] and multinode.job(job_id)["Restarts"] == "0"
+        out = (workdir / f"tg-race-{job_id}.out").read_text()
+        assert out.count("trainguard relaunch: restart ") == 1 and f"starting it again without {faulty}" in out, out
+    finally:
+        multinode.run("scancel", job_id, check=False)
+        if faulty:
+            multinode.resume(faulty)
 
 
 @pytest.mark.slow

@@ -21,11 +21,19 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
-from trainguard.actions.base import ActionContext, ActionError, ActionList, ActionSkippedError, Reports
+from trainguard.actions.base import (
+    ActionAnsweredError,
+    ActionContext,
+    ActionError,
+    ActionList,
+    ActionSkippedError,
+    Claims,
+    Reports,
+)
 from trainguard.actions.restart import RestartAction, RestartSettings, request_name
 from trainguard.actions.savereport import SaveReport
 from trainguard.actions.signal import SignalAction, SignalSettings
-from trainguard.actions.slurmctl import RequeueAction, RequeueSettings
+from trainguard.actions.slurmctl import DrainAction, DrainSettings, RequeueAction, RequeueSettings
 from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import ActionBinding
 from trainguard.core.events import Event, EventKind
@@ -1090,7 +1098,8 @@ def test_a_restart_joining_a_signals_report_that_asked_nothing_watches_its_own(
 
 def test_a_second_incident_about_the_same_job_waits_for_the_restart_under_way(tmp_path: Path,
                                                                                 ranks: Callable[..., int]) -> None:
-    """training_log and job_memory may both see the fault: one restart, not a second of the fresh start."""
+    """training_log and job_memory may both see the fault: one restart, not a second of the fresh start, and not
+    said done twice: the second is skipped, answered (its check forgets the job's history too)."""
     slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
     action = RestartAction("restart", RestartSettings(wait_exit=1.0, timeout=5))
     ctx = ActionContext(_event(), (_job(tmp_path),), "n1", slurm, time.time)  # type: ignore[arg-type]
@@ -1098,9 +1107,10 @@ def test_a_second_incident_about_the_same_job_waits_for_the_restart_under_way(tm
     first = threading.Thread(target=lambda: out.append(action.run(ctx)))
     first.start()
     wait_until(lambda: slurm.calls, 10, what="the first restart signalling")
-    second = action.run(ctx)
+    with pytest.raises(ActionAnsweredError, match=r"^job 5 \(t\): already restarted in place for "
+                                                  r"training_log/slurm:5 \(\d+\.\ds ago\): not restarted twice$"):
+        action.run(replace(ctx, event=_event("job_memory")))
     first.join(10)
-    assert second == "job 5 (t): restarted in place by the restart already under way"
     assert [c[0] for c in slurm.calls] == ["signal", "cancel"] and "restart of 5 requested" in out[0]
 
 
@@ -1122,7 +1132,8 @@ def test_a_second_incident_waiting_on_a_restart_that_failed_fails_too(tmp_path: 
     thread = threading.Thread(target=first)
     thread.start()
     wait_until(lambda: slurm.calls, 10, what="the first restart signalling")
-    with pytest.raises(ActionError, match=r"the restart already under way failed: restart 5: .* Socket timed out"):
+    with pytest.raises(ActionError, match=r"the restart in place for training_log/slurm:5 failed: restart 5: .* Socket "
+                                          r"timed out"):
         action.run(ctx)
     thread.join(10)
     assert len(errors) == 1 and "Socket timed out" in errors[0], errors
@@ -1281,3 +1292,279 @@ def test_leave_node_on_a_node_the_job_runs_nothing_on_leaves_the_job_alone(tmp_p
     for slurm in (StubSlurm({}, ["0"], spans={"0": "n[1-3]"}), StubSlurm({}, ["0"], batch=[ranks()], spans={"0": "n2"})):
         assert "no srun step of it on this node: requeue instead" in _run(slurm, job, leave_node=True)
         assert slurm.calls == [("signal", "5", "USR1", "full"), ("requeue", "5")]
+
+
+# One fault, one answer per job (the goodput runs of record: an InfiniBand port down is two `infiniband` incidents,
+# `mlx5_0/1` and `ports`, each bound to `drain, restart_elsewhere`, and NCCL errors in the job's log, `training_log`
+# bound to `restart` in place, on this node or on another).
+
+# A stand-in `srun` under a real relaunch loop, the job's one step: it logs its options, says which launch it is and
+# its pid (LoopSlurm lists it as the step here), and the first launch trains until a save signal, then saves for a
+# moment and exits 0; a later one is the fresh start, which exits 3 once the test is over (`end`), unless a second
+# restart ends it first.
+RANK_SRUN = r"""#!PYTHON
+import json, os, signal, sys, pathlib, time
+here = pathlib.Path(os.environ["SW"]).parent; n = int(os.environ["TRAINGUARD_RESTARTS"])
+with open(here / "launches", "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\n")
+if n == 0:
+    asked = []
+    signal.signal(signal.SIGUSR1, lambda *_: asked.append(1))
+    (here / "step").write_text(f"{n} {os.getpid()}")
+    while not asked:
+        signal.pause()
+    time.sleep(1.5)
+    sys.exit(0)
+(here / "step").write_text(f"{n} {os.getpid()}")
+deadline = time.monotonic() + 20
+while not (here / "end").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+class LoopSlurm(StubSlurm):
+    """The stand-in srun is the job's step on every node: listed while it runs, its process the rank here, ended by
+    a step signal as srun ends when its tasks do."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__({}, [])
+        self.step_file = tmp_path / "step"
+
+    def _step(self) -> tuple[str, int] | None:
+        try:
+            step, pid = self.step_file.read_text().split()
+            return (step, int(pid)) if _alive(int(pid)) else None
+        except (OSError, ValueError):
+            return None
+
+    def local_steps(self, job_id: str, node: str = "") -> dict[str, list[int]]:
+        now = self._step()
+        return {now[0]: [now[1]]} if now else {}
+
+    def steps(self, job_id: str) -> list[str]:
+        now = self._step()
+        return [now[0]] if now else []
+
+    def signal_step(self, job_id: str, step: str, signal_name: str) -> bool:
+        self.calls.append(("signal", f"{job_id}.{step}", signal_name, "step"))
+        now = self._step()
+        if now is None or now[0] != step:
+            return False
+        os.kill(now[1], signal.Signals["SIG" + signal_name])
+        return True
+
+    def cancel_step(self, job_id: str, step: str) -> bool:
+        self.calls.append(("cancel", f"{job_id}.{step}"))
+        return self.signal_step(job_id, step, "KILL")
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie the loop has yet to reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def _relaunch_loop(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """Job 5's relaunch loop around the stand-in srun (its step spans 3 of the allocation's 4 nodes), its first
+    launch running."""
+    (tmp_path / "sw").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(RANK_SRUN.replace("PYTHON", sys.executable, 1))
+    srun.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.trainer", "relaunch", "--", str(srun), "python",
+                             "train.py"], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SLURM_JOB_ID": "5", "SW": str(tmp_path / "sw"),
+                                 "TRAINGUARD_SWITCH_DIR": str(tmp_path / "sw"), "SLURM_STEP_NUM_NODES": "3"})
+    try:
+        wait_until((tmp_path / "step").exists, 30, what="the job's first launch")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def _agent(tmp_path: Path, slurm: StubSlurm, node: str, agent: tuple[Reports, Claims] | None = None
+           ) -> Callable[[RestartAction, Event], Callable[[], str]]:
+    """An agent on `node` (two calls with the same `agent` are one agent's lists): a restart action for an event, as
+    a function that runs it and returns its outcome, said as the responder says it."""
+    reports, claims = agent or (Reports(), Claims())
+
+    def act(action: RestartAction, event: Event) -> Callable[[], str]:
+        def run() -> str:
+            job = replace(_job(tmp_path), node_list="n[1-4]")
+            ctx = ActionContext(event, (job,), node, slurm, time.time,  # type: ignore[arg-type]
+                                reports=reports, actions=ActionList(), claims=claims)
+            try:
+                return f"ok: {action.run(ctx)}"
+            except ActionAnsweredError as exc:
+                return f"answered: {exc}"
+            except ActionSkippedError as exc:
+                return f"skipped: {exc}"
+            except ActionError as exc:
+                return f"failed: {exc}"
+            finally:
+                ctx.done()
+        return run
+    return act
+
+
+def _in_thread(run: Callable[[], str], out: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: out.append(run()))
+    thread.start()
+    return thread
+
+
+IN_PLACE = RestartSettings(wait_exit=4.0, timeout=8)
+ELSEWHERE = RestartSettings(wait_exit=4.0, timeout=8, leave_node=True)
+
+
+@pytest.mark.parametrize("same_agent", [True, False])
+def test_a_restart_in_place_under_way_still_leaves_the_node_a_restart_without_it_asks_to_leave(
+        tmp_path: Path, same_agent: bool) -> None:
+    """training_log restarts job 5 in place (its log shows the NCCL errors of n1's port down); while the ranks save,
+    infiniband on n1 restarts it without n1: it goes on beside the one in place (not answered by it), records n1 as
+    left and asks to leave it before the first srun returns, so the loop starts the job once, without n1."""
+    slurm = LoopSlurm(tmp_path)
+    agent = (Reports(), Claims()) if same_agent else None
+    out: list[str] = []
+    with _relaunch_loop(tmp_path) as loop:
+        first = _in_thread(_agent(tmp_path, slurm, "n1" if same_agent else "n2", agent)(
+            RestartAction("restart", IN_PLACE), _event("training_log", "slurm:5")), out)
+        wait_until(lambda: slurm.calls, 10, what="the restart in place signalling")
+        first.join(0.3)  # the ranks are saving
+        second = _in_thread(_agent(tmp_path, slurm, "n1", agent)(
+            RestartAction("restart_elsewhere", ELSEWHERE), _event("infiniband", "mlx5_0/1")), out)
+        for thread in (first, second):
+            thread.join(15)
+        wait_until(lambda: len(_launched(tmp_path)) == 2 and slurm.local_steps("5"), 10, what="the relaunch")
+        (tmp_path / "end").touch()
+        loop.communicate(timeout=30)
+    assert sorted(o.split(" (")[0] for o in out) == ["ok: restart of 5 requested", "ok: restart of 5 without n1 requested"]
+    assert _launched(tmp_path) == [["python", "train.py"], ["--exclude=n1", "python", "train.py"]]
+    assert loop.returncode == 3  # the fresh start ended by itself: no second restart
+
+
+@pytest.mark.parametrize("same_agent", [True, False])
+def test_a_restart_in_place_after_a_restart_without_the_node_is_skipped(tmp_path: Path, same_agent: bool) -> None:
+    """infiniband on n1 restarts job 5 without n1; training_log's restart in place comes while it is under way, and
+    again once the job started without n1 (the fault it answers began before that start): skipped both times, saying
+    why; one relaunch, without n1. On the same agent the restart under way answers it (its check forgets the job's
+    history, as after its own restart); from another agent the job's switch dir says so."""
+    slurm = LoopSlurm(tmp_path)
+    agent = (Reports(), Claims()) if same_agent else None
+    log_agent = _agent(tmp_path, slurm, "n1" if same_agent else "n2", agent)
+    elsewhere: list[str] = []
+    in_place: list[str] = []
+    with _relaunch_loop(tmp_path) as loop:
+        nccl = _event("training_log", "slurm:5")  # the errors began before either restart
+        first = _in_thread(_agent(tmp_path, slurm, "n1", agent)(RestartAction("restart_elsewhere", ELSEWHERE),
+                                                                _event("infiniband", "mlx5_0/1")), elsewhere)
+        wait_until(lambda: slurm.calls, 10, what="the restart without n1 signalling")
+        in_place.append(log_agent(RestartAction("restart", IN_PLACE), nccl)())
+        first.join(15)
+        wait_until(lambda: len(_launched(tmp_path)) == 2 and slurm.local_steps("5"), 10, what="the relaunch")
+        in_place.append(log_agent(RestartAction("restart", IN_PLACE), replace(nccl, incident_id="i2"))())
+        (tmp_path / "end").touch()
+        loop.communicate(timeout=30)
+    assert elsewhere[0].startswith("ok: restart of 5 without n1 requested"), elsewhere
+    if same_agent:
+        assert all(re.fullmatch(r"answered: job 5 \(t\): already restarted without n1 for infiniband/mlx5_0/1 "
+                                r"\(\d+\.\ds ago\): not restarted twice", o) for o in in_place), in_place
+    else:
+        assert re.fullmatch(r"skipped: job 5 \(t\): not restarted in place: a restart of it without n1 is under way "
+                            r"\(left\.5\.0\.n1, and restart\.5 written \d+\.\ds ago\)", in_place[0]), in_place
+        assert re.fullmatch(r"skipped: job 5 \(t\): not restarted in place: it started again without n1 \d+\.\ds ago "
+                            r"\(left\.5\.0\.n1\), after the fault this restart answers began", in_place[1]), in_place
+    assert _launched(tmp_path) == [["python", "train.py"], ["--exclude=n1", "python", "train.py"]]
+    assert loop.returncode == 3 and [c[1] for c in slurm.calls if c[0] == "signal"] == ["5.0"]
+
+
+def _launched(tmp_path: Path) -> list[list[str]]:
+    try:
+        return [json.loads(line) for line in (tmp_path / "launches").read_text().splitlines()]
+    except OSError:
+        return []
+
+
+class NodeSlurm(StubSlurm):
+    """StubSlurm with this node (n1 of four) to drain: the controller answers `sinfo` a moment late, as under load,
+    so that two lists at once would both see the node not drained yet."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reason = ""
+
+    def run(self, *args: str) -> str:
+        state, reason = ("drained", self.reason) if self.reason else ("allocated", "none")
+        time.sleep(0.3)  # the table as it was when asked
+        return f"n1|gpu|{state}|{reason}\n" + "".join(f"n{i}|gpu|allocated|none\n" for i in (2, 3, 4))
+
+    def drain(self, node: str, reason: str) -> None:
+        self.calls.append(("drain", node))
+        self.reason = reason
+
+
+def test_one_port_down_is_two_incidents_and_one_drain_and_one_restart(tmp_path: Path,
+                                                                        ranks: Callable[..., int]) -> None:
+    """The goodput runs of record: one InfiniBand port down on n1 fires `infiniband` twice (the port, and the node's
+    ports up), both lists `drain, restart_elsewhere` at once. One drain, one restart without n1; the second of each
+    is skipped, saying why (never said done twice), and the second restart's check forgets the job's history as the
+    first's does (the job started afresh)."""
+    raw = {"agent": {"state_dir": str(tmp_path / "state"), "listen": "", "node_name": "n1"}, "jobs": {"sources": []},
+           "checks": {}, "actions": {"drain": {"type": "drain", "max_drained": "2"},
+                                     "restart_elsewhere": {"type": "restart", "leave_node": True, "wait_exit": 1.0,
+                                                           "timeout": 5}}}
+    engine = Engine(parse_config(raw, "t.toml"), store=Store(None))
+    responder = engine.responder
+    slurm = NodeSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0", TRAINGUARD_LEFT="", SLURM_STEP_NUM_NODES="3")]}, ["0"])
+    job = replace(_job(tmp_path), node_list="n[1-4]")
+    records: list[tuple[str, dict[str, Any]]] = []
+    forgotten: list[str] = []
+    responder.slurm = slurm  # type: ignore[assignment]
+    responder.jobs_for = lambda event, names=(): (job,)  # type: ignore[method-assign]
+    responder.tracker.record_action = lambda check, subject, record, incident=None: records.append(  # type: ignore[method-assign]
+        (subject, record))
+    responder.forget = lambda check, subject: forgotten.append(subject)
+    try:
+        lists = [threading.Thread(target=responder._run_all, args=(replace(
+            _event("infiniband", subject), incident_id=subject, summary=f"{subject} down"), ["drain", "restart_elsewhere"]))
+            for subject in ("mlx5_0/1", "ports")]
+        for thread in lists:
+            thread.start()
+        for thread in lists:
+            thread.join(15)
+    finally:
+        engine.stop()
+    said = sorted(f"{r['action']} {r['outcome']}" for _, r in records)
+    assert said == ["drain ok", "drain skipped", "restart_elsewhere ok", "restart_elsewhere skipped"], records
+    [skipped_drain] = [r["detail"] for _, r in records if r["action"] == "drain" and r["outcome"] == "skipped"]
+    assert skipped_drain.startswith("n1 already drained by trainguard (trainguard: "), skipped_drain
+    [(first, done)] = [(s, r) for s, r in records if r["action"] == "restart_elsewhere" and r["outcome"] == "ok"]
+    [answered] = [r for _, r in records if r["action"] == "restart_elsewhere" and r["outcome"] == "skipped"]
+    assert done["detail"].startswith("restart of 5 without n1 requested"), done
+    assert re.fullmatch(rf"job 5 \(t\): already restarted without n1 for infiniband/{re.escape(first)} "
+                        r"\(\d+\.\ds ago\): not restarted twice", answered["detail"]), answered
+    assert sorted(forgotten) == ["mlx5_0/1", "ports"]
+    assert [c for c in slurm.calls if c[0] != "cancel"] == [("drain", "n1"), ("signal", "5.0", "USR1", "step")]
+
+
+def test_a_node_drained_for_a_lemon_hold_already_is_not_drained_again() -> None:
+    """A lemon hold gives every drain its reason (it replaces another one): once the node has it, a second drain of
+    the same fault is skipped like any other."""
+    slurm = NodeSlurm({}, [])
+    held = "GPU 3 XID 79 2x in 2m: RMA"
+    action = DrainAction("drain", DrainSettings(max_drained="2"))
+    ctx = ActionContext(_event("xid", "GPU-3"), (), "n1", slurm, time.time, held_reason=held)  # type: ignore[arg-type]
+    assert action.run(ctx).startswith("drained n1: trainguard: GPU 3 XID 79")
+    with pytest.raises(ActionSkippedError, match="n1 already drained by trainguard"):
+        action.run(replace(ctx, event=_event("gpu", "GPU-3")))
+    slurm.reason = "trainguard: an earlier fault's reason"
+    assert action.run(ctx).startswith("drained n1: trainguard: GPU 3 XID 79")  # the hold's reason replaces it
+    assert slurm.calls == [("drain", "n1"), ("drain", "n1")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,6 +37,12 @@ class ActionRefusedError(ActionError):
 class ActionSkippedError(ActionError):
     """Nothing to act on (no job on this node, not an array job, every process already gone, a node not drained):
     the action is skipped with this reason. An alert never says a skipped action was done, nor that it failed."""
+
+
+class ActionAnsweredError(ActionSkippedError):
+    """Skipped: another list's action did it for this incident too (one fault seen by two checks, or twice by one:
+    two ports of one HCA), never said done twice. That action left the job starting afresh: the check forgets what it
+    learned about the subject, as after its own `fresh_start` action."""
 
 
 class Report(Protocol):
@@ -116,6 +123,67 @@ class Reports:
             report.close()
 
 
+@dataclass(eq=False)
+class Claim:
+    """An action on a job under way in one of this agent's lists, for the lists that come to the same job meanwhile:
+    one fault is often several incidents, whose lists run at once, each in its own thread."""
+
+    what: str  # what it does, in words for the others' reasons ("in place", "without n1")
+    by: str  # the incident it answers, "check/subject"
+    leave: str = ""  # the node it leaves ("" for none)
+    ended: threading.Event = field(default_factory=threading.Event)
+    error: ActionError | None = None  # why it failed or was skipped, once ended
+    at: float = 0.0  # monotonic time it ended
+
+
+class Claims:
+    """This agent's claims (the responder's, shared by its lists): per job, the action under way and the last one
+    done; per name, one lock for an action whose look and act must not interleave with another list's (`drain`)."""
+
+    KEEP_S = 3600.0  # a claim done is kept this long: longer than any `within` asked
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, Claim] = {}
+        self._last: dict[str, Claim] = {}
+        self._serial: dict[str, threading.Lock] = {}
+
+    def take(self, key: str, claim: Claim, within: float, answers: Callable[[Claim], bool]) -> Claim | None:
+        """Hold `key` for `claim`, unless the claim under way on it, or the last one done less than `within` s ago,
+        `answers` it: that one is returned, and `claim` is not held. Taken over one under way that does not answer it,
+        `claim` is the one later lists see (that one's end leaves it held)."""
+        with self._lock:
+            other = self._held.get(key) or self._recent(key, within)
+            if other is not None and answers(other):
+                return other
+            self._held[key] = claim
+            return None
+
+    def last(self, key: str, within: float) -> Claim | None:
+        """The last claim on `key` done (not failed) less than `within` s ago."""
+        with self._lock:
+            return self._recent(key, within)
+
+    def _recent(self, key: str, within: float) -> Claim | None:
+        last = self._last.get(key)
+        return last if last is not None and time.monotonic() - last.at < within else None
+
+    def end(self, key: str, claim: Claim, error: ActionError | None) -> None:
+        claim.error, claim.at = error, time.monotonic()
+        with self._lock:
+            if self._held.get(key) is claim:
+                del self._held[key]
+            if error is None:
+                self._last[key] = claim
+            for old in [k for k, c in self._last.items() if claim.at - c.at > self.KEEP_S]:  # jobs long gone
+                del self._last[old]
+        claim.ended.set()
+
+    def serial(self, name: str) -> threading.Lock:
+        with self._lock:
+            return self._serial.setdefault(name, threading.Lock())
+
+
 class ResumeGate(Protocol):
     """What must hold before the `resume` action lifts a drain, asked in order after the node's other CRITICAL
     incidents. `check` returns (True, "") to let the resume go on, or (False, why) to keep the node drained: the
@@ -141,6 +209,7 @@ class ActionContext:
     # (`requeue`): the agent's, shared by its lists; this list's hold on them ends with done().
     reports: Reports = field(default_factory=Reports)
     actions: ActionList = field(default_factory=ActionList)
+    claims: Claims = field(default_factory=Claims)  # the agent's, shared by its lists
     # What the `resume` action asks, in order, before it lifts a drain (ResumeGate): the lemon hold, then the
     # validation the site configured. Empty: none.
     resume_gates: tuple[ResumeGate, ...] = ()
@@ -188,17 +257,18 @@ def slurm_jobs(ctx: ActionContext) -> list[Job]:
 
 def each_job(jobs: Iterable[Job], act: Callable[[Job], str]) -> str:
     """`act` on every job: one job's failure never keeps another from its turn. Fails only when every job failed or
-    was skipped and one failed; skipped when every job was skipped (nothing to act on)."""
-    done, skipped, errors = [], [], []
+    was skipped and one failed; skipped when every job was skipped (nothing to act on), answered when every job was."""
+    done, skipped, errors, answered = [], [], [], True
     for job in jobs:
         try:
             done.append(act(job))
         except ActionSkippedError as exc:
             skipped.append(f"{job.label()}: {exc}")
+            answered = answered and isinstance(exc, ActionAnsweredError)
         except ActionError as exc:
             errors.append(f"{job.label()}: {exc}")
     if errors and not done:
         raise ActionError("; ".join(errors + skipped))
-    if not done:
-        raise ActionSkippedError("; ".join(skipped) or "no job")
+    if not done:  # answered when each job was: another list's action did it
+        raise (ActionAnsweredError if skipped and answered else ActionSkippedError)("; ".join(skipped) or "no job")
     return "; ".join(done + errors + skipped)

@@ -24,6 +24,13 @@ gets the fallback; when it is then neither restarted nor requeued, the record is
 (nothing of the job's work on the node: no process of its batch script or steps, no step spanning it) is only
 recorded.
 
+One fault, one answer per job: a restart of the job under way in another of the agent's lists, or done a moment
+ago, answers a second incident's restart that would do the same (a restart in place, or one without this node):
+that one is skipped, never run twice nor said done twice. A restart without this node goes on beside one in place
+(the relaunch must leave the node), and a restart in place is skipped while a restart without a node, this agent's
+or another's (its record and request in the switch dir, not yet in the ranks' TRAINGUARD_LEFT), is under way or has
+just started the ranks again.
+
 A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
 would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
 `signal, requeue` would, so that a site may bind `restart` for every job whatever its batch script.
@@ -32,19 +39,18 @@ would end at the signal, not restart: by default (`fallback = "requeue"`) it is 
 from __future__ import annotations
 
 import dataclasses
-import math
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Literal
 
 from trainguard.actions.base import (
     Action,
+    ActionAnsweredError,
     ActionContext,
     ActionError,
-    ActionSettings,
     ActionSkippedError,
+    Claim,
     Report,
     each_job,
     slurm_jobs,
@@ -136,14 +142,6 @@ class RestartAction(Action):
     fresh_start = True
     needs_record = True
 
-    def __init__(self, name: str, settings: ActionSettings) -> None:
-        super().__init__(name, settings)
-        # Per job: the restart under way (a second incident about the same fault waits for it instead of restarting
-        # the fresh start again) and when the last one ended (the loop takes a moment to start the next srun).
-        self._lock = threading.Lock()
-        self._busy: dict[str, tuple[threading.Event, list[str]]] = {}  # set when done; why it failed, if it did
-        self._done: dict[str, float] = {}
-
     def plan(self, ctx: ActionContext) -> str:
         without = f" without {ctx.node} (on its allocation's spare)" if self.settings.leave_node else ""
         return (f"restart in place{without} {', '.join(j.label() for j in slurm_jobs(ctx)) or 'no SLURM job'}: a "
@@ -162,32 +160,41 @@ class RestartAction(Action):
         return each_job(jobs, lambda job: self._once(job, ctx))
 
     def _once(self, job: Job, ctx: ActionContext) -> str:
+        """One answer per fault: a restart of the job under way in another of this agent's lists, or done less than
+        RELAUNCH_GRACE ago, answers this one when it does what this one would (any restart answers one in place; one
+        without this node, one without it): this one waits for its end and is skipped (failed if it failed), never
+        run twice nor said done twice. One without this node is never answered by one in place: it goes on beside
+        it, so that the relaunch leaves the node (its request and record land before that restart's srun returns)."""
         assert job.job_id
-        mine: tuple[threading.Event, list[str]] = (threading.Event(), [])
-        with self._lock:
-            busy = self._busy.setdefault(job.job_id, mine)
-        if busy is not mine:  # the same fault seen by a second check: the restart under way answers both
-            ended, failed = busy
-            ended.wait(self.settings.timeout)
-            if failed:  # its outcome is this one's: an "ok" would make the check forget what nothing restarted
-                raise ActionError(f"the restart already under way failed: {failed[0]}")
-            return f"{job.label()}: restarted in place by the restart already under way"
-        done = False
+        leave = ctx.node if self.settings.leave_node else ""
+        mine = Claim(f"without {leave}" if leave else "in place", f"{ctx.event.check}/{ctx.event.subject}", leave)
+        other = ctx.claims.take(job.job_id, mine, RELAUNCH_GRACE, lambda held: not leave or held.leave == leave)
+        if other is not None:
+            other.ended.wait(self.settings.timeout)
+            raise self._answered(other)
+        error: ActionError | None = ActionError("ended without an outcome")
         try:
             outcome = self._one(job, ctx)
-            done = True
+            error = None
             return outcome
         except ActionError as exc:
-            mine[1].append(str(exc))
+            error = exc
             raise
         finally:
-            with self._lock:
-                self._busy.pop(job.job_id)
-                if done:  # the loop is starting the next srun: a restart asked now waits for it
-                    self._done[job.job_id] = time.monotonic()
-                for key in [k for k, at in self._done.items() if time.monotonic() - at > RELAUNCH_GRACE]:
-                    del self._done[key]
-            mine[0].set()
+            ctx.claims.end(job.job_id, mine, error)
+
+    @staticmethod
+    def _answered(other: Claim) -> ActionError:
+        """Why a restart that `other` answers is not run: `other`'s outcome is its own (each_job names the job)."""
+        what = f"the restart {other.what} for {other.by}"
+        if not other.ended.is_set():
+            return ActionSkippedError(f"{what} is still under way: not restarted twice")
+        if isinstance(other.error, ActionSkippedError):
+            return ActionSkippedError(f"{what} was skipped: {other.error}")
+        if other.error is not None:  # an "ok" would make the check forget what nothing restarted
+            return ActionError(f"{what} failed: {other.error}")
+        return ActionAnsweredError(f"already restarted {other.what} for {other.by} "
+                                   f"({time.monotonic() - other.at:.1f}s ago): not restarted twice")
 
     def _one(self, job: Job, ctx: ActionContext) -> str:
         assert job.job_id
@@ -198,16 +205,7 @@ class RestartAction(Action):
             raise ActionError(f"restart {job_id}: its record has not come from slurmctld ({job.extra['incomplete']}): "
                               "not restarted, not requeued")
         deadline = time.monotonic() + s.wait_exit  # the slurm calls before the signal count too: timeout holds
-        try:
-            here = ctx.slurm.local_steps(job_id, ctx.slurmd)
-            if not here and time.monotonic() - self._done.get(job_id, -math.inf) < RELAUNCH_GRACE:
-                # restarted a moment ago: the loop is starting the next srun, whose steps are not listed yet
-                until = min(deadline, time.monotonic() + RELAUNCH_WAIT)
-                while not here and time.monotonic() < until:
-                    time.sleep(POLL_CONTROLLER)
-                    here = ctx.slurm.local_steps(job_id, ctx.slurmd)
-        except SlurmError as exc:
-            raise ActionError(f"restart {job_id}: {exc}") from None
+        here = self._steps_here(job, ctx, deadline)
         procfs = ProcFS()
         envs = {pid: procfs.environ_vars(pid, LOOP_VARS) for pids in here.values() for pid in pids}
         looped = {step: pids for step, pids in here.items() if any(LOOP_VAR in envs[pid] for pid in pids)}
@@ -218,17 +216,11 @@ class RestartAction(Action):
             except SlurmError as exc:
                 raise ActionError(f"restart {job_id}: {exc}") from None
         if not looped and not here and s.leave_node and self._spare(job, ctx):
-            # A node the job holds but runs nothing on (the spare itself lost its GPU): the job goes on untouched; a
-            # requeue would cost it its progress for nothing. The drain keeps other jobs off the node, and the record
-            # keeps the job's own next restart off it (srun picks from the allocation, drained nodes included).
-            nothing = f"{job.label()}: nothing of it runs on {ctx.node}: nothing to restart"
-            if not job.switch_dir or job.restarts is None:
-                return f"{nothing} ({ctx.node} not recorded as left: its {'life' if job.switch_dir else 'switch dir'} " \
-                       "is unknown)"
-            try:
-                return f"{nothing}; {ctx.node} recorded as left ({self._record_left(job, ctx, job.restarts)[0]})"
-            except ActionError as exc:
-                return f"{nothing} ({ctx.node} not recorded as left: {exc})"
+            return self._spare_left(job, ctx)
+        if not looped and not s.leave_node and (record := self._left_here(job, ctx)):
+            # the job was restarted without this node (its log is still read here): no requeue from a node it left
+            raise ActionSkippedError(f"it left {ctx.node} ({record}): nothing of it runs here to "
+                                     "restart in place")
         if not looped:  # a sidecar or debug step (srun --overlap) is never the one restarted
             return self._fallback(job, ctx, "its ranks here do not run under the relaunch loop" if here else
                                   "no srun step of it on this node", deadline)
@@ -237,9 +229,109 @@ class RestartAction(Action):
         spent = self._spent(ranks)
         if spent is not None:
             return self._fallback(job, ctx, f"its relaunch loop has used its {spent} restarts", deadline)
+        if s.leave_node:
+            return self._leave(job, ctx, looped, ranks, deadline)
+        undoes = self._undoes_leave(job, ctx, looped, ranks)
+        if undoes:
+            raise ActionSkippedError(f"not restarted in place: {undoes}")
+        return self._request(job, ctx, looped, {}, deadline)
+
+    def _steps_here(self, job: Job, ctx: ActionContext, deadline: float) -> dict[str, list[int]]:
+        """The job's srun steps on this node and their processes; for a job whose restart was asked a moment ago (its
+        loop may be between two sruns) the next srun's, waited for up to RELAUNCH_WAIT."""
+        assert job.job_id
+        try:
+            here = ctx.slurm.local_steps(job.job_id, ctx.slurmd)
+            if not here and self._restarted_lately(job, ctx):
+                until = min(deadline, time.monotonic() + RELAUNCH_WAIT)
+                while not here and time.monotonic() < until:
+                    time.sleep(POLL_CONTROLLER)
+                    here = ctx.slurm.local_steps(job.job_id, ctx.slurmd)
+        except SlurmError as exc:
+            raise ActionError(f"restart {job.job_id}: {exc}") from None
+        return here
+
+    @staticmethod
+    def _restarted_lately(job: Job, ctx: ActionContext) -> bool:
+        """Whether a restart of the job was asked less than RELAUNCH_GRACE ago: one this agent did, or any agent's
+        request in the switch dir (another node's restart for the same fault), unless the job left this node (its next
+        srun never comes here). The request's change time is its file system's clock and the job user's to fake: at
+        worst their own restart waits RELAUNCH_WAIT."""
+        assert job.job_id
+        if ctx.claims.last(job.job_id, RELAUNCH_GRACE) is not None:
+            return True
+        if not job.switch_dir or job.uid is None:
+            return False
+        name = request_name(job.job_id)
+        left = left_name(job.job_id, job.restarts, ctx.node) if job.restarts is not None else ""
+        try:
+            present = switch_stats(job.switch_dir, [name, left] if left else [name], job_owner(job)[0])
+        except ActionError:
+            return False
+        request = present.get(name)
+        return request is not None and left not in present and abs(time.time() - request.st_ctime) < RELAUNCH_GRACE
+
+    def _spare_left(self, job: Job, ctx: ActionContext) -> str:
+        """A node the job holds but runs nothing on (the spare itself lost its GPU): the job goes on untouched; a
+        requeue would cost it its progress for nothing. The drain keeps other jobs off the node, and the record keeps
+        the job's own next restart off it (srun picks from the allocation, drained nodes included)."""
+        nothing = f"{job.label()}: nothing of it runs on {ctx.node}: nothing to restart"
+        if not job.switch_dir or job.restarts is None:
+            return f"{nothing} ({ctx.node} not recorded as left: its {'life' if job.switch_dir else 'switch dir'} " \
+                   "is unknown)"
+        try:
+            return f"{nothing}; {ctx.node} recorded as left ({self._record_left(job, ctx, job.restarts)[0]})"
+        except ActionError as exc:
+            return f"{nothing} ({ctx.node} not recorded as left: {exc})"
+
+    @staticmethod
+    def _left_here(job: Job, ctx: ActionContext) -> str:
+        """The record that the job's life left this node (`left.<job>.<life>.<node>`; "" when none or unknown)."""
+        if not job.job_id or not job.switch_dir or job.restarts is None or job.uid is None:
+            return ""
+        name = left_name(job.job_id, job.restarts, ctx.node)
+        try:
+            return name if name in switch_stats(job.switch_dir, [name], job_owner(job)[0]) else ""
+        except ActionError:
+            return ""
+
+    def _undoes_leave(self, job: Job, ctx: ActionContext, looped: dict[str, list[int]],
+                      ranks: list[dict[str, str]]) -> str:
+        """Why a restart in place now would undo a restart of the job without a node ("" when it would not): a node
+        that the ranks' life recorded as left (any agent's `left.<job>.<life>.<node>`) with a restart request written
+        since, while the ranks here still run with it (that restart is under way: its relaunch leaves the node, and
+        a request written after it would start the job once more, even at the end of its training), or that the
+        ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
+        (the fault was the earlier start's). The files are the job user's: a fake only skips their own job's restart."""
+        assert job.job_id and job.switch_dir
+        life = self._life(ranks)
+        records = {left_name(job.job_id, life, n): n for n in _hosts(job.node_list)}
+        try:
+            present = switch_stats(job.switch_dir, [*records, request_name(job.job_id)], job_owner(job)[0])
+        except ActionError:
+            return ""
+        request = present.get(request_name(job.job_id))
+        without = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n}
+        started = min((r.create_time for pids in looped.values() for r in map(ProcessRef.of, pids) if r), default=0.0)
+        for name, node in records.items():
+            record = present.get(name)
+            if record is None:
+                continue
+            if node not in without and request is not None and request.st_ctime_ns >= record.st_ctime_ns:
+                return (f"a restart of it without {node} is under way ({name}, and {request_name(job.job_id)} written "
+                        f"{max(0.0, time.time() - request.st_ctime):.1f}s ago)")
+            if node in without and ctx.event.since < started and time.time() - started < RELAUNCH_GRACE:
+                return (f"it started again without {node} {time.time() - started:.1f}s ago ({name}), after the fault "
+                        "this restart answers began")
+        return ""
+
+    def _leave(self, job: Job, ctx: ActionContext, looped: dict[str, list[int]], ranks: list[dict[str, str]],
+               deadline: float) -> str:
+        """Restart the job without this node: recorded as left, then the request naming it; the fallback when the
+        job's loop cannot leave it or its allocation holds no spare."""
+        assert job.job_id and job.switch_dir
+        job_id = job.job_id
         identity, _ = job_owner(job)
-        if not s.leave_node:
-            return self._request(job, ctx, looped, {}, deadline)
         # ctx.node: this node's SLURM name (jobs.slurm_node). Recorded before the others' records are counted: of two
         # agents acting at once, at least the later one counts both nodes.
         allocation = _hosts(job.node_list)

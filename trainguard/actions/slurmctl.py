@@ -109,12 +109,18 @@ class DrainAction(Action):
                 "of its partitions are already drained by trainguard")
 
     def run(self, ctx: ActionContext) -> str:
+        # One fault is often several incidents whose lists run at once (two ports of one HCA): one drain at a time on
+        # this agent, so that the second one's look sees the first one's drain
+        with ctx.claims.serial("drain"):
+            return self._drain(ctx)
+
+    def _drain(self, ctx: ActionContext) -> str:
         reason = drain_reason(ctx.held_reason or ctx.event.summary)
         # One query of the node table per drain (a rare event), never per round.
         view = partition_view(_slurm("drain", ctx.slurm.run, "sinfo", "-h", "-N", "-o", "%N|%P|%T|%E"), ctx.node)
-        if view.own and not ctx.held_reason:
-            # One fault is often several incidents (a GPU off the bus: `xid`, then `gpu`): the second drain is not
-            # a drain, and must not count as one (the ledger's repeat-drain rule counts drains done)
+        if view.own and (not ctx.held_reason or view.own == reason):
+            # The second drain of one fault (a GPU off the bus: `xid`, then `gpu`) is not a drain, and must not count
+            # as one (the ledger's repeat-drain rule counts drains done); a lemon hold's reason replaces another one
             raise ActionSkippedError(f"{ctx.node} already drained by trainguard ({view.own[:120]}): left as it is")
         limit = self.settings.limit(view.nodes)
         if len(view.drained) >= limit:

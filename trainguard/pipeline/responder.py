@@ -32,10 +32,12 @@ from typing import Any
 
 from trainguard.actions.base import (
     Action,
+    ActionAnsweredError,
     ActionContext,
     ActionError,
     ActionRefusedError,
     ActionSkippedError,
+    Claims,
     Reports,
     ResumeGate,
 )
@@ -71,6 +73,11 @@ FOLLOW_MARGIN_S = 5.0  # past its action's timeout, a list followed after a relo
 CUT = "cut short by the agent's stop or crash"
 HANDED = "handed over after a reload"
 STOPPED = "stopped between two actions by a reload"
+
+
+def _fresh(action: Action, record: Mapping[str, Any]) -> bool:
+    """The action left the job starting afresh: done, or done by another list's action (answered)."""
+    return action.fresh_start and (record["outcome"] == "ok" or bool(record.get("answered")))
 
 
 def _brief(job: Job) -> dict[str, Any]:
@@ -161,6 +168,7 @@ class Responder:
         self.slurmd = config.jobs.slurm_node
         self.forget = forget  # (check, subject): the check forgets the subject's history (the engine's, between runs)
         self.reports = Reports()  # the ranks' reports asked for by a save signal, shared by the lists about a job
+        self.claims = Claims()  # what the lists do to a job or the node now: one fault's incidents run at once
         self.tracker = tracker
         self.clock = clock
         self.threads: list[threading.Thread] = []
@@ -297,7 +305,7 @@ class Responder:
             others = tuple(f"{i.check}/{i.subject}" for i in self.tracker.incidents()
                            if i.firing and i.status is Status.CRITICAL and i.id != event.incident_id)
             ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others, self.slurmd, self.reports,
-                                resume_gates=self.resume_gates, held_reason=self._held_reason(),
+                                claims=self.claims, resume_gates=self.resume_gates, held_reason=self._held_reason(),
                                 on_diag=self._diag_to_ledger)
             self._watch_again(ctx, reports or {})
             self._keep(list_id, {**entry, "jobs": [_brief(j) for j in jobs], "reports": self._reports_asked(ctx)})
@@ -543,7 +551,7 @@ class Responder:
                 handover = self._handed.get(list_id)
                 if handover is not None:  # the tracker's store is closed: the next responder records it
                     handover["records"].append({**record, "kind": type(action).__name__})
-                    handover["forget"] = handover["forget"] or (action.fresh_start and record["outcome"] == "ok")
+                    handover["forget"] = handover["forget"] or _fresh(action, record)
             if handover is not None:
                 continue
             try:
@@ -553,7 +561,7 @@ class Responder:
                 log.error("recording the action's outcome failed", extra=kv(
                     action=name, incident=event.incident_id, outcome=record["outcome"], error=exc))
             self._to_ledger(event, action, record)
-            if action.fresh_start and record["outcome"] == "ok" and self.forget is not None:
+            if _fresh(action, record) and self.forget is not None:
                 # The job started afresh: what the check learned about it (a NaN streak in the log it still writes,
                 # samples of the processes gone) is the earlier start's, and must not hold the incident open.
                 try:
@@ -592,7 +600,7 @@ class Responder:
         if name not in self.actions:
             return {"action": name, "at": self.clock(), "outcome": "failed", "detail": f"no `{name}` action configured"}
         ctx = ActionContext(event, jobs, self.node, self.slurm, self.clock, others_critical, self.slurmd, self.reports,
-                            resume_gates=self.resume_gates, held_reason=self._held_reason(),
+                            claims=self.claims, resume_gates=self.resume_gates, held_reason=self._held_reason(),
                             on_diag=self._diag_to_ledger)
         try:
             return self.run_one(self.actions[name], ctx)
@@ -602,10 +610,10 @@ class Responder:
     def run_one(self, action: Action, ctx: ActionContext) -> dict[str, Any]:
         started = self.clock()
         plan = action.plan(ctx)
+        box: dict[str, str] = {}
         if action.settings.dry_run:
             outcome, detail = "dry_run", f"would {plan}"
         else:
-            box: dict[str, str] = {}
             done = threading.Event()
 
             def target() -> None:
@@ -616,6 +624,8 @@ class Responder:
                     box["detail"], box["outcome"] = str(exc), "refused"
                 except ActionSkippedError as exc:  # nothing to act on: said as such, never as done or failed
                     box["detail"], box["outcome"] = str(exc), "skipped"
+                    if isinstance(exc, ActionAnsweredError):
+                        box["answered"] = "yes"
                 except ActionError as exc:
                     box["detail"], box["outcome"] = str(exc), "failed"
                 except Exception as exc:  # noqa: BLE001 - a buggy action must not take others down
@@ -639,4 +649,7 @@ class Responder:
         log.log(level, "action", extra=kv(action=action.name, outcome=outcome, incident=ctx.event.incident_id,
                                           check=ctx.event.check, subject=ctx.event.subject,
                                           jobs=",".join(j.job_id or j.key for j in ctx.jobs) or None, detail=detail))
-        return {"action": action.name, "at": started, "outcome": outcome, "detail": detail}
+        record: dict[str, Any] = {"action": action.name, "at": started, "outcome": outcome, "detail": detail}
+        if outcome == "skipped" and box.get("answered"):
+            record["answered"] = True  # another list's action did it: a fresh start all the same (`_fresh`)
+        return record
