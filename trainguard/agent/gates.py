@@ -417,12 +417,16 @@ def _list(fd: int, path: str, names: tuple[str, ...], walk: _Walk) -> bool:
 
 @dataclass
 class Held:
-    """What the live processes of a user hold: the paths of their open descriptors, the (device, inode) of their
-    mapped files, the pids that hold any, and whether the deadline cut the look short (then some were not seen)."""
-    paths: set[str] = field(default_factory=set)
-    keys: set[tuple[int, int]] = field(default_factory=set)
-    pids: list[int] = field(default_factory=list)
+    """What the live processes of a user hold: the paths of their open descriptors and the (device, inode) of their
+    mapped files, each with the first pid seen holding it, and whether the deadline cut the look short (then some were
+    not seen)."""
+    paths: dict[str, int] = field(default_factory=dict)
+    keys: dict[tuple[int, int], int] = field(default_factory=dict)
     cut: bool = False
+
+    def holder(self, path: str, key: tuple[int, int]) -> int | None:
+        """The pid that holds the file (`path` open, or `key` mapped); None when none does."""
+        return self.paths.get(path, self.keys.get(key))
 
 
 def held_files(proc: ProcFS, uid: int, deadline: float) -> Held:
@@ -434,11 +438,10 @@ def held_files(proc: ProcFS, uid: int, deadline: float) -> Held:
             break
         if proc.real_uid(pid) != uid:
             continue
-        opened, mapped = proc.open_paths(pid), proc.mapped_files(pid)
-        held.paths |= opened
-        held.keys |= mapped
-        if opened or mapped:
-            held.pids.append(pid)
+        for path in proc.open_paths(pid):
+            held.paths.setdefault(path, pid)
+        for key in proc.mapped_files(pid):
+            held.keys.setdefault(key, pid)
     return held
 
 
@@ -463,13 +466,16 @@ def job_files(uid: int, dirs: Sequence[str], limit: int, proc: ProcFS) -> tuple[
                          f"{len(files)} file(s) of the user ({format_bytes(sum(n for n, _, _ in files))}) not "
                          "checked, not counted")
             continue
-        free, taken = [], []
+        free, taken, holders = [], [], set()
         for n, p, key in files:  # one pass: a user's files and what their processes hold can each be 100,000s
-            (taken if p in held.paths or key in held.keys else free).append((n, p))
-        if taken:
+            pid = held.holder(p, key)
+            (free if pid is None else taken).append((n, p))
+            if pid is not None:
+                holders.add(pid)
+        if taken:  # the pids that hold these files, not every process of the user that holds any file
             notes.append(f"{top}: {len(taken)} file(s) of the job's user ({format_bytes(sum(n for n, _ in taken))}) "
-                         f"held open or mapped by its running processes (pid {', '.join(map(str, held.pids[:5]))}): "
-                         "not counted")
+                         f"held open or mapped by its running processes (pid {', '.join(map(str, sorted(holders)[:5]))}"
+                         f"{', ...' if len(holders) > 5 else ''}): not counted")
         total = sum(n for n, _ in free)
         if total > limit:
             largest = ", ".join(f"{one_line(p, 120)} ({format_bytes(n)})" for n, p in sorted(free, reverse=True)[:3])
