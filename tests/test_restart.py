@@ -27,6 +27,7 @@ from trainguard.actions.base import (
     ActionError,
     ActionList,
     ActionSkippedError,
+    Claim,
     Claims,
     Reports,
 )
@@ -1568,3 +1569,34 @@ def test_a_node_drained_for_a_lemon_hold_already_is_not_drained_again() -> None:
     slurm.reason = "trainguard: an earlier fault's reason"
     assert action.run(ctx).startswith("drained n1: trainguard: GPU 3 XID 79")  # the hold's reason replaces it
     assert slurm.calls == [("drain", "n1"), ("drain", "n1")]
+
+
+def test_a_fault_that_began_after_a_restart_ended_is_restarted_again(tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """The restart done a moment ago answers the incidents of the fault it answered, not a new one: a NaN streak of
+    the fresh start (its incident began after that restart ended) restarts the job again, and is not said answered
+    (its check would forget the new streak, and the incident stay open with nothing done)."""
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="0")]}, ["0"])
+    action = RestartAction("restart", RestartSettings(wait_exit=0.3, timeout=5))
+    ctx = ActionContext(_event(), (_job(tmp_path),), "n1", slurm, time.time)  # type: ignore[arg-type]
+    assert "restart of 5 requested" in action.run(ctx)
+    with pytest.raises(ActionAnsweredError, match="already restarted in place for training_log"):
+        action.run(replace(ctx, event=replace(ctx.event, check="job_memory", since=ctx.event.since)))
+    fresh = _event()  # the fresh start's fault: it began now, after the first restart ended
+    assert "restart of 5 requested" in action.run(replace(ctx, event=fresh))
+    assert [c[1] for c in slurm.calls if c[0] == "signal"] == ["5.0", "5.0"]
+
+
+def test_a_restart_without_the_node_done_a_moment_ago_answers_the_next_one_though_one_in_place_ended_after_it() -> None:
+    """training_log's restart in place and infiniband's without n1 ran side by side; the one in place ended last.
+    A third incident of the port fault (one more port, a moment later) asks to leave n1: the restart without n1 done
+    a moment ago answers it (not hidden by the later one in place, which does not): the fresh start, already without
+    n1, is not restarted again."""
+    claims = Claims()
+    in_place, without = Claim("in place", "training_log/slurm:5"), Claim("without n1", "infiniband/mlx5_0/1", "n1")
+    assert claims.take("5", in_place, 30.0, lambda other: True) is None
+    assert claims.take("5", without, 30.0, lambda other: other.leave == "n1") is None  # beside it
+    claims.end("5", without, None)
+    claims.end("5", in_place, None)
+    assert claims.take("5", Claim("without n1", "infiniband/ports", "n1"), 30.0,
+                       lambda other: other.leave == "n1") is without
+    assert claims.last("5", 30.0) is in_place  # the last restart done, whichever it was

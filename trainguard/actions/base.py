@@ -134,39 +134,44 @@ class Claim:
     ended: threading.Event = field(default_factory=threading.Event)
     error: ActionError | None = None  # why it failed or was skipped, once ended
     at: float = 0.0  # monotonic time it ended
+    # when it ended on the agent's clock (ActionContext.clock, the incidents' `since`): a fault that began later is
+    # not the one it answered (0.0 while under way)
+    ended_at: float = 0.0
 
 
 class Claims:
     """This agent's claims (the responder's, shared by its lists): per job, the action under way and the last one
-    done; per name, one lock for an action whose look and act must not interleave with another list's (`drain`)."""
+    done of each kind (what it leaves: one in place may end after one without the node that ran beside it); per name,
+    one lock for an action whose look and act must not interleave with another list's (`drain`)."""
 
     KEEP_S = 3600.0  # a claim done is kept this long: longer than any `within` asked
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, Claim] = {}
-        self._last: dict[str, Claim] = {}
+        self._last: dict[str, dict[str, Claim]] = {}  # key -> what it left ("" for none) -> the last one done
         self._serial: dict[str, threading.Lock] = {}
 
     def take(self, key: str, claim: Claim, within: float, answers: Callable[[Claim], bool]) -> Claim | None:
-        """Hold `key` for `claim`, unless the claim under way on it, or the last one done less than `within` s ago,
-        `answers` it: that one is returned, and `claim` is not held. Taken over one under way that does not answer it,
-        `claim` is the one later lists see (that one's end leaves it held)."""
+        """Hold `key` for `claim`, unless the claim under way on it, or one done less than `within` s ago (the
+        newest first), `answers` it: that one is returned, and `claim` is not held. Taken over one under way that
+        does not answer it, `claim` is the one later lists see (that one's end leaves it held)."""
         with self._lock:
-            other = self._held.get(key) or self._recent(key, within)
-            if other is not None and answers(other):
-                return other
+            held = self._held.get(key)
+            for other in ([held] if held is not None else []) + self._recent(key, within):
+                if answers(other):
+                    return other
             self._held[key] = claim
             return None
 
     def last(self, key: str, within: float) -> Claim | None:
         """The last claim on `key` done (not failed) less than `within` s ago."""
         with self._lock:
-            return self._recent(key, within)
+            return next(iter(self._recent(key, within)), None)
 
-    def _recent(self, key: str, within: float) -> Claim | None:
-        last = self._last.get(key)
-        return last if last is not None and time.monotonic() - last.at < within else None
+    def _recent(self, key: str, within: float) -> list[Claim]:
+        now = time.monotonic()
+        return sorted((c for c in self._last.get(key, {}).values() if now - c.at < within), key=lambda c: -c.at)
 
     def end(self, key: str, claim: Claim, error: ActionError | None) -> None:
         claim.error, claim.at = error, time.monotonic()
@@ -174,8 +179,9 @@ class Claims:
             if self._held.get(key) is claim:
                 del self._held[key]
             if error is None:
-                self._last[key] = claim
-            for old in [k for k, c in self._last.items() if claim.at - c.at > self.KEEP_S]:  # jobs long gone
+                self._last.setdefault(key, {})[claim.leave] = claim
+            for old in [k for k, done in self._last.items()  # jobs long gone
+                        if all(claim.at - c.at > self.KEEP_S for c in done.values())]:
                 del self._last[old]
         claim.ended.set()
 

@@ -24,12 +24,12 @@ gets the fallback; when it is then neither restarted nor requeued, the record is
 (nothing of the job's work on the node: no process of its batch script or steps, no step spanning it) is only
 recorded.
 
-One fault, one answer per job: a restart of the job under way in another of the agent's lists, or done a moment
-ago, answers a second incident's restart that would do the same (a restart in place, or one without this node):
-that one is skipped, never run twice nor said done twice. A restart without this node goes on beside one in place
-(the relaunch must leave the node), and a restart in place is skipped while a restart without a node, this agent's
-or another's (its record and request in the switch dir, not yet in the ranks' TRAINGUARD_LEFT), is under way or has
-just started the ranks again.
+One fault, one answer per job: a restart of the job under way in another of the agent's lists, or done a moment ago
+for a fault that began before it ended, answers a second incident's restart that would do the same (a restart in
+place, or one without this node): that one is skipped, never run twice nor said done twice. A restart without this
+node goes on beside one in place (the relaunch must leave the node), and a restart in place is skipped while a
+restart without a node, this agent's or another's (its record and request in the switch dir, not yet in the ranks'
+TRAINGUARD_LEFT), is under way or has just started the ranks again.
 
 A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
 would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
@@ -161,14 +161,19 @@ class RestartAction(Action):
 
     def _once(self, job: Job, ctx: ActionContext) -> str:
         """One answer per fault: a restart of the job under way in another of this agent's lists, or done less than
-        RELAUNCH_GRACE ago, answers this one when it does what this one would (any restart answers one in place; one
-        without this node, one without it): this one waits for its end and is skipped (failed if it failed), never
-        run twice nor said done twice. One without this node is never answered by one in place: it goes on beside
-        it, so that the relaunch leaves the node (its request and record land before that restart's srun returns)."""
+        RELAUNCH_GRACE ago for a fault that began before it ended (a later one is the fresh start's), answers this one
+        when it does what this one would (any restart answers one in place; one without this node, one without it):
+        this one waits for its end and is skipped (failed if it failed), never run twice nor said done twice. One
+        without this node is never answered by one in place: it goes on beside it, so that the relaunch leaves the
+        node (its request and record land before that restart's srun returns)."""
         assert job.job_id
         leave = ctx.node if self.settings.leave_node else ""
         mine = Claim(f"without {leave}" if leave else "in place", f"{ctx.event.check}/{ctx.event.subject}", leave)
-        other = ctx.claims.take(job.job_id, mine, RELAUNCH_GRACE, lambda held: not leave or held.leave == leave)
+
+        def answers(other: Claim) -> bool:  # a fault that began after `other` ended is the fresh start's: not its
+            return (not leave or other.leave == leave) and not (other.ended_at and ctx.event.since > other.ended_at)
+
+        other = ctx.claims.take(job.job_id, mine, RELAUNCH_GRACE, answers)
         if other is not None:
             other.ended.wait(self.settings.timeout)
             raise self._answered(other)
@@ -181,6 +186,7 @@ class RestartAction(Action):
             error = exc
             raise
         finally:
+            mine.ended_at = ctx.clock()
             ctx.claims.end(job.job_id, mine, error)
 
     @staticmethod
