@@ -1586,6 +1586,20 @@ def test_a_fault_that_began_after_a_restart_ended_is_restarted_again(tmp_path: P
     assert [c[1] for c in slurm.calls if c[0] == "signal"] == ["5.0", "5.0"]
 
 
+def test_a_spare_recorded_as_left_never_skips_a_loop_that_cannot_leave_a_node(tmp_path: Path,
+                                                                             ranks: Callable[..., int]) -> None:
+    """The spare n4 lost its GPU (its agent recorded it as left) and the job was since restarted in place; its loop
+    cannot leave a node (no TRAINGUARD_LEFT: an older helper, or a command that is not srun), so no restart without a
+    node is ever under way: a later restart in place runs (not skipped for the rest of the job's life)."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "left.5.0.n4").write_text("{}")
+    time.sleep(0.05)  # the request the restart in place wrote, after the record
+    (sw / "restart.5").write_text("{}")
+    slurm = StubSlurm({"0": [ranks(TRAINGUARD_RESTARTS="1", SLURM_STEP_NUM_NODES="3")]}, ["0"])
+    assert "restart of 5 requested" in _run(slurm, replace(_job(tmp_path), node_list="n[1-4]"))
+
+
 def test_a_restart_without_the_node_done_a_moment_ago_answers_the_next_one_though_one_in_place_ended_after_it() -> None:
     """training_log's restart in place and infiniband's without n1 ran side by side; the one in place ended last.
     A third incident of the port fault (one more port, a moment later) asks to leave n1: the restart without n1 done

@@ -310,6 +310,9 @@ class RestartAction(Action):
         ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
         (the fault was the earlier start's). The files are the job user's: a fake only skips their own job's restart."""
         assert job.job_id and job.switch_dir
+        if not any(LEFT_VAR in env for env in ranks):
+            # a loop that cannot leave a node never restarts without one: a record (a lost spare's) is no such restart
+            return ""
         life = self._life(ranks)
         records = {left_name(job.job_id, life, n): n for n in _hosts(job.node_list)}
         try:
