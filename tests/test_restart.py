@@ -1614,3 +1614,19 @@ def test_a_restart_without_the_node_done_a_moment_ago_answers_the_next_one_thoug
     assert claims.take("5", Claim("without n1", "infiniband/ports", "n1"), 30.0,
                        lambda other: other.leave == "n1") is without
     assert claims.last("5", 30.0) is in_place  # the last restart done, whichever it was
+
+
+def test_a_lost_spare_only_recorded_as_left_answers_no_restart_as_if_it_had_restarted_the_job(tmp_path: Path) -> None:
+    """n1, the spare, lost its GPU: `restart_elsewhere` only records it as left (nothing of the job runs there). A
+    restart in place of the job on n1 for another incident is not 'already restarted without n1' (nothing was
+    restarted, and its check must not forget what it found): it is skipped because the job left n1."""
+    job = replace(_job(tmp_path), node_list="n[1-4]", restarts=2)
+    slurm = StubSlurm({}, ["0"], spans={"0": "n[2-4]"})
+    ctx = ActionContext(_event("xid", "GPU-3"), (job,), "n1", slurm, time.time)  # type: ignore[arg-type]
+    elsewhere = RestartAction("restart_elsewhere", RestartSettings(wait_exit=0.5, timeout=5, leave_node=True))
+    assert "nothing to restart; n1 recorded as left" in elsewhere.run(ctx)
+    in_place = RestartAction("restart", RestartSettings(wait_exit=0.5, timeout=5))
+    with pytest.raises(ActionSkippedError) as caught:
+        in_place.run(replace(ctx, event=replace(_event(), since=ctx.event.since)))  # the one fault's NCCL errors
+    assert not isinstance(caught.value, ActionAnsweredError) and "it left n1" in str(caught.value), caught.value
+    assert slurm.calls == []

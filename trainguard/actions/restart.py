@@ -95,6 +95,10 @@ class RestartUnderwayError(ActionError):
     """The restart went ahead (request written, steps signalled) and something after it failed."""
 
 
+class _NothingRestartedError(ActionSkippedError):
+    """Done, yet nothing restarted (a lost spare only recorded as left): said done, and answers no other restart."""
+
+
 def left_name(job_id: str, life: int, node: str) -> str:
     """The record that the job's life `life` (its requeues so far) left `node`: one file per node, so that the agents
     of two nodes lost at once never replace each other's, and per life, so that a requeued job (another allocation)
@@ -182,6 +186,9 @@ class RestartAction(Action):
             outcome = self._one(job, ctx)
             error = None
             return outcome
+        except _NothingRestartedError as exc:  # the lists waiting on it are skipped: "already restarted" would be false
+            error = exc
+            return str(exc)
         except ActionError as exc:
             error = exc
             raise
@@ -222,7 +229,7 @@ class RestartAction(Action):
             except SlurmError as exc:
                 raise ActionError(f"restart {job_id}: {exc}") from None
         if not looped and not here and s.leave_node and self._spare(job, ctx):
-            return self._spare_left(job, ctx)
+            raise _NothingRestartedError(self._spare_left(job, ctx))
         if not looped and not s.leave_node and (record := self._left_here(job, ctx)):
             # the job was restarted without this node (its log is still read here): no requeue from a node it left
             raise ActionSkippedError(f"it left {ctx.node} ({record}): nothing of it runs here to "
