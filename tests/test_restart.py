@@ -1630,3 +1630,26 @@ def test_a_lost_spare_only_recorded_as_left_answers_no_restart_as_if_it_had_rest
         in_place.run(replace(ctx, event=replace(_event(), since=ctx.event.since)))  # the one fault's NCCL errors
     assert not isinstance(caught.value, ActionAnsweredError) and "it left n1" in str(caught.value), caught.value
     assert slurm.calls == []
+
+
+def test_after_a_restart_without_this_node_no_next_step_is_waited_for_here(tmp_path: Path,
+                                                                            ranks: Callable[..., int]) -> None:
+    """This agent restarted the job without n1 a moment ago: its next srun never comes to n1, so a restart for a new
+    fault of the node finds nothing here at once (the wait for a next step, 10 s, would hold every other job of the
+    list back too)."""
+    job = replace(_job(tmp_path), node_list="n[1-4]", restarts=0)
+    looks: list[str] = []
+
+    class Counting(StubSlurm):
+        def local_steps(self, job_id: str, node: str = "") -> dict[str, list[int]]:
+            looks.append(job_id)
+            return super().local_steps(job_id, node)
+
+    slurm = Counting({"0": [ranks(TRAINGUARD_RESTARTS="0", TRAINGUARD_LEFT="", SLURM_STEP_NUM_NODES="3")]}, ["0"],
+                     spans={"0": "n[1-3]"})
+    action = RestartAction("restart_elsewhere", RestartSettings(wait_exit=0.3, timeout=15, leave_node=True))
+    ctx = ActionContext(_event("xid", "GPU-3"), (job,), "n1", slurm, time.time)  # type: ignore[arg-type]
+    assert action.run(ctx).startswith("restart of 5 without n1 requested")
+    slurm.here, slurm.spans, looks[:] = {}, {"1": "n[2-4]"}, []  # relaunched without n1
+    assert "nothing to restart" in action.run(replace(ctx, event=_event("xid", "GPU-2")))
+    assert looks == ["5"]

@@ -271,7 +271,8 @@ class RestartAction(Action):
         srun never comes here). The request's change time is its file system's clock and the job user's to fake: at
         worst their own restart waits RELAUNCH_WAIT."""
         assert job.job_id
-        if ctx.claims.last(job.job_id, RELAUNCH_GRACE) is not None:
+        last = ctx.claims.last(job.job_id, RELAUNCH_GRACE)
+        if last is not None and last.leave != ctx.node:  # one without this node: the switch dir's record says so
             return True
         if not job.switch_dir or job.uid is None:
             return False
