@@ -1653,3 +1653,17 @@ def test_after_a_restart_without_this_node_no_next_step_is_waited_for_here(tmp_p
     slurm.here, slurm.spans, looks[:] = {}, {"1": "n[2-4]"}, []  # relaunched without n1
     assert "nothing to restart" in action.run(replace(ctx, event=_event("xid", "GPU-2")))
     assert looks == ["5"]
+
+
+def test_a_lemon_holds_long_reason_cut_at_a_space_is_still_the_nodes_reason() -> None:
+    """The drain reason is cut to 200 characters; cut just after a word, the node table shows it without the space:
+    still the hold's reason, not drained again (nor counted as a drain again)."""
+    slurm = NodeSlurm({}, [])
+    held = "x" * 187 + " RMA please"  # "trainguard: " and 187 characters: the 200th is the space
+    action = DrainAction("drain", DrainSettings(max_drained="2"))
+    ctx = ActionContext(_event("xid", "GPU-3"), (), "n1", slurm, time.time, held_reason=held)  # type: ignore[arg-type]
+    action.run(ctx)
+    slurm.reason = slurm.reason.strip()  # as sinfo's line is read
+    with pytest.raises(ActionSkippedError, match="n1 already drained by trainguard"):
+        action.run(replace(ctx, event=_event("gpu", "GPU-3")))
+    assert slurm.calls == [("drain", "n1")]

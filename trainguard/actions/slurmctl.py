@@ -34,7 +34,7 @@ T = TypeVar("T")
 def drain_reason(summary: str) -> str:
     # scontrol passes the reason verbatim: one short printable line (a NUL would not even reach exec()).
     text = " ".join(one_line(summary).split()).replace('"', "'")
-    return f"{DRAIN_TAG} {text}"[:200]
+    return f"{DRAIN_TAG} {text}"[:200].rstrip()  # as the node table shows it: a drain compares it with that
 
 
 def _slurm(call: str, fn: Callable[..., T], *args: object) -> T:
