@@ -1667,3 +1667,14 @@ def test_a_lemon_holds_long_reason_cut_at_a_space_is_still_the_nodes_reason() ->
     with pytest.raises(ActionSkippedError, match="n1 already drained by trainguard"):
         action.run(replace(ctx, event=_event("gpu", "GPU-3")))
     assert slurm.calls == [("drain", "n1")]
+
+
+def test_a_restart_in_place_under_way_still_answers_once_one_without_the_node_beside_it_failed() -> None:
+    """training_log's restart in place is under way; infiniband's without n1 went on beside it and failed (no
+    spare). A third incident's restart in place is answered by the one still under way, not run a second time."""
+    claims = Claims()
+    in_place, without = Claim("in place", "training_log/slurm:5"), Claim("without n1", "infiniband/mlx5_0/1", "n1")
+    assert claims.take("5", in_place, 30.0, lambda other: True) is None
+    assert claims.take("5", without, 30.0, lambda other: other.leave == "n1") is None
+    claims.end("5", without, ActionError("no spare node in its allocation"))
+    assert claims.take("5", Claim("in place", "job_memory/slurm:5"), 30.0, lambda other: True) is in_place

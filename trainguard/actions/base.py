@@ -140,7 +140,7 @@ class Claim:
 
 
 class Claims:
-    """This agent's claims (the responder's, shared by its lists): per job, the action under way and the last one
+    """This agent's claims (the responder's, shared by its lists): per job, the actions under way and the last one
     done of each kind (what it leaves: one in place may end after one without the node that ran beside it); per name,
     one lock for an action whose look and act must not interleave with another list's (`drain`)."""
 
@@ -148,20 +148,20 @@ class Claims:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[str, Claim] = {}
+        self._held: dict[str, list[Claim]] = {}  # key -> the claims under way, the last taken last
         self._last: dict[str, dict[str, Claim]] = {}  # key -> what it left ("" for none) -> the last one done
         self._serial: dict[str, threading.Lock] = {}
 
     def take(self, key: str, claim: Claim, within: float, answers: Callable[[Claim], bool]) -> Claim | None:
-        """Hold `key` for `claim`, unless the claim under way on it, or one done less than `within` s ago (the
-        newest first), `answers` it: that one is returned, and `claim` is not held. Taken over one under way that
-        does not answer it, `claim` is the one later lists see (that one's end leaves it held)."""
+        """Hold `key` for `claim`, unless a claim under way on it (the last taken first), or one done less than
+        `within` s ago (the newest first), `answers` it: that one is returned, and `claim` is not held. Taken beside
+        one under way that does not answer it, `claim` is the first later lists ask; that one still answers them once
+        `claim` ended (a restart without the node that failed leaves the one in place under way)."""
         with self._lock:
-            held = self._held.get(key)
-            for other in ([held] if held is not None else []) + self._recent(key, within):
+            for other in [*reversed(self._held.get(key, [])), *self._recent(key, within)]:
                 if answers(other):
                     return other
-            self._held[key] = claim
+            self._held.setdefault(key, []).append(claim)
             return None
 
     def last(self, key: str, within: float) -> Claim | None:
@@ -176,8 +176,11 @@ class Claims:
     def end(self, key: str, claim: Claim, error: ActionError | None) -> None:
         claim.error, claim.at = error, time.monotonic()
         with self._lock:
-            if self._held.get(key) is claim:
-                del self._held[key]
+            held = [c for c in self._held.get(key, []) if c is not claim]
+            if held:
+                self._held[key] = held
+            else:
+                self._held.pop(key, None)
             if error is None:
                 self._last.setdefault(key, {})[claim.leave] = claim
             for old in [k for k, done in self._last.items()  # jobs long gone
