@@ -1678,3 +1678,15 @@ def test_a_restart_in_place_under_way_still_answers_once_one_without_the_node_be
     assert claims.take("5", without, 30.0, lambda other: other.leave == "n1") is None
     claims.end("5", without, ActionError("no spare node in its allocation"))
     assert claims.take("5", Claim("in place", "job_memory/slurm:5"), 30.0, lambda other: True) is in_place
+
+
+def test_a_drain_waiting_for_another_gives_up_within_its_timeout() -> None:
+    """One drain at a time, each waited for within the action's timeout: a drain its list gave up on (the controller
+    hanging the first one) never runs later, after a resume, say."""
+    slurm = NodeSlurm({}, [])
+    claims = Claims()
+    action = DrainAction("drain", DrainSettings(max_drained="2", timeout=0.2))
+    ctx = ActionContext(_event("xid", "GPU-3"), (), "n1", slurm, time.time, claims=claims)  # type: ignore[arg-type]
+    with claims.serial("drain"), pytest.raises(ActionError, match=r"another drain still under way after 0.2s"):
+        action.run(ctx)
+    assert slurm.calls == []

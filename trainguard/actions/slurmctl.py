@@ -110,9 +110,15 @@ class DrainAction(Action):
 
     def run(self, ctx: ActionContext) -> str:
         # One fault is often several incidents whose lists run at once (two ports of one HCA): one drain at a time on
-        # this agent, so that the second one's look sees the first one's drain
-        with ctx.claims.serial("drain"):
+        # this agent, so that the second one's look sees the first one's drain. Waited for within this one's timeout:
+        # a drain its list gave up on never runs later (after a resume, say)
+        lock = ctx.claims.serial("drain")
+        if not lock.acquire(timeout=self.settings.timeout):
+            raise ActionError(f"drain {ctx.node}: another drain still under way after {self.settings.timeout:g}s")
+        try:
             return self._drain(ctx)
+        finally:
+            lock.release()
 
     def _drain(self, ctx: ActionContext) -> str:
         reason = drain_reason(ctx.held_reason or ctx.event.summary)
