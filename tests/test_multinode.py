@@ -3,6 +3,7 @@ job source needs there: each node's pids of a job spanning nodes, not the first 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -235,6 +236,12 @@ while :; do sleep 0.2; done
 """
 
 
+def _step_nodes(log: Path, step: int) -> list[str]:
+    """The nodes the ranks of the loop's srun `step` started on, per the ranks' log."""
+    return sorted(line.rsplit("node=", 1)[1] for line in (log.read_text().splitlines() if log.exists() else ())
+                  if line.startswith(f"start step={step} "))
+
+
 def _looped_job(multinode: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch, name: str, nodes: str,
                 srun_options: str, script: str = RANK_SCRIPT) -> tuple[str, Path, Path]:
     """A job of `script` ranks under the relaunch loop, on `nodes` (sbatch -N): its id, workdir and ranks' log."""
@@ -325,9 +332,7 @@ def test_restart_leaving_a_lost_node_goes_on_on_the_allocations_spare(multinode:
 
     job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-leave", "2-3", "-N 2 ")
 
-    def nodes(step: int) -> list[str]:
-        return sorted(line.rsplit("node=", 1)[1] for line in (log.read_text().splitlines() if log.exists() else ())
-                      if line.startswith(f"start step={step} "))
+    nodes = functools.partial(_step_nodes, log)
 
     lost = ""
     try:
@@ -382,9 +387,7 @@ def test_a_lost_spare_is_recorded_and_the_next_restart_keeps_off_it(multinode: M
 
     job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-spare", "3", "-N 1 ")
 
-    def nodes(step: int) -> list[str]:
-        return sorted(line.rsplit("node=", 1)[1] for line in (log.read_text().splitlines() if log.exists() else ())
-                      if line.startswith(f"start step={step} "))
+    nodes = functools.partial(_step_nodes, log)
 
     def lose(node: str, job: Job) -> str:
         multinode.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=test: GPU lost")
@@ -442,9 +445,7 @@ def test_a_restart_in_place_and_one_without_the_node_start_the_job_once_without_
 
     job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-race", "2-3", "-N 2 ", SAVING_RANK_SCRIPT)
 
-    def nodes(step: int) -> list[str]:
-        return sorted(line.rsplit("node=", 1)[1] for line in (log.read_text().splitlines() if log.exists() else ())
-                      if line.startswith(f"start step={step} "))
+    nodes = functools.partial(_step_nodes, log)
 
     faulty = ""
     try:
