@@ -560,7 +560,11 @@ def test_a_list_taken_up_acts_on_the_jobs_it_was_about(tmp_path: Path) -> None:
         built.actions["requeue"] = Requeue("requeue", ExecSettings(command=["true"]))
         return built
 
-    bindings = {"xid": ActionBinding(critical=["requeue"])}
+    bound = {"xid": ActionBinding(critical=["requeue"])}
+
+    def bindings(event: Event) -> ActionBinding | None:  # the engine's: what the event's check binds to it
+        return bound.get(event.check)
+
     ended = Job(key="slurm:7", source="slurm", name="t", state="RUNNING", job_id="7", uid=1001, user="u",
                 on_this_node=True, restarts=2, requeue=True)
     running, relived = replace(ended, key="slurm:8", job_id="8"), replace(ended, key="slurm:10", job_id="10")

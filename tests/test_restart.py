@@ -742,7 +742,7 @@ def test_a_requeue_taken_up_after_a_crash_reads_the_report_the_dead_agent_asked_
                                 **({"reports": reports} if case != "earlier-version" else {})})
         started = time.monotonic()
         bound = ActionBinding(critical=[] if case == "not-taken-up" else ["requeue"])
-        for thread in responder.resume({"xid": bound}):
+        for thread in responder.resume(lambda event: bound if event.check == "xid" else None):
             thread.join(30)
         took = time.monotonic() - started
         # the dead agent's request: removed by the list that took it up once done, or at once for a list not taken up,

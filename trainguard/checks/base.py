@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
+from trainguard.core.events import Event
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Sample, Status
 from trainguard.core.pace import PaceLedger
@@ -160,6 +161,12 @@ class Check(ABC):
     def clear(self, subject: str, at: float) -> None:  # noqa: B027 - optional hook
         """An operator says the cause behind `subject` is fixed (`trainguard clear`): checks that keep a history
         (XIDs seen, log findings) forget what they recorded about it up to `at`, so it does not fire again."""
+
+    def actions_for(self, event: Event) -> ActionBinding:
+        """The actions bound to one of this check's events: its `actions`. A check whose results say what kind of
+        fault they found (details the event carries) binds another lever to that kind: a hang whose ranks wait on a
+        dead file system drains the node instead of restarting the job into the same mount."""
+        return self.settings.actions
 
     def load_state(self, key: str) -> dict[str, Any]:
         """A JSON object this check saved (counters, positions); {} when absent or unreadable."""

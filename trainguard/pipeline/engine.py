@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.actions.base import ResumeGate
-from trainguard.checks.base import Check, CheckContext, CheckSettings
+from trainguard.checks.base import ActionBinding, Check, CheckContext, CheckSettings
 from trainguard.core.events import Event, EventKind
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
@@ -429,12 +429,17 @@ class Engine:
             check = self.checks.get(event.check)
             if check is not None:
                 self._to_ledger(event, check)
-                self.responder.handle(event, check.settings.actions)
+                self.responder.handle(event, check.actions_for(event))
             selftest = self._selftest
             if selftest is not None and event.details.get("test") is True:
                 selftest.on_event(event)
         if events:
             self.dispatcher.wake()
+
+    def _binding(self, event: Event) -> ActionBinding | None:
+        """The actions bound to `event` by its check as configured now (`Check.actions_for`); None: no such check."""
+        check = self.checks.get(event.check)
+        return check.actions_for(event) if check is not None else None
 
     def _to_ledger(self, event: Event, check: Check) -> None:
         """A hardware check's incident fired, escalated or resolved: into the node ledger, before its actions run
@@ -647,7 +652,7 @@ class Engine:
         except Exception:
             log.exception("resolving incidents of checks no longer configured failed")
         # what a stop or a crash cut short (a requeue waiting for the ranks)
-        self.responder.resume({name: check.settings.actions for name, check in self.checks.items()})
+        self.responder.resume(self._binding)
         self.tick()
         self._schedule = Schedule({n: (c.settings.interval, c.settings.jitter) for n, c in self.checks.items()},
                                   self._run_scheduled, self._on_tick, self._skipped)

@@ -391,14 +391,15 @@ class Responder:
                 log.error("a report asked for before the stop could not be watched again", extra=kv(
                     incident=ctx.event.incident_id, job=job_id, error=exc))
 
-    def resume(self, bindings: Mapping[str, ActionBinding]) -> list[threading.Thread]:
+    def resume(self, bindings: Callable[[Event], ActionBinding | None]) -> list[threading.Thread]:
         """At start: take up the lists a stop or a crash cut short within RESUME_WITHIN_S, for incidents still firing
         (as saved: the checks have not run yet), with the actions their check is still bound to, as the same kind. The
         action cut short runs again if it is safe to repeat (`Action.resumes`), and the list goes on after it (those
         never began); one that is not safe to repeat is recorded on the incident as interrupted, and the list ends
         there (a requeue after a signal that may never have been sent would end the job unsaved). A list still
-        running in this process (a reload) is followed instead (`_follow`). `bindings`: each configured check's
-        actions."""
+        running in this process (a reload) is followed instead (`_follow`). `bindings`: the actions an event's
+        check binds to it now (`Check.actions_for`: the saved event's details choose, as they chose at its
+        start); None when its check is no longer configured."""
         if self.state is None:
             return []
         try:
@@ -422,7 +423,7 @@ class Responder:
                 break
         return threads
 
-    def _follow(self, list_id: str, entry: dict[str, Any], bindings: Mapping[str, ActionBinding]) -> None:
+    def _follow(self, list_id: str, entry: dict[str, Any], bindings: Callable[[Event], ActionBinding | None]) -> None:
         """A list a reload left running in this process: kept as it is (a crash meanwhile leaves it cut short, for the
         next start), waited for until the old responder hands it over (its action's timeout at most), then taken up
         after what it did. A stop meanwhile leaves it marked for the responder after this one."""
@@ -471,7 +472,7 @@ class Responder:
                     check=event.check, subject=event.subject, error=exc))
         return {**entry, "next": int(data["next"]), "started": False}
 
-    def _take_up(self, list_id: str, entry: Any, bindings: Mapping[str, ActionBinding],
+    def _take_up(self, list_id: str, entry: Any, bindings: Callable[[Event], ActionBinding | None],
                  how: str = CUT) -> threading.Thread | None:
         """One list cut short (`resume`), or left by a reload (`how`): its rest started, or said why not."""
         try:
@@ -495,7 +496,7 @@ class Responder:
             log.info("action list cut short; its incident is over, not taken up", extra=where)
             _withdraw(event, reports)
             return None
-        binding = bindings.get(event.check)
+        binding = bindings(event)
         bound = set(binding.for_status(event.status)) if binding is not None else set()
         again = [n for n in left if n in bound and n in self.actions and kinds.get(n) == type(self.actions[n]).__name__]
         why = ("no longer bound as it was" if again[:1] != left[:1] else
