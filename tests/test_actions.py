@@ -625,6 +625,8 @@ def test_a_list_taken_up_acts_on_the_jobs_it_was_about(tmp_path: Path) -> None:
 def test_unknown_action_name_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"checks.disk.actions.critical: unknown action 'nuke' \(defined: "):
         parse_config({"checks": {"disk": {"actions": {"critical": ["nuke"]}}}}, "t.toml")
+    with pytest.raises(ConfigError, match=r"checks.hang.fs_actions.critical: unknown action 'nuke' \(defined: "):
+        parse_config({"checks": {"hang": {"fs_actions": {"critical": ["nuke"]}}}}, "t.toml")
     with pytest.raises(ConfigError, match=r"actions\.bad\.signal: unknown signal 'SIGFOO'"):
         parse_config({"actions": {"bad": {"type": "signal", "signal": "SIGFOO"}}}, "t.toml")
 

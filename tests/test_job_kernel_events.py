@@ -12,14 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import tomllib
 
 from tests.conftest import HungMount, wait_until
 from trainguard.agent.configfile import parse_config
-from trainguard.checks.base import CheckContext
-from trainguard.checks.hang import HangCheck, HangSettings, fs_cause
+from trainguard.checks.base import ActionBinding, CheckContext
+from trainguard.checks.disk import DiskCheck, DiskSettings
+from trainguard.checks.hang import CAUSE_KIND, FILE_SYSTEM, HangCheck, HangSettings, fs_cause
 from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
+from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import Nvml
@@ -304,6 +307,7 @@ def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
                                          f"its open file {data}): it does not answer (a statfs still blocked after "
                                          "1s)"), result.summary
         assert "bring its server" in result.details["next_step"]
+        assert result.details[CAUSE_KIND] == FILE_SYSTEM  # its `fs_actions` run: drain, not restart into it
 
         told.start(lambda: None)
         assert told.kernel is not None
@@ -318,6 +322,7 @@ def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
                                          f"says NFS server not responding (nfs {hung_mount.server}) since "
                                          f"{clock_time(since.since)}"), result.summary
         assert result.details["cause"] and "server stopped answering" in result.details["next_step"]
+        assert result.details[CAUSE_KIND] == FILE_SYSTEM
     finally:
         told.stop()
         silent.stop()
@@ -363,12 +368,58 @@ def test_a_lustre_target_the_kernel_lost_is_the_cause_and_a_blocked_rank_on_no_m
     assert notes.trouble(LUSTRE) is not None and notes.trouble(NFS) is None
     waits = [("rank 0", FsWait(7, LUSTRE, "its open file /lustre/scratch/x")), ("rank 1", FsWait(8, LUSTRE, "x"))]
     cause = fs_cause(waits, notes, MOUNTS, lambda m: None)
-    assert cause is not None
+    assert cause is not None and cause.down
     assert cause[0].startswith("rank 0, rank 1 wait in D state on lustre 10.0.0.1@o2ib:/scratch at /lustre/scratch: "
                                "the kernel says Lustre connection lost (lustre scratch-OST0003) since "), cause[0]
     likely = fs_cause([("pid 9", None)], notes, MOUNTS, lambda m: None)
     assert likely is not None and "likely what they wait on" in likely[0] and "/lustre/scratch" in likely[0]
+    assert likely.down
+    # without a kernel record, whether a statfs of the mount answers says if it is down
+    answered = fs_cause(waits, KernelNotes(), MOUNTS, lambda m: None)
+    assert answered is not None and "it answers now" in answered.text and not answered.down
+    stuck = fs_cause(waits, KernelNotes(), MOUNTS, lambda m: "a statfs still blocked after 1s")
+    assert stuck is not None and "it does not answer" in stuck.text and stuck.down
     assert fs_cause([("pid 9", None)], KernelNotes(), MOUNTS, lambda m: None) is None
     notes.feed(KernelRecord(2, 4, 0, usec + 1, "Lustre: scratch-OST0003-osc-ffff8e0b6c5e1000: Connection restored to "
                                                "10.0.0.3@o2ib (at 10.0.0.3@o2ib)"))
     assert notes.trouble(LUSTRE) is None
+
+
+def test_a_hang_on_a_file_system_that_does_not_answer_runs_its_fs_actions(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine runs the actions a check binds to each event (`Check.actions_for`): the hang check's `fs_actions`
+    for a hang whose result found a file system that does not answer (also when its incident escalates to it from
+    UNKNOWN), its `actions` for any other hang; every other check its `actions`, whatever the details say."""
+    ran = tmp_path / "ran"
+
+    def hook(name: str) -> dict[str, Any]:
+        return {"type": "exec", "command": ["sh", "-c", f'echo "{name} $TRAINGUARD_SUBJECT" >> {ran}'], "timeout": 10}
+
+    raw = {"agent": {"state_dir": str(tmp_path), "listen": ""}, "jobs": {"sources": []},
+           "actions": {"plain": hook("plain"), "dead-mount": hook("dead-mount")},
+           "checks": {"hang": {"kernel_log": False, "actions": {"critical": ["plain"]},
+                               "fs_actions": {"critical": ["dead-mount"]}}}}
+    engine = Engine(parse_config(raw, "t.toml"), store=Store(None))
+    hang = engine.checks["hang"]
+    down = {CAUSE_KIND: FILE_SYSTEM}
+    rounds = [[hang.result("job:a", Status.CRITICAL, "a: no progress", {"job_key": "job:a", CAUSE_KIND: None}),
+               hang.result("job:b", Status.CRITICAL, "b: cause: rank 0 waits on /data", {"job_key": "job:b", **down}),
+               hang.result("job:c", Status.UNKNOWN, "c: hang check failed", {"job_key": "job:c"})],
+              [hang.result("job:c", Status.CRITICAL, "c: cause: rank 0 waits on /data", {"job_key": "job:c", **down})]]
+    try:
+        for results in rounds:
+            monkeypatch.setattr(hang, "run", lambda results=results: results)
+            engine.run_round()
+            for t in engine.responder.threads:
+                t.join(10)
+        assert sorted(ran.read_text().splitlines()) == ["dead-mount job:b", "dead-mount job:c", "plain job:a"]
+    finally:
+        engine.stop()
+    event = Event(EventKind.FIRED, "i1", "hang", "job:b", Status.CRITICAL, "b", "node1", 1.0, 1.0, details=down)
+    assert hang.actions_for(event) == ActionBinding(critical=["dead-mount"])
+    context = CheckContext("node1", tmp_path)
+    unset = HangCheck("hang", HangSettings(kernel_log=False, fs_actions=None), context)
+    assert unset.actions_for(event) == unset.settings.actions  # None: the hang's own actions
+    assert HangSettings().fs_actions == ActionBinding(critical=["signal", "drain", "requeue"])
+    disk = DiskCheck("disk", DiskSettings(actions=ActionBinding(critical=["drain"])), context)
+    assert disk.actions_for(event) is disk.settings.actions  # the hook's default: the check's one binding

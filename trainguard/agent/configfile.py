@@ -17,7 +17,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from trainguard.actions.base import ActionSettings
-from trainguard.checks.base import CheckSettings
+from trainguard.checks.base import ActionBinding, CheckSettings
 from trainguard.core.logs import kv
 from trainguard.core.settings import is_secret, read_small_file
 from trainguard.jobs.settings import JobsSettings
@@ -90,9 +90,9 @@ def _section(name: str, model: type[M], raw: dict[str, Any], problems: list[str]
 
 
 def _unknown_actions(bindings: dict[str, Any], defined: Iterable[str]) -> list[str]:
-    """Each action a binding names that no `[actions.NAME]` (nor a built-in one) defines."""
+    """Each action a binding (`where`: its key) names that no `[actions.NAME]` (nor a built-in one) defines."""
     known = sorted(defined)
-    return [f"{where}.actions.{level}: unknown action {action!r} (defined: {', '.join(known)})"
+    return [f"{where}.{level}: unknown action {action!r} (defined: {', '.join(known)})"
             for where, binding in bindings.items() for level in ("warning", "critical", "resolved")
             for action in getattr(binding, level) if action not in known]
 
@@ -119,8 +119,9 @@ def parse_config(raw: dict[str, Any], source: str, registry: Registry = DEFAULT_
     merged = {**{k: dict(v) for k, v in BUILTIN_ACTIONS.items()}, **raw_actions} if isinstance(raw_actions, dict) \
         else raw_actions
     actions = _validate_table("actions", merged, ActionSettings, registry.action_class, problems)
-    problems += _unknown_actions({**{f"checks.{n}": c.actions for n, c in checks.items()}, "ledger": ledger.actions},
-                                 merged)
+    bindings = {f"checks.{n}.{key}": binding for n, c in checks.items() for key in type(c).model_fields
+                if isinstance(binding := getattr(c, key), ActionBinding)}  # `actions`, and a hang's `fs_actions`
+    problems += _unknown_actions({**bindings, "ledger.actions": ledger.actions}, merged)
     if problems or agent is None:
         raise ConfigError(source, problems)
     return Config(agent=agent, checks=checks, notifiers=notifiers, source=Path(source), jobs=jobs, actions=actions,

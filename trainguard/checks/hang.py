@@ -20,13 +20,14 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
-from trainguard.checks.base import CheckContext, CheckSettings, JobCheck
+from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, JobCheck
 from trainguard.checks.xid import KernelLogSettings, adopt_marks
 from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
+from trainguard.core.events import Event
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status
 from trainguard.core.settings import Duration, Field
@@ -65,6 +66,10 @@ STATE_KEY = "hang.counters"
 SIGNALS_SHARE = 0.5  # of the timeout, what the jobs' progress signals share (`budgets`): the rest is the dumps' room
 DUMPS_KEY = "hang.dumps"  # job key -> the hang its stacks were taken for: a restart does not dump a still-hung job again
 _WRITE_MODES = ("w", "a", "r+", "w+", "a+")
+# details["cause_kind"] of a hang whose blocked ranks wait on a file system that does not answer (the kernel says its
+# server is not responding or its connection lost, or a statfs of it blocked or failed): it runs `fs_actions`
+CAUSE_KIND = "cause_kind"
+FILE_SYSTEM = "file_system"
 
 _JOB = ("job_id", "name")
 LAST_PROGRESS = Metric("trainguard_job_last_progress_timestamp_seconds",
@@ -114,6 +119,15 @@ class HangSettings(KernelLogSettings):
     mount_timeout: Duration = Field(1.0, gt=0, description="How long a blocked rank's mount may take to answer a "
                                     "statfs before it counts as not answering (once per hang; a call that blocks "
                                     "is not repeated while it does).")
+    fs_actions: ActionBinding | None = Field(
+        default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]),
+        description="Instead of `actions`, the actions of a hang whose blocked ranks wait on a file system that does "
+                    "not answer (the kernel says its server is not responding or its connection lost, or a statfs of "
+                    "it failed or did not return within `mount_timeout`; details `cause_kind = \"file_system\"`). A "
+                    "restart in place would hang again in this node's dead mount, so by default as for the node's "
+                    "other faults (xid, kernel): ask the job to save, drain the node, requeue the job onto other "
+                    "nodes. A server down for every node drains every node that runs a job on it, up to the drain's "
+                    "`max_drained`. `{}`: alert only; None: `actions`.")
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,7 @@ class Evidence:
     collectives: bool = True  # the flight recorders were read (not yet, for a capture restored from the state)
     cause: str | None = None  # the file system its blocked ranks wait on, and what the kernel says of it
     lever: str | None = None  # what to do about that file system
+    cause_kind: str | None = None  # FILE_SYSTEM when that file system does not answer (`FsCause.down`)
 
 
 def _stack_record(stack: ProcessStack) -> dict[str, Any]:
@@ -201,8 +216,14 @@ def blocked_waits(procs: list[psutil.Process], proc: ProcFS, mounts: list[Mount]
     return found
 
 
+class FsCause(NamedTuple):
+    text: str  # the cause, in words
+    lever: str  # what to do about it
+    down: bool  # the file system does not answer (the kernel says so, or a statfs of it did not return or failed)
+
+
 def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts: list[Mount],
-             answers: Callable[[Mount], str | None]) -> tuple[str, str] | None:
+             answers: Callable[[Mount], str | None]) -> FsCause | None:
     """The hang's cause when its blocked ranks wait on a file system, in words, and the lever: the mount most of them
     wait on, with what the kernel says of it (NFS server not responding, a Lustre target lost), else whether it
     answers now (`answers`: why not, None when it does). Ranks blocked on no mount their files name, while the kernel
@@ -218,18 +239,19 @@ def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts:
         if trouble is None:
             return None
         mount, t = trouble
-        return (f"{_who([w for w, _ in waits], 'blocked')} in D state while the kernel says {t.describe()}, mounted "
-                f"at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind))
+        return FsCause(f"{_who([w for w, _ in waits], 'blocked')} in D state while the kernel says {t.describe()}, "
+                       f"mounted at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind), True)
     mount, blocked = max(by_mount.items(), key=lambda kv: len(kv[1]))
     what = one_line(f"{mount.fstype} {mount.device} at {mount.mountpoint}", 300)  # a user's FUSE names its source
     hung = [n for _, w in blocked if (n := notes.hung(w.pid)) is not None]
     also = f"; the kernel reported pid {hung[0].pid} blocked for more than {hung[0].seconds} s" if hung else ""
     who = _who([w for w, _ in blocked], "waits" if len(blocked) == 1 else "wait")
     if (t := notes.trouble(mount)) is not None:
-        return f"{who} in D state on {what}: the kernel says {t.describe()}{also}", _lever(t.kind)
+        return FsCause(f"{who} in D state on {what}: the kernel says {t.describe()}{also}", _lever(t.kind), True)
     why = answers(mount)
     state = f"it does not answer ({why})" if why else "it answers now (slow, or answering again)"
-    return f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}", _lever("")
+    return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}", _lever(""),
+                   why is not None)
 
 
 def _who(names: list[str], verb: str = "") -> str:
@@ -254,7 +276,7 @@ def _load_evidence(saved: dict[str, Any]) -> dict[str, Evidence]:
                       for s in record["stacks"]]
             dumps[key] = Evidence(float(record["since"]), stacks, Path(record["path"]) if record["path"] else None,
                                   note=record.get("note"), collectives=False, cause=record.get("cause"),
-                                  lever=record.get("lever"))
+                                  lever=record.get("lever"), cause_kind=record.get("cause_kind"))
         except (KeyError, TypeError, ValueError):
             continue
     return dumps
@@ -323,6 +345,12 @@ class HangCheck(JobCheck):
         self.kernel = (NotesReader(context.kernel_notes, context.kernel_log, name, self.settings.kmsg_path,
                                    self.settings.journalctl) if self.settings.kernel_log else None)
         self.probe = StatfsProbe(clock=context.clock)
+
+    def actions_for(self, event: Event) -> ActionBinding:
+        """`fs_actions` for a hang whose ranks wait on a file system that does not answer; else `actions`."""
+        if event.details.get(CAUSE_KIND) == FILE_SYSTEM and self.settings.fs_actions is not None:
+            return self.settings.fs_actions
+        return self.settings.actions
 
     def _native(self) -> bool:
         """`native = true` where the sandbox allows ptrace; where it does not, said once here, at start, and the
@@ -457,9 +485,9 @@ class HangCheck(JobCheck):
         self._dumps[job.key] = evidence
         return evidence
 
-    def _fs_cause(self, job: Job, procs: list[psutil.Process]) -> dict[str, str]:
-        """The file system the job's blocked processes wait on (`cause`), and what to do (`lever`): `fs_cause`;
-        empty when none is."""
+    def _fs_cause(self, job: Job, procs: list[psutil.Process]) -> dict[str, str | None]:
+        """The file system the job's blocked processes wait on (`cause`), what to do (`lever`), and FILE_SYSTEM
+        (`cause_kind`) when it does not answer: `fs_cause`; empty when none is."""
         if self.kernel is None:
             return {}
         try:
@@ -470,8 +498,8 @@ class HangCheck(JobCheck):
         cause = fs_cause(waits, self.kernel.notes, mounts, self._answers)
         if cause is None:
             return {}
-        log.warning("hung job waits on a file system", extra=kv(job=job.key, cause=cause[0]))
-        return {"cause": cause[0], "lever": cause[1]}
+        log.warning("hung job waits on a file system", extra=kv(job=job.key, cause=cause.text, down=cause.down))
+        return {"cause": cause.text, "lever": cause.lever, "cause_kind": FILE_SYSTEM if cause.down else None}
 
     def _answers(self, mount: Mount) -> str | None:
         """Why the mount does not answer a statfs (blocked past `mount_timeout`, an error); None when it answers."""
@@ -504,7 +532,7 @@ class HangCheck(JobCheck):
             self.save_state(STATE_KEY, self._counters)
             self.save_state(DUMPS_KEY, {key: {"since": e.since, "path": str(e.path) if e.path else None,
                                               "note": e.note, "stacks": [_stack_record(s) for s in e.stacks],
-                                              "cause": e.cause, "lever": e.lever}
+                                              "cause": e.cause, "lever": e.lever, "cause_kind": e.cause_kind}
                                         for key, e in self._dumps.items()})
 
     def _result(self, job: Job, progress: Progress, limit: float, now: float, status: Status,
@@ -519,7 +547,7 @@ class HangCheck(JobCheck):
             "stacks": [{"pid": s.pid, "rank": s.rank, "state": s.state, "where": s.where} for s in evidence.stacks],
             "stacks_path": str(evidence.path) if evidence.path else None,
             "collectives": evidence.stall.fields() if evidence.stall else None,
-            "cause": evidence.cause,
+            "cause": evidence.cause, CAUSE_KIND: evidence.cause_kind,
             "next_step": evidence.lever or next_step(evidence.stall, evidence.stacks)}
         text = summarize(job, progress, limit, now, evidence)
         return self.result(job.key, status, text, details, samples)
