@@ -308,6 +308,7 @@ def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
                                          "1s)"), result.summary
         assert "bring its server" in result.details["next_step"]
         assert result.details[CAUSE_KIND] == FILE_SYSTEM  # its `fs_actions` run: drain, not restart into it
+        assert result.details["scope"] == "node"  # said on this node even where another owns the job
 
         told.start(lambda: None)
         assert told.kernel is not None

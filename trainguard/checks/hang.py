@@ -549,5 +549,9 @@ class HangCheck(JobCheck):
             "collectives": evidence.stall.fields() if evidence.stall else None,
             "cause": evidence.cause, CAUSE_KIND: evidence.cause_kind,
             "next_step": evidence.lever or next_step(evidence.stall, evidence.stacks)}
+        if evidence.cause_kind == FILE_SYSTEM:
+            # this node's own ranks wait on this node's dead mount: what only this node sees, said (and drained) here
+            # even when another node owns the job and speaks for its hang (trainguard/pipeline/engine.py `_spoken`)
+            details["scope"] = "node"
         text = summarize(job, progress, limit, now, evidence)
         return self.result(job.key, status, text, details, samples)
