@@ -31,7 +31,7 @@ from trainguard.jobs.kernelnotes import FsWait, JobProcess, KernelNotes, clock_t
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint, strip_prefix
-from trainguard.node.mounts import Mount, read_mounts
+from trainguard.node.mounts import Mount, parse_mountinfo, read_mounts
 from trainguard.node.procfs import ProcFS
 from trainguard.node.proctable import ProcessTable, read_table
 from trainguard.pipeline.engine import Engine
@@ -384,6 +384,29 @@ def test_a_lustre_target_the_kernel_lost_is_the_cause_and_a_blocked_rank_on_no_m
     notes.feed(KernelRecord(2, 4, 0, usec + 1, "Lustre: scratch-OST0003-osc-ffff8e0b6c5e1000: Connection restored to "
                                                "10.0.0.3@o2ib (at 10.0.0.3@o2ib)"))
     assert notes.trouble(LUSTRE) is None
+
+
+# /proc/self/mountinfo on this VM (Linux 6.18.44, 2026-11-29): tests/helpers/hangfs.py mounted by uid 1001 through
+# fusermount3, and by root (fusepy, allow_other)
+USERS_FUSE, ROOTS_FUSE = parse_mountinfo(
+    "44 27 0:41 / /tmp/ufuse.ixDM/m rw,nosuid,nodev,relatime - fuse srv9:/export rw,user_id=1001,group_id=1001\n"
+    "43 27 0:40 / /tmp/hfsexp.WX42/m rw,relatime - fuse fs7:/export rw,user_id=0,group_id=0,allow_other\n")
+
+
+def test_a_fuse_mount_a_user_made_never_reads_as_the_nodes_dead_file_system() -> None:
+    """A user's own FUSE mount that stops answering (a statfs blocks, or the kernel names a server of its name) is
+    the cause of their hang, but not the node's fault: it keeps `actions`; a root's mount of the same kind is down."""
+    assert (USERS_FUSE.made_by, ROOTS_FUSE.made_by, NFS.made_by) == (1001, None, None)
+    waits = [("rank 0", FsWait(7, USERS_FUSE, "its open file /tmp/ufuse.ixDM/m/data"))]
+    stuck = fs_cause(waits, KernelNotes(), [USERS_FUSE], lambda m: "a statfs still blocked after 1s")
+    assert stuck is not None and not stuck.down and stuck.text.endswith("mounted by uid 1001, not the node's")
+    notes = KernelNotes()
+    notes.feed(KernelRecord(1, 4, 0, int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6),
+                            nfs_not_responding("srv9")))
+    told = fs_cause(waits, notes, [USERS_FUSE], lambda m: None)
+    assert told is not None and "the kernel says NFS server not responding" in told.text and not told.down
+    roots = fs_cause([("rank 0", FsWait(7, ROOTS_FUSE, "x"))], KernelNotes(), [ROOTS_FUSE], lambda m: "blocked")
+    assert roots is not None and roots.down
 
 
 def test_a_hang_on_a_file_system_that_does_not_answer_runs_its_fs_actions(

@@ -240,18 +240,23 @@ def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts:
             return None
         mount, t = trouble
         return FsCause(f"{_who([w for w, _ in waits], 'blocked')} in D state while the kernel says {t.describe()}, "
-                       f"mounted at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind), True)
+                       f"mounted at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind),
+                       mount.made_by is None)
     mount, blocked = max(by_mount.items(), key=lambda kv: len(kv[1]))
     what = one_line(f"{mount.fstype} {mount.device} at {mount.mountpoint}", 300)  # a user's FUSE names its source
     hung = [n for _, w in blocked if (n := notes.hung(w.pid)) is not None]
     also = f"; the kernel reported pid {hung[0].pid} blocked for more than {hung[0].seconds} s" if hung else ""
     who = _who([w for w, _ in blocked], "waits" if len(blocked) == 1 else "wait")
+    # A FUSE mount a local account made is served by that account: its silence is never the node's fault (a user
+    # whose own job hangs on it must not drain the node), so it keeps the check's `actions` however dead it reads.
+    users = f"; mounted by uid {mount.made_by}, not the node's" if mount.made_by is not None else ""
     if (t := notes.trouble(mount)) is not None:
-        return FsCause(f"{who} in D state on {what}: the kernel says {t.describe()}{also}", _lever(t.kind), True)
+        return FsCause(f"{who} in D state on {what}: the kernel says {t.describe()}{also}{users}", _lever(t.kind),
+                       not users)
     why = answers(mount)
     state = f"it does not answer ({why})" if why else "it answers now (slow, or answering again)"
-    return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}", _lever(""),
-                   why is not None)
+    return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}{users}", _lever(""),
+                   why is not None and not users)
 
 
 def _who(names: list[str], verb: str = "") -> str:

@@ -48,6 +48,18 @@ class Mount:
         and btrfs after an error (a mount made read-only on purpose is `ro` in both)."""
         return "ro" in self.super_options.split(",") and "rw" in self.options.split(",")
 
+    @property
+    def made_by(self) -> int | None:
+        """The uid of the local account that mounted this FUSE file system (fusermount records `user_id=`), when not
+        root: a mount a user made and serves, whose answers are theirs to withhold; None for any other mount."""
+        if self.fstype != "fuse" and not self.fstype.startswith(("fuse.", "fuseblk")):
+            return None
+        for option in self.super_options.split(","):
+            key, _, value = option.partition("=")
+            if key == "user_id" and value.isdigit() and value.isascii():
+                return int(value) or None
+        return None
+
 
 def read_mounts(proc: ProcFS | None = None) -> list[Mount]:
     return parse_mountinfo((proc or ProcFS()).mountinfo())
