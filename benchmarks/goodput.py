@@ -22,15 +22,19 @@ The fleet's faults (`--schedule fleet`, benchmarks/goodput_fleet.py): Llama 3 40
 and at its rate (one every 3.09 hours of the whole job, scaled; `--rate` a day), mapped to kinds injected here; besides
 the above, hbm (XID 48 with uncorrected ECC errors and a pending row remap in the node's scripted NVML), sram (XID 95),
 gsp (XID 119, the GPU lost to NVML) and ib_down (the node's HCA port DOWN in its copy of a recorded sysfs tree, the
-rank's NCCL NET/IB error); each site fault once; a node drained for a hardware fault is repaired and resumed
-`--repair-after` later (the operator clears what its agent holds; a lemon the agents hold stays out). `--scenario
+rank's NCCL NET/IB error); each site fault once, hung_fs among them (`--kinds hung_fs` alone: each node's data mount,
+a FUSE stand-in for its NFS mount `fsN:/export` that every rank reads each step, stops answering and the kernel says
+`nfs: server fsN not responding, still trying`: the rank there, and any rank started there, blocks in D state); a node
+drained for a hardware fault or a dead mount is repaired and resumed `--repair-after` later (the operator clears what
+its agent holds; a lemon the agents hold stays out). `--scenario
 lemon`: n1's GPU fails every `--lemon-every` while the job runs there, and one more run with trainguard whose agents
 have no lemon rules. `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
 cost. `--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
 
 Without trainguard the job has what it has without it: the collective timeout (NCCL's 10-minute default, scaled), the
 trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a human who looks every M minutes (and fixes
-what they see: frees the disk, drains a node whose GPU is gone, requeues the job). With trainguard the same human is
+what they see: frees the disk, drains a node whose GPU is gone or whose kernel says its mount's server is not
+responding, requeues the job). With trainguard the same human is
 also paged: they act R minutes after an alert. Time is scaled by --scale (60: a real minute is a second here).
 
     python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60] [--look-every 30]   # one run each way; root
