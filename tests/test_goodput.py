@@ -5,6 +5,7 @@ depend on the machine's speed (what is detected, by whom, which nodes are draine
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -33,6 +34,7 @@ from benchmarks.goodput import (
     attempt_ends,
     benchmark,
     bus_of,
+    data_mount,
     fault_free_table,
     fleet_schedule,
     lemon_figures,
@@ -51,11 +53,12 @@ from benchmarks.goodput import (
     xid_line,
 )
 from benchmarks.goodput_trainer import resume_step
-from tests.conftest import HungMount, require, require_root, start_fuse, wait_until
+from tests.conftest import require, require_root, wait_until
 from tests.slurm_cluster import REPO, missing_components
 from trainguard.logscan.diagnose import diagnose_cuda
 from trainguard.logscan.signatures import BUILTIN, Scanner
 from trainguard.node.kernel_events import KernelEventParser
+from trainguard.node.mounts import read_mounts
 
 
 def test_the_schedule_is_the_seeds_each_kind_once_inside_the_run() -> None:
@@ -533,19 +536,23 @@ def test_the_human_drains_the_node_whose_kernel_says_its_mount_is_dead_and_reque
 
 
 def test_a_rank_reads_its_nodes_data_mount_every_step_and_blocks_while_it_hangs(tmp_path: Path) -> None:
-    """The data mount the harness gives each node (tests/helpers/hangfs.py with a control file): read every step;
-    while it hangs the rank waits in the read in D state (every open reaches the mount: FUSE drops the file's cached
-    pages), and steps on once it answers again."""
-    mnt, hung = tmp_path / "data-n1", tmp_path / "fs-hung-n1"
-    proc = start_fuse(mnt, "hangfs.py", str(tmp_path / "statfs.log"), "fs1:/export", str(hung))
-    mount = HungMount(mnt, tmp_path / "statfs.log", proc, "fs1")
+    """The data mount the harness gives each node (`data_mount`: tests/helpers/hangfs.py with a control file), read
+    every step; while it hangs the rank waits in the read in D state (every open reaches the mount: FUSE drops the
+    file's cached pages), and steps on once it answers again; blocked, it dies of SIGKILL (the wait is killable: a
+    restart that cancels its step ends it), and the harness's unmount ends the hang."""
+    require_root()
+    hung = tmp_path / "fs-hung-n1"
     (tmp_path / "ckpt").mkdir()
-    trainer = _trainer(tmp_path, 1, "--data", str(tmp_path / "data-{node}" / "data"))
     progress = tmp_path / "run" / "progress.log"
 
     def steps() -> int:
         return progress.read_text().count("\nstep ") if progress.exists() else 0
-    try:
+    with contextlib.ExitStack() as stack:
+        data_mount(stack, tmp_path / "data-n1", "fs1", hung)
+        assert "fs1:/export" in {m.device for m in read_mounts() if m.mountpoint == str(tmp_path / "data-n1")}
+        trainer = _trainer(tmp_path, 1, "--data", str(tmp_path / "data-{node}" / "data"))
+        stack.callback(trainer.wait, 10)
+        stack.callback(trainer.kill)
         wait_until(lambda: steps() >= 3, 20, what="steps reading the mount")
         hung.touch()
         wait_until(lambda: psutil.Process(trainer.pid).status() == psutil.STATUS_DISK_SLEEP, 10,
@@ -555,13 +562,7 @@ def test_a_rank_reads_its_nodes_data_mount_every_step_and_blocks_while_it_hangs(
         assert steps() == stopped
         hung.unlink()
         wait_until(lambda: steps() >= stopped + 3, 20, what="steps again")
-        trainer.send_signal(signal.SIGUSR1)
-        assert trainer.wait(20) == 0
-    finally:
-        hung.unlink(missing_ok=True)
-        trainer.kill()
-        trainer.wait(10)
-        mount.abort()
-        subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=10)
-        proc.kill()
-        proc.wait(timeout=10)
+        hung.touch()
+        wait_until(lambda: psutil.Process(trainer.pid).status() == psutil.STATUS_DISK_SLEEP, 10,
+                   what="the rank blocked again")
+    assert trainer.returncode == -signal.SIGKILL and not hung.exists()
