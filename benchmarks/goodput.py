@@ -22,15 +22,19 @@ The fleet's faults (`--schedule fleet`, benchmarks/goodput_fleet.py): Llama 3 40
 and at its rate (one every 3.09 hours of the whole job, scaled; `--rate` a day), mapped to kinds injected here; besides
 the above, hbm (XID 48 with uncorrected ECC errors and a pending row remap in the node's scripted NVML), sram (XID 95),
 gsp (XID 119, the GPU lost to NVML) and ib_down (the node's HCA port DOWN in its copy of a recorded sysfs tree, the
-rank's NCCL NET/IB error); each site fault once; a node drained for a hardware fault is repaired and resumed
-`--repair-after` later (the operator clears what its agent holds; a lemon the agents hold stays out). `--scenario
+rank's NCCL NET/IB error); each site fault once, hung_fs among them (also by `--kinds hung_fs`: the node's data mount, a
+FUSE stand-in for its NFS mount `fsN:/export` that every rank reads each step, stops answering and the kernel says
+`nfs: server fsN not responding, still trying`: the rank there, and any rank started there, blocks in D state); a node
+drained for a hardware fault or a dead mount is repaired and resumed `--repair-after` later (the operator clears what
+its agent holds; a lemon the agents hold stays out). `--scenario
 lemon`: n1's GPU fails every `--lemon-every` while the job runs there, and one more run with trainguard whose agents
 have no lemon rules. `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
 cost. `--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
 
 Without trainguard the job has what it has without it: the collective timeout (NCCL's 10-minute default, scaled), the
 trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a human who looks every M minutes (and fixes
-what they see: frees the disk, drains a node whose GPU is gone, requeues the job). With trainguard the same human is
+what they see: frees the disk, drains a node whose GPU is gone or whose kernel says its mount's server is not
+responding, requeues the job). With trainguard the same human is
 also paged: they act R minutes after an alert. Time is scaled by --scale (60: a real minute is a second here).
 
     python -m benchmarks.goodput [--seed 24] [--minutes 15] [--scale 60] [--look-every 30]   # one run each way; root
@@ -66,16 +70,17 @@ import tomli_w
 
 from benchmarks import goodput_fleet as fleet
 from benchmarks.common import heading, installed_config
-from tests.conftest import AgentProcess
+from tests.conftest import AgentProcess, start_fuse
 from tests.e2e.stack import log_time, parse_log_line
 from tests.multinode_cluster import MultiNodeCluster
 from tests.slurm_cluster import JOB_USER
 from trainguard.agent.configfile import parse_config
+from trainguard.checks.hang import HangSettings
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
 # drawn only when named (or by `--schedule fleet`): the seven's seeded schedules stay as they were
-EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic", "maintenance", "cuda_error")
+EXTRA_KINDS = ("slow", "hbm", "sram", "gsp", "ib_down", "nic", "maintenance", "cuda_error", "hung_fs")
 SLOW_FACTOR = 1.5
 # The GPU faults: the XID line the driver prints (after "NVRM: Xid (PCI:<bus>): "; real lines, tests/test_xid.py and
 # NVIDIA's XID catalog) and the NVML state of the GPU that goes with it (benchmarks/goodput_agent.py).
@@ -90,7 +95,7 @@ XID_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 # The check that answers each fault kind, and the action(s) that make the job come back.
 CHECK_OF = {"hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
             "time_limit": "job_timelimit", "nan": "training_log", "cuda_error": "training_log", "slow": "job_pace",
-            "ib_down": "infiniband",
+            "ib_down": "infiniband", "hung_fs": "hang",
             "nic": "kernel", "maintenance": "training_log",  # no check of trainguard's answers a host's maintenance:
             # what it sees is the job's end (the peers' collective timeout in its log)
             **dict.fromkeys(XID_FAULTS, "xid")}
@@ -98,6 +103,10 @@ IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"  
 IB_PORT = "mlx5_0/ports/1"  # the port a network fault takes down
 # The HCA's firmware stops answering (tests/data/kernel/fixtures.toml's mlx5_health line, in the node's PCI domain).
 NIC_LINE = "mlx5_core {domain}:5e:00.0: device's health compromised - reached miss count"
+# Each node's data mount (a FUSE stand-in for its NFS mount, tests/helpers/hangfs.py) is `fsN:/export`: a hung one is
+# named by the kernel's real lines (tests/data/kernel/fixtures.toml, nfs_not_responding and nfs_ok).
+NFS_DOWN = "nfs: server {server} not responding, still trying"
+NFS_OK = "nfs: server {server} OK"
 LEMON_NODE = "n1"  # `--scenario lemon`: the node whose GPU fails again and again, repaired in between
 JOB_NAME = "goodput"
 NODES, RANKS = 4, 3  # the job asks for 3-4 nodes: a spare inside its allocation while one is free
@@ -153,9 +162,26 @@ def xid_line(bus: str, kind: str = "xid79") -> str:
     return f"NVRM: Xid (PCI:{bus}): {XID_FAULTS[kind][0]}"
 
 
+def server_of(node: str) -> str:
+    """The server of node nN's data mount: fsN."""
+    return f"fs{int(node[1:])}"
+
+
+# what names a node in a kernel record: its GPU's or HCA's PCI domain (00aN), or its data mount's server (fsN)
+_NODE_NAMED = re.compile(rb"(?:PCI:|mlx5_core )00a(?P<domain>[0-9a-f]):|nfs: server fs(?P<server>\d{1,4}) ")
+
+
+def node_of_record(text: bytes) -> str | None:
+    """The node whose kernel would have printed this record (its text after the `;`), None for no node's."""
+    m = _NODE_NAMED.search(text)
+    if m is None:
+        return None
+    return f"n{int(m['domain'], 16)}" if m["domain"] is not None else f"n{int(m['server'])}"
+
+
 # the per-node kernel logs ------------------------------------------------------------------------------------------
 class KmsgRelay:
-    """Reads the real /dev/kmsg from its end and writes each record naming a node's GPU to that node's FIFO, with
+    """Reads the real /dev/kmsg from its end and writes each record naming a node (`node_of_record`) to its FIFO, with
     that node's own sequence numbers (a node's agent sees a kernel log of its own, gap-free)."""
 
     def __init__(self, fifos: dict[str, Path]) -> None:
@@ -195,8 +221,7 @@ class KmsgRelay:
                 except BrokenPipeError:
                     continue
                 head, sep, rest = raw.partition(b";")
-                m = re.search(rb"(?:PCI:|mlx5_core )00a([0-9a-f]):", rest)
-                node = f"n{int(m.group(1), 16)}" if m else None
+                node = node_of_record(rest)
                 if not sep or node not in self.fds:
                     continue
                 fields = head.split(b",")
@@ -240,7 +265,9 @@ class Run:
         self.agents: dict[str, AgentProcess] = {}
         self.t0 = 0.0
         self.job = ""
-        self.broken: set[str] = set()  # nodes whose hardware failed (a GPU, the HCA): the ones a drain is right for
+        # nodes whose hardware failed (a GPU, the HCA) or whose data mount hangs: the ones a drain is right for
+        self.broken: set[str] = set()
+        self.hung_fs: set[str] = set()  # nodes whose data mount hangs
         self.drained: set[str] = set()
         self.repair_after = site.repair_after
         self.repairs: dict[str, float] = {}  # node -> when its repair is done (run clock)
@@ -255,6 +282,10 @@ class Run:
 
     def now(self) -> float:
         return time.time() - self.t0
+
+    def hung_mark(self, node: str) -> Path:
+        """While this file exists, the node's data mount hangs (tests/helpers/hangfs.py's control)."""
+        return self.base / f"fs-hung-{node}"
 
     # setup ---------------------------------------------------------------------------------------------------------
     def start(self, stack: contextlib.ExitStack) -> None:
@@ -273,6 +304,7 @@ class Run:
         fifos = {n: self.base / f"kmsg-{n}" for n in self.cluster.nodes}
         for node in self.cluster.nodes:
             shutil.copytree(IB_TREE, self.base / f"ib-{node}", symlinks=True)
+            data_mount(stack, self.base / f"data-{node}", server_of(node), self.hung_mark(node))
         stack.enter_context(KmsgRelay(fifos))
         if self.trainguard:
             for node in self.cluster.nodes:
@@ -288,7 +320,8 @@ class Run:
                    f"srun -N {RANKS} --kill-on-bad-exit=1 --ntasks-per-node=1 {self.cluster.python} "
                    f"{lib}/goodput_trainer.py "
                    f"--run-dir {self.run_dir} --ckpt-dir {self.ckpt} --step-time {self.step_time} "
-                   f"--ckpt-every {self.ckpt_every} --collective-timeout {self.s(600)}")
+                   f"--ckpt-every {self.ckpt_every} --collective-timeout {self.s(600)} "
+                   f"--data {self.base}/data-{{node}}/data")
         self.t0 = time.time()
         # -N 3-4: the scheduler gives the job the fourth node while it is free, as a spare its ranks do not use (a
         # node lost is then left in place: `restart` with leave_node); after a drain and a requeue it starts on 3.
@@ -328,7 +361,13 @@ class Run:
         # or the lemon rules count it twice and hold a node after one fault.
         for name in ("gpu", "nvlink", "fabric"):
             c.setdefault(name, {}).update(fast, actions={"critical": ["drain"]})
-        c["hang"].update(fast, stale_after=s.dur(300, 2), actions={"critical": ["restart"]})
+        # The hang check names a hang's cause from this node's kernel log: its own FIFO, not the host's /dev/kmsg.
+        c["hang"].update(fast, stale_after=s.dur(300, 2), kmsg_path=str(fifo), actions={"critical": ["restart"]})
+        # A hang whose ranks wait on a file system that does not answer (hung_fs): a restart in place would block at
+        # the same read; the node drained, the job restarted without it, as for a lost GPU (where the product has
+        # the setting: this harness runs before it too, and then the restart in place fails and the human drains).
+        if "fs_actions" in HangSettings.model_fields:
+            c["hang"]["fs_actions"] = {"critical": ["drain", "restart_elsewhere"]}
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
         c["job_timelimit"].update(fast, margin=s.dur(600, 3), recheck=s.dur(300, 2),
@@ -456,8 +495,7 @@ class Run:
             self.broken.add(node)
             (self.base / f"gpu-state-{node}.json").write_text(json.dumps(XID_FAULTS[f.kind][1]))
             write_as_user(faults / f"gpu-lost-{node}", "lost")
-            with open("/dev/kmsg", "w") as kmsg:
-                kmsg.write(f"<4>{xid_line(bus_of(node), f.kind)}\n")
+            write_kmsg(4, xid_line(bus_of(node), f.kind))
         elif f.kind == "ib_down" and node:
             self.broken.add(node)
             port = self.base / f"ib-{node}" / IB_PORT
@@ -474,21 +512,18 @@ class Run:
         elif f.kind == "nic" and node:
             self.broken.add(node)
             write_as_user(faults / f"ib-down-{node}", "down")  # its connections are lost: NCCL fails as on a port down
-            with open("/dev/kmsg", "w") as kmsg:
-                kmsg.write(f"<3>{NIC_LINE.format(domain=bus_of(node)[:4])}\n")
+            write_kmsg(3, NIC_LINE.format(domain=bus_of(node)[:4]))
+        elif f.kind == "hung_fs" and node:
+            # Its data mount stops answering: the rank there blocks at its next read (D state), as any rank started
+            # there will; the node's kernel names the server (KERN_NOTICE, as sunrpc prints it).
+            self.broken.add(node)
+            self.hung_fs.add(node)
+            self.hung_mark(node).touch()
+            write_kmsg(5, NFS_DOWN.format(server=server_of(node)))
         elif f.kind == "hang":
             write_as_user(faults / "hang", f"{attempt} {f.target}")
         elif f.kind == "leak" and node:
-            pid = int((self.run_dir / "pids" / f"{attempt}.{node}").read_text())
-            headroom = 160 * MiB  # the cgroup is charged only what the rank allocates from now on
-            self.cgroups.append(cg := memory_cgroup(headroom))
-            per_step = headroom / MiB / (self.s(40 * 60) / self.step_time)  # the limit ~40 (real) minutes away
-            row["oom_in"] = self.s(40 * 60)
-            try:
-                (cg / "cgroup.procs").write_text(str(pid))
-                write_as_user(faults / "leak", f"{attempt} {node} {per_step:.3f}")
-            except ProcessLookupError:  # the rank ended in between (its attempt was stopping): this leak never began
-                row["missed"] = "the rank had exited"
+            row.update(self.leak(attempt, node))
         elif f.kind == "disk_full":
             self.ballast_stop = threading.Event()
             row["full_in"] = self.s(3600)
@@ -514,6 +549,20 @@ class Run:
             write_as_user(faults / f"slow-{node}", f"{attempt} {SLOW_FACTOR}")
         self.rec.faults.append(row)
         self.rec.actions.append({"t": self.now(), "who": "fault", "what": f"{f.kind} {node}".strip()})
+
+    def leak(self, attempt: str, node: str) -> dict[str, Any]:
+        """The rank on `node` moved into a memory cgroup and told to grow toward its limit; what the fault's row notes."""
+        pid = int((self.run_dir / "pids" / f"{attempt}.{node}").read_text())
+        headroom = 160 * MiB  # the cgroup is charged only what the rank allocates from now on
+        self.cgroups.append(cg := memory_cgroup(headroom))
+        per_step = headroom / MiB / (self.s(40 * 60) / self.step_time)  # the limit ~40 (real) minutes away
+        row: dict[str, Any] = {"oom_in": self.s(40 * 60)}
+        try:
+            (cg / "cgroup.procs").write_text(str(pid))
+            write_as_user(self.run_dir / "faults" / "leak", f"{attempt} {node} {per_step:.3f}")
+        except ProcessLookupError:  # the rank ended in between (its attempt was stopping): this leak never began
+            row["missed"] = "the rank had exited"
+        return row
 
     def user_resumes(self, t: float) -> None:
         (self.workdir / ".trainguard" / "stop").unlink(missing_ok=True)
@@ -561,9 +610,13 @@ class Run:
             (self.ckpt / "ballast").unlink(missing_ok=True)
             did.append("freed the checkpoint file system")
         if broken:
-            for node in sorted(self.broken):  # the log says which node's CUDA call or NCCL transport failed
+            # the log says which node's CUDA call or NCCL transport failed; of a rank hung in a read, that node's
+            # kernel log says its data mount's server is not responding
+            for node in sorted(self.broken):
                 if "DRAIN" not in self.cluster.node_states().get(node, ("", ""))[0].upper():
-                    self.cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=operator: hardware fault",
+                    reason = (f"operator: dead mount {server_of(node)}:/export (server not responding)"
+                              if node in self.hung_fs else "operator: hardware fault")
+                    self.cluster.run("scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}",
                                      check=False)
                     did.append(f"drained {node}")
             self.cluster.run("scontrol", "requeue", self.job, check=False)
@@ -603,9 +656,10 @@ class Run:
         self.rec.actions.append({"t": t, "who": "site", "what": f"{node} rebooted for maintenance"})
 
     def repair(self, node: str, t: float) -> None:
-        """The site's repair of a drained node (a reset, a reboot, a reseated cable): its GPU and port read healthy
-        again, its ranks run again, the operator clears what its agent holds (`trainguard clear`) and resumes it in
-        SLURM. A node its agent's lemon policy holds stays out: the operator reads the reason and sends the GPU back."""
+        """The site's repair of a drained node (a reset, a reboot, a reseated cable, the NFS server back): its GPU, port
+        and data mount read healthy again (the kernel says its server is OK), its ranks run again, the operator clears
+        what its agent holds (`trainguard clear`) and resumes it in SLURM. A node its agent's lemon policy holds stays
+        out: the operator reads the reason and sends the GPU back."""
         if self.trainguard and any(a["node"] == node and a["check"] == "lemon" for a in self.fired()):
             self.rec.actions.append({"t": t, "who": "site", "what": f"{node} held by the lemon policy: not resumed"})
             return
@@ -614,6 +668,10 @@ class Run:
             (self.run_dir / "faults" / name).unlink(missing_ok=True)
         for name in ("state", "phys_state"):
             shutil.copy(IB_TREE / IB_PORT / name, self.base / f"ib-{node}" / IB_PORT / name)
+        if node in self.hung_fs:
+            self.hung_fs.discard(node)
+            self.hung_mark(node).unlink(missing_ok=True)  # the reads blocked on it return
+            write_kmsg(5, NFS_OK.format(server=server_of(node)))
         self.broken.discard(node)
         if node in self.agents:
             cleared = {(a["check"], a["subject"]) for a in self.fired() if a["node"] == node
@@ -680,6 +738,25 @@ class Run:
                                                  "what": f"{f.get('action')} {f.get('outcome')} ({f.get('check')})"})
         self.rec.actions.sort(key=lambda a: a["t"])
         return self.rec
+
+
+def write_kmsg(level: int, text: str) -> None:
+    """A record of the real kernel log (the relay hands it to the node it names)."""
+    with open("/dev/kmsg", "w") as kmsg:
+        kmsg.write(f"<{level}>{text}\n")
+
+
+def data_mount(stack: contextlib.ExitStack, mnt: Path, server: str, hung: Path) -> None:
+    """A node's data mount on `mnt`: a FUSE stand-in for its NFS mount (`server:/export` in the mount table) whose
+    reads answer, and block while `hung` exists (tests/helpers/hangfs.py); unmounted when `stack` closes."""
+    proc = start_fuse(mnt, "hangfs.py", str(mnt.with_name(f"{mnt.name}.statfs")), f"{server}:/export", str(hung))
+
+    def unmount() -> None:
+        hung.unlink(missing_ok=True)  # first: what blocks on it returns (the unmount's own calls would block too)
+        subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=10)
+        proc.kill()
+        proc.wait(timeout=10)
+    stack.callback(unmount)
 
 
 def write_as_user(path: Path, text: str) -> None:
@@ -810,7 +887,9 @@ def attempt_ends(rec: Record) -> list[dict[str, Any]]:
 
 def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
     """How long the check that answers this fault may take by its own settings (see agent_config)."""
+    # hung_fs: the hang's, and the step its rank takes before it reads again
     return {**dict.fromkeys(XID_FAULTS, 1.0), "ib_down": 3.0, "nic": 1.0, "hang": scale(300, 2) + 2.0,
+            "hung_fs": scale(300, 2) + step_time + 2.0,
             "maintenance": scale(300) + scale(600) + 3 * step_time + 2.0,
             "leak": f.get("oom_in", 0.0),
             "disk_full": f.get("full_in", 0.0), "stop_switch": 3.0,

@@ -9,8 +9,9 @@ counts; the rate stays the whole fleet's (every interruption is one the job take
 hours of the whole job, scaled like the rest of the run.
 
 The site faults the fleet tables leave out but users hit (the full checkpoint disk, a leak toward the OOM killer, the
-time limit, the stop switch) have no published rate: each comes once a run, at a seeded time, as in the default
-schedule.
+time limit, the stop switch, a hung file system named by the kernel log) have no published rate: each comes once a
+run, at a seeded time, as in the default schedule. The hung file system came last, after the runs of record (made with
+the first four): their seeded draws are the same, and a seed's faults before its hung file system too.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ CAUSES = (
           "one node alone"),
     Cause("System memory", 2, None, "as CPU: EDAC lines exist, the host's memory is shared"),
 )
-SITE_KINDS = ("disk_full", "leak", "time_limit", "stop_switch")
+# hung_fs last: the first four's seeded draws stay as they were
+SITE_KINDS = ("disk_full", "leak", "time_limit", "stop_switch", "hung_fs")
 
 
 def weights() -> dict[str, int]:

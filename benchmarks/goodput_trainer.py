@@ -16,6 +16,10 @@ ends the others), `leak`
 (`ATTEMPT NODE MB`: the rank there grows by MB each step), `nan` (`ATTEMPT`: the loss is NaN from now on in this
 attempt), `slow-NODE` (`ATTEMPT FACTOR`: the rank there takes FACTOR times as long a step, as on a throttled GPU; the
 others wait for it in the barrier).
+
+With `--data PATH` (`{node}` replaced by the rank's node) each rank reads a small shard of its node's data mount every
+step, before its work, as a data loader fetches the step's batch: while that mount hangs (a dead NFS server), the rank
+blocks in the read, in D state, and so does any rank started on that node until the mount answers again.
 """
 
 from __future__ import annotations
@@ -109,6 +113,16 @@ https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more
 Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."""
 
 
+SHARD = 4096  # bytes of the data mount read each step
+
+
+def read_shard(path: str) -> None:
+    """The step's batch from the node's data mount. Opened anew each step: a FUSE file opened without keep_cache
+    drops its cached pages, so every read reaches the mount (and blocks while it hangs), as an uncached NFS read does."""
+    with open(path, "rb") as f:
+        f.read(SHARD)
+
+
 def stuck_before_all_reduce() -> None:
     while True:
         time.sleep(3600)
@@ -156,6 +170,7 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--ckpt-pad", type=int, default=65536)
     p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument("--data", default="", help="a file of the node's data mount read every step ({node}: the node)")
     a = p.parse_args()
     rank, world = int(env("SLURM_PROCID", "0")), int(env("SLURM_NTASKS", "1"))
     node = env("SLURMD_NODENAME", "?")
@@ -176,8 +191,11 @@ def main() -> int:
     progress.write(f"start attempt={attempt} step={step} t={time.time():.3f}\n")
     leaked: list[bytearray] = []
     nan = False
+    data = a.data.replace("{node}", node)
     while True:
         gpu_gone(a.run_dir, node, rank, step)
+        if data:
+            read_shard(data)
         hang = fault(a.run_dir, "hang")
         if hang[:2] == [attempt, str(rank)]:
             print(f"rank {rank}: step {step}: stops before all_reduce", flush=True)

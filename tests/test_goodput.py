@@ -5,6 +5,7 @@ depend on the machine's speed (what is detected, by whom, which nodes are draine
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -12,25 +13,34 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from benchmarks import goodput_fleet as fleet
 from benchmarks.goodput import (
     EXTRA_KINDS,
     KINDS,
+    NFS_DOWN,
+    NFS_OK,
+    NIC_LINE,
     XID_FAULTS,
     Record,
+    Run,
     Scale,
     analyse,
     attempt_ends,
     benchmark,
+    bus_of,
+    data_mount,
     fault_free_table,
     fleet_schedule,
     lemon_figures,
     lemons,
     main,
+    node_of_record,
     other_humans,
     paired,
     report,
@@ -40,12 +50,15 @@ from benchmarks.goodput import (
     step_cost,
     summarize,
     table,
+    xid_line,
 )
 from benchmarks.goodput_trainer import resume_step
 from tests.conftest import require, require_root, wait_until
 from tests.slurm_cluster import REPO, missing_components
 from trainguard.logscan.diagnose import diagnose_cuda
 from trainguard.logscan.signatures import BUILTIN, Scanner
+from trainguard.node.kernel_events import KernelEventParser
+from trainguard.node.mounts import read_mounts
 
 
 def test_the_schedule_is_the_seeds_each_kind_once_inside_the_run() -> None:
@@ -441,3 +454,115 @@ def test_runs_saved_a_few_at_a_time_are_reported_together(tmp_path: Path, capsys
     with pytest.raises(SystemExit):
         main(["--with-only", "--without-only"])
     assert "--with-only and --without-only: one of them" in capsys.readouterr().err
+
+
+# the hung file system -----------------------------------------------------------------------------------------------
+def test_the_relay_hands_each_kernel_record_to_the_node_it_names() -> None:
+    """The harness's one kernel for four nodes: a GPU's or HCA's record goes to the node of its PCI domain, an NFS
+    server's to the node whose data mount it serves (fsN: nN), its OK line too; other records to none."""
+    from tests.test_job_kernel_events import nfs_not_responding
+
+    assert NFS_DOWN.format(server="fs3") == nfs_not_responding("fs3")  # the kernel's real line
+    parser = KernelEventParser()
+    [down] = parser.feed(NFS_DOWN.format(server="fs3"))
+    [ok] = parser.feed(NFS_OK.format(server="fs3"))
+    assert (down.klass, down.subject, ok.klass, ok.subject) == ("nfs_not_responding", "nfs:fs3", "nfs_ok", "nfs:fs3")
+    for node in ("n1", "n2", "n3", "n4"):
+        server = f"fs{node[1:]}"
+        for line in (xid_line(bus_of(node)), NIC_LINE.format(domain=bus_of(node)[:4]), NFS_DOWN.format(server=server),
+                     NFS_OK.format(server=server)):
+            assert node_of_record(line.encode()) == node, line
+    for other in ("nfs: server fs2.example.com not responding, still trying", "nfs: server 10.0.0.2 OK",
+                  "NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+                  "EXT4-fs (sda1): mounted filesystem"):
+        assert node_of_record(other.encode()) is None, other
+
+
+def test_the_fleet_schedule_has_each_site_fault_once_and_the_runs_of_records_faults_before_the_hung_fs() -> None:
+    """hung_fs came after the runs of record: drawn last, it leaves their seeded draws as they were; a fault after it
+    may be pushed back by the minimum gap."""
+    assert fleet.SITE_KINDS[-1] == "hung_fs" and "hung_fs" in EXTRA_KINDS
+    # seed 1 of the runs of record, 8 minutes at x60, as the four site faults drew it (before hung_fs)
+    of_record = [(66.2, "stop_switch", 2), (84.4, "maintenance", 0), (139.0, "hbm", 1), (159.9, "disk_full", 0),
+                 (257.6, "hbm", 0), (275.9, "xid79", 1), (285.9, "leak", 0), (381.2, "ib_down", 0),
+                 (403.7, "time_limit", 0)]
+    assert fleet.draw(1, 480, 60, 3, site=fleet.SITE_KINDS[:4]) == of_record
+    for seed in range(1, 6):
+        now = fleet.draw(seed, 480, 60, 3)
+        before = fleet.draw(seed, 480, 60, 3, site=fleet.SITE_KINDS[:4])
+        assert sorted(k for _, k, _ in now if k in fleet.SITE_KINDS) == sorted(fleet.SITE_KINDS)
+        hung = next(at for at, kind, _ in now if kind == "hung_fs")
+        assert [f for f in now if f[0] < hung] == [f for f in before if f[0] < hung]
+        assert [k for _, k, _ in now if k != "hung_fs"] == [k for _, k, _ in before], seed
+    hung = next(f for f in fleet.draw(1, 480, 60, 3) if f[1] == "hung_fs")
+    assert [f for f in of_record if f[0] < hung[0]] == of_record[:5]
+
+
+class _Cluster:
+    """What the human reads of SLURM and does to it, recorded: the job hung, every node up."""
+
+    def __init__(self) -> None:
+        self.nodes = ["n1", "n2", "n3", "n4"]
+        self.commands: list[tuple[str, ...]] = []
+
+    def job(self, job: str) -> dict[str, str]:
+        return {"JobState": "RUNNING"}
+
+    def node_states(self) -> dict[str, tuple[str, str]]:
+        return dict.fromkeys(self.nodes, ("idle", ""))
+
+    def run(self, *args: str, check: bool = True) -> None:
+        self.commands.append(args)
+
+
+def test_the_human_drains_the_node_whose_kernel_says_its_mount_is_dead_and_requeues(tmp_path: Path) -> None:
+    """As for a lost GPU: at their look the job is hung (no step for 10 scaled minutes), the node's kernel log says
+    its data mount's server is not responding: they drain that node, naming the dead mount, and requeue the job."""
+    run = Run(tmp_path, False, [], 60.0, Scale(60), look_every=30.0, page_response=5.0, step_time=0.5, ckpt_every=20)
+    run.cluster = cluster = _Cluster()  # type: ignore[assignment]
+    run.run_dir, run.ckpt, run.job = tmp_path / "run", tmp_path / "ckpt", "7"
+    run.run_dir.mkdir()
+    run.out = run.run_dir / "progress.log"
+    run.t0 = time.time() - 40
+    run.out.write_text(f"step 0 loss=4.0 t={run.t0 + 5:.3f}\n")  # 35 s ago
+    run.broken, run.hung_fs = {"n2", "n3"}, {"n2"}  # n3's GPU is gone, n2's mount hangs
+    run.human(40.0, "look", set())
+    assert cluster.commands == [
+        ("scontrol", "update", "nodename=n2", "state=drain", "reason=operator: dead mount fs2:/export (server not "
+         "responding)"),
+        ("scontrol", "update", "nodename=n3", "state=drain", "reason=operator: hardware fault"),
+        ("scontrol", "requeue", "7")]
+    assert run.rec.actions[-1]["what"] == "drained n2; drained n3; requeued the job (running, stale log)"
+
+
+def test_a_rank_reads_its_nodes_data_mount_every_step_and_blocks_while_it_hangs(tmp_path: Path) -> None:
+    """The data mount the harness gives each node (`data_mount`: tests/helpers/hangfs.py with a control file), read
+    every step; while it hangs the rank waits in the read in D state (every open reaches the mount: FUSE drops the
+    file's cached pages), and steps on once it answers again; blocked, it dies of SIGKILL (the wait is killable: a
+    restart that cancels its step ends it), and the harness's unmount ends the hang."""
+    require_root()
+    hung = tmp_path / "fs-hung-n1"
+    (tmp_path / "ckpt").mkdir()
+    progress = tmp_path / "run" / "progress.log"
+
+    def steps() -> int:
+        return progress.read_text().count("\nstep ") if progress.exists() else 0
+    with contextlib.ExitStack() as stack:
+        data_mount(stack, tmp_path / "data-n1", "fs1", hung)
+        assert "fs1:/export" in {m.device for m in read_mounts() if m.mountpoint == str(tmp_path / "data-n1")}
+        trainer = _trainer(tmp_path, 1, "--data", str(tmp_path / "data-{node}" / "data"))
+        stack.callback(trainer.wait, 10)
+        stack.callback(trainer.kill)
+        wait_until(lambda: steps() >= 3, 20, what="steps reading the mount")
+        hung.touch()
+        wait_until(lambda: psutil.Process(trainer.pid).status() == psutil.STATUS_DISK_SLEEP, 10,
+                   what="the rank blocked in D state")
+        stopped = steps()
+        time.sleep(0.5)  # ten steps' time
+        assert steps() == stopped
+        hung.unlink()
+        wait_until(lambda: steps() >= stopped + 3, 20, what="steps again")
+        hung.touch()
+        wait_until(lambda: psutil.Process(trainer.pid).status() == psutil.STATUS_DISK_SLEEP, 10,
+                   what="the rank blocked again")
+    assert trainer.returncode == -signal.SIGKILL and not hung.exists()
