@@ -189,6 +189,29 @@ def test_switch_dir_that_is_a_file(user_dir: tuple[Path, Identity, int]) -> None
         create_switch(str(d / "afile"), "save", me, gid, {})
 
 
+def test_jobs_of_one_directory_acted_on_at_once_share_the_switch_dir_made_for_them(
+        user_dir: tuple[Path, Identity, int]) -> None:
+    """Two jobs submitted from one directory (an array's tasks) restarted at once: each turn finds the switch dir
+    missing and makes it; the one that loses the race uses the winner's, once handed to the user."""
+    d, me, gid = user_dir
+    for attempt in range(10):
+        missing = d / f"sw{attempt}"
+        start = threading.Barrier(4)
+        made: list[str] = []
+
+        def write(name: str, missing: Path = missing, start: threading.Barrier = start, made: list[str] = made) -> None:
+            start.wait(10)
+            made.append(create_switch(str(missing), name, me, gid, {}))
+
+        threads = [threading.Thread(target=write, args=(f"restart.{n}",)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(Path(m).name for m in made) == [f"restart.{n}" for n in range(4)], (attempt, made)
+        assert os.stat(missing).st_uid == me.uid
+
+
 def _jobs(*ids: str) -> list[Job]:
     return [Job(key=f"slurm:{i}", source="slurm", name="t", state="RUNNING", job_id=i) for i in ids]
 
