@@ -272,7 +272,7 @@ def each_job(jobs: Iterable[Job], act: Callable[[Job], str]) -> str:
     return _combined((job, _outcome(job, act)) for job in jobs)  # lazy: each job's turn as its outcome is asked
 
 
-# A node rarely runs more jobs than it has GPUs (8 at most on the nodes served): each gets a thread of its own, and a
+# A node rarely runs more jobs than it has GPUs (8 on most GPU nodes): each gets a thread of its own, and a
 # node sliced finer (MIG, shared nodes) waits in turn beyond that instead of starting a thread per job.
 AT_ONCE = 8
 
