@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,14 @@ import pytest
 
 from tests.conftest import REPO, require_root, require_tool, wait_until
 from tests.slurm_cluster import JOB_USER, ensure_user
-from trainguard.actions.base import ActionContext, ActionError, ActionSkippedError
+from trainguard.actions.base import (
+    ActionAnsweredError,
+    ActionContext,
+    ActionError,
+    ActionSkippedError,
+    each_job,
+    each_job_at_once,
+)
 from trainguard.actions.exec import ExecAction, ExecSettings
 from trainguard.actions.signal import SignalAction, SignalSettings, signal_process
 from trainguard.actions.switch import create_switch
@@ -180,6 +187,117 @@ def test_switch_dir_that_is_a_file(user_dir: tuple[Path, Identity, int]) -> None
     (d / "afile").write_text("")
     with pytest.raises(ActionError, match="is not a directory"):
         create_switch(str(d / "afile"), "save", me, gid, {})
+
+
+def test_jobs_of_one_directory_acted_on_at_once_share_the_switch_dir_made_for_them(
+        user_dir: tuple[Path, Identity, int]) -> None:
+    """Two jobs submitted from one directory (an array's tasks) restarted at once: each turn finds the switch dir
+    missing and makes it; the one that loses the race uses the winner's, once handed to the user."""
+    d, me, gid = user_dir
+    for attempt in range(10):
+        missing = d / f"sw{attempt}"
+        start = threading.Barrier(4)
+        made: list[str] = []
+
+        def write(name: str, missing: Path = missing, start: threading.Barrier = start, made: list[str] = made) -> None:
+            start.wait(10)
+            made.append(create_switch(str(missing), name, me, gid, {}))
+
+        threads = [threading.Thread(target=write, args=(f"restart.{n}",)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(Path(m).name for m in made) == [f"restart.{n}" for n in range(4)], (attempt, made)
+        assert os.stat(missing).st_uid == me.uid
+
+
+def _jobs(*ids: str) -> list[Job]:
+    return [Job(key=f"slurm:{i}", source="slurm", name="t", state="RUNNING", job_id=i) for i in ids]
+
+
+def test_each_job_at_once_never_makes_a_job_wait_for_another() -> None:
+    """The first job's turn waits until the second's is over: one after another (each_job), it waits in vain."""
+
+    def first_waits_for_second(wait_s: float) -> Callable[[Job], str]:
+        second_done = threading.Event()
+
+        def act(job: Job) -> str:
+            if job.job_id == "1":
+                assert second_done.wait(wait_s), "the second job waited for the first"
+                return "one done"
+            second_done.set()
+            return "two done"
+
+        return act
+
+    # in the order given, not as they ended
+    assert each_job_at_once(_jobs("1", "2"), first_waits_for_second(30)) == "one done; two done"
+    with pytest.raises(AssertionError, match="the second job waited for the first"):
+        each_job(_jobs("1", "2"), first_waits_for_second(0.5))
+
+
+def test_each_job_at_once_runs_at_most_so_many_turns_at_once() -> None:
+    """Three turns meet (three at once), and no more than three ever run: the others wait for a thread."""
+    lock, running, most, meet = threading.Lock(), [0], [0], threading.Barrier(3)
+
+    def act(job: Job) -> str:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        if int(job.job_id or 0) < 3:
+            meet.wait(30)
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        return str(job.job_id)
+
+    ids = [str(n) for n in range(7)]
+    assert each_job_at_once(_jobs(*ids), act, most=3) == "; ".join(ids)
+    assert most[0] == 3
+
+
+@pytest.mark.parametrize(("outcomes", "raised", "text"), [
+    ({"1": ActionError("refused"), "2": "done 2"}, None, "done 2; job 1 (t): refused"),
+    ({"1": ActionSkippedError("none"), "2": ActionSkippedError("gone")}, ActionSkippedError, "job 1 (t): none; job 2 (t): gone"),
+    ({"1": ActionAnsweredError("did"), "2": ActionAnsweredError("did")}, ActionAnsweredError, "job 1 (t): did; job 2 (t): did"),
+    ({"1": ActionAnsweredError("did"), "2": ActionSkippedError("gone")}, ActionSkippedError, "job 1 (t): did; job 2 (t): gone"),
+    ({"1": ActionError("refused"), "2": ActionSkippedError("gone")}, ActionError, "job 1 (t): refused; job 2 (t): gone"),
+])
+def test_each_job_at_once_combines_the_outcomes_as_each_job(outcomes: dict[str, str | ActionError],
+                                                           raised: type[ActionError] | None, text: str) -> None:
+    def act(job: Job) -> str:
+        outcome = outcomes[job.job_id or ""]
+        if isinstance(outcome, ActionError):
+            raise outcome
+        return outcome
+
+    for each in (each_job, each_job_at_once):
+        if raised is None:
+            assert each(_jobs("1", "2"), act) == text
+            continue
+        with pytest.raises(ActionError) as error:
+            each(_jobs("1", "2"), act)
+        assert type(error.value) is raised and str(error.value) == text, (each, error.value)
+
+
+def test_a_bug_in_one_jobs_turn_fails_the_action_once_every_turn_is_over() -> None:
+    """Not an ActionError: raised as each_job raises it, and the runner fails the action with it. The other job's
+    turn is not cut short (a thread cannot be stopped): the action ends after it."""
+    ended: list[str] = []
+
+    def act(job: Job) -> str:
+        if job.job_id == "1":
+            raise KeyError("a bug")
+        time.sleep(0.2)
+        ended.append("2")
+        return "done 2"
+
+    with pytest.raises(KeyError, match="a bug"):
+        each_job_at_once(_jobs("1", "2"), act)
+    assert ended == ["2"]
+    with pytest.raises(KeyError, match="a bug"):
+        each_job(_jobs("1", "2"), act)
 
 
 @pytest.fixture

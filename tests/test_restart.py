@@ -883,6 +883,65 @@ def test_a_job_that_reported_is_requeued_without_waiting_for_another_job_of_the_
                         r"requeued 6 \(no report asked: switch dir .*/none does not exist\)", detail), detail
 
 
+class TwoJobs(StubSlurm):
+    """Two jobs' steps on this node (step 0 each, under the loop); the ranks of those in `exits` save and exit as soon
+    as they are signalled, the others ignore the signal. Whether job 6's restart was over when job 5's step was
+    cancelled, read from the agent's claims."""
+
+    def __init__(self, here: dict[str, dict[str, list[int]]], exits: dict[str, subprocess.Popen[bytes]],
+                 claims: Claims) -> None:
+        super().__init__({}, [])
+        self.here_of, self.exits, self.claims = here, exits, claims
+        self.ended: set[str] = set()
+        self.six_over_at_cancel: bool | None = None
+
+    def local_steps(self, job_id: str, node: str = "") -> dict[str, list[int]]:
+        return self.here_of[job_id]
+
+    def steps(self, job_id: str) -> list[str]:
+        return [] if job_id in self.ended else ["0"]
+
+    def signal_step(self, job_id: str, step: str, signal_name: str) -> bool:
+        self.calls.append(("signal", f"{job_id}.{step}", signal_name, "step"))
+        if job_id in self.exits:
+            self.exits[job_id].kill()
+            self.exits[job_id].wait()
+            self.ended.add(job_id)
+        return True
+
+    def cancel_step(self, job_id: str, step: str) -> bool:
+        self.six_over_at_cancel = self.claims.last("6", 60) is not None
+        return super().cancel_step(job_id, step)
+
+
+def test_a_job_whose_ranks_ignore_the_signal_never_delays_another_jobs_restart(tmp_path: Path,
+                                                                               ranks: Callable[..., int]) -> None:
+    """Two users' jobs on one node, one incident naming neither (a node fault): job 5's ranks ignore the save signal
+    and get the whole wait_exit, job 6's exit at once. Job 6's restart is over before job 5's wait is; the outcome
+    names them in the order given."""
+    saving = subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], "TRAINGUARD_RESTARTS": "0"})
+    try:
+        wait_until(lambda: ProcFS().environ_var(saving.pid, "PATH") is not None, 10, what="the rank's environment")
+        claims = Claims()
+        slurm = TwoJobs({"5": {"0": [ranks(TRAINGUARD_RESTARTS="0")]}, "6": {"0": [saving.pid]}}, {"6": saving},
+                        claims)
+        jobs = (_job(tmp_path), replace(_job(tmp_path), key="slurm:6", job_id="6"))  # one directory: one switch dir
+        ctx = ActionContext(_event(), jobs, "n1", slurm, time.time, claims=claims)  # type: ignore[arg-type]
+        try:
+            detail = RestartAction("restart", RestartSettings(wait_exit=2, timeout=10, after_save=0)).run(ctx)
+        finally:
+            ctx.done()
+    finally:
+        saving.kill()
+        saving.wait()
+    assert sorted(slurm.calls[:2]) == [("signal", "5.0", "USR1", "step"), ("signal", "6.0", "USR1", "step")]
+    assert slurm.calls[2:] == [("cancel", "5.0")] and slurm.six_over_at_cancel, slurm.calls
+    sw = re.escape(str(tmp_path / "sw"))
+    assert re.fullmatch(rf"restart of 5 requested \({sw}/restart\.5\); SIGUSR1 to step 5\.0: cancelled 5\.0 still "
+                        rf"running after \d+\.\ds \(no report [^;]*\); restart of 6 requested \({sw}/restart\.6\); "
+                        r"SIGUSR1 to step 6\.0: ended in \d+\.\ds \(no report [^;]*\)", detail), detail
+
+
 def test_a_closed_report_removes_only_the_request_it_wrote(tmp_path: Path) -> None:
     """Another node's agent (or a later list, after this one's close) may write its own request in the same name
     meanwhile: it is not this report's to remove. The report stays (another node's agent may not have seen it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -265,17 +266,77 @@ def slurm_jobs(ctx: ActionContext) -> list[Job]:
 
 
 def each_job(jobs: Iterable[Job], act: Callable[[Job], str]) -> str:
-    """`act` on every job: one job's failure never keeps another from its turn. Fails only when every job failed or
-    was skipped and one failed; skipped when every job was skipped (nothing to act on), answered when every job was."""
+    """`act` on every job, one after another: one job's failure never keeps another from its turn. Fails only when
+    every job failed or was skipped and one failed; skipped when every job was skipped (nothing to act on), answered
+    when every job was. An exception other than ActionError (a bug) ends it at once: the runner fails the action."""
+    return _combined((job, _outcome(job, act)) for job in jobs)  # lazy: each job's turn as its outcome is asked
+
+
+# A node rarely runs more jobs than it has GPUs (8 on most GPU nodes): each gets a thread of its own, and a
+# node sliced finer (MIG, shared nodes) waits in turn beyond that instead of starting a thread per job.
+AT_ONCE = 8
+
+
+def each_job_at_once(jobs: Iterable[Job], act: Callable[[Job], str], most: int = AT_ONCE) -> str:
+    """each_job, with each job's `act` on a thread of its own (at most `most` at once, the rest in turn as they
+    end): an action that waits for a job's ranks (`restart`: up to `wait_exit` for ranks that may ignore the signal)
+    never makes another job wait on it, and a job's user delays only their own job. The outcomes are combined as
+    each_job's, in the order the jobs were given. An exception other than ActionError (a bug) in one job's `act` is
+    raised once every job's turn is over (the first in that order), and the runner fails the action, as with
+    each_job. The threads are joined, without a deadline of their own: each job's turn is bounded by its own wait,
+    and the responder stops waiting for the action at its `timeout` while this thread goes on (a thread cannot be
+    stopped), as a turn of each_job did. Daemon threads, as the action's own: a stop of the agent never waits for
+    them."""
+    given = list(jobs)
+    if len(given) < 2:  # nothing to wait for at once
+        return each_job(given, act)
+    outcomes: list[str | ActionError] = [ActionError("ended without an outcome")] * len(given)
+    bugs: dict[int, BaseException] = {}  # each thread writes its own jobs' entries
+    turns = queue.SimpleQueue[int]()
+    for index in range(len(given)):
+        turns.put(index)
+
+    def work() -> None:
+        while True:
+            try:
+                index = turns.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                outcomes[index] = _outcome(given[index], act)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the action's thread, below
+                bugs[index] = exc
+
+    threads = [threading.Thread(target=work, name=f"job-turns-{n}", daemon=True)
+               for n in range(min(max(1, most), len(given)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if bugs:
+        raise bugs[min(bugs)]
+    return _combined(zip(given, outcomes, strict=True))
+
+
+def _outcome(job: Job, act: Callable[[Job], str]) -> str | ActionError:
+    """What `act` did for `job`, or the ActionError that says why it did not."""
+    try:
+        return act(job)
+    except ActionError as exc:
+        return exc
+
+
+def _combined(outcomes: Iterable[tuple[Job, str | ActionError]]) -> str:
+    """The jobs' outcomes in one (each_job's rules), or the error every job's outcome adds up to."""
     done, skipped, errors, answered = [], [], [], True
-    for job in jobs:
-        try:
-            done.append(act(job))
-        except ActionSkippedError as exc:
-            skipped.append(f"{job.label()}: {exc}")
-            answered = answered and isinstance(exc, ActionAnsweredError)
-        except ActionError as exc:
-            errors.append(f"{job.label()}: {exc}")
+    for job, outcome in outcomes:
+        if isinstance(outcome, ActionSkippedError):
+            skipped.append(f"{job.label()}: {outcome}")
+            answered = answered and isinstance(outcome, ActionAnsweredError)
+        elif isinstance(outcome, ActionError):
+            errors.append(f"{job.label()}: {outcome}")
+        else:
+            done.append(outcome)
     if errors and not done:
         raise ActionError("; ".join(errors + skipped))
     if not done:  # answered when each job was: another list's action did it

@@ -52,7 +52,7 @@ from trainguard.actions.base import (
     ActionSkippedError,
     Claim,
     Report,
-    each_job,
+    each_job_at_once,
     slurm_jobs,
 )
 from trainguard.actions.savereport import REQUEST_WAIT, SaveReport, ask_save
@@ -161,7 +161,11 @@ class RestartAction(Action):
         jobs = slurm_jobs(ctx)
         if not jobs:
             raise ActionSkippedError("no SLURM job on this node to restart")
-        return each_job(jobs, lambda job: self._once(job, ctx))
+        # Each job on its own thread: its turn waits up to wait_exit for ranks that may ignore the signal (and
+        # RELAUNCH_WAIT for a request its user may forge), which no other job's restart waits out. What the turns
+        # share is theirs to share: ctx is frozen, the claims and the reports lock, each job has its own report,
+        # request and records (named by job id), and the SLURM commands are processes with timeouts.
+        return each_job_at_once(jobs, lambda job: self._once(job, ctx))
 
     def _once(self, job: Job, ctx: ActionContext) -> str:
         """One answer per fault: a restart of the job under way in another of this agent's lists, or done less than
@@ -198,7 +202,7 @@ class RestartAction(Action):
 
     @staticmethod
     def _answered(other: Claim) -> ActionError:
-        """Why a restart that `other` answers is not run: `other`'s outcome is its own (each_job names the job)."""
+        """Why a restart that `other` answers is not run: `other`'s outcome is its own (each_job_at_once names the job)."""
         what = f"the restart {other.what} for {other.by}"
         if not other.ended.is_set():
             return ActionSkippedError(f"{what} is still under way: not restarted twice")

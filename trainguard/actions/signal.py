@@ -74,6 +74,8 @@ class SignalAction(Action):
         # first: a requeue after it waits for rank 0's report of the checkpoint written, not for a rank that never
         # exits (on a lost GPU), and rank 0 reports only when the request was there as it decided to stop
         unasked = ask_save(ctx.jobs, ctx) if self.settings.signal not in ("KILL", "STOP") else []  # uncatchable
+        # one job after another: a turn waits for nothing a job's user controls (scancel asks the controller, within
+        # its timeout; a process job's `then` waits on a timer of its own)
         return "; ".join([each_job(ctx.jobs, lambda job: self._one(job, ctx)), *unasked])
 
     def _one(self, job: Job, ctx: ActionContext) -> str:

@@ -27,6 +27,7 @@ from trainguard.jobs.model import Job
 from trainguard.node.access import AccessDeniedError, Identity, resolve
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+HANDOVER_S = 0.5  # a switch dir the agent just made is its own until handed to the job's user: microseconds
 
 
 class SwitchDirMissingError(ActionError):
@@ -50,20 +51,12 @@ def _open_switch_dir(directory: str, identity: Identity, create: bool) -> int:
         raise ActionError(f"switch dir {path}: cannot reach {parent}: {exc.strerror or exc}") from None
     try:
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
-        except FileNotFoundError:
+            fd = _opened(pfd, name, path)
+        except SwitchDirMissingError:
             if not create:
-                raise SwitchDirMissingError(f"switch dir {path} does not exist") from None
+                raise
             fd = _create_dir(pfd, name, path, identity)
-        except OSError as exc:
-            # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: say which case it was.
-            try:
-                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-            except OSError:
-                raise ActionError(f"cannot open switch dir {path}: {exc.strerror}") from None
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-            raise ActionError(f"switch dir {path} is {kind}: refused") from None
-        owner = os.fstat(fd).st_uid
+        owner = _owner(fd, identity)
         if owner != identity.uid:
             os.close(fd)
             raise ActionError(f"switch dir {path} belongs to uid {owner}, not the job's user (uid {identity.uid}): "
@@ -71,6 +64,32 @@ def _open_switch_dir(directory: str, identity: Identity, create: bool) -> int:
         return fd
     finally:
         os.close(pfd)
+
+
+def _opened(pfd: int, name: str, path: str) -> int:
+    """The switch dir `name` in `pfd`, opened without following a link."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=pfd)
+    except FileNotFoundError:
+        raise SwitchDirMissingError(f"switch dir {path} does not exist") from None
+    except OSError as exc:
+        # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: say which case it was.
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except OSError:
+            raise ActionError(f"cannot open switch dir {path}: {exc.strerror}") from None
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise ActionError(f"switch dir {path} is {kind}: refused") from None
+
+
+def _owner(fd: int, identity: Identity) -> int:
+    """The switch dir's owner. One the agent itself owns was made a moment ago by another of its threads (two jobs
+    submitted from one directory, restarted at once) and is handed to the user next: waited for, HANDOVER_S at most."""
+    owner, until = os.fstat(fd).st_uid, time.monotonic() + HANDOVER_S
+    while owner == os.geteuid() != identity.uid and time.monotonic() < until:
+        time.sleep(0.01)
+        owner = os.fstat(fd).st_uid
+    return owner
 
 
 def _create_dir(pfd: int, name: str, path: str, identity: Identity) -> int:
@@ -81,6 +100,11 @@ def _create_dir(pfd: int, name: str, path: str, identity: Identity) -> int:
                           f"(uid {identity.uid})")
     try:
         os.mkdir(name, 0o755, dir_fd=pfd)
+    except FileExistsError:  # made meanwhile (by its user, or by another job's turn of one restart): checked as found
+        return _opened(pfd, name, path)
+    except OSError as exc:
+        raise ActionError(f"cannot create switch dir {path}: {exc.strerror}") from None
+    try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
     except OSError as exc:
         raise ActionError(f"cannot create switch dir {path}: {exc.strerror}") from None
