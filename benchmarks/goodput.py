@@ -75,7 +75,6 @@ from tests.e2e.stack import log_time, parse_log_line
 from tests.multinode_cluster import MultiNodeCluster
 from tests.slurm_cluster import JOB_USER
 from trainguard.agent.configfile import parse_config
-from trainguard.checks.hang import HangSettings
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("xid79", "hang", "leak", "disk_full", "stop_switch", "time_limit", "nan")
@@ -364,10 +363,8 @@ class Run:
         # The hang check names a hang's cause from this node's kernel log: its own FIFO, not the host's /dev/kmsg.
         c["hang"].update(fast, stale_after=s.dur(300, 2), kmsg_path=str(fifo), actions={"critical": ["restart"]})
         # A hang whose ranks wait on a file system that does not answer (hung_fs): a restart in place would block at
-        # the same read; the node drained, the job restarted without it, as for a lost GPU (where the product has
-        # the setting: this harness runs before it too, and then the restart in place fails and the human drains).
-        if "fs_actions" in HangSettings.model_fields:
-            c["hang"]["fs_actions"] = {"critical": ["drain", "restart_elsewhere"]}
+        # the same read; the node drained, the job restarted without it, as for a lost GPU.
+        c["hang"]["fs_actions"] = {"critical": ["drain", "restart_elsewhere"]}
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
         c["job_timelimit"].update(fast, margin=s.dur(600, 3), recheck=s.dur(300, 2),
