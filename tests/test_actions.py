@@ -212,8 +212,10 @@ def test_jobs_of_one_directory_acted_on_at_once_share_the_switch_dir_made_for_th
         assert os.stat(missing).st_uid == me.uid
 
 
-def _jobs(*ids: str) -> list[Job]:
-    return [Job(key=f"slurm:{i}", source="slurm", name="t", state="RUNNING", job_id=i) for i in ids]
+def _jobs(*ids: str, uid: int | None = None) -> list[Job]:
+    """Jobs of one user (`uid`), or each of a user of its own (uid 2000 + its id) when none is given."""
+    return [Job(key=f"slurm:{i}", source="slurm", name="t", state="RUNNING", job_id=i,
+                uid=uid if uid is not None else 2000 + int(i)) for i in ids]
 
 
 def test_each_job_at_once_never_makes_a_job_wait_for_another() -> None:
@@ -237,24 +239,40 @@ def test_each_job_at_once_never_makes_a_job_wait_for_another() -> None:
         each_job(_jobs("1", "2"), first_waits_for_second(0.5))
 
 
-def test_each_job_at_once_runs_at_most_so_many_turns_at_once() -> None:
-    """Three turns meet (three at once), and no more than three ever run: the others wait for a thread."""
-    lock, running, most, meet = threading.Lock(), [0], [0], threading.Barrier(3)
+def test_one_users_many_jobs_wait_in_their_own_lane_never_another_users() -> None:
+    """User A's eight jobs are listed first and each waits until user B's one job is over: B's turn never waits for
+    theirs (a lane per user), while A's own jobs take their turns one after another."""
+    b_done, order = threading.Event(), []
+
+    def act(job: Job) -> str:
+        if job.uid == 1:
+            assert b_done.wait(30), "user B's job waited for user A's"
+        else:
+            b_done.set()
+        order.append(job.job_id)
+        return str(job.job_id)
+
+    a_jobs = _jobs(*[str(n) for n in range(8)], uid=1)
+    assert each_job_at_once([*a_jobs, *_jobs("8", uid=2)], act) == "; ".join(str(n) for n in range(9))
+    assert order == ["8", *[str(n) for n in range(8)]]
+
+
+def test_users_past_the_lanes_share_them_in_turn() -> None:
+    """Five users, two lanes: never more than two turns at once, every job done."""
+    lock, running, most = threading.Lock(), [0], [0]
 
     def act(job: Job) -> str:
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
-        if int(job.job_id or 0) < 3:
-            meet.wait(30)
-        time.sleep(0.02)
+        time.sleep(0.05)
         with lock:
             running[0] -= 1
         return str(job.job_id)
 
-    ids = [str(n) for n in range(7)]
-    assert each_job_at_once(_jobs(*ids), act, most=3) == "; ".join(ids)
-    assert most[0] == 3
+    ids = [str(n) for n in range(5)]
+    assert each_job_at_once(_jobs(*ids), act, lanes=2) == "; ".join(ids)
+    assert most[0] <= 2
 
 
 @pytest.mark.parametrize(("outcomes", "raised", "text"), [

@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import require_root, wait_until
+from tests.slurm_cluster import JOB_USER, ensure_user
 from trainguard.actions.base import (
     ActionAnsweredError,
     ActionContext,
@@ -925,20 +929,28 @@ def test_a_job_whose_ranks_ignore_the_signal_never_delays_another_jobs_restart(t
         claims = Claims()
         slurm = TwoJobs({"5": {"0": [ranks(TRAINGUARD_RESTARTS="0")]}, "6": {"0": [saving.pid]}}, {"6": saving},
                         claims)
-        jobs = (_job(tmp_path), replace(_job(tmp_path), key="slurm:6", job_id="6"))  # one directory: one switch dir
+        require_root()
+        ensure_user(JOB_USER)
+        other = pwd.getpwnam(JOB_USER)
+        top = Path(tempfile.mkdtemp(prefix="tg-lanes-"))  # reachable by the other user, as a workdir is
+        top.chmod(0o755)
+        os.chown(top, other.pw_uid, other.pw_gid)
+        jobs = (_job(tmp_path), replace(_job(tmp_path), key="slurm:6", job_id="6", uid=other.pw_uid,
+                                        user=JOB_USER, switch_dir=str(top / "sw")))
         ctx = ActionContext(_event(), jobs, "n1", slurm, time.time, claims=claims)  # type: ignore[arg-type]
         try:
             detail = RestartAction("restart", RestartSettings(wait_exit=2, timeout=10, after_save=0)).run(ctx)
         finally:
             ctx.done()
+            shutil.rmtree(top, ignore_errors=True)
     finally:
         saving.kill()
         saving.wait()
     assert sorted(slurm.calls[:2]) == [("signal", "5.0", "USR1", "step"), ("signal", "6.0", "USR1", "step")]
     assert slurm.calls[2:] == [("cancel", "5.0")] and slurm.six_over_at_cancel, slurm.calls
-    sw = re.escape(str(tmp_path / "sw"))
+    sw, sw6 = re.escape(str(tmp_path / "sw")), re.escape(str(top / "sw"))
     assert re.fullmatch(rf"restart of 5 requested \({sw}/restart\.5\); SIGUSR1 to step 5\.0: cancelled 5\.0 still "
-                        rf"running after \d+\.\ds \(no report [^;]*\); restart of 6 requested \({sw}/restart\.6\); "
+                        rf"running after \d+\.\ds \(no report [^;]*\); restart of 6 requested \({sw6}/restart\.6\); "
                         r"SIGUSR1 to step 6\.0: ended in \d+\.\ds \(no report [^;]*\)", detail), detail
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -272,46 +271,51 @@ def each_job(jobs: Iterable[Job], act: Callable[[Job], str]) -> str:
     return _combined((job, _outcome(job, act)) for job in jobs)  # lazy: each job's turn as its outcome is asked
 
 
-# A node rarely runs more jobs than it has GPUs (8 on most GPU nodes): each gets a thread of its own, and a
-# node sliced finer (MIG, shared nodes) waits in turn beyond that instead of starting a thread per job.
-AT_ONCE = 8
+# One lane per job user: a user's jobs take their turns one after another in their own lane, the users' lanes at
+# once. A node's users are few (its jobs are); past LANES, users share lanes in turn rather than a thread each.
+LANES = 64
 
 
-def each_job_at_once(jobs: Iterable[Job], act: Callable[[Job], str], most: int = AT_ONCE) -> str:
-    """each_job, with each job's `act` on a thread of its own (at most `most` at once, the rest in turn as they
-    end): an action that waits for a job's ranks (`restart`: up to `wait_exit` for ranks that may ignore the signal)
-    never makes another job wait on it, and a job's user delays only their own job. The outcomes are combined as
-    each_job's, in the order the jobs were given. An exception other than ActionError (a bug) in one job's `act` is
-    raised once every job's turn is over (the first in that order), and the runner fails the action, as with
-    each_job. The threads are joined, without a deadline of their own: each job's turn is bounded by its own wait,
-    and the responder stops waiting for the action at its `timeout` while this thread goes on (a thread cannot be
-    stopped), as a turn of each_job did. Daemon threads, as the action's own: a stop of the agent never waits for
-    them."""
+def each_job_at_once(jobs: Iterable[Job], act: Callable[[Job], str], lanes: int = LANES) -> str:
+    """each_job, with each job user's jobs in a lane (a thread) of their own: an action that waits for a job's ranks
+    (`restart`: up to `wait_exit` for ranks that may ignore the signal) makes only that user's later jobs wait, never
+    another user's (however many jobs one user lists first). The outcomes are combined as each_job's, in the order
+    the jobs were given. An exception other than ActionError (a bug) in one job's `act` is raised once every lane is
+    over (the first in that order), and the runner fails the action, as with each_job. The lanes are joined without
+    a deadline of their own: each job's turn is bounded by its own wait, and the responder stops waiting for the
+    action at its `timeout` while this thread goes on (a thread cannot be stopped), as a turn of each_job did. Daemon
+    threads, as the action's own: a stop of the agent never waits for them; a lane whose thread cannot start (the
+    unit's TasksMax) runs here, after the others began."""
     given = list(jobs)
-    if len(given) < 2:  # nothing to wait for at once
+    by_user: dict[int | None, list[int]] = {}
+    for index, job in enumerate(given):
+        by_user.setdefault(job.uid, []).append(index)
+    if len(by_user) < 2:  # one user: their jobs in turn, as each_job
         return each_job(given, act)
+    shared: list[list[int]] = [[] for _ in range(min(max(1, lanes), len(by_user)))]
+    for n, indices in enumerate(by_user.values()):
+        shared[n % len(shared)].extend(indices)
     outcomes: list[str | ActionError] = [ActionError("ended without an outcome")] * len(given)
-    bugs: dict[int, BaseException] = {}  # each thread writes its own jobs' entries
-    turns = queue.SimpleQueue[int]()
-    for index in range(len(given)):
-        turns.put(index)
+    bugs: dict[int, BaseException] = {}  # each lane writes its own jobs' entries
 
-    def work() -> None:
-        while True:
-            try:
-                index = turns.get_nowait()
-            except queue.Empty:
-                return
+    def lane(indices: list[int]) -> None:
+        for index in indices:
             try:
                 outcomes[index] = _outcome(given[index], act)
             except BaseException as exc:  # noqa: BLE001 - raised again in the action's thread, below
                 bugs[index] = exc
 
-    threads = [threading.Thread(target=work, name=f"job-turns-{n}", daemon=True)
-               for n in range(min(max(1, most), len(given)))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
+    started, inline = [], []
+    for n, indices in enumerate(shared):
+        thread = threading.Thread(target=lane, args=(indices,), name=f"job-lane-{n}", daemon=True)
+        try:
+            thread.start()
+            started.append(thread)
+        except RuntimeError:  # no thread to be had: this lane in the action's own thread
+            inline.append(indices)
+    for indices in inline:
+        lane(indices)
+    for thread in started:
         thread.join()
     if bugs:
         raise bugs[min(bugs)]
