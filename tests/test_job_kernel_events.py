@@ -307,8 +307,8 @@ def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
                                          f"its open file {data}): it does not answer (a statfs still blocked after "
                                          "1s)"), result.summary
         assert "bring its server" in result.details["next_step"]
-        assert result.details[CAUSE_KIND] == FILE_SYSTEM  # its `fs_actions` run: drain, not restart into it
-        assert result.details["scope"] == "node"  # said on this node even where another owns the job
+        # a statfs that blocks is said, but drains nothing: a local account can slow a shared mount's statfs
+        assert result.details[CAUSE_KIND] is None and "scope" not in result.details
 
         told.start(lambda: None)
         assert told.kernel is not None
@@ -323,7 +323,8 @@ def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
                                          f"says NFS server not responding (nfs {hung_mount.server}) since "
                                          f"{clock_time(since.since)}"), result.summary
         assert result.details["cause"] and "server stopped answering" in result.details["next_step"]
-        assert result.details[CAUSE_KIND] == FILE_SYSTEM
+        assert result.details[CAUSE_KIND] == FILE_SYSTEM  # the kernel's word: its `fs_actions` run, not a restart
+        assert result.details["scope"] == "node"  # said on this node even where another owns the job
     finally:
         told.stop()
         silent.stop()
@@ -374,12 +375,12 @@ def test_a_lustre_target_the_kernel_lost_is_the_cause_and_a_blocked_rank_on_no_m
                                "the kernel says Lustre connection lost (lustre scratch-OST0003) since "), cause[0]
     likely = fs_cause([("pid 9", None)], notes, MOUNTS, lambda m: None)
     assert likely is not None and "likely what they wait on" in likely[0] and "/lustre/scratch" in likely[0]
-    assert likely.down
+    assert not likely.down  # a guess: said, never drained on
     # without a kernel record, whether a statfs of the mount answers says if it is down
     answered = fs_cause(waits, KernelNotes(), MOUNTS, lambda m: None)
     assert answered is not None and "it answers now" in answered.text and not answered.down
     stuck = fs_cause(waits, KernelNotes(), MOUNTS, lambda m: "a statfs still blocked after 1s")
-    assert stuck is not None and "it does not answer" in stuck.text and stuck.down
+    assert stuck is not None and "it does not answer" in stuck.text and not stuck.down  # the kernel's word only
     assert fs_cause([("pid 9", None)], KernelNotes(), MOUNTS, lambda m: None) is None
     notes.feed(KernelRecord(2, 4, 0, usec + 1, "Lustre: scratch-OST0003-osc-ffff8e0b6c5e1000: Connection restored to "
                                                "10.0.0.3@o2ib (at 10.0.0.3@o2ib)"))
@@ -395,17 +396,22 @@ USERS_FUSE, ROOTS_FUSE = parse_mountinfo(
 
 def test_a_fuse_mount_a_user_made_never_reads_as_the_nodes_dead_file_system() -> None:
     """A user's own FUSE mount that stops answering (a statfs blocks, or the kernel names a server of its name) is
-    the cause of their hang, but not the node's fault: it keeps `actions`; a root's mount of the same kind is down."""
+    the cause of their hang, but not the node's fault: it keeps `actions` and is never statfs'd; a root's mount of the
+    same kind is down when the kernel says its server is."""
     assert (USERS_FUSE.made_by, ROOTS_FUSE.made_by, NFS.made_by) == (1001, None, None)
     waits = [("rank 0", FsWait(7, USERS_FUSE, "its open file /tmp/ufuse.ixDM/m/data"))]
-    stuck = fs_cause(waits, KernelNotes(), [USERS_FUSE], lambda m: "a statfs still blocked after 1s")
+    def never(m: Mount) -> str:
+        raise AssertionError(f"statfs of {m.mountpoint}: its user decides how long that takes")
+
+    stuck = fs_cause(waits, KernelNotes(), [USERS_FUSE], never)
     assert stuck is not None and not stuck.down and stuck.text.endswith("mounted by uid 1001, not the node's")
     notes = KernelNotes()
     notes.feed(KernelRecord(1, 4, 0, int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6),
                             nfs_not_responding("srv9")))
     told = fs_cause(waits, notes, [USERS_FUSE], lambda m: None)
-    assert told is not None and "the kernel says NFS server not responding" in told.text and not told.down
-    roots = fs_cause([("rank 0", FsWait(7, ROOTS_FUSE, "x"))], KernelNotes(), [ROOTS_FUSE], lambda m: "blocked")
+    assert told is not None and "kernel says" not in told.text and not told.down  # an NFS server of its name
+    notes.feed(KernelRecord(2, 4, 0, int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6), nfs_not_responding("fs7")))
+    roots = fs_cause([("rank 0", FsWait(7, ROOTS_FUSE, "x"))], notes, [ROOTS_FUSE], lambda m: None)
     assert roots is not None and roots.down
 
 

@@ -66,8 +66,8 @@ STATE_KEY = "hang.counters"
 SIGNALS_SHARE = 0.5  # of the timeout, what the jobs' progress signals share (`budgets`): the rest is the dumps' room
 DUMPS_KEY = "hang.dumps"  # job key -> the hang its stacks were taken for: a restart does not dump a still-hung job again
 _WRITE_MODES = ("w", "a", "r+", "w+", "a+")
-# details["cause_kind"] of a hang whose blocked ranks wait on a file system that does not answer (the kernel says its
-# server is not responding or its connection lost, or a statfs of it blocked or failed): it runs `fs_actions`
+# details["cause_kind"] of a hang whose blocked ranks wait on a file system the kernel says does not answer (its
+# server not responding, its connection lost): it runs `fs_actions`
 CAUSE_KIND = "cause_kind"
 FILE_SYSTEM = "file_system"
 
@@ -121,13 +121,14 @@ class HangSettings(KernelLogSettings):
                                     "is not repeated while it does).")
     fs_actions: ActionBinding | None = Field(
         default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]),
-        description="Instead of `actions`, the actions of a hang whose blocked ranks wait on a file system that does "
-                    "not answer (the kernel says its server is not responding or its connection lost, or a statfs of "
-                    "it failed or did not return within `mount_timeout`; details `cause_kind = \"file_system\"`). A "
-                    "restart in place would hang again in this node's dead mount, so by default as for the node's "
-                    "other faults (xid, kernel): ask the job to save, drain the node, requeue the job onto other "
-                    "nodes. A server down for every node drains every node that runs a job on it, up to the drain's "
-                    "`max_drained`. `{}`: alert only; None: `actions`.")
+        description="Instead of `actions`, the actions of a hang whose blocked ranks wait on a file system the kernel "
+                    "says does not answer (its NFS server not responding, its Lustre connection lost, on the mount "
+                    "their open files lie on, not one a local account made with FUSE; details `cause_kind = "
+                    "\"file_system\"`; a slow or failed statfs alone only says so in the alert). A restart in place "
+                    "would hang again in this node's dead mount, so by default as for the node's other faults (xid, "
+                    "kernel): ask the job to save, drain the node, requeue the job onto other nodes. A server down "
+                    "for every node drains every node that runs a job on it, up to the drain's `max_drained`. `{}`: "
+                    "alert only.")
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def blocked_waits(procs: list[psutil.Process], proc: ProcFS, mounts: list[Mount]
 class FsCause(NamedTuple):
     text: str  # the cause, in words
     lever: str  # what to do about it
-    down: bool  # the file system does not answer (the kernel says so, or a statfs of it did not return or failed)
+    down: bool  # the kernel says the mount the ranks' files lie on does not answer (and no local account made it)
 
 
 def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts: list[Mount],
@@ -240,23 +241,24 @@ def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts:
             return None
         mount, t = trouble
         return FsCause(f"{_who([w for w, _ in waits], 'blocked')} in D state while the kernel says {t.describe()}, "
-                       f"mounted at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind),
-                       mount.made_by is None)
+                       f"mounted at {one_line(mount.mountpoint, 200)}: likely what they wait on", _lever(t.kind), False)
     mount, blocked = max(by_mount.items(), key=lambda kv: len(kv[1]))
     what = one_line(f"{mount.fstype} {mount.device} at {mount.mountpoint}", 300)  # a user's FUSE names its source
     hung = [n for _, w in blocked if (n := notes.hung(w.pid)) is not None]
     also = f"; the kernel reported pid {hung[0].pid} blocked for more than {hung[0].seconds} s" if hung else ""
     who = _who([w for w, _ in blocked], "waits" if len(blocked) == 1 else "wait")
-    # A FUSE mount a local account made is served by that account: its silence is never the node's fault (a user
-    # whose own job hangs on it must not drain the node), so it keeps the check's `actions` however dead it reads.
-    users = f"; mounted by uid {mount.made_by}, not the node's" if mount.made_by is not None else ""
+    # Down, for `fs_actions` (a drain), only on the kernel's word about the very mount the ranks' files lie on: a
+    # local account can make a process sit in D state holding a file anywhere and load a shared file system until
+    # a statfs is slow, but cannot write the kernel log. A FUSE mount a local account made is served by that account:
+    # its silence is never the node's fault, and the agent does not statfs it (its server decides how long that takes).
+    if mount.made_by is not None:
+        return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}){also}; mounted by uid "
+                       f"{mount.made_by}, not the node's", _lever(""), False)
     if (t := notes.trouble(mount)) is not None:
-        return FsCause(f"{who} in D state on {what}: the kernel says {t.describe()}{also}{users}", _lever(t.kind),
-                       not users)
+        return FsCause(f"{who} in D state on {what}: the kernel says {t.describe()}{also}", _lever(t.kind), True)
     why = answers(mount)
     state = f"it does not answer ({why})" if why else "it answers now (slow, or answering again)"
-    return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}{users}", _lever(""),
-                   why is not None and not users)
+    return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}", _lever(""), False)
 
 
 def _who(names: list[str], verb: str = "") -> str:
