@@ -25,8 +25,9 @@ gsp (XID 119, the GPU lost to NVML) and ib_down (the node's HCA port DOWN in its
 rank's NCCL NET/IB error); each site fault once, hung_fs among them (also by `--kinds hung_fs`: the node's data mount, a
 FUSE stand-in for its NFS mount `fsN:/export` that every rank reads each step, stops answering and the kernel says
 `nfs: server fsN not responding, still trying`: the rank there, and any rank started there, blocks in D state); a node
-drained for a hardware fault or a dead mount is repaired and resumed `--repair-after` later (the operator clears what
-its agent holds; a lemon the agents hold stays out). `--scenario
+drained for a hardware fault or a dead mount is repaired and resumed `--repair-after` later, as a replacement: another
+machine of the pool, a new agent with an empty state (`--repaired-same-node`: the same node, the operator clears what
+its agent holds; the lemon scenario's node always is); a lemon the agents hold stays out. `--scenario
 lemon`: n1's GPU fails every `--lemon-every` while the job runs there, and one more run with trainguard whose agents
 have no lemon rules. `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
 cost. `--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
@@ -270,6 +271,9 @@ class Run:
         self.drained: set[str] = set()
         self.repair_after = site.repair_after
         self.repairs: dict[str, float] = {}  # node -> when its repair is done (run clock)
+        # a replacement's resume waits for its new agent (node -> the run clock when it resumes even so)
+        self.replacing: dict[str, float] = {}
+        self.lives: dict[str, list[float]] = {}  # node -> when each agent after its first started (run clock)
         self.reboots: dict[str, float] = {}  # node -> when its host maintenance takes it down (run clock)
         self.lemon_every, self.lemon_next = site.lemon_every, 0.12 * duration
         self.lemon_policy = site.lemon_policy
@@ -300,7 +304,7 @@ class Run:
                        timeout=10)
         stack.callback(lambda: subprocess.run(["umount", "-l", str(self.ckpt)], check=False, timeout=10))
         shutil.chown(self.ckpt, JOB_USER, JOB_USER)
-        fifos = {n: self.base / f"kmsg-{n}" for n in self.cluster.nodes}
+        self.fifos = fifos = {n: self.base / f"kmsg-{n}" for n in self.cluster.nodes}
         for node in self.cluster.nodes:
             shutil.copytree(IB_TREE, self.base / f"ib-{node}", symlinks=True)
             data_mount(stack, self.base / f"data-{node}", server_of(node), self.hung_mark(node))
@@ -640,6 +644,12 @@ class Run:
             if t >= due:
                 del self.repairs[node]
                 self.repair(node, t)
+        for node, latest in list(self.replacing.items()):
+            # as the fleet's pool does, the replacement joins once its agent watches it (or, said, when it never does)
+            ready = self.agents[node].output().count("msg=ready") > len(self.lives[node])
+            if ready or t >= latest:
+                del self.replacing[node]
+                self.resume(node, "as a replacement, fresh agent state" + ("" if ready else "; its agent not ready"))
 
     def reboot(self, node: str, t: float) -> None:
         """The host's maintenance takes the node down: every process of the job there dies (SIGKILL)."""
@@ -654,12 +664,30 @@ class Run:
 
     def repair(self, node: str, t: float) -> None:
         """The site's repair of a drained node (a reset, a reboot, a reseated cable, the NFS server back): its GPU, port
-        and data mount read healthy again (the kernel says its server is OK), its ranks run again, the operator clears
-        what its agent holds (`trainguard clear`) and resumes it in SLURM. A node its agent's lemon policy holds stays
-        out: the operator reads the reason and sends the GPU back."""
-        if self.trainguard and any(a["node"] == node and a["check"] == "lemon" for a in self.fired()):
+        and data mount read healthy again (`heal`), its ranks run again, and it is resumed in SLURM. As a replacement
+        (`replaced_on_repair`): another machine of the pool, whose new agent starts with an empty state and holds
+        nothing; else the same one, whose agent keeps its history: the operator clears what it holds (`trainguard
+        clear`). A node its agent's lemon policy holds stays out: the operator reads the reason and sends the GPU
+        back."""
+        born = self.lives.get(node, [-math.inf])[-1]  # its current agent's holds (a replaced one's went with it)
+        if self.trainguard and any(a["node"] == node and a["check"] == "lemon" and a["t"] >= born
+                                   for a in self.fired()):
             self.rec.actions.append({"t": t, "who": "site", "what": f"{node} held by the lemon policy: not resumed"})
             return
+        if node in self.agents and replaced_on_repair(node, self.site):
+            self.retire_agent(node, t)  # before the repair: the old machine's agent sees none of it
+            self.heal(node)
+            # after it: the new agent's first round must not read the old machine's lost GPU
+            self.agents[node] = self.start_agent(node, self.fifos[node])
+            self.replacing[node] = t + 60.0  # watch_drains resumes it once its agent is ready
+            return
+        self.heal(node)
+        if node in self.agents:
+            self.clear_holds(node)
+        self.resume(node, "the same node" if node in self.agents else "")
+
+    def heal(self, node: str) -> None:
+        """The node's GPU, HCA port and data mount healthy again (the kernel says its mount's server is OK)."""
         (self.base / f"gpu-state-{node}.json").unlink(missing_ok=True)
         for name in (f"gpu-lost-{node}", f"ib-down-{node}"):
             (self.run_dir / "faults" / name).unlink(missing_ok=True)
@@ -670,18 +698,37 @@ class Run:
             self.hung_mark(node).unlink(missing_ok=True)  # the reads blocked on it return
             write_kmsg(5, NFS_OK.format(server=server_of(node)))
         self.broken.discard(node)
-        if node in self.agents:
-            cleared = {(a["check"], a["subject"]) for a in self.fired() if a["node"] == node
-                       and a["check"] in ("xid", "infiniband", "gpu", "kernel") and a["status"] == "CRITICAL"}
-            for check, subject in sorted(cleared):
-                proc = subprocess.run([sys.executable, "-m", "trainguard", "clear", "--config",
-                                       str(self.agents[node].config), f"{check}/{subject}", "--reason", "repaired"],
-                                      capture_output=True, text=True, timeout=60, check=False,
-                                      env={**os.environ, "PYTHONPATH": str(REPO)})
-                self.rec.actions.append({"t": self.now(), "who": "site", "what": f"trainguard clear {check}/{subject}: "
-                                         f"{(proc.stdout or proc.stderr).strip()[:200]}"})
+
+    def clear_holds(self, node: str) -> None:
+        """What the node's agent holds of the hardware checks' (their CRITICAL incidents), cleared by the operator."""
+        cleared = {(a["check"], a["subject"]) for a in self.fired() if a["node"] == node
+                   and a["check"] in ("xid", "infiniband", "gpu", "kernel") and a["status"] == "CRITICAL"}
+        for check, subject in sorted(cleared):
+            proc = subprocess.run([sys.executable, "-m", "trainguard", "clear", "--config",
+                                   str(self.agents[node].config), f"{check}/{subject}", "--reason", "repaired"],
+                                  capture_output=True, text=True, timeout=60, check=False,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+            self.rec.actions.append({"t": self.now(), "who": "site", "what": f"trainguard clear {check}/{subject}: "
+                                     f"{(proc.stdout or proc.stderr).strip()[:200]}"})
+
+    def resume(self, node: str, how: str) -> None:
         self.cluster.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
-        self.rec.actions.append({"t": self.now(), "who": "site", "what": f"repaired {node}, resumed"})
+        self.rec.actions.append({"t": self.now(), "who": "site",
+                                 "what": f"repaired {node}{f' ({how})' if how else ''}, resumed"})
+
+    def retire_agent(self, node: str, t: float) -> None:
+        """The node's agent stopped as its machine leaves, its state dir kept beside it for the record (`state-nN.K`,
+        K its life). The new one (`start_agent`: the same config, an empty state dir) logs to the same file: every
+        reader of `agent-nN.log` (fired, agent_actions, collect) counts each life's alerts and actions, on one clock
+        (the log's timestamps); when each life after the first began is `lives`."""
+        self.agents[node].stop()
+        lives = self.lives.setdefault(node, [])
+        state = self.base / f"state-{node}"
+        if state.exists():
+            state.rename(self.base / f"state-{node}.{len(lives) + 1}")
+        lives.append(t)
+        self.rec.actions.append({"t": self.now(), "who": "site", "what": f"{node} replaced: a new agent, an empty "
+                                 f"state (the old one kept as state-{node}.{len(lives)})"})
 
     # what happened -------------------------------------------------------------------------------------------------
     def steps(self) -> list[tuple[float, int, bool]]:
@@ -851,7 +898,19 @@ def analyse(rec: Record, scale: Scale, step_time: float) -> dict[str, Any]:
             "attempt_ends": attempt_ends(rec),
             # a look that came with a page counts: what it did may have been the look's
             "human_looks_acted": sum(1 for a in rec.actions if a["who"] in ("human (look)", "human (look+page)")),
+            "repairs": sum(1 for a in rec.actions if a["who"] == "site" and a["what"].startswith("repaired ")),
+            "replaced": sum(1 for a in rec.actions if a["who"] == "site" and " replaced: " in a["what"]),
             **({"lemon": lemon} if lemon else {})}
+
+
+REPAIR_SAID = {"replacement": "a replacement node (fresh agent state; the lemon scenario's node excepted)",
+               "same node": "the same node (its agent's history kept, what it holds cleared)"}
+
+
+def repair_model(r: dict[str, Any]) -> str | None:
+    """What a run's repaired nodes were (Site.repair_model); a run saved before it was recorded repaired the same node
+    (None: no repair, said or done)."""
+    return r["repair"] if "repair" in r else "same node" if r.get("repairs") else None
 
 
 def lemon_figures(rec: Record) -> dict[str, Any]:
@@ -899,9 +958,12 @@ def table(results: list[dict[str, Any]], seed: int, scale: Scale) -> str:
     human = w.get("human", asdict(Human()))
     without = [r for r in results if not r["trainguard"]]
     wo = next((r for r in without if r.get("human", asdict(Human())) == human), without[0])
+    model = repair_model(w)
     lines = [heading(f"Goodput under chaos (seed {seed}, time x{scale.factor:g})"),
              f"The human looks every {human['look_every_min']:g} minutes; paged, acts {human['page_response_min']:g} "
-             "minutes after the alert.", "", "| | with trainguard | without |", "|---|---|---|"]
+             "minutes after the alert." + (f" Repair: {REPAIR_SAID[model]}; with trainguard {w.get('repairs', 0)} "
+                                           f"repairs, {w.get('replaced', 0)} replacements." if model else ""), "",
+             "| | with trainguard | without |", "|---|---|---|"]
     for label, key in (("goodput (counted / possible steps)", "goodput"), ("steps counted (in a finite checkpoint)",
                        "counted_steps"), ("steps possible at the fault-free pace", "possible_steps"),
                        ("fault-free pace (s/step)", "pace_s"), ("wall time (s), of it paused by the user", None),
@@ -1039,6 +1101,7 @@ def summarize(per_seed: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     out["kinds"] = sorted(({"kind": k, **v, "steps": round(v["steps"], 1),
                             "of_goodput": round(v["steps"] / possible, 4) if possible else 0.0}
                            for k, v in kinds.items()), key=lambda k: -k["steps"])
+    out["repair"] = sorted({m for w in withs.values() if (m := repair_model(w))})
     out["wrong_drains"] = sum(1 for rs in per_seed.values() for r in rs for d in r["drains"] if not d["right"])
     return out
 
@@ -1050,7 +1113,8 @@ def seeds_table(summary: dict[str, Any], scale: Scale, schedule_name: str) -> st
     w = summary["with"]
     lines = [heading(f"Goodput under chaos over {w['n']} seeds ({', '.join(map(str, summary['seeds']))}; "
                      f"schedule {schedule_name}, time x{scale.factor:g})"),
-             f"Goodput with trainguard: mean {fmt(w)} of the fault-free pace.", "",
+             f"Goodput with trainguard: mean {fmt(w)} of the fault-free pace."
+             + "".join(f" Repair: {REPAIR_SAID[m]}." for m in summary.get("repair", [])), "",
              "| the human looks every (minutes) | goodput without: mean (stdev, min-max) | with trainguard / "
              "without |", "|---|---|---|"]
     lines += [f"| {m:g} | {fmt(h['goodput'])} | {fmt(h['ratio'], 'x')} |" for m, h in summary["without"].items()]
@@ -1145,12 +1209,30 @@ class Site:
     after its drain a node whose hardware failed is repaired and resumed (`repair_after`; None: not during the run,
     as in the default schedule, whose one XID needs no repair); every how long the lemon node's GPU fails again
     (`lemon_every`; 0: no lemon node); whether the agents keep their lemon rules (`lemon_policy`; the installed
-    default) or have none."""
+    default) or have none; whether a repaired node comes back as a replacement with a fresh agent state
+    (`replace_repaired`, `replaced_on_repair`) or as the same node (`--repaired-same-node`: the runs before it)."""
 
     slow_policy: str = "alert"
     repair_after: float | None = None
     lemon_every: float = 0.0
     lemon_policy: bool = True
+    replace_repaired: bool = True
+
+    def repair_model(self) -> str | None:
+        """What a repaired node is, as the run's JSON and report say it (None: no repair during the run)."""
+        if self.repair_after is None:
+            return None
+        return "replacement" if self.replace_repaired else "same node"
+
+
+def replaced_on_repair(node: str, site: Site) -> bool:
+    """Whether `node`, repaired, comes back as another machine with an empty agent state. Each node here takes the
+    faults of ~680 of the fleet's 2,048 (the whole job's stream lands on the job's 3) and the lemon rules count per node: a
+    node kept through its repairs gathers unrelated faults into a lemon. In the fleet a drained node's place in the
+    job is taken from the pool, and the node back from its repair is another machine for the job (the same one
+    again: about 1 in 2,048). The lemon scenario's node is never replaced: it stands for one machine whose repairs did
+    not fix it, which the site keeps putting back; its history is what the lemon rules must see."""
+    return site.replace_repaired and not (site.lemon_every and node == LEMON_NODE)
 
 
 def run_once(base: Path, trainguard: bool, faults: list[Fault], duration: float, scale: Scale, step_time: float,
@@ -1201,7 +1283,8 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
     finally:
         if out_dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    results = [{**analyse(r, scale, step_time), "human": asdict(person), "lemon_policy": where.lemon_policy}
+    results = [{**analyse(r, scale, step_time), "human": asdict(person), "lemon_policy": where.lemon_policy,
+                "repair": where.repair_model()}
                for r, (_, person, _, where) in zip(records, runs, strict=True)]
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1293,6 +1376,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"lemon: {LEMON_NODE}'s GPU fails (XID 79) every --lemon-every while the job runs there, "
                         "repaired after --repair-after each time; one more run with trainguard whose agents have no "
                         "lemon rules; on top of the fleet's faults (--schedule fleet), whose requeues bring the job back to it")
+    p.add_argument("--repaired-same-node", action="store_true",
+                   help="a repaired node comes back as the same node, its agent's history kept and what it holds "
+                        "cleared (the runs before 2026-11-30); default: as a replacement, a new agent with an empty "
+                        "state (the lemon scenario's node always keeps its own)")
     p.add_argument("--lemon-every", type=float, default=180.0, metavar="MINUTES",
                    help="--scenario lemon: how often the lemon node's GPU fails again (real-world minutes, scaled)")
     p.add_argument("--fault-free", action="store_true",
@@ -1321,6 +1408,16 @@ def parser() -> argparse.ArgumentParser:
                    help="run nothing: the report over the seeds (and the plot) from the runs saved in each DIR (an "
                         "earlier --out), joined by seed, written to --out")
     return p
+
+
+def site_of(a: argparse.Namespace, scale: Scale, fleet_like: bool) -> Site:
+    """The site the options say (`fleet_like`: the fleet's schedule or the lemon scenario)."""
+    # 30 minutes, a reset or a reboot: at a fleet's scale a drained node's place is taken by a spare at once, and this
+    # cluster has one; a longer repair would make two faults in a row leave the 3-node job without nodes
+    repair = a.repair_after if a.repair_after is not None else 30.0 if fleet_like else None
+    return Site(a.slow_policy, None if repair is None else scale(repair * 60),
+                scale(a.lemon_every * 60) if a.scenario == "lemon" and not a.fault_free else 0.0,
+                replace_repaired=not a.repaired_same_node)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1353,11 +1450,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(kinds) - set(KINDS) - set(EXTRA_KINDS):
         p.error(f"--kinds: unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS + EXTRA_KINDS)}")
     fleet_like = not a.fault_free and (a.schedule == "fleet" or a.scenario == "lemon")
-    # 30 minutes, a reset or a reboot: at a fleet's scale a drained node's place is taken by a spare at once, and this
-    # cluster has one; a longer repair would make two faults in a row leave the 3-node job without nodes
-    repair = a.repair_after if a.repair_after is not None else 30.0 if fleet_like else None
-    site = Site(a.slow_policy, None if repair is None else scale(repair * 60),
-                scale(a.lemon_every * 60) if a.scenario == "lemon" and not a.fault_free else 0.0)
+    site = site_of(a, scale, fleet_like)
     per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]] = {}
     for seed in seeds:
         faults = fleet_schedule(seed, a.minutes * 60, scale, a.rate) if fleet_like else None

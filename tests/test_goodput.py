@@ -22,6 +22,7 @@ import pytest
 from benchmarks import goodput_fleet as fleet
 from benchmarks.goodput import (
     EXTRA_KINDS,
+    IB_TREE,
     KINDS,
     NFS_DOWN,
     NFS_OK,
@@ -30,6 +31,7 @@ from benchmarks.goodput import (
     Record,
     Run,
     Scale,
+    Site,
     analyse,
     attempt_ends,
     benchmark,
@@ -43,10 +45,13 @@ from benchmarks.goodput import (
     node_of_record,
     other_humans,
     paired,
+    parser,
+    replaced_on_repair,
     report,
     saved,
     schedule,
     seeds_table,
+    site_of,
     step_cost,
     summarize,
     table,
@@ -566,3 +571,93 @@ def test_a_rank_reads_its_nodes_data_mount_every_step_and_blocks_while_it_hangs(
         wait_until(lambda: psutil.Process(trainer.pid).status() == psutil.STATUS_DISK_SLEEP, 10,
                    what="the rank blocked again")
     assert trainer.returncode == -signal.SIGKILL and not hung.exists()
+
+
+# the repair: a replacement node ------------------------------------------------------------------------------------
+def test_a_repaired_node_comes_back_as_a_replacement_but_the_lemon_scenarios_node_never() -> None:
+    """Each node here takes ~680 fleet nodes' faults: kept through its repairs, unrelated faults make it a lemon. The
+    fleet replaces a drained node; the lemon scenario's node is one machine put back again and again."""
+    fleet_site = site_of(parser().parse_args(["--schedule", "fleet"]), Scale(60), fleet_like=True)
+    assert fleet_site.repair_after == 30.0 and fleet_site.repair_model() == "replacement"
+    assert [replaced_on_repair(n, fleet_site) for n in ("n1", "n2", "n3", "n4")] == [True] * 4
+    lemon = site_of(parser().parse_args(["--scenario", "lemon"]), Scale(60), fleet_like=True)
+    assert [replaced_on_repair(n, lemon) for n in ("n1", "n2", "n3", "n4")] == [False, True, True, True]
+    same = site_of(parser().parse_args(["--schedule", "fleet", "--repaired-same-node"]), Scale(60), fleet_like=True)
+    assert same.repair_model() == "same node" and not any(replaced_on_repair(n, same) for n in ("n1", "n2"))
+    assert site_of(parser().parse_args([]), Scale(60), fleet_like=False).repair_model() is None  # no repair at all
+
+
+class _Agent:
+    """An agent's log and its stop, as the harness uses them (no process)."""
+
+    def __init__(self, log: Path) -> None:
+        self.config, self.log, self.stopped = log.with_suffix(".toml"), log, False
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _repairable(tmp_path: Path, site: Site) -> Run:
+    run = Run(tmp_path, True, [], 60.0, Scale(60), look_every=30.0, page_response=5.0, step_time=0.5, ckpt_every=20,
+              site=site)
+    run.cluster = _Cluster()  # type: ignore[assignment]
+    run.run_dir = tmp_path / "run"
+    (run.run_dir / "faults").mkdir(parents=True)
+    run.t0 = time.time() - 40
+    for node in ("n1", "n2"):
+        shutil.copytree(IB_TREE, tmp_path / f"ib-{node}", symlinks=True)
+        (tmp_path / f"state-{node}").mkdir()
+        (tmp_path / f"agent-{node}.log").write_text("ts=x level=INFO msg=ready\n")
+        run.agents[node] = _Agent(tmp_path / f"agent-{node}.log")  # type: ignore[assignment]
+    run.fifos = {n: tmp_path / f"kmsg-{n}" for n in ("n1", "n2")}
+    run.start_agent = lambda node, fifo: _Agent(tmp_path / f"agent-{node}.log")  # type: ignore[method-assign]
+    return run
+
+
+def test_a_replacement_gets_a_new_agent_with_an_empty_state_and_joins_once_it_is_ready(tmp_path: Path) -> None:
+    run = _repairable(tmp_path, Site(repair_after=30.0, lemon_every=180.0))
+    old = run.agents["n2"]
+    (tmp_path / "gpu-state-n2.json").write_text('{"lost": true}')
+    run.broken = {"n1", "n2"}
+    run.repair("n2", 10.0)
+    assert old.stopped and run.agents["n2"] is not old  # type: ignore[attr-defined]
+    assert not (tmp_path / "state-n2").exists() and (tmp_path / "state-n2.1").is_dir()  # kept for the record
+    assert not (tmp_path / "gpu-state-n2.json").exists() and "n2" not in run.broken
+    assert run.cluster.commands == []  # type: ignore[attr-defined]  # not resumed before its agent is ready
+    run.watch_drains(11.0)
+    assert run.cluster.commands == []  # type: ignore[attr-defined]
+    with (tmp_path / "agent-n2.log").open("a") as log:  # the new life logs to the same file
+        log.write("ts=y level=INFO msg=ready\n")
+    run.watch_drains(12.0)
+    assert run.cluster.commands == [("scontrol", "update", "nodename=n2", "state=resume")]  # type: ignore[attr-defined]
+    assert run.rec.actions[-1]["what"] == "repaired n2 (as a replacement, fresh agent state), resumed"
+    assert run.lives == {"n2": [10.0]}
+    # the lemon scenario's node: the same machine, its agent and state kept
+    lemon = run.agents["n1"]
+    run.repair("n1", 13.0)
+    assert not lemon.stopped and run.agents["n1"] is lemon and (tmp_path / "state-n1").is_dir()  # type: ignore[attr-defined]
+    assert run.cluster.commands[-1] == ("scontrol", "update", "nodename=n1", "state=resume")  # type: ignore[attr-defined]
+    assert run.rec.actions[-1]["what"] == "repaired n1 (the same node), resumed"
+
+
+def test_the_report_says_which_repair_the_runs_had() -> None:
+    rec = Record(trainguard=True, duration=10.0)
+    rec.actions = [{"t": 1.0, "who": "site", "what": "n2 replaced: a new agent, an empty state"},
+                   {"t": 2.0, "who": "site", "what": "repaired n2 (as a replacement, fresh agent state), resumed"}]
+    figures = analyse(rec, Scale(60), 0.5)
+    assert (figures["repairs"], figures["replaced"]) == (1, 1)
+    w = {**_result(True, 0.9), **figures, "goodput": 0.9, "repair": "replacement"}
+    wo = {**_result(False, 0.5), **analyse(Record(trainguard=False, duration=10.0), Scale(60), 0.5), "repair": None}
+    assert "Repair: a replacement node (fresh agent state; the lemon scenario's node excepted); with trainguard 1 " \
+           "repairs, 1 replacements." in table([w, wo], 1, Scale(60))
+    older = {**w, "replaced": 0}
+    del older["repair"]  # saved before the model was recorded: the same node came back
+    summary = summarize({1: [w, _result(False, 0.5)], 2: [older, _result(False, 0.5)]})
+    assert summary["repair"] == ["replacement", "same node"]
+    text = seeds_table(summary, Scale(60), "fleet")
+    assert "Repair: a replacement node" in text and "Repair: the same node (its agent's history kept" in text
+    none = {**wo, "trainguard": True, "repair": None}
+    assert "Repair" not in table([none, wo], 1, Scale(60))  # no repair, none said
