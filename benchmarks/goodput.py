@@ -722,6 +722,15 @@ class Run:
         reader of `agent-nN.log` (fired, agent_actions, collect) counts each life's alerts and actions, on one clock
         (the log's timestamps); when each life after the first began is `lives`."""
         self.agents[node].stop()
+        # a line cut by the kill must not swallow the next life's first one
+        with contextlib.suppress(FileNotFoundError), self.agents[node].log.open("rb+") as log:
+            if log.seek(0, os.SEEK_END):
+                log.seek(-1, os.SEEK_END)
+                if log.read(1) != b"\n":
+                    log.write(b"\n")
+        # The scripted GPU keeps its serial (derived from the node's PCI domain, tests/helpers/fake_gpu_agent.py): it
+        # is recorded only in the agent's state (the ledger counts faults by serial there), and nothing else keyed by
+        # it is shared between the lives, so the empty state dir is a new machine to the lemon rules.
         lives = self.lives.setdefault(node, [])
         state = self.base / f"state-{node}"
         if state.exists():

@@ -622,6 +622,8 @@ def test_a_replacement_gets_a_new_agent_with_an_empty_state_and_joins_once_it_is
     old = run.agents["n2"]
     (tmp_path / "gpu-state-n2.json").write_text('{"lost": true}')
     run.broken = {"n1", "n2"}
+    with (tmp_path / "agent-n2.log").open("a") as log:
+        log.write("ts=x level=INFO msg=incid")  # the old agent killed in the middle of a line
     run.repair("n2", 10.0)
     assert old.stopped and run.agents["n2"] is not old  # type: ignore[attr-defined]
     assert not (tmp_path / "state-n2").exists() and (tmp_path / "state-n2.1").is_dir()  # kept for the record
@@ -632,6 +634,7 @@ def test_a_replacement_gets_a_new_agent_with_an_empty_state_and_joins_once_it_is
     with (tmp_path / "agent-n2.log").open("a") as log:  # the new life logs to the same file
         log.write("ts=y level=INFO msg=ready\n")
     run.watch_drains(12.0)
+    assert (tmp_path / "agent-n2.log").read_text().endswith("msg=incid\nts=y level=INFO msg=ready\n")
     assert run.cluster.commands == [("scontrol", "update", "nodename=n2", "state=resume")]  # type: ignore[attr-defined]
     assert run.rec.actions[-1]["what"] == "repaired n2 (as a replacement, fresh agent state), resumed"
     assert run.lives == {"n2": [10.0]}
