@@ -1387,8 +1387,8 @@ def parser() -> argparse.ArgumentParser:
                         "lemon rules; on top of the fleet's faults (--schedule fleet), whose requeues bring the job back to it")
     p.add_argument("--repaired-same-node", action="store_true",
                    help="a repaired node comes back as the same node, its agent's history kept and what it holds "
-                        "cleared (the runs of record made before this option); default: as a replacement, a new agent with an empty "
-                        "state (the lemon scenario's node always keeps its own)")
+                        "cleared (the runs of record made before this option); default: as a replacement, a new "
+                        "agent with an empty state (the lemon scenario's node always keeps its own)")
     p.add_argument("--lemon-every", type=float, default=180.0, metavar="MINUTES",
                    help="--scenario lemon: how often the lemon node's GPU fails again (real-world minutes, scaled)")
     p.add_argument("--fault-free", action="store_true",
