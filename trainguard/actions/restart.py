@@ -161,8 +161,8 @@ class RestartAction(Action):
         jobs = slurm_jobs(ctx)
         if not jobs:
             raise ActionSkippedError("no SLURM job on this node to restart")
-        # Each job on its own thread: its turn waits up to wait_exit for ranks that may ignore the signal (and
-        # RELAUNCH_WAIT for a request its user may forge), which no other job's restart waits out. What the turns
+        # One lane per job user: a job's turn waits up to wait_exit for ranks that may ignore the signal (and
+        # RELAUNCH_WAIT for a request its user may forge), which no other user's restart waits out. What the lanes
         # share is theirs to share: ctx is frozen, the claims and the reports lock, each job has its own report,
         # request and records (named by job id), and the SLURM commands are processes with timeouts.
         return each_job_at_once(jobs, lambda job: self._once(job, ctx))

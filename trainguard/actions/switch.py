@@ -83,8 +83,9 @@ def _opened(pfd: int, name: str, path: str) -> int:
 
 
 def _owner(fd: int, identity: Identity) -> int:
-    """The switch dir's owner. One the agent itself owns was made a moment ago by another of its threads (two jobs
-    submitted from one directory, restarted at once) and is handed to the user next: waited for, HANDOVER_S at most."""
+    """The switch dir's owner. One the agent itself owns was made a moment ago by another of its threads (another
+    action's, for a job submitted from the same directory) and is handed to the user next: waited for, HANDOVER_S at
+    most."""
     owner, until = os.fstat(fd).st_uid, time.monotonic() + HANDOVER_S
     while owner == os.geteuid() != identity.uid and time.monotonic() < until:
         time.sleep(0.01)
@@ -100,7 +101,7 @@ def _create_dir(pfd: int, name: str, path: str, identity: Identity) -> int:
                           f"(uid {identity.uid})")
     try:
         os.mkdir(name, 0o755, dir_fd=pfd)
-    except FileExistsError:  # made meanwhile (by its user, or by another job's turn of one restart): checked as found
+    except FileExistsError:  # made meanwhile (by its user, or by another of the agent's actions): checked as found
         return _opened(pfd, name, path)
     except OSError as exc:
         raise ActionError(f"cannot create switch dir {path}: {exc.strerror}") from None
