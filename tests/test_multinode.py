@@ -443,6 +443,9 @@ def test_a_restart_in_place_and_one_without_the_node_start_the_job_once_without_
     from trainguard.core.events import Event, EventKind
     from trainguard.jobs.slurm import SlurmClient
 
+    # -N 2-3 starts on what is free: the last test's cancelled job may still be leaving a node (slow under load)
+    wait_until(lambda: all(s.lower() == "idle" for s, _ in multinode.node_states().values()), 60,
+               what="every node idle (the last test's job gone)")
     job_id, workdir, log = _looped_job(multinode, monkeypatch, "tg-race", "2-3", "-N 2 ", SAVING_RANK_SCRIPT)
 
     nodes = functools.partial(_step_nodes, log)
