@@ -153,6 +153,21 @@ def fleet_schedule(seed: int, duration: float, scale: Scale, per_day: float | No
     return [Fault(at, kind, target) for at, kind, target in fleet.draw(seed, duration, scale.factor, RANKS, mtbi)]
 
 
+def kept_apart(pending: list[Fault], injected: float, gap: float, end: float) -> list[Fault]:
+    """The faults still due after one injected at `injected`, each at least `gap` after the one before it: a fault that
+    waited for a running attempt pushes the later ones back, as the schedule kept them apart (the harness charges each
+    alert to the fault before it: two faults a second apart on one node make one undetected); those pushed past `end`
+    (the schedule's end) dropped, as the schedule drops them."""
+    out: list[Fault] = []
+    last = injected
+    for f in pending:
+        at = max(f.at, last + gap)
+        if at <= end:
+            out.append(f if at == f.at else replace(f, at=round(at, 1)))
+            last = at
+    return out
+
+
 def bus_of(node: str) -> str:
     """The PCI address of node nN's scripted GPU, as the driver prints it: domain 00aN."""
     return f"00a{int(node[1:]):x}:18:00"
@@ -435,6 +450,8 @@ class Run:
             # A fault due while the job is down waits for the next attempt to run: every fault hits a running job.
             while pending and pending[0].at <= t and self.running_attempt(info, pending[0]):
                 self.inject(pending.pop(0))
+                if self.site.fault_gap:
+                    pending = kept_apart(pending, self.now(), self.site.fault_gap, 0.92 * self.duration)
             if self.lemon_every and t >= self.lemon_next and self.running_attempt(info, Fault(t, "lemon", 0)):
                 self.inject(Fault(round(t, 1), "lemon", 0))  # its GPU fails again `lemon_every` after it last did
                 self.lemon_next = t + self.lemon_every
@@ -1219,13 +1236,15 @@ class Site:
     as in the default schedule, whose one XID needs no repair); every how long the lemon node's GPU fails again
     (`lemon_every`; 0: no lemon node); whether the agents keep their lemon rules (`lemon_policy`; the installed
     default) or have none; whether a repaired node comes back as a replacement with a fresh agent state
-    (`replace_repaired`, `replaced_on_repair`) or as the same node (`--repaired-same-node`: the runs before it)."""
+    (`replace_repaired`, `replaced_on_repair`) or as the same node (`--repaired-same-node`: the runs before it);
+    how far apart faults stay when one had to wait for a running job (`fault_gap`, `kept_apart`)."""
 
     slow_policy: str = "alert"
     repair_after: float | None = None
     lemon_every: float = 0.0
     lemon_policy: bool = True
     replace_repaired: bool = True
+    fault_gap: float = 0.0  # a delayed fault keeps the schedule's gap to the next (0: the schedule's times, as before)
 
     def repair_model(self) -> str | None:
         """What a repaired node is, as the run's JSON and report say it (None: no repair during the run)."""
@@ -1426,7 +1445,9 @@ def site_of(a: argparse.Namespace, scale: Scale, fleet_like: bool) -> Site:
     repair = a.repair_after if a.repair_after is not None else 30.0 if fleet_like else None
     return Site(a.slow_policy, None if repair is None else scale(repair * 60),
                 scale(a.lemon_every * 60) if a.scenario == "lemon" and not a.fault_free else 0.0,
-                replace_repaired=not a.repaired_same_node)
+                replace_repaired=not a.repaired_same_node,
+                # the runs with same-node repairs were made before delayed faults kept the gap: they reproduce as made
+                fault_gap=scale(600) if fleet_like and not a.repaired_same_node else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

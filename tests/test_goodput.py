@@ -28,6 +28,7 @@ from benchmarks.goodput import (
     NFS_OK,
     NIC_LINE,
     XID_FAULTS,
+    Fault,
     Record,
     Run,
     Scale,
@@ -39,6 +40,7 @@ from benchmarks.goodput import (
     data_mount,
     fault_free_table,
     fleet_schedule,
+    kept_apart,
     lemon_figures,
     lemons,
     main,
@@ -307,6 +309,23 @@ def test_the_fleet_schedule_is_the_seeds_at_the_fleets_rate_in_its_proportions()
     assert fleet.gap_s(60, 24 / 24) == pytest.approx(60)
     faster = [f for f in fleet_schedule(5, duration, scale, per_day=24) if f.kind not in fleet.SITE_KINDS]
     assert len(faster) > 2 * len(drawn)
+
+
+def test_a_fault_that_waited_for_the_job_keeps_the_schedules_gap_to_the_next() -> None:
+    """Seed 1 of the fleet: a hung_fs waited for a running attempt and came 1.1 s before an XID 79 on the same node; the
+    XID's restart ended the hang before `hang` could fire, and the hang was counted undetected."""
+    pending = [Fault(100.0, "xid79", 0), Fault(110.0, "nan", 1), Fault(150.0, "hbm", 2), Fault(420.0, "nic", 0)]
+    later = kept_apart(pending, injected=99.0, gap=10.0, end=430.0)
+    assert [(f.at, f.kind, f.target) for f in later] == [(109.0, "xid79", 0), (119.0, "nan", 1), (150.0, "hbm", 2),
+                                                           (420.0, "nic", 0)]
+    assert later[2] is pending[2]  # a fault far enough away keeps its drawn time
+    assert [f.kind for f in kept_apart(pending, injected=415.0, gap=10.0, end=430.0)] == ["xid79"]  # rest past the end
+    assert kept_apart(pending, injected=50.0, gap=10.0, end=430.0) == pending  # on time: the schedule as drawn
+    # the fleet's runs keep the schedule's 10 scaled minutes; the default schedule and same-node reproductions as made
+    assert site_of(parser().parse_args(["--schedule", "fleet"]), Scale(60), fleet_like=True).fault_gap == 10.0
+    assert site_of(parser().parse_args(["--schedule", "fleet", "--repaired-same-node"]), Scale(60),
+                   fleet_like=True).fault_gap == 0.0
+    assert site_of(parser().parse_args([]), Scale(60), fleet_like=False).fault_gap == 0.0
 
 
 def test_the_default_schedule_is_as_before() -> None:
