@@ -96,8 +96,7 @@ XID_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 CHECK_OF = {"hang": "hang", "leak": "job_memory", "disk_full": "disk", "stop_switch": "job_switch",
             "time_limit": "job_timelimit", "nan": "training_log", "cuda_error": "training_log", "slow": "job_pace",
             "ib_down": "infiniband", "hung_fs": "hang",
-            "nic": "kernel", "maintenance": "training_log",  # no check of trainguard's answers a host's maintenance:
-            # what it sees is the job's end (the peers' collective timeout in its log)
+            "nic": "kernel", "maintenance": "node_drain",  # the drain before the reboot: the job saves and leaves
             **dict.fromkeys(XID_FAULTS, "xid")}
 IB_TREE = REPO / "tests" / "data" / "infiniband" / "sys-class-infiniband-h100"  # a recorded H100 node's HCAs
 IB_PORT = "mlx5_0/ports/1"  # the port a network fault takes down
@@ -389,6 +388,9 @@ class Run:
         c["job_timelimit"].update(fast, margin=s.dur(600, 3), recheck=s.dur(300, 2),
                                   actions={"warning": ["signal", "requeue"]})
         c["job_switch"].update(fast)
+        # A node drained for its maintenance: the job saves and restarts without it before the reboot, as for a lost
+        # GPU (but its rank can still save). Asked every scaled minute, the installed period.
+        c["node_drain"].update(interval=s.dur(60), jitter="0s", actions={"critical": ["restart_elsewhere"]})
         c["training_log"].update(fast, actions={"critical": ["restart"]})
         # A step here is 0.5 s, 30 s of real time: the recent window holds 20 steps, as 2 minutes of 6-second steps.
         c["job_pace"].update(fast, window=s.dur(600), slow_for=s.dur(600), warmup_steps=5, baseline_steps=20,
@@ -972,7 +974,7 @@ def deadline(f: dict[str, Any], scale: Scale, step_time: float) -> float:
     # hung_fs: the hang's, and the step its rank takes before it reads again
     return {**dict.fromkeys(XID_FAULTS, 1.0), "ib_down": 3.0, "nic": 1.0, "hang": scale(300, 2) + 2.0,
             "hung_fs": scale(300, 2) + step_time + 2.0,
-            "maintenance": scale(300) + scale(600) + 3 * step_time + 2.0,
+            "maintenance": scale(60) + 2.0,  # node_drain's period: it must come before the reboot's notice is up
             "leak": f.get("oom_in", 0.0),
             "disk_full": f.get("full_in", 0.0), "stop_switch": 3.0,
             "time_limit": max(0.0, f.get("limit_at", 0.0) - f["injected"] - scale(600, 3)) + 2.0,

@@ -44,8 +44,8 @@ CAUSES = (
     Cause("Network switch/cable", 35, "ib_down", "the node's HCA port (a recorded H100 sysfs tree, "
           "tests/data/infiniband) goes DOWN/Disabled; the rank there logs NCCL's NET/IB completion error and hangs "
           "in the collective"),
-    Cause("Host maintenance", 32, "maintenance", "the node drained for maintenance, rebooted 5 scaled minutes later "
-          "(its rank killed), back after its repair time"),
+    Cause("Host maintenance", 32, "maintenance", "the node drained for maintenance (`maintenance: host reboot`), "
+          "rebooted 5 scaled minutes later (its rank killed), back after its repair time"),
     Cause("GPU SRAM memory", 19, "sram", "XID 95 (uncontained ECC error, SRAM) in the kernel log; its scripted NVML "
           "reads uncorrected volatile ECC errors; the rank there hangs"),
     Cause("GPU system processor", 17, "gsp", "XID 119 (GSP RPC timeout) in the kernel log; its scripted NVML reads the "

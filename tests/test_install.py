@@ -167,7 +167,8 @@ def test_an_unknown_dropin_is_refused_before_anything_is_written(tmp_path: Path,
 def test_shipped_default_config_is_valid() -> None:
     config = load_config(str(DEFAULT_CONFIG))
     assert set(config.checks) == {"disk", "memory", "gpu", "nvlink", "pcie", "gpu_config", "fabric", "infiniband", "xid",
-                                  "kernel", "hang", "training_log", "job_pace", "job_memory", "job_timelimit", "job_switch"}
+                                  "kernel", "hang", "training_log", "job_pace", "job_memory", "job_timelimit", "node_drain",
+                                  "job_switch"}
     assert list(config.notifiers) == ["console"]
 
 

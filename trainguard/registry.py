@@ -26,6 +26,7 @@ CHECKS: Mapping[str, str] = {
     "job_liveness": "trainguard.checks.job_liveness:JobLivenessCheck",
     "job_switch": "trainguard.checks.job_switch:SwitchCheck",
     "job_timelimit": "trainguard.checks.job_timelimit:TimeLimitCheck",
+    "node_drain": "trainguard.checks.node_drain:NodeDrainCheck",
     "job_memory": "trainguard.checks.job_memory:JobMemoryCheck",
     "hang": "trainguard.checks.hang:HangCheck",
     "quota": "trainguard.checks.quota:QuotaCheck",

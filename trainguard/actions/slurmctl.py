@@ -21,9 +21,8 @@ from trainguard.actions.diag import LEVEL_HELP, DiagToolSettings, Level, reason_
 from trainguard.core.settings import Duration, Field, field_validator, model_validator
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.model import Job
-from trainguard.jobs.slurm import SlurmError, SlurmMissingError, parse_job_record
+from trainguard.jobs.slurm import DRAIN_TAG, SlurmError, SlurmMissingError, parse_job_record
 
-DRAIN_TAG = "trainguard:"
 # A job in these states is back in the queue: requeued already (a job that ended, COMPLETED or FAILED, is requeued:
 # a batch job that saved and exited comes back that way). Just after `scontrol requeue` it shows COMPLETING, as does
 # a job ending by itself: only its Restarts= tells them apart then.

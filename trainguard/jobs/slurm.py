@@ -159,10 +159,12 @@ class SlurmClient:
 
     def node_state(self, node: str) -> tuple[str, str]:
         """(state flags, reason) of a node."""
-        out = self.run("scontrol", "show", "node", node, "--oneliner")
-        state = _NODE_STATE.search(out)
-        reason = _NODE_REASON.search(out)
-        return (state.group(1) if state else "", reason.group(1).strip() if reason else "")
+        record = self.node(node)
+        return record.state, record.reason
+
+    def node(self, node: str) -> NodeRecord:
+        """What slurmctld holds of one node (`scontrol show node NODE`: one small RPC, the node's row alone)."""
+        return parse_node(self.run("scontrol", "show", "node", node, "--oneliner"))
 
     def drain(self, node: str, reason: str) -> None:
         self.run("scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}")
@@ -174,6 +176,47 @@ class SlurmClient:
 _PATTERN = linear(r"%(%|[AajxuNn])")
 _NODE_STATE = linear(r"\bState=(\S+)")
 _NODE_REASON = linear(r"(?m)\bReason=(.*?)(?: \[|$| \w+=)")
+_NODE_REASON_BY = linear(r"(?m)\bReason=.*? \[([^@\]\s]{1,64})@([0-9T:-]{1,32})\]")
+DRAIN_TAG = "trainguard:"  # how a drain reason trainguard set begins: what it may lift, and what is its own
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node as `scontrol show node` prints it: its state (`MIXED+DRAIN`), split into the base state and its
+    flags (`DRAIN`, `REBOOT_REQUESTED`; a base state's `*`, not responding, dropped), and the reason with who set it
+    and when (`Reason=maintenance [root@2026-11-29T22:00:00]`)."""
+
+    state: str = ""
+    reason: str = ""
+    reason_by: str = ""
+    reason_at: float | None = None
+
+    @property
+    def base(self) -> str:
+        return self.state.split("+", 1)[0].rstrip("*~#!%$@^-")
+
+    @property
+    def flags(self) -> frozenset[str]:
+        return frozenset(self.state.split("+")[1:])
+
+    @property
+    def drained(self) -> bool:
+        """Drained or draining: no new job starts here, and whoever drained it means to take it away."""
+        return "DRAIN" in self.flags or self.base in ("DRAINED", "DRAINING")
+
+    @property
+    def trainguards(self) -> bool:
+        """The reason is one trainguard set (its own incident says why)."""
+        return self.reason.startswith(DRAIN_TAG)
+
+
+def parse_node(text: str) -> NodeRecord:
+    """The first node record of `scontrol show node --oneliner`; an empty record when there is none. Never raises."""
+    state = _NODE_STATE.search(text)
+    reason = _NODE_REASON.search(text)
+    by = _NODE_REASON_BY.search(text)
+    return NodeRecord(state.group(1) if state else "", reason.group(1).strip() if reason else "",
+                      by.group(1) if by else "", slurm_time(by.group(2)) if by else None)
 
 
 def expand_output_path(pattern: str, *, job_id: str, name: str | None = None, user: str | None = None,

@@ -1,0 +1,153 @@
+"""node_drain: a node SLURM is taking away (drained for a reboot or a repair) with a job on it asks the job to save and
+leave; another drain is said; trainguard's own drain is its own incident's; a node without a job costs slurmctld
+nothing. The parser reads real `scontrol show node` output (tests/data/slurm/README.md says where each came from)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import wait_until
+from tests.slurm_cluster import SlurmCluster, sh
+from tests.test_slurm_jobs import engine_for, engines, find_job, log_has, toy
+from trainguard.checks.base import CheckContext, CheckIdle
+from trainguard.checks.node_drain import NodeDrainCheck, NodeDrainSettings
+from trainguard.core.model import Status
+from trainguard.jobs.catalog import JobView
+from trainguard.jobs.model import Job
+from trainguard.jobs.slurm import NodeRecord, SlurmError, parse_node
+from trainguard.pipeline.engine import Engine
+
+__all__ = ["engines"]  # the fixture, imported for this module's tests
+DATA = Path(__file__).parent / "data" / "slurm"
+
+
+def check(**settings: Any) -> NodeDrainCheck:
+    return NodeDrainCheck("node_drain", NodeDrainSettings(**settings), CheckContext("n1", Path("/nonexistent")))
+
+
+def test_the_parser_reads_real_node_records() -> None:
+    allocated = parse_node((DATA / "show-node-allocated.txt").read_text())
+    assert allocated.base == "MIXED" and allocated.flags == frozenset() and not allocated.drained
+    assert allocated.reason == "" and allocated.reason_at is None
+    drained = parse_node((DATA / "show-node-drained-running.txt").read_text())
+    assert drained.base == "MIXED" and "DRAIN" in drained.flags and drained.drained
+    assert drained.reason == "maintenance: host reboot" and drained.reason_by == "root" and drained.reason_at
+    assert not drained.trainguards
+    ours = parse_node((DATA / "show-node-drained-trainguard.txt").read_text())
+    assert ours.drained and ours.trainguards and ours.reason.startswith("trainguard: ")
+    assert parse_node("") == NodeRecord() and parse_node("State=\x00 Reason=[").state == "\x00"
+
+
+@pytest.mark.parametrize(("state", "reason", "status"), [
+    ("ALLOCATED", "", Status.OK),
+    ("MIXED+DRAIN", "maintenance: host reboot", Status.CRITICAL),
+    ("ALLOCATED+DRAIN", "Kernel upgrade to 6.8", Status.CRITICAL),
+    ("ALLOCATED+DRAIN", "RMA: GPU 3 replaced next week", Status.CRITICAL),
+    ("ALLOCATED+DRAIN", "information gathering (format disk later)", Status.WARNING),  # no word starts so
+    ("ALLOCATED+DRAIN", "Kill task failed", Status.WARNING),  # SLURM's own drain: said, the job may finish
+    ("ALLOCATED+DRAIN", "trainguard: GPU 3 fell off the bus (XID 79)", Status.OK),  # its own incident acts
+    ("ALLOCATED+DRAIN+REBOOT_REQUESTED", "trainguard: lemon", Status.CRITICAL),  # `scontrol reboot ASAP` on it
+    ("MIXED+DRAIN+REBOOT_REQUESTED", "", Status.CRITICAL),
+    ("MIXED+REBOOT_REQUESTED", "", Status.WARNING),  # `scontrol reboot`: once idle; jobs still start here
+    ("MIXED+POWERING_DOWN", "", Status.CRITICAL),
+    ("ALLOCATED*+DRAIN", "maint window", Status.CRITICAL),
+])
+def test_what_a_job_on_a_node_in_each_state_is_told(state: str, reason: str, status: Status) -> None:
+    got, said = check().evaluate(NodeRecord(state, reason, "root", 1_790_000_000.0))
+    assert got is status, said
+    if reason and status is not Status.OK:
+        assert repr(reason) in said and "by root" in said
+
+
+def test_leave_reasons_are_words_matched_at_their_start() -> None:
+    assert check(leave_reasons=["Swap"]).evaluate(NodeRecord("MIXED+DRAIN", "PSU swap"))[0] is Status.CRITICAL
+    assert check(leave_reasons=["swap"]).evaluate(NodeRecord("MIXED+DRAIN", "hotswap"))[0] is Status.WARNING
+    assert check(leave_reasons=[]).evaluate(NodeRecord("MIXED+DRAIN", "reboot"))[0] is Status.WARNING
+    for bad in ([""], ["re.*boot"], ["x" * 33]):
+        with pytest.raises(ValueError, match="a word of letters and digits"):
+            NodeDrainSettings(leave_reasons=bad)
+
+
+@dataclass
+class _Client:
+    record: NodeRecord = field(default_factory=NodeRecord)
+    error: Exception | None = None
+    asked: list[str] = field(default_factory=list)
+
+    def node(self, node: str) -> NodeRecord:
+        self.asked.append(node)
+        if self.error:
+            raise self.error
+        return self.record
+
+
+@dataclass
+class _Catalog:
+    jobs: list[Job]
+    slurm: _Client
+    sources: tuple[str, ...] = ("slurm",)
+    node: str = "n1"
+
+    def view(self) -> JobView:
+        return JobView(tuple(self.jobs))
+
+
+def _job(job_id: str, source: str = "slurm") -> Job:
+    return Job(key=f"{source}:{job_id}", source=source, name="llm", state="RUNNING", job_id=job_id, on_this_node=True)
+
+
+def run(catalog: _Catalog) -> list[Any]:
+    ctx = CheckContext("n1", Path("/nonexistent"), jobs=catalog)  # type: ignore[arg-type]
+    return list(NodeDrainCheck("node_drain", NodeDrainSettings(), ctx).run())
+
+
+def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
+    client = _Client(NodeRecord("IDLE+DRAIN", "maintenance"))
+    assert run(_Catalog([], client)) == [] and client.asked == []
+    assert run(_Catalog([_job("7", source="process")], client)) == [] and client.asked == []
+    with pytest.raises(CheckIdle):
+        run(_Catalog([_job("7")], client, sources=("process",)))
+    [one, two] = run(_Catalog([_job("7"), _job("8")], client))
+    assert client.asked == ["n1"]  # one RPC a run, however many jobs
+    assert (one.subject, one.status, two.subject) == ("slurm:7", Status.CRITICAL, "slurm:8")
+    assert one.details["job_id"] == "7" and one.details["leaving"] and one.details["reason"] == "maintenance"
+
+
+def test_a_controller_that_does_not_answer_is_unknown_not_a_drain() -> None:
+    [result] = run(_Catalog([_job("7")], _Client(error=SlurmError("scontrol show: timed out after 10s"))))
+    assert result.status is Status.UNKNOWN and result.subject == "node:n1" and "timed out" in result.summary
+
+
+# the real thing: the tests' one-node SLURM cluster ----------------------------------------------------------------
+def test_a_drain_for_a_reboot_asks_the_job_to_save_and_leave_and_another_is_only_said(
+        slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
+    engine = engine_for(slurm, tmp_path, {"node_drain": {"interval": "1s", "jitter": 0,
+                                                         "actions": {"critical": ["signal"]}}})
+    engines.append(engine)
+    workdir = slurm.workdir()
+    job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-node-drain")
+    info = slurm.wait_state(job_id, ("RUNNING",))
+    wait_until(lambda: log_has(info["StdOut"], "step 3"), 20, what="training steps")
+    job = find_job(slurm, job_id)
+    try:
+        sh("scontrol", "update", f"nodename={slurm.node}", "state=drain", "reason=investigating ECC counts")
+        results = engine.checks["node_drain"].run()
+        [said] = [r for r in results if r.subject == job.key]
+        assert said.status is Status.WARNING and "'investigating ECC counts' by root" in said.summary, said
+        assert slurm.job(job_id)["JobState"] == "RUNNING"
+
+        sh("scontrol", "update", f"nodename={slurm.node}", "state=drain", "reason=maintenance: host reboot")
+        engine.start()
+        final = slurm.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=60)
+        out = Path(final["StdOut"]).read_text()
+        assert final["JobState"] == "COMPLETED" and "stop requested (SIGUSR1)" in out, out
+        assert list((workdir / "ckpt").glob("ckpt-*.json"))
+        [incident] = [i for i in engine.tracker.incidents() if i.check == "node_drain" and i.subject == job.key]
+        assert incident.status is Status.CRITICAL and "'maintenance: host reboot' by root" in incident.summary
+        assert incident.actions[0]["action"] == "signal" and incident.actions[0]["outcome"] == "ok", incident.actions
+    finally:
+        slurm.resume_node()

@@ -1,0 +1,112 @@
+"""NodeDrainCheck: SLURM is taking this node away (drained for a reboot or a repair) while a job still runs on it: the
+job is asked to save and leave before the node goes, not killed with it.
+
+A host's maintenance is a drain, then a reboot some minutes later: the job's ranks there die with the node, the
+other ranks wait in a collective until NCCL gives up, and everything since the last checkpoint is lost. The drain
+is the notice. slurmctld alone knows it (nothing on the node changes), so this check asks it about this node only
+(`scontrol show node NODE`: one small RPC), and only while a SLURM job runs here: a node without one costs
+slurmctld nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from trainguard.checks.base import CheckContext, CheckIdle, CheckSettings, JobCheck
+from trainguard.core.model import Result, Status
+from trainguard.core.settings import Duration, Field, field_validator
+from trainguard.core.text import linear, one_line
+from trainguard.jobs.slurm import NodeRecord, SlurmError, SlurmMissingError
+
+# A node in one of these goes away whatever its reason says: a reboot issued, a power-down under way.
+GOING_FLAGS = frozenset({"REBOOT_ISSUED", "POWERING_DOWN", "POWER_DOWN"})
+# Drained with this one, it reboots once its jobs are gone (`scontrol reboot ASAP`); without a drain (`scontrol
+# reboot`), once idle: new jobs may still start there, so it is said, and nothing is asked of the job.
+REBOOT_FLAG = "REBOOT_REQUESTED"
+
+
+class NodeDrainSettings(CheckSettings):
+    interval: Duration = Field(60.0, gt=0, description="Time between runs: one `scontrol show node` each while a "
+                               "SLURM job runs here (none otherwise). A maintenance gives minutes of notice.")
+    leave_reasons: list[str] = Field(
+        default_factory=lambda: ["reboot", "maint", "power", "upgrad", "firmware", "replac", "rma", "decommission"],
+        description="A drain whose reason has a word beginning with one of these (any case) takes the node away: "
+                    "CRITICAL, the jobs here asked to save and leave. Any other drain by someone else is a WARNING "
+                    "(the jobs may run to their end). A drain trainguard set is its own incident's, never this "
+                    "check's.")
+
+    @field_validator("leave_reasons")
+    @classmethod
+    def _words(cls, value: list[str]) -> list[str]:
+        words = [w.strip().lower() for w in value]
+        if any(not w or not w.replace("_", "").replace("-", "").isalnum() or len(w) > 32 for w in words):
+            raise ValueError("each a word of letters and digits (up to 32), matched at a word's start")
+        return words
+
+
+class NodeDrainCheck(JobCheck):
+    """One result per SLURM job running here, each saying what slurmctld holds of this node: CRITICAL when the node
+    is going away (bind `signal`: save and exit, and `requeue` where the site wants the job back at once), WARNING
+    when someone else drained it for another reason, OK otherwise."""
+
+    layer = "node"
+    scope = "node"  # this node's state, said by this node's agent: the job's other nodes are not drained
+    Settings = NodeDrainSettings
+    settings: NodeDrainSettings
+
+    def __init__(self, name: str, settings: CheckSettings, context: CheckContext) -> None:
+        super().__init__(name, settings, context)
+        words = "|".join(self.settings.leave_reasons)
+        self._leave = linear(rf"(?i)(?:^|[^a-z0-9])(?:{words})") if words else None
+
+    def run(self) -> Sequence[Result]:
+        catalog = self.context.jobs
+        if catalog is None or "slurm" not in catalog.sources:
+            raise CheckIdle("no SLURM job source here ([jobs] sources)")
+        view = catalog.view()
+        jobs = [j for j in view.on_node() if j.source == "slurm" and j.job_id]
+        if not jobs:
+            return self.source_errors(view, ["slurm"])  # no job to save: slurmctld is not asked
+        try:
+            record = catalog.slurm.node(catalog.node)
+        except SlurmMissingError as exc:
+            raise CheckIdle(f"no SLURM commands here: {exc}") from None
+        except SlurmError as exc:
+            return [self.result(f"node:{catalog.node}", Status.UNKNOWN, f"{catalog.node}: its state unknown: {exc}",
+                                {"node": catalog.node})]
+        status, why = self.evaluate(record)
+        details = {"node": catalog.node, "node_state": record.state, "reason": record.reason,
+                   "reason_by": record.reason_by, "reason_at": record.reason_at, "leaving": status is Status.CRITICAL}
+        return [self.result(job.key, status, f"{job.label()} on {catalog.node}: {why}",
+                            {**details, "job_key": job.key, "job_id": job.job_id}) for job in jobs]
+
+    def evaluate(self, record: NodeRecord) -> tuple[Status, str]:
+        """The status of a job on a node in this state, and what to say of it."""
+        said = self.said(record)
+        flags = record.flags
+        if flags & GOING_FLAGS:
+            return Status.CRITICAL, f"the node is going down ({record.state}){said}: save and leave now"
+        if record.drained and REBOOT_FLAG in flags:  # `scontrol reboot ASAP`, whoever drained it first
+            return Status.CRITICAL, f"the node reboots once its jobs are gone ({record.state}){said}: save and leave now"
+        if record.drained and record.trainguards:
+            return Status.OK, f"drained by trainguard ({record.state}): its own incident acts"
+        if record.drained and self.leaving(record.reason):
+            return Status.CRITICAL, f"the node is drained to be taken away ({record.state}){said}: save and leave now"
+        if record.drained:
+            return Status.WARNING, (f"the node is drained ({record.state}){said}: no job starts here; this one may "
+                                    "run to its end")
+        if REBOOT_FLAG in flags:
+            return Status.WARNING, f"the node reboots once idle ({record.state}){said}"
+        return Status.OK, f"the node is in service ({record.state or 'state unknown'})"
+
+    def leaving(self, reason: str) -> bool:
+        return bool(reason) and self._leave is not None and self._leave.search(reason) is not None
+
+    @staticmethod
+    def said(record: NodeRecord) -> str:
+        if not record.reason:
+            return ""
+        by = f" by {record.reason_by}" if record.reason_by else ""
+        at = time.strftime(" at %H:%M", time.localtime(record.reason_at)) if record.reason_at else ""
+        return f": {one_line(record.reason)[:160]!r}{by}{at}"
