@@ -49,6 +49,9 @@ def test_the_parser_reads_real_node_records() -> None:
     ("ALLOCATED+DRAIN", "RMA: GPU 3 replaced next week", Status.CRITICAL),
     ("ALLOCATED+DRAIN", "information gathering (format disk later)", Status.WARNING),  # no word starts so
     ("ALLOCATED+DRAIN", "Kill task failed", Status.WARNING),  # SLURM's own drain: said, the job may finish
+    # NHC's drains begin `NHC:` (its offline helper's leader); the rest is a check's message, which may quote a
+    # user's process name (this one made up): its words never stop the node's jobs
+    ("MIXED+DRAIN", "NHC: check_ps_unauth_users: process reboot-now of user tgjob", Status.WARNING),
     ("ALLOCATED+DRAIN", "trainguard: GPU 3 fell off the bus (XID 79)", Status.OK),  # its own incident acts
     ("ALLOCATED+DRAIN+REBOOT_REQUESTED", "trainguard: lemon", Status.CRITICAL),  # `scontrol reboot ASAP` on it
     ("MIXED+DRAIN+REBOOT_REQUESTED", "", Status.CRITICAL),

@@ -36,6 +36,12 @@ class NodeDrainSettings(CheckSettings):
                     "(the jobs may run to their end). A drain trainguard set is its own incident's, never this "
                     "check's.")
 
+    checker_reasons: list[str] = Field(
+        default_factory=lambda: ["NHC"],
+        description="A drain whose reason begins with one of these (any case) is a health checker's, whose message may "
+                    "quote a user's process or file name (NHC's `Rogue process ...`): a WARNING whatever its words, so "
+                    "that no user can name a process `reboot` and have every job on the node stopped.")
+
     @field_validator("leave_reasons")
     @classmethod
     def _words(cls, value: list[str]) -> list[str]:
@@ -91,7 +97,7 @@ class NodeDrainCheck(JobCheck):
             return Status.CRITICAL, f"the node reboots once its jobs are gone ({record.state}){said}: save and leave now"
         if record.drained and record.trainguards:
             return Status.OK, f"drained by trainguard ({record.state}): its own incident acts"
-        if record.drained and self.leaving(record.reason):
+        if record.drained and self.leaving(record.reason) and not self.checkers(record.reason):
             return Status.CRITICAL, f"the node is drained to be taken away ({record.state}){said}: save and leave now"
         if record.drained:
             return Status.WARNING, (f"the node is drained ({record.state}){said}: no job starts here; this one may "
@@ -99,6 +105,10 @@ class NodeDrainCheck(JobCheck):
         if REBOOT_FLAG in flags:
             return Status.WARNING, f"the node reboots once idle ({record.state}){said}"
         return Status.OK, f"the node is in service ({record.state or 'state unknown'})"
+
+    def checkers(self, reason: str) -> bool:
+        start = reason.lstrip().lower()
+        return any(start.startswith(prefix.lower()) for prefix in self.settings.checker_reasons if prefix)
 
     def leaving(self, reason: str) -> bool:
         return bool(reason) and self._leave is not None and self._leave.search(reason) is not None
