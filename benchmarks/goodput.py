@@ -289,6 +289,7 @@ class Run:
         self.replacing: dict[str, float] = {}
         self.lives: dict[str, list[float]] = {}  # node -> when each agent after its first started (run clock)
         self.reboots: dict[str, float] = {}  # node -> when its host maintenance takes it down (run clock)
+        self.node_fail: tuple[float, str] | None = None  # when slurmctld requeues a job whose batch host went, its Restarts
         self.lemon_every, self.lemon_next = site.lemon_every, 0.12 * duration
         self.lemon_policy = site.lemon_policy
         self.ballast_stop: threading.Event | None = None
@@ -390,7 +391,9 @@ class Run:
         c["job_switch"].update(fast)
         # A node drained for its maintenance: the job saves and restarts without it before the reboot, as for a lost
         # GPU (but its rank can still save). Asked every scaled minute, the installed period.
-        c["node_drain"].update(interval=s.dur(60), jitter="0s", actions={"critical": ["restart_elsewhere"]})
+        # On its batch host the loop goes down with the node: the job saves and is requeued onto the others.
+        c["node_drain"].update(interval=s.dur(60), jitter="0s", actions={"critical": ["restart_elsewhere"]},
+                               batch_host_actions={"critical": ["signal", "requeue"]})
         c["training_log"].update(fast, actions={"critical": ["restart"]})
         # A step here is 0.5 s, 30 s of real time: the recent window holds 20 steps, as 2 minutes of 6-second steps.
         c["job_pace"].update(fast, window=s.dur(600), slow_for=s.dur(600), warmup_steps=5, baseline_steps=20,
@@ -659,6 +662,7 @@ class Run:
             if t >= due:
                 del self.reboots[node]
                 self.reboot(node, t)
+        self.requeue_after_node_fail(t)
         for node, due in list(self.repairs.items()):
             if t >= due:
                 del self.repairs[node]
@@ -680,6 +684,23 @@ class Run:
             if b"goodput_trainer.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, 9)
         self.rec.actions.append({"t": t, "who": "site", "what": f"{node} rebooted for maintenance"})
+        info = self.cluster.job(self.job)
+        if info.get("BatchHost") == node and info.get("JobState") == "RUNNING":
+            # The batch script (the relaunch loop in it) goes down with its host, and the job with it. slurmctld finds
+            # the node gone after its SlurmdTimeout (5 minutes) and requeues the job (NODE_FAIL, --requeue).
+            self.cluster.run("scancel", "--batch", "--signal=KILL", self.job, check=False)
+            self.node_fail = (t + self.s(300), info.get("Restarts", "0"))
+            self.rec.actions.append({"t": t, "who": "site", "what": f"the job's batch script went down with {node}"})
+
+    def requeue_after_node_fail(self, t: float) -> None:
+        """slurmctld's answer to a batch host gone: the job requeued, unless someone requeued it meanwhile."""
+        if self.node_fail is None or t < self.node_fail[0]:
+            return
+        _, restarts = self.node_fail
+        self.node_fail = None
+        if self.cluster.job(self.job).get("Restarts", "0") == restarts:
+            self.cluster.run("scontrol", "requeue", self.job, check=False)
+            self.rec.actions.append({"t": t, "who": "site", "what": "slurmctld requeued the job (NODE_FAIL)"})
 
     def repair(self, node: str, t: float) -> None:
         """The site's repair of a drained node (a reset, a reboot, a reseated cable, the NFS server back): its GPU, port

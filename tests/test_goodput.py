@@ -559,6 +559,38 @@ def test_the_human_drains_the_node_whose_kernel_says_its_mount_is_dead_and_reque
     assert run.rec.actions[-1]["what"] == "drained n2; drained n3; requeued the job (running, stale log)"
 
 
+class _BatchHostCluster(_Cluster):
+    def __init__(self) -> None:
+        super().__init__()
+        self.restarts = "0"
+
+    def job(self, job: str) -> dict[str, str]:
+        return {"JobState": "RUNNING", "BatchHost": "n1", "Restarts": self.restarts}
+
+
+def test_a_rebooted_batch_host_takes_the_job_down_and_slurmctld_requeues_it_unless_someone_did(tmp_path: Path) -> None:
+    """A host's maintenance reboots the node: on the job's batch host its batch script (the relaunch loop) dies too,
+    and slurmctld requeues the job once it finds the node gone (NODE_FAIL, its SlurmdTimeout of 5 scaled minutes);
+    on another node only the rank there dies."""
+    run = Run(tmp_path, True, [], 60.0, Scale(60), look_every=30.0, page_response=5.0, step_time=0.5, ckpt_every=20)
+    run.cluster = cluster = _BatchHostCluster()  # type: ignore[assignment]
+    run.run_dir, run.job = tmp_path / "run", "7"
+    (run.run_dir / "pids").mkdir(parents=True)
+    run.reboot("n2", 10.0)
+    assert cluster.commands == [] and run.node_fail is None
+    run.reboot("n1", 20.0)
+    assert cluster.commands == [("scancel", "--batch", "--signal=KILL", "7")]
+    run.requeue_after_node_fail(24.9)
+    assert len(cluster.commands) == 1
+    run.requeue_after_node_fail(25.0)
+    assert cluster.commands[-1] == ("scontrol", "requeue", "7") and run.node_fail is None
+    assert run.rec.actions[-1]["what"] == "slurmctld requeued the job (NODE_FAIL)"
+    run.reboot("n1", 30.0)
+    cluster.restarts = "1"  # trainguard's or the human's requeue came first: slurmctld has nothing to requeue
+    run.requeue_after_node_fail(40.0)
+    assert cluster.commands[-1] == ("scancel", "--batch", "--signal=KILL", "7")
+
+
 def test_a_rank_reads_its_nodes_data_mount_every_step_and_blocks_while_it_hangs(tmp_path: Path) -> None:
     """The data mount the harness gives each node (`data_mount`: tests/helpers/hangfs.py with a control file), read
     every step; while it hangs the rank waits in the read in D state (every open reaches the mount: FUSE drops the

@@ -15,6 +15,7 @@ from tests.slurm_cluster import SlurmCluster, sh
 from tests.test_slurm_jobs import engine_for, engines, find_job, log_has, toy
 from trainguard.checks.base import CheckContext, CheckIdle
 from trainguard.checks.node_drain import NodeDrainCheck, NodeDrainSettings
+from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
@@ -75,6 +76,20 @@ def test_leave_reasons_are_words_matched_at_their_start() -> None:
             NodeDrainSettings(leave_reasons=bad)
 
 
+def test_a_job_whose_batch_host_goes_gets_the_batch_host_actions() -> None:
+    """Its batch script, and the relaunch loop in it, go down with the node: a restart without the node cannot keep
+    it; the others restart without the node."""
+    plain = check(actions={"critical": ["restart_elsewhere"]})
+    both = check(actions={"critical": ["restart_elsewhere"]}, batch_host_actions={"critical": ["signal", "requeue"]})
+
+    def bound(c: NodeDrainCheck, batch_host: bool) -> list[str]:
+        ev = Event(EventKind.FIRED, "i1", "node_drain", "slurm:7", Status.CRITICAL, "s", "node", 0.0, 0.0,
+                   details={"job_key": "slurm:7", "batch_host": batch_host})
+        return c.actions_for(ev).critical
+    assert bound(both, True) == ["signal", "requeue"] and bound(both, False) == ["restart_elsewhere"]
+    assert bound(plain, True) == ["restart_elsewhere"]  # None: `actions` for every job
+
+
 @dataclass
 class _Client:
     record: NodeRecord = field(default_factory=NodeRecord)
@@ -118,6 +133,7 @@ def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
     assert client.asked == ["n1"]  # one RPC a run, however many jobs
     assert (one.subject, one.status, two.subject) == ("slurm:7", Status.CRITICAL, "slurm:8")
     assert one.details["job_id"] == "7" and one.details["leaving"] and one.details["reason"] == "maintenance"
+    assert one.details["batch_host"] is False
 
 
 def test_a_controller_that_does_not_answer_is_unknown_not_a_drain() -> None:
@@ -128,8 +144,9 @@ def test_a_controller_that_does_not_answer_is_unknown_not_a_drain() -> None:
 # the real thing: the tests' one-node SLURM cluster ----------------------------------------------------------------
 def test_a_drain_for_a_reboot_asks_the_job_to_save_and_leave_and_another_is_only_said(
         slurm: SlurmCluster, tmp_path: Path, engines: list[Engine]) -> None:
-    engine = engine_for(slurm, tmp_path, {"node_drain": {"interval": "1s", "jitter": 0,
-                                                         "actions": {"critical": ["signal"]}}})
+    # the job's batch script runs on this node (the cluster's only one): `batch_host_actions` are its actions
+    engine = engine_for(slurm, tmp_path, {"node_drain": {"interval": "1s", "jitter": 0, "actions": {"critical": ["stop"]},
+                                                         "batch_host_actions": {"critical": ["signal"]}}})
     engines.append(engine)
     workdir = slurm.workdir()
     job_id = slurm.submit(toy(slurm, workdir), workdir=workdir, name="tg-node-drain")
@@ -151,6 +168,7 @@ def test_a_drain_for_a_reboot_asks_the_job_to_save_and_leave_and_another_is_only
         assert list((workdir / "ckpt").glob("ckpt-*.json"))
         [incident] = [i for i in engine.tracker.incidents() if i.check == "node_drain" and i.subject == job.key]
         assert incident.status is Status.CRITICAL and "'maintenance: host reboot' by root" in incident.summary
+        assert incident.details["batch_host"] is True and incident.details["node_state"] == "MIXED+DRAIN"
         assert incident.actions[0]["action"] == "signal" and incident.actions[0]["outcome"] == "ok", incident.actions
     finally:
         slurm.resume_node()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from trainguard.checks.base import CheckContext, CheckIdle, CheckSettings, JobCheck
+from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck
+from trainguard.core.events import Event
 from trainguard.core.model import Result, Status
 from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.core.text import linear, one_line
@@ -41,6 +42,12 @@ class NodeDrainSettings(CheckSettings):
         description="A drain whose reason begins with one of these (any case) is a health checker's, whose message may "
                     "quote a user's process or file name (NHC's `Rogue process ...`): a WARNING whatever its words, so "
                     "that no user can name a process `reboot` and have every job on the node stopped.")
+
+    batch_host_actions: ActionBinding | None = Field(
+        None, description="Instead of `actions`, for a job whose batch host this node is (details `batch_host`): its "
+                          "batch script, and the relaunch loop in it, run here and go down with the node, so a restart "
+                          "without this node cannot keep the job; bind `signal, requeue` where `actions` restart the "
+                          "job without the node. None: `actions` for every job.")
 
     @field_validator("leave_reasons")
     @classmethod
@@ -85,7 +92,14 @@ class NodeDrainCheck(JobCheck):
         details = {"node": catalog.node, "node_state": record.state, "reason": record.reason,
                    "reason_by": record.reason_by, "reason_at": record.reason_at, "leaving": status is Status.CRITICAL}
         return [self.result(job.key, status, f"{job.label()} on {catalog.node}: {why}",
-                            {**details, "job_key": job.key, "job_id": job.job_id}) for job in jobs]
+                            {**details, "job_key": job.key, "job_id": job.job_id,
+                             "batch_host": job.batch_host == catalog.node}) for job in jobs]
+
+    def actions_for(self, event: Event) -> ActionBinding:
+        """`batch_host_actions` for a job whose batch script runs on this node; else `actions`."""
+        if event.details.get("batch_host") is True and self.settings.batch_host_actions is not None:
+            return self.settings.batch_host_actions
+        return self.settings.actions
 
     def evaluate(self, record: NodeRecord) -> tuple[Status, str]:
         """The status of a job on a node in this state, and what to say of it."""
