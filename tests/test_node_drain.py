@@ -139,6 +139,7 @@ def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
 def test_a_controller_that_does_not_answer_is_unknown_not_a_drain() -> None:
     [result] = run(_Catalog([_job("7")], _Client(error=SlurmError("scontrol show: timed out after 10s"))))
     assert result.status is Status.UNKNOWN and result.subject == "node:n1" and "timed out" in result.summary
+    assert not NodeDrainSettings().alert_on_unknown  # a controller down: the cluster's one fault, not every node's
 
 
 # the real thing: the tests' one-node SLURM cluster ----------------------------------------------------------------

@@ -30,13 +30,15 @@ REBOOT_FLAG = "REBOOT_REQUESTED"
 class NodeDrainSettings(CheckSettings):
     interval: Duration = Field(60.0, gt=0, description="Time between runs: one `scontrol show node` each while a "
                                "SLURM job runs here (none otherwise). A maintenance gives minutes of notice.")
+    alert_on_unknown: bool = Field(False, description="Whether a run that could not ask slurmctld (UNKNOWN) opens "
+                                   "an incident: off, as a controller down is one fault of the cluster, not one alert "
+                                   "from every node that runs a job; the run still says it (`trainguard status`).")
     leave_reasons: list[str] = Field(
         default_factory=lambda: ["reboot", "maint", "power", "upgrad", "firmware", "replac", "rma", "decommission"],
         description="A drain whose reason has a word beginning with one of these (any case) takes the node away: "
                     "CRITICAL, the jobs here asked to save and leave. Any other drain by someone else is a WARNING "
                     "(the jobs may run to their end). A drain trainguard set is its own incident's, never this "
                     "check's.")
-
     checker_reasons: list[str] = Field(
         default_factory=lambda: ["NHC"],
         description="A drain whose reason begins with one of these (any case) is a health checker's, whose message may "
