@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import wait_until
 from tests.slurm_cluster import SlurmCluster, sh
+from tests.test_incidents import Clock
 from tests.test_slurm_jobs import engine_for, engines, find_job, log_has, toy
 from trainguard.checks.base import CheckContext, CheckIdle
 from trainguard.checks.node_drain import NodeDrainCheck, NodeDrainSettings
@@ -21,6 +22,9 @@ from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import NodeRecord, SlurmError, parse_node
 from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.runner import CheckRunner
+from trainguard.pipeline.store import Store
 
 __all__ = ["engines"]  # the fixture, imported for this module's tests
 DATA = Path(__file__).parent / "data" / "slurm"
@@ -109,9 +113,10 @@ class _Catalog:
     slurm: _Client
     sources: tuple[str, ...] = ("slurm",)
     node: str = "n1"
+    errors: dict[str, str] = field(default_factory=dict)
 
     def view(self) -> JobView:
-        return JobView(tuple(self.jobs))
+        return JobView(tuple(self.jobs), dict(self.errors))
 
 
 def _job(job_id: str, source: str = "slurm") -> Job:
@@ -139,6 +144,33 @@ def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
 def test_a_controller_that_does_not_answer_is_unknown_not_a_drain() -> None:
     [result] = run(_Catalog([_job("7")], _Client(error=SlurmError("scontrol show: timed out after 10s"))))
     assert result.status is Status.UNKNOWN and result.subject == "node:n1" and "timed out" in result.summary
+
+
+def test_a_silent_controller_neither_resolves_a_jobs_incident_nor_runs_its_actions_again() -> None:
+    """Through the real runner into the tracker: drained for a reboot (fired: the actions ran), then slurmctld silent
+    for a run, then drained still: one incident, fired once. Resolved by the silence, it would fire again at the
+    controller's return and signal (or requeue) the job a second time. A failed job source (no job listed) too."""
+    client = _Client(NodeRecord("MIXED+DRAIN", "maintenance: host reboot"))
+    catalog = _Catalog([_job("7")], client)
+    ctx = CheckContext("n1", Path("/nonexistent"), jobs=catalog)  # type: ignore[arg-type]
+    runner = CheckRunner(NodeDrainCheck("node_drain", NodeDrainSettings(), ctx))
+    tracker = IncidentTracker(Store(None), "n1", Clock())
+    fired: list[str] = []
+
+    def once() -> None:
+        report = runner.run_once()
+        events = tracker.observe("node_drain", report.results, IncidentPolicy(), report.complete, lambda e: [])
+        fired.extend(e.subject for e in events if e.kind is EventKind.FIRED)
+        assert not [e for e in events if e.kind is EventKind.RESOLVED and e.subject == "slurm:7"], events
+
+    once()
+    client.error = SlurmError("scontrol show: timed out after 10s")
+    once()
+    client.error, catalog.jobs, catalog.errors = None, [], {"slurm": "scontrol listpids: timed out after 10s"}
+    once()
+    catalog.jobs, catalog.errors = [_job("7")], {}
+    once()
+    assert fired == ["slurm:7", "node:n1", "source:slurm"] and [i.subject for i in tracker.incidents()] == ["slurm:7"]
 
 
 # the real thing: the tests' one-node SLURM cluster ----------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck
+from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck, PartialView
 from trainguard.core.events import Event
 from trainguard.core.model import Result, Status
 from trainguard.core.settings import Duration, Field, field_validator
@@ -80,14 +80,19 @@ class NodeDrainCheck(JobCheck):
         view = catalog.view()
         jobs = [j for j in view.on_node() if j.source == "slurm" and j.job_id]
         if not jobs:
-            return self.source_errors(view, ["slurm"])  # no job to save: slurmctld is not asked
+            errors = self.source_errors(view, ["slurm"])  # no job to save: slurmctld is not asked
+            # A failed job source lists no job: that is no job gone, so their incidents stay as they are
+            return PartialView(errors, "the SLURM job source failed") if errors else errors
         try:
             record = catalog.slurm.node(catalog.node)
         except SlurmMissingError as exc:
             raise CheckIdle(f"no SLURM commands here: {exc}") from None
         except SlurmError as exc:
-            return [self.result(f"node:{catalog.node}", Status.UNKNOWN, f"{catalog.node}: its state unknown: {exc}",
-                                {"node": catalog.node})]
+            # Partial: a job's incident stays as it was while slurmctld is silent. Resolved, it would fire again at
+            # the controller's return and run its actions a second time (a second SIGUSR1, a second requeue).
+            unknown = self.result(f"node:{catalog.node}", Status.UNKNOWN, f"{catalog.node}: its state unknown: {exc}",
+                                  {"node": catalog.node})
+            return PartialView([unknown], f"slurmctld did not answer: {exc}")
         status, why = self.evaluate(record)
         details = {"node": catalog.node, "node_state": record.state, "reason": record.reason,
                    "reason_by": record.reason_by, "reason_at": record.reason_at, "leaving": status is Status.CRITICAL}
