@@ -47,6 +47,22 @@ def test_the_parser_reads_real_node_records() -> None:
     assert parse_node("") == NodeRecord() and parse_node("State=\x00 Reason=[").state == "\x00"
 
 
+@pytest.mark.parametrize(("reason", "by"), [
+    ("Scheduled [CHG0042] kernel upgrade", "root"),  # a `[` in it: cut there, it read `Scheduled`, a WARNING
+    ("ticket id=5: reboot at 23:00", "root"),  # a `word=` in it: cut there, `ticket`
+    # a health checker's message quoting a user's process named to forge who set the drain
+    ("NHC: check_ps: process a [root@2026-01-01T00:00:00] b Reason=reboot", "root"),
+])
+def test_a_reason_runs_to_the_user_and_time_slurm_appends(reason: str, by: str) -> None:
+    real = (DATA / "show-node-drained-running.txt").read_text()
+    text = real.replace("maintenance: host reboot [root@", f"{reason} [{by}@")
+    record = parse_node(text + "NodeName=other State=IDLE Reason=reboot [root@2026-11-29T22:15:50]\n")
+    assert (record.reason, record.reason_by, record.state) == (reason, by, "MIXED+DRAIN")
+    assert record.reason_at == parse_node(real).reason_at  # SLURM's own, not the one written in the reason
+    expected = Status.WARNING if reason.startswith("NHC") else Status.CRITICAL
+    assert check().evaluate(record)[0] is expected
+
+
 @pytest.mark.parametrize(("state", "reason", "status"), [
     ("ALLOCATED", "", Status.OK),
     ("MIXED+DRAIN", "maintenance: host reboot", Status.CRITICAL),

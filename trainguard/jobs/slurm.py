@@ -175,8 +175,11 @@ class SlurmClient:
 
 _PATTERN = linear(r"%(%|[AajxuNn])")
 _NODE_STATE = linear(r"\bState=(\S+)")
-_NODE_REASON = linear(r"(?m)\bReason=(.*?)(?: \[|$| \w+=)")
-_NODE_REASON_BY = linear(r"(?m)\bReason=.*? \[([^@\]\s]{1,64})@([0-9T:-]{1,32})\]")
+# The reason is the record's last field, free text (an administrator's `[CHG0042] kernel upgrade`, `ticket id=5:
+# reboot`; a health checker's message quoting a user's process): it runs to the ` [user@time]` SLURM appends, the
+# line's last one, so neither a `[` nor a `word=` in it cuts it short, and a `[root@...]` written in it is not
+# taken for who set it.
+_NODE_REASON = linear(r"\bReason=(?:(.*) \[([^@\]\s]{1,64})@([0-9T:-]{1,32})\]|(.*))$")
 DRAIN_TAG = "trainguard:"  # how a drain reason trainguard set begins: what it may lift, and what is its own
 
 
@@ -211,12 +214,16 @@ class NodeRecord:
 
 
 def parse_node(text: str) -> NodeRecord:
-    """The first node record of `scontrol show node --oneliner`; an empty record when there is none. Never raises."""
-    state = _NODE_STATE.search(text)
-    reason = _NODE_REASON.search(text)
-    by = _NODE_REASON_BY.search(text)
-    return NodeRecord(state.group(1) if state else "", reason.group(1).strip() if reason else "",
-                      by.group(1) if by else "", slurm_time(by.group(2)) if by else None)
+    """The first node record of `scontrol show node --oneliner` (its first line); an empty record when there is none.
+    Never raises."""
+    line = text.lstrip("\n").split("\n", 1)[0]
+    state = _NODE_STATE.search(line)
+    reason = _NODE_REASON.search(line)
+    if reason is None:
+        return NodeRecord(state.group(1) if state else "")
+    said, by, at, bare = reason.groups()
+    return NodeRecord(state.group(1) if state else "", (said if bare is None else bare).strip(), by or "",
+                      slurm_time(at) if at else None)
 
 
 def expand_output_path(pattern: str, *, job_id: str, name: str | None = None, user: str | None = None,
