@@ -4,8 +4,8 @@ job is asked to save and leave before the node goes, not killed with it.
 A host's maintenance is a drain, then a reboot some minutes later: the job's ranks there die with the node, the
 other ranks wait in a collective until NCCL gives up, and everything since the last checkpoint is lost. The drain
 is the notice. slurmctld alone knows it (nothing on the node changes), so this check asks it about this node only
-(`scontrol show node NODE`: one small RPC), and only while a SLURM job runs here: a node without one costs
-slurmctld nothing.
+(`sinfo --nodes=NODE`: one small RPC, the node's row alone), and only while a SLURM job runs here: a node without
+one costs slurmctld nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ REBOOT_FLAG = "REBOOT_REQUESTED"
 
 
 class NodeDrainSettings(CheckSettings):
-    interval: Duration = Field(60.0, gt=0, description="Time between runs: one `scontrol show node` each while a "
+    interval: Duration = Field(60.0, gt=0, description="Time between runs: one `sinfo --nodes=NODE` each while a "
                                "SLURM job runs here (none otherwise). A maintenance gives minutes of notice.")
     leave_reasons: list[str] = Field(
         default_factory=lambda: ["reboot", "maint", "power", "upgrad", "firmware", "replac", "rma", "decommission"],
