@@ -136,9 +136,9 @@ def _job(job_id: str, source: str = "slurm") -> Job:
     return Job(key=f"{source}:{job_id}", source=source, name="llm", state="RUNNING", job_id=job_id, on_this_node=True)
 
 
-def run(catalog: _Catalog) -> list[Any]:
+def run(catalog: _Catalog, **settings: Any) -> list[Any]:
     ctx = CheckContext("n1", Path("/nonexistent"), jobs=catalog)  # type: ignore[arg-type]
-    return list(NodeDrainCheck("node_drain", NodeDrainSettings(), ctx).run())
+    return list(NodeDrainCheck("node_drain", NodeDrainSettings(**settings), ctx).run())
 
 
 def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
@@ -155,8 +155,28 @@ def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
 
 
 def test_a_controller_that_does_not_answer_is_unknown_not_a_drain() -> None:
-    [result] = run(_Catalog([_job("7")], _Client(error=SlurmError("scontrol show: timed out after 10s"))))
+    [result] = run(_Catalog([_job("7")], _Client(error=SlurmError("sinfo: timed out after 10s"))), unknown_after=0)
     assert result.status is Status.UNKNOWN and result.subject == "node:n1" and "timed out" in result.summary
+
+
+def test_a_short_silence_of_the_controller_is_not_said_by_every_node() -> None:
+    """slurmctld restarting: every node with a job would open an UNKNOWN incident at once. Said once the silence
+    outlasts `unknown_after`; an answer starts the count again."""
+    clock = Clock()
+    client = _Client(NodeRecord("MIXED"), error=SlurmError("sinfo: timed out after 10s"))
+    ctx = CheckContext("n1", Path("/nonexistent"), clock=clock, jobs=_Catalog([_job("7")], client))  # type: ignore[arg-type]
+    drain = NodeDrainCheck("node_drain", NodeDrainSettings(unknown_after="5m"), ctx)
+    assert list(drain.run()) == []
+    clock.now += 299
+    assert list(drain.run()) == []
+    clock.now += 1
+    [unknown] = drain.run()
+    assert unknown.status is Status.UNKNOWN and "silent for 300s" in unknown.summary
+    client.error = None
+    assert [r.status for r in drain.run()] == [Status.OK]
+    client.error = SlurmError("sinfo: timed out after 10s")
+    clock.now += 60
+    assert list(drain.run()) == []
 
 
 def test_a_silent_controller_neither_resolves_a_jobs_incident_nor_runs_its_actions_again() -> None:
@@ -166,7 +186,7 @@ def test_a_silent_controller_neither_resolves_a_jobs_incident_nor_runs_its_actio
     client = _Client(NodeRecord("MIXED+DRAIN", "maintenance: host reboot"))
     catalog = _Catalog([_job("7")], client)
     ctx = CheckContext("n1", Path("/nonexistent"), jobs=catalog)  # type: ignore[arg-type]
-    runner = CheckRunner(NodeDrainCheck("node_drain", NodeDrainSettings(), ctx))
+    runner = CheckRunner(NodeDrainCheck("node_drain", NodeDrainSettings(unknown_after=0), ctx))
     tracker = IncidentTracker(Store(None), "n1", Clock())
     fired: list[str] = []
 

@@ -10,15 +10,19 @@ one costs slurmctld nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck, PartialView
 from trainguard.core.events import Event
+from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
 from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.slurm import NodeRecord, SlurmError, SlurmMissingError
+
+log = logging.getLogger("trainguard.checks.node_drain")
 
 # A node in one of these goes away whatever its reason says: a reboot issued, a power-down under way.
 GOING_FLAGS = frozenset({"REBOOT_ISSUED", "POWERING_DOWN", "POWER_DOWN"})
@@ -30,6 +34,13 @@ REBOOT_FLAG = "REBOOT_REQUESTED"
 class NodeDrainSettings(CheckSettings):
     interval: Duration = Field(60.0, gt=0, description="Time between runs: one `sinfo --nodes=NODE` each while a "
                                "SLURM job runs here (none otherwise). A maintenance gives minutes of notice.")
+    timeout: Duration = Field(20.0, gt=0, description="Room for the SLURM command to time out first "
+                              "(`jobs.slurm_timeout`, 10s): a silent controller is this check's `unknown_after` case, "
+                              "not a run cut short.")
+    unknown_after: Duration = Field(
+        300.0, ge=0, description="How long slurmctld may stay silent before this check says UNKNOWN for the node: a "
+                                 "restart of slurmctld takes seconds, and every node with a job would say it at once. "
+                                 "Meanwhile each job's incident stays as it was.")
     leave_reasons: list[str] = Field(
         default_factory=lambda: ["reboot", "maint", "power", "upgrad", "firmware", "replac", "rma", "decommission"],
         description="A drain whose reason has a word beginning with one of these (any case) takes the node away: "
@@ -72,6 +83,7 @@ class NodeDrainCheck(JobCheck):
         super().__init__(name, settings, context)
         words = "|".join(self.settings.leave_reasons)
         self._leave = linear(rf"(?i)(?:^|[^a-z0-9])(?:{words})") if words else None
+        self._silent_since: float | None = None  # when slurmctld stopped answering this check
 
     def run(self) -> Sequence[Result]:
         catalog = self.context.jobs
@@ -88,17 +100,29 @@ class NodeDrainCheck(JobCheck):
         except SlurmMissingError as exc:
             raise CheckIdle(f"no SLURM commands here: {exc}") from None
         except SlurmError as exc:
-            # Partial: a job's incident stays as it was while slurmctld is silent. Resolved, it would fire again at
-            # the controller's return and run its actions a second time (a second SIGUSR1, a second requeue).
-            unknown = self.result(f"node:{catalog.node}", Status.UNKNOWN, f"{catalog.node}: its state unknown: {exc}",
-                                  {"node": catalog.node})
-            return PartialView([unknown], f"slurmctld did not answer: {exc}")
+            return self.silent(catalog.node, exc)
+        self._silent_since = None
         status, why = self.evaluate(record)
         details = {"node": catalog.node, "node_state": record.state, "reason": record.reason,
                    "reason_by": record.reason_by, "reason_at": record.reason_at, "leaving": status is Status.CRITICAL}
         return [self.result(job.key, status, f"{job.label()} on {catalog.node}: {why}",
                             {**details, "job_key": job.key, "job_id": job.job_id,
                              "batch_host": job.batch_host == catalog.node}) for job in jobs]
+
+    def silent(self, node: str, exc: SlurmError) -> PartialView:
+        """A partial run: a job's incident stays as it was while slurmctld is silent (resolved, it would fire again at
+        the controller's return and run its actions a second time: a second SIGUSR1, a second requeue). UNKNOWN for
+        the node once the silence outlasts `unknown_after`."""
+        now = self.context.clock()
+        if self._silent_since is None:
+            self._silent_since = now
+            log.warning("slurmctld silent: node state unknown", extra=kv(check=self.name, node=node, error=str(exc)))
+        silent = now - self._silent_since
+        if silent < self.settings.unknown_after:
+            return PartialView([], f"slurmctld silent for {silent:.0f}s: {exc}")
+        unknown = self.result(f"node:{node}", Status.UNKNOWN,
+                              f"{node}: its state unknown (slurmctld silent for {silent:.0f}s): {exc}", {"node": node})
+        return PartialView([unknown], f"slurmctld silent: {exc}")
 
     def actions_for(self, event: Event) -> ActionBinding:
         """`batch_host_actions` for a job whose batch script runs on this node; else `actions`."""
