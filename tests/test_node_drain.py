@@ -91,6 +91,10 @@ def test_leave_reasons_are_words_matched_at_their_start() -> None:
     for bad in ([""], ["re.*boot"], ["x" * 33]):
         with pytest.raises(ValueError, match="a word of letters and digits"):
             NodeDrainSettings(leave_reasons=bad)
+    nhc = NodeRecord("MIXED+DRAIN", "  nhc: check_ps: process reboot of user tgjob")
+    assert check(checker_reasons=[" NHC: "]).evaluate(nhc)[0] is Status.WARNING  # blanks stripped, as the reason's
+    with pytest.raises(ValueError, match="not blank"):
+        NodeDrainSettings(checker_reasons=[" "])
 
 
 def test_a_job_whose_batch_host_goes_gets_the_batch_host_actions() -> None:

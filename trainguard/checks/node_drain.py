@@ -68,6 +68,15 @@ class NodeDrainSettings(CheckSettings):
             raise ValueError("each a word of letters and digits (up to 32), matched at a word's start")
         return words
 
+    @field_validator("checker_reasons")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        # the reason is compared with its leading blanks stripped: a prefix with them, or none, would never match
+        prefixes = [p.strip() for p in value]
+        if any(not p or len(p) > 64 for p in prefixes):
+            raise ValueError("each a reason's first characters (1 to 64, not blank)")
+        return prefixes
+
 
 class NodeDrainCheck(JobCheck):
     """One result per SLURM job running here, each saying what slurmctld holds of this node: CRITICAL when the node
@@ -151,7 +160,7 @@ class NodeDrainCheck(JobCheck):
 
     def checkers(self, reason: str) -> bool:
         start = reason.lstrip().lower()
-        return any(start.startswith(prefix.lower()) for prefix in self.settings.checker_reasons if prefix)
+        return any(start.startswith(prefix.lower()) for prefix in self.settings.checker_reasons)
 
     def leaving(self, reason: str) -> bool:
         return bool(reason) and self._leave is not None and self._leave.search(reason) is not None
