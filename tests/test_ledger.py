@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BUS = b"00000000:18:00.0"
 
 # A scripted scontrol and sinfo for one node, its state in a file beside them: `scontrol update` drains and resumes,
-# `show node --oneliner` and `sinfo -o %N|%P|%T|%E` print it as SLURM 22.05 does.
+# `sinfo -o %N|%P|%T|%E` and `sinfo --Format=NODE_FORMAT` (jobs.slurm) print it as SLURM 22.05 does.
 SCONTROL = """#!/bin/sh
 state="$(dirname "$0")/node.state"
 [ -f "$state" ] || printf 'IDLE\\n\\n' > "$state"
@@ -48,14 +48,15 @@ if [ "$1" = update ]; then
   echo "$*" >> "$(dirname "$0")/calls"
   exit 0
 fi
-s=$(sed -n 1p "$state"); r=$(sed -n 2p "$state")
-echo "NodeName=node1 Arch=x86_64 CoresPerSocket=1 State=$s ThreadsPerCore=1 Partitions=debug Reason=$r [root@2026-11-29T07:00:00]"
 """
 SINFO = """#!/bin/sh
 state="$(dirname "$0")/node.state"
 [ -f "$state" ] || printf 'IDLE\\n\\n' > "$state"
 s=$(sed -n 1p "$state" | tr 'A-Z' 'a-z'); r=$(sed -n 2p "$state")
-echo "node1|debug*|$s|${r:-none}"
+case "$*" in
+  *--Format=*) echo "node1|$s|root|2026-11-29T07:00:00|${r:-none}" ;;
+  *) echo "node1|debug*|$s|${r:-none}" ;;
+esac
 """
 
 

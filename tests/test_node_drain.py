@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import wait_until
 from tests.slurm_cluster import SlurmCluster, sh
+from tests.test_incidents import Clock
 from tests.test_slurm_jobs import engine_for, engines, find_job, log_has, toy
 from trainguard.checks.base import CheckContext, CheckIdle
 from trainguard.checks.node_drain import NodeDrainCheck, NodeDrainSettings
@@ -21,6 +22,9 @@ from trainguard.jobs.catalog import JobView
 from trainguard.jobs.model import Job
 from trainguard.jobs.slurm import NodeRecord, SlurmError, parse_node
 from trainguard.pipeline.engine import Engine
+from trainguard.pipeline.incidents import IncidentPolicy, IncidentTracker
+from trainguard.pipeline.runner import CheckRunner
+from trainguard.pipeline.store import Store
 
 __all__ = ["engines"]  # the fixture, imported for this module's tests
 DATA = Path(__file__).parent / "data" / "slurm"
@@ -30,17 +34,30 @@ def check(**settings: Any) -> NodeDrainCheck:
     return NodeDrainCheck("node_drain", NodeDrainSettings(**settings), CheckContext("n1", Path("/nonexistent")))
 
 
-def test_the_parser_reads_real_node_records() -> None:
-    allocated = parse_node((DATA / "show-node-allocated.txt").read_text())
-    assert allocated.base == "MIXED" and allocated.flags == frozenset() and not allocated.drained
-    assert allocated.reason == "" and allocated.reason_at is None
-    drained = parse_node((DATA / "show-node-drained-running.txt").read_text())
-    assert drained.base == "MIXED" and "DRAIN" in drained.flags and drained.drained
-    assert drained.reason == "maintenance: host reboot" and drained.reason_by == "root" and drained.reason_at
-    assert not drained.trainguards
-    ours = parse_node((DATA / "show-node-drained-trainguard.txt").read_text())
-    assert ours.drained and ours.trainguards and ours.reason.startswith("trainguard: ")
-    assert parse_node("") == NodeRecord() and parse_node("State=\x00 Reason=[").state == "\x00"
+def test_the_parser_reads_real_node_rows() -> None:
+    idle = parse_node((DATA / "sinfo-node-idle.txt").read_text(), "n2")
+    assert idle == NodeRecord("IDLE") and idle.base == "IDLE" and idle.flags == frozenset() and not idle.drained
+    ours = parse_node((DATA / "sinfo-node-drained-trainguard.txt").read_text(), "n1")
+    assert ours is not None and ours.drained and ours.trainguards and ours.flags == {"COMPLETING", "DRAIN"}
+    assert ours.reason.startswith("trainguard: GPU 0") and ours.reason.endswith("then nvidia-smi -r or reboot)")
+    assert ours.reason_by == "root" and ours.reason_at
+    assert parse_node((DATA / "sinfo-node-idle.txt").read_text(), "n1") is None  # another node's row
+    assert parse_node("", "n1") is None and parse_node("n1|\x00|||", "n1") == NodeRecord("\x00")
+
+
+@pytest.mark.parametrize("reason", [
+    "Scheduled [CHG0042] kernel upgrade", "ticket id=5: reboot at 23:00", "PSU | fan swap: power cycle",
+    # a health checker's message quoting a user's process, named to look like more fields
+    "NHC: check_ps: process a|root|2026-01-01T00:00:00|reboot",
+])
+def test_a_reason_is_the_rows_last_field_whatever_it_holds(reason: str) -> None:
+    """A foreign drain of a node running a job (built on the captured row: the tests' clusters run no other)."""
+    real = (DATA / "sinfo-node-drained-trainguard.txt").read_text()
+    row = "mixed+drain|root|2026-11-29T22:26:53|" + reason
+    record = parse_node(real.replace(real.split("|", 1)[1], row + "\n") + "n1|idle|Unknown|Unknown|none\n", "n1")
+    assert record == NodeRecord("MIXED+DRAIN", reason, "root", parse_node(real, "n1").reason_at)  # type: ignore[union-attr]
+    expected = Status.WARNING if reason.startswith("NHC") else Status.CRITICAL
+    assert check().evaluate(record)[0] is expected
 
 
 @pytest.mark.parametrize(("state", "reason", "status"), [
@@ -74,6 +91,10 @@ def test_leave_reasons_are_words_matched_at_their_start() -> None:
     for bad in ([""], ["re.*boot"], ["x" * 33]):
         with pytest.raises(ValueError, match="a word of letters and digits"):
             NodeDrainSettings(leave_reasons=bad)
+    nhc = NodeRecord("MIXED+DRAIN", "  nhc: check_ps: process reboot of user tgjob")
+    assert check(checker_reasons=[" NHC: "]).evaluate(nhc)[0] is Status.WARNING  # blanks stripped, as the reason's
+    with pytest.raises(ValueError, match="not blank"):
+        NodeDrainSettings(checker_reasons=[" "])
 
 
 def test_a_job_whose_batch_host_goes_gets_the_batch_host_actions() -> None:
@@ -109,18 +130,19 @@ class _Catalog:
     slurm: _Client
     sources: tuple[str, ...] = ("slurm",)
     node: str = "n1"
+    errors: dict[str, str] = field(default_factory=dict)
 
     def view(self) -> JobView:
-        return JobView(tuple(self.jobs))
+        return JobView(tuple(self.jobs), dict(self.errors))
 
 
 def _job(job_id: str, source: str = "slurm") -> Job:
     return Job(key=f"{source}:{job_id}", source=source, name="llm", state="RUNNING", job_id=job_id, on_this_node=True)
 
 
-def run(catalog: _Catalog) -> list[Any]:
+def run(catalog: _Catalog, **settings: Any) -> list[Any]:
     ctx = CheckContext("n1", Path("/nonexistent"), jobs=catalog)  # type: ignore[arg-type]
-    return list(NodeDrainCheck("node_drain", NodeDrainSettings(), ctx).run())
+    return list(NodeDrainCheck("node_drain", NodeDrainSettings(**settings), ctx).run())
 
 
 def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
@@ -137,9 +159,56 @@ def test_a_node_without_a_slurm_job_costs_slurmctld_nothing() -> None:
 
 
 def test_a_controller_that_does_not_answer_is_unknown_not_a_drain() -> None:
-    [result] = run(_Catalog([_job("7")], _Client(error=SlurmError("scontrol show: timed out after 10s"))))
+    [result] = run(_Catalog([_job("7")], _Client(error=SlurmError("sinfo: timed out after 10s"))), unknown_after=0)
     assert result.status is Status.UNKNOWN and result.subject == "node:n1" and "timed out" in result.summary
     assert not NodeDrainSettings().alert_on_unknown  # a controller down: the cluster's one fault, not every node's
+
+
+def test_a_short_silence_of_the_controller_is_not_said_by_every_node() -> None:
+    """slurmctld restarting: every node with a job would open an UNKNOWN incident at once. Said once the silence
+    outlasts `unknown_after`; an answer starts the count again."""
+    clock = Clock()
+    client = _Client(NodeRecord("MIXED"), error=SlurmError("sinfo: timed out after 10s"))
+    ctx = CheckContext("n1", Path("/nonexistent"), clock=clock, jobs=_Catalog([_job("7")], client))  # type: ignore[arg-type]
+    drain = NodeDrainCheck("node_drain", NodeDrainSettings(unknown_after="5m"), ctx)
+    assert list(drain.run()) == []
+    clock.now += 299
+    assert list(drain.run()) == []
+    clock.now += 1
+    [unknown] = drain.run()
+    assert unknown.status is Status.UNKNOWN and "silent for 300s" in unknown.summary
+    client.error = None
+    assert [r.status for r in drain.run()] == [Status.OK]
+    client.error = SlurmError("sinfo: timed out after 10s")
+    clock.now += 60
+    assert list(drain.run()) == []
+
+
+def test_a_silent_controller_neither_resolves_a_jobs_incident_nor_runs_its_actions_again() -> None:
+    """Through the real runner into the tracker: drained for a reboot (fired: the actions ran), then slurmctld silent
+    for a run, then drained still: one incident, fired once. Resolved by the silence, it would fire again at the
+    controller's return and signal (or requeue) the job a second time. A failed job source (no job listed) too."""
+    client = _Client(NodeRecord("MIXED+DRAIN", "maintenance: host reboot"))
+    catalog = _Catalog([_job("7")], client)
+    ctx = CheckContext("n1", Path("/nonexistent"), jobs=catalog)  # type: ignore[arg-type]
+    runner = CheckRunner(NodeDrainCheck("node_drain", NodeDrainSettings(unknown_after=0), ctx))
+    tracker = IncidentTracker(Store(None), "n1", Clock())
+    fired: list[str] = []
+
+    def once() -> None:
+        report = runner.run_once()
+        events = tracker.observe("node_drain", report.results, IncidentPolicy(), report.complete, lambda e: [])
+        fired.extend(e.subject for e in events if e.kind is EventKind.FIRED)
+        assert not [e for e in events if e.kind is EventKind.RESOLVED and e.subject == "slurm:7"], events
+
+    once()
+    client.error = SlurmError("scontrol show: timed out after 10s")
+    once()
+    client.error, catalog.jobs, catalog.errors = None, [], {"slurm": "scontrol listpids: timed out after 10s"}
+    once()
+    catalog.jobs, catalog.errors = [_job("7")], {}
+    once()
+    assert fired == ["slurm:7", "node:n1", "source:slurm"] and [i.subject for i in tracker.incidents()] == ["slurm:7"]
 
 
 # the real thing: the tests' one-node SLURM cluster ----------------------------------------------------------------

@@ -4,21 +4,25 @@ job is asked to save and leave before the node goes, not killed with it.
 A host's maintenance is a drain, then a reboot some minutes later: the job's ranks there die with the node, the
 other ranks wait in a collective until NCCL gives up, and everything since the last checkpoint is lost. The drain
 is the notice. slurmctld alone knows it (nothing on the node changes), so this check asks it about this node only
-(`scontrol show node NODE`: one small RPC), and only while a SLURM job runs here: a node without one costs
-slurmctld nothing.
+(`sinfo --nodes=NODE`: one small RPC, the node's row alone), and only while a SLURM job runs here: a node without
+one costs slurmctld nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
-from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck
+from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck, PartialView
 from trainguard.core.events import Event
+from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
 from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.core.text import linear, one_line
 from trainguard.jobs.slurm import NodeRecord, SlurmError, SlurmMissingError
+
+log = logging.getLogger("trainguard.checks.node_drain")
 
 # A node in one of these goes away whatever its reason says: a reboot issued, a power-down under way.
 GOING_FLAGS = frozenset({"REBOOT_ISSUED", "POWERING_DOWN", "POWER_DOWN"})
@@ -28,11 +32,18 @@ REBOOT_FLAG = "REBOOT_REQUESTED"
 
 
 class NodeDrainSettings(CheckSettings):
-    interval: Duration = Field(60.0, gt=0, description="Time between runs: one `scontrol show node` each while a "
+    interval: Duration = Field(60.0, gt=0, description="Time between runs: one `sinfo --nodes=NODE` each while a "
                                "SLURM job runs here (none otherwise). A maintenance gives minutes of notice.")
+    timeout: Duration = Field(20.0, gt=0, description="Room for the SLURM command to time out first "
+                              "(`jobs.slurm_timeout`, 10s): a silent controller is this check's `unknown_after` case, "
+                              "not a run cut short.")
+    unknown_after: Duration = Field(
+        300.0, ge=0, description="How long slurmctld may stay silent before this check says UNKNOWN for the node: a "
+                                 "restart of slurmctld takes seconds, and every node with a job would say it at once. "
+                                 "Meanwhile each job's incident stays as it was.")
     alert_on_unknown: bool = Field(False, description="Whether a run that could not ask slurmctld (UNKNOWN) opens "
                                    "an incident: off, as a controller down is one fault of the cluster, not one alert "
-                                   "from every node that runs a job; the run still says it (`trainguard status`).")
+                                   "from every node that runs a job; still said after `unknown_after` (`trainguard status`).")
     leave_reasons: list[str] = Field(
         default_factory=lambda: ["reboot", "maint", "power", "upgrad", "firmware", "replac", "rma", "decommission"],
         description="A drain whose reason has a word beginning with one of these (any case) takes the node away: "
@@ -59,6 +70,15 @@ class NodeDrainSettings(CheckSettings):
             raise ValueError("each a word of letters and digits (up to 32), matched at a word's start")
         return words
 
+    @field_validator("checker_reasons")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        # the reason is compared with its leading blanks stripped: a prefix with them, or none, would never match
+        prefixes = [p.strip() for p in value]
+        if any(not p or len(p) > 64 for p in prefixes):
+            raise ValueError("each a reason's first characters (1 to 64, not blank)")
+        return prefixes
+
 
 class NodeDrainCheck(JobCheck):
     """One result per SLURM job running here, each saying what slurmctld holds of this node: CRITICAL when the node
@@ -74,6 +94,7 @@ class NodeDrainCheck(JobCheck):
         super().__init__(name, settings, context)
         words = "|".join(self.settings.leave_reasons)
         self._leave = linear(rf"(?i)(?:^|[^a-z0-9])(?:{words})") if words else None
+        self._silent_since: float | None = None  # when slurmctld stopped answering this check
 
     def run(self) -> Sequence[Result]:
         catalog = self.context.jobs
@@ -82,20 +103,37 @@ class NodeDrainCheck(JobCheck):
         view = catalog.view()
         jobs = [j for j in view.on_node() if j.source == "slurm" and j.job_id]
         if not jobs:
-            return self.source_errors(view, ["slurm"])  # no job to save: slurmctld is not asked
+            errors = self.source_errors(view, ["slurm"])  # no job to save: slurmctld is not asked
+            # A failed job source lists no job: that is no job gone, so their incidents stay as they are
+            return PartialView(errors, "the SLURM job source failed") if errors else errors
         try:
             record = catalog.slurm.node(catalog.node)
         except SlurmMissingError as exc:
             raise CheckIdle(f"no SLURM commands here: {exc}") from None
         except SlurmError as exc:
-            return [self.result(f"node:{catalog.node}", Status.UNKNOWN, f"{catalog.node}: its state unknown: {exc}",
-                                {"node": catalog.node})]
+            return self.silent(catalog.node, exc)
+        self._silent_since = None
         status, why = self.evaluate(record)
         details = {"node": catalog.node, "node_state": record.state, "reason": record.reason,
                    "reason_by": record.reason_by, "reason_at": record.reason_at, "leaving": status is Status.CRITICAL}
         return [self.result(job.key, status, f"{job.label()} on {catalog.node}: {why}",
                             {**details, "job_key": job.key, "job_id": job.job_id,
                              "batch_host": job.batch_host == catalog.node}) for job in jobs]
+
+    def silent(self, node: str, exc: SlurmError) -> PartialView:
+        """A partial run: a job's incident stays as it was while slurmctld is silent (resolved, it would fire again at
+        the controller's return and run its actions a second time: a second SIGUSR1, a second requeue). UNKNOWN for
+        the node once the silence outlasts `unknown_after`."""
+        now = self.context.clock()
+        if self._silent_since is None:
+            self._silent_since = now
+            log.warning("slurmctld silent: node state unknown", extra=kv(check=self.name, node=node, error=str(exc)))
+        silent = now - self._silent_since
+        if silent < self.settings.unknown_after:
+            return PartialView([], f"slurmctld silent for {silent:.0f}s: {exc}")
+        unknown = self.result(f"node:{node}", Status.UNKNOWN,
+                              f"{node}: its state unknown (slurmctld silent for {silent:.0f}s): {exc}", {"node": node})
+        return PartialView([unknown], f"slurmctld silent: {exc}")
 
     def actions_for(self, event: Event) -> ActionBinding:
         """`batch_host_actions` for a job whose batch script runs on this node; else `actions`."""
@@ -124,7 +162,7 @@ class NodeDrainCheck(JobCheck):
 
     def checkers(self, reason: str) -> bool:
         start = reason.lstrip().lower()
-        return any(start.startswith(prefix.lower()) for prefix in self.settings.checker_reasons if prefix)
+        return any(start.startswith(prefix.lower()) for prefix in self.settings.checker_reasons)
 
     def leaving(self, reason: str) -> bool:
         return bool(reason) and self._leave is not None and self._leave.search(reason) is not None

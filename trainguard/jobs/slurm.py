@@ -163,8 +163,14 @@ class SlurmClient:
         return record.state, record.reason
 
     def node(self, node: str) -> NodeRecord:
-        """What slurmctld holds of one node (`scontrol show node NODE`: one small RPC, the node's row alone)."""
-        return parse_node(self.run("scontrol", "show", "node", node, "--oneliner"))
+        """What slurmctld holds of one node: `sinfo --nodes=NODE`, the node's row alone (REQUEST_NODE_INFO_SINGLE) and
+        the partitions. Not `scontrol show node NODE`: it fetches every node's row (REQUEST_NODE_INFO) and picks one
+        itself, a cost that grows with the cluster (captured: tests/data/slurm/README.md)."""
+        out = self.run("sinfo", "--all", "--noheader", "--Node", f"--nodes={node}", f"--Format={NODE_FORMAT}")
+        record = parse_node(out, node)
+        if record is None:  # sinfo exits 0 for a name it does not know
+            raise SlurmError(f"sinfo: node {node} not listed (not a SLURM node name, or in no partition)")
+        return record
 
     def drain(self, node: str, reason: str) -> None:
         self.run("scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}")
@@ -174,17 +180,17 @@ class SlurmClient:
 
 
 _PATTERN = linear(r"%(%|[AajxuNn])")
-_NODE_STATE = linear(r"\bState=(\S+)")
-_NODE_REASON = linear(r"(?m)\bReason=(.*?)(?: \[|$| \w+=)")
-_NODE_REASON_BY = linear(r"(?m)\bReason=.*? \[([^@\]\s]{1,64})@([0-9T:-]{1,32})\]")
+# One node's row, from `sinfo --nodes=NODE` (one name: REQUEST_NODE_INFO_SINGLE). The reason, free text, is last, so
+# a `|` in it is its own; no field before it holds anything but SLURM's and root's words.
+NODE_FORMAT = "NodeList:|,StateComplete:|,User:|,TimeStamp:|,Reason:0"
 DRAIN_TAG = "trainguard:"  # how a drain reason trainguard set begins: what it may lift, and what is its own
 
 
 @dataclass(frozen=True)
 class NodeRecord:
-    """One node as `scontrol show node` prints it: its state (`MIXED+DRAIN`), split into the base state and its
+    """One node as slurmctld holds it: its state (`MIXED+DRAIN`), split into the base state and its
     flags (`DRAIN`, `REBOOT_REQUESTED`; a base state's `*`, not responding, dropped), and the reason with who set it
-    and when (`Reason=maintenance [root@2026-11-29T22:00:00]`)."""
+    and when (`maintenance: host reboot`, root, 22:00)."""
 
     state: str = ""
     reason: str = ""
@@ -210,13 +216,18 @@ class NodeRecord:
         return self.reason.startswith(DRAIN_TAG)
 
 
-def parse_node(text: str) -> NodeRecord:
-    """The first node record of `scontrol show node --oneliner`; an empty record when there is none. Never raises."""
-    state = _NODE_STATE.search(text)
-    reason = _NODE_REASON.search(text)
-    by = _NODE_REASON_BY.search(text)
-    return NodeRecord(state.group(1) if state else "", reason.group(1).strip() if reason else "",
-                      by.group(1) if by else "", slurm_time(by.group(2)) if by else None)
+def parse_node(text: str, node: str) -> NodeRecord | None:
+    """`node`'s row in `sinfo --Node --Format=NODE_FORMAT` (one per partition it is in: the first); None when it has
+    none. The state as `scontrol` says it (`MIXED+DRAIN`); no reason, user or time where sinfo says `none`,
+    `Unknown`. Never raises."""
+    for line in text.splitlines():
+        fields = line.split("|", 4)
+        if len(fields) != 5 or fields[0].strip() != node:
+            continue
+        state, by, at, reason = (f.strip() for f in fields[1:])
+        return NodeRecord(state.upper(), "" if reason == "none" else reason, "" if by in ("Unknown", "N/A") else by,
+                          slurm_time(at))
+    return None
 
 
 def expand_output_path(pattern: str, *, job_id: str, name: str | None = None, user: str | None = None,
