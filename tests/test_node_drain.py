@@ -238,7 +238,8 @@ def test_a_drain_for_a_reboot_asks_the_job_to_save_and_leave_and_another_is_only
         assert list((workdir / "ckpt").glob("ckpt-*.json"))
         [incident] = [i for i in engine.tracker.incidents() if i.check == "node_drain" and i.subject == job.key]
         assert incident.status is Status.CRITICAL and "'maintenance: host reboot' by root" in incident.summary
-        assert incident.details["batch_host"] is True and incident.details["node_state"] == "MIXED+DRAIN"
+        # sinfo said ALLOCATED+DRAIN here where scontrol, before, said MIXED+DRAIN of the same kind of job: the flag counts
+        assert incident.details["batch_host"] is True and "DRAIN" in incident.details["node_state"].split("+")
         assert incident.actions[0]["action"] == "signal" and incident.actions[0]["outcome"] == "ok", incident.actions
     finally:
         slurm.resume_node()
