@@ -1,6 +1,6 @@
 """node_drain: a node SLURM is taking away (drained for a reboot or a repair) with a job on it asks the job to save and
 leave; another drain is said; trainguard's own drain is its own incident's; a node without a job costs slurmctld
-nothing. The parser reads real `scontrol show node` output (tests/data/slurm/README.md says where each came from)."""
+nothing. The parser reads real `sinfo --Node` rows (tests/data/slurm/README.md says where each came from)."""
 
 from __future__ import annotations
 
