@@ -1462,15 +1462,15 @@ def _relaunch_loop(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
         proc.communicate(timeout=30)
 
 
-def _agent(tmp_path: Path, slurm: StubSlurm, node: str, agent: tuple[Reports, Claims] | None = None
-           ) -> Callable[[RestartAction, Event], Callable[[], str]]:
+def _agent(tmp_path: Path, slurm: StubSlurm, node: str, agent: tuple[Reports, Claims] | None = None,
+           node_list: str = "n[1-4]") -> Callable[[RestartAction, Event], Callable[[], str]]:
     """An agent on `node` (two calls with the same `agent` are one agent's lists): a restart action for an event, as
     a function that runs it and returns its outcome, said as the responder says it."""
     reports, claims = agent or (Reports(), Claims())
 
     def act(action: RestartAction, event: Event) -> Callable[[], str]:
         def run() -> str:
-            job = replace(_job(tmp_path), node_list="n[1-4]")
+            job = replace(_job(tmp_path), node_list=node_list)
             ctx = ActionContext(event, (job,), node, slurm, time.time,  # type: ignore[arg-type]
                                 reports=reports, actions=ActionList(), claims=claims)
             try:
@@ -1556,6 +1556,30 @@ def test_a_restart_in_place_after_a_restart_without_the_node_is_skipped(tmp_path
                             r"\(left\.5\.0\.n1\), after the fault this restart answers began", in_place[1]), in_place
     assert _launched(tmp_path) == [["python", "train.py"], ["--exclude=n1", "python", "train.py"]]
     assert loop.returncode == 3 and [c[1] for c in slurm.calls if c[0] == "signal"] == ["5.0"]
+
+
+def test_a_restart_in_place_is_skipped_while_one_without_a_node_finds_no_spare_and_requeues(tmp_path: Path) -> None:
+    """A hung file system on n3 of a job with no spare (its allocation, n[1-3], is its step): n3's agent restarts job
+    5 without n3, records it as left, finds no spare and requeues the job instead; n1's agent, whose ranks wait in the
+    collective, restarts it in place meanwhile: skipped, saying why (before, it signalled the step and said the job
+    restarted while the job was being requeued). One requeue, no relaunch."""
+    slurm = LoopSlurm(tmp_path)
+    elsewhere: list[str] = []
+    with _relaunch_loop(tmp_path):
+        first = _in_thread(_agent(tmp_path, slurm, "n3", node_list="n[1-3]")(
+            RestartAction("restart_elsewhere", ELSEWHERE), _event("hang", "slurm:5")), elsewhere)
+        wait_until((tmp_path / "sw" / "left.5.0.n3").exists, 10, what="n3 recorded as left")
+        in_place = _agent(tmp_path, slurm, "n1", node_list="n[1-3]")(RestartAction("restart", IN_PLACE),
+                                                                      _event("hang", "slurm:5"))()
+        first.join(15)
+        os.kill(int((tmp_path / "step").read_text().split()[1]), signal.SIGKILL)  # the step the requeue would end
+    assert re.fullmatch(r"skipped: job 5 \(t\): not restarted in place: a restart of it without n3 is under way "
+                        r"\(left\.5\.0\.n3, written \d+\.\ds ago\) and finds no spare node in its allocation \(3 "
+                        r"node\(s\), 1 left or leaving, its step spans 3\): its fallback answers the fault", in_place), in_place
+    assert elsewhere[0].startswith("ok: job 5 (t): not restarted without n3: no spare node"), elsewhere
+    assert "requeue instead" in elsewhere[0], elsewhere
+    assert ("requeue", "5") in slurm.calls and not any(c[0] == "signal" and c[1] == "5.0" for c in slurm.calls)
+    assert _launched(tmp_path) == [["python", "train.py"]]
 
 
 def _launched(tmp_path: Path) -> list[list[str]]:

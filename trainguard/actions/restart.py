@@ -29,7 +29,7 @@ for a fault that began before it ended, answers a second incident's restart that
 place, or one without this node): that one is skipped, never run twice nor said done twice. A restart without this
 node goes on beside one in place (the relaunch must leave the node), and a restart in place is skipped while a
 restart without a node, this agent's or another's (its record and request in the switch dir, not yet in the ranks'
-TRAINGUARD_LEFT), is under way or has just started the ranks again.
+TRAINGUARD_LEFT), is under way or has just started the ranks again, or finds no spare (its fallback answers the fault).
 
 A job whose ranks here do not run under the loop (their environment lacks TRAINGUARD_RESTARTS, which the loop sets)
 would end at the signal, not restart: by default (`fallback = "requeue"`) it is signalled and requeued instead, as
@@ -320,7 +320,9 @@ class RestartAction(Action):
         since, while the ranks here still run with it (that restart is under way: its relaunch leaves the node, and
         a request written after it would start the job once more, even at the end of its training), or that the
         ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
-        (the fault was the earlier start's). The files are the job user's: a fake only skips their own job's restart."""
+        (the fault was the earlier start's), or that was recorded less than RELAUNCH_GRACE ago by a restart that finds
+        no spare in the allocation without it (its fallback, a requeue by default, answers the fault). The files are
+        the job user's: a fake only skips their own job's restart."""
         assert job.job_id and job.switch_dir
         if not any(LEFT_VAR in env for env in ranks):
             # a loop that cannot leave a node never restarts without one: a record (a lost spare's) is no such restart
@@ -334,6 +336,7 @@ class RestartAction(Action):
         request = present.get(request_name(job.job_id))
         without = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n}
         started = min((r.create_time for pids in looped.values() for r in map(ProcessRef.of, pids) if r), default=0.0)
+        allocation = list(records.values())
         for name, node in records.items():
             record = present.get(name)
             if record is None:
@@ -341,6 +344,13 @@ class RestartAction(Action):
             if node not in without and request is not None and request.st_ctime_ns >= record.st_ctime_ns:
                 return (f"a restart of it without {node} is under way ({name}, and {request_name(job.job_id)} written "
                         f"{max(0.0, time.time() - request.st_ctime):.1f}s ago)")
+            if (node not in without and time.time() - record.st_ctime < RELAUNCH_GRACE
+                    and (no_spare := self._no_spare(allocation, ranks, {node}))):
+                # that restart's fallback answers the fault (a requeue, by default): in place, the job would start
+                # again on the node it leaves, and be said restarted while it is requeued
+                return (f"a restart of it without {node} is under way ({name}, written "
+                        f"{max(0.0, time.time() - record.st_ctime):.1f}s ago) and finds {no_spare}: its fallback "
+                        "answers the fault")
             if node in without and ctx.event.since < started and time.time() - started < RELAUNCH_GRACE:
                 return (f"it started again without {node} {time.time() - started:.1f}s ago ({name}), after the fault "
                         "this restart answers began")
