@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -261,12 +262,16 @@ def test_a_real_oom_kill_by_a_real_memory_cgroup_is_the_jobs_alert_naming_the_ra
             proc.wait()
 
 
-def nfs_not_responding(server: str) -> str:
-    """The kernel's text of the real `nfs: server X not responding, still trying` line of the fixtures, naming
-    `server`."""
+def nfs_line(klass: str, server: str) -> str:
+    """The kernel's text of a real line of the fixtures of `klass` (`nfs_not_responding`: `nfs: server X not
+    responding, still trying`; `nfs_ok`: `nfs: server X OK`), naming `server`."""
     fixtures = tomllib.loads((Path(__file__).parent / "data" / "kernel" / "fixtures.toml").read_text())["fixture"]
-    real = next(f for f in fixtures if f["class"] == "nfs_not_responding" and "server" in f.get("names", {}))
+    real = next(f for f in fixtures if f["class"] == klass and "server" in f.get("names", {}))
     return strip_prefix(real["text"]).replace(real["names"]["server"], server)
+
+
+def nfs_not_responding(server: str) -> str:
+    return nfs_line("nfs_not_responding", server)
 
 
 def hang_check(tmp_path: Path, marker: str, kmsg: Path) -> HangCheck:
@@ -330,6 +335,63 @@ def test_a_hang_whose_rank_waits_on_a_mount_that_stopped_answering_names_it(
         silent.stop()
         os.close(writer)
         hung_mount.abort()  # the rank's read returns: it ends
+
+
+def test_fs_stale_after_answers_a_rank_blocked_on_a_mount_the_kernel_says_is_dead_before_stale_after(
+        tmp_path: Path, hung_mount: HungMount, children: list[subprocess.Popen[str]]) -> None:
+    """`fs_stale_after`: a rank blocked in D state on a mount, idle past `fs_stale_after` (0.5 s) and far from its
+    `stale_after` (an hour), is hung once the kernel says the mount's server is not responding (a real line through a
+    FIFO standing in for /dev/kmsg), which wakes the started check; before the kernel's word, and after its `OK`, the
+    job keeps its `stale_after`; a job idle as long but blocked on nothing stays OK while the kernel says so."""
+    marker = f"tgfsearly{random.randint(0, 1 << 30):x}"
+    rank = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'rb').read(10)",
+                             str(hung_mount.mountpoint / "data"), f"{marker}-blocked"], env={**os.environ, "RANK": "0"},
+                            text=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"{marker}-idle"], text=True)
+    children.extend([rank, idle])
+    wait_until(lambda: psutil.Process(rank.pid).status() == psutil.STATUS_DISK_SLEEP, 10, what="the rank in D state")
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)
+    jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+        "blocked": ProcessJobSettings(cmdline=f"{marker}-blocked", user="root"),
+        "idle": ProcessJobSettings(cmdline=f"{marker}-idle", user="root")}), "node1")
+    check = HangCheck("hang", HangSettings(stale_after=3600, fs_stale_after=0.5, flight_recorder=False, stacks=False,
+                                           kmsg_path=str(fifo)),
+                      CheckContext("node1", tmp_path, jobs=jobs, kernel_log=KernelLog()))
+    woken = threading.Event()
+
+    def kernel_says(line: str) -> None:
+        woken.clear()
+        os.write(writer, f"4,1,{int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)},-;{line}\n".encode())
+
+    def statuses() -> dict[str, Any]:
+        return {r.subject.removeprefix("process:"): r for r in check.run()}
+
+    check.start(woken.set)
+    try:
+        statuses()  # the jobs' progress signals start now
+        time.sleep(0.6)
+        assert {k: r.status for k, r in statuses().items()} == {"blocked": Status.OK, "idle": Status.OK}
+        assert check._deadline(check.progress(jobs.view().jobs[0], [], time.time()), 3600, time.time()) > 3000
+        kernel_says(nfs_not_responding(hung_mount.server))
+        assert woken.wait(10), "the kernel's record woke the check"
+        found = statuses()
+        blocked = found["blocked"]
+        assert blocked.status is Status.CRITICAL, blocked.summary
+        assert blocked.details[CAUSE_KIND] == FILE_SYSTEM and blocked.details["scope"] == "node"
+        assert blocked.details["stale_after"] == 0.5
+        assert blocked.summary.startswith(f"process job blocked: cause: rank 0 waits in D state on fuse "
+                                          f"{hung_mount.server}:/export at {hung_mount.mountpoint}: the kernel says "
+                                          "NFS server not responding"), blocked.summary
+        assert found["idle"].status is Status.OK  # idle as long, but blocked on nothing
+        kernel_says(nfs_line("nfs_ok", hung_mount.server))
+        wait_until(lambda: check.kernel is not None and not check.kernel.notes.troubled(), 10, what="the OK read")
+        assert {k: r.status for k, r in statuses().items()} == {"blocked": Status.OK, "idle": Status.OK}
+    finally:
+        check.stop()
+        os.close(writer)
+        hung_mount.abort()
 
 
 def fake_proc(tmp_path: Path, pid: int, stack: str, files: dict[str, str]) -> ProcFS:

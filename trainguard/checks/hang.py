@@ -119,6 +119,14 @@ class HangSettings(KernelLogSettings):
     mount_timeout: Duration = Field(1.0, gt=0, description="How long a blocked rank's mount may take to answer a "
                                     "statfs before it counts as not answering (once per hang; a call that blocks "
                                     "is not repeated while it does).")
+    fs_stale_after: Duration | None = Field(
+        None, gt=0, description="Sooner than `stale_after`: hung after this long without progress when the job's "
+        "ranks wait in D state on a mount the kernel says does not answer (its NFS server not responding, its Lustre "
+        "connection lost; as `fs_actions`), answered by `fs_actions`. The kernel says so only after the client's own "
+        "retries (NFS over TCP at its defaults, timeo=600 retrans=2: about 3 minutes), so a job waits about that plus "
+        "this; an outage that ends sooner (`nfs: server ... OK`) is never answered by it. An outage of a server every "
+        "node mounts drains every node that runs a job on it (up to the drain's `max_drained`) this much sooner. "
+        "None: `stale_after` alone.")
     fs_actions: ActionBinding | None = Field(
         default_factory=lambda: ActionBinding(critical=["signal", "drain", "requeue"]),
         description="Instead of `actions`, the actions of a hang whose blocked ranks wait on a file system the kernel "
@@ -373,7 +381,9 @@ class HangCheck(JobCheck):
     def start(self, wake: Callable[[], None]) -> None:
         self._timer = WakeTimer(wake, self.context.clock, name=f"deadline-{self.name}")
         if self.kernel is not None:
-            self.kernel.start(lambda: None)  # read when a job hangs: a record alone changes no deadline
+            # read when a job hangs; with `fs_stale_after` a file system that stops answering may be one already
+            early = self.settings.fs_stale_after is not None
+            self.kernel.start(wake if early else lambda: None)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -458,14 +468,45 @@ class HangCheck(JobCheck):
         progress = self.progress(job, procs[:self.settings.inspect_processes], now, budget)
         limit = self.stale_after(job)
         status = evaluate(progress, limit, now)
-        if status is Status.OK:
+        dead = self._dead_mount(job, procs, progress, limit, now) if status is Status.OK else None
+        if dead is not None:
+            status, limit = Status.CRITICAL, self.settings.fs_stale_after or limit
+        elif status is Status.OK:
             self._dirty |= self._dumps.pop(job.key, None) is not None
-            return self._result(job, progress, limit, now, status, Evidence(0.0, [])), progress.last.at + limit
-        return self._result(job, progress, limit, now, status, self._evidence(job, procs, progress, now)), None
+            return (self._result(job, progress, limit, now, status, Evidence(0.0, [])),
+                    self._deadline(progress, limit, now))
+        return self._result(job, progress, limit, now, status, self._evidence(job, procs, progress, now, dead)), None
 
-    def _evidence(self, job: Job, procs: list[psutil.Process], progress: Progress, now: float) -> Evidence:
+    def _early(self, limit: float) -> float | None:
+        """`fs_stale_after` where it is sooner than the job's `stale_after` and the kernel says a file system does
+        not answer now; else None."""
+        early = self.settings.fs_stale_after
+        if early is None or early >= limit or self.kernel is None or not self.kernel.notes.troubled():
+            return None
+        return early
+
+    def _dead_mount(self, job: Job, procs: list[psutil.Process], progress: Progress, limit: float,
+                    now: float) -> FsCause | None:
+        """The dead file system a job idle for `fs_stale_after` waits on (`FsCause.down`), else None. Looked for at
+        each run while the kernel says one is dead (the job's processes' states, at most `inspect_processes`)."""
+        early = self._early(limit)
+        if early is None or now - progress.last.at < early:
+            return None
+        cause = self._fs_cause(job, procs)
+        return cause if cause is not None and cause.down else None
+
+    def _deadline(self, progress: Progress, limit: float, now: float) -> float:
+        """When the progressing job is next looked at: at its `stale_after`, or at `fs_stale_after` while the kernel
+        says a file system is dead (past it, the check's interval looks again)."""
+        early = self._early(limit)
+        at = progress.last.at + limit
+        return min(at, progress.last.at + early) if early is not None and progress.last.at + early > now else at
+
+    def _evidence(self, job: Job, procs: list[psutil.Process], progress: Progress, now: float,
+                  dead: FsCause | None = None) -> Evidence:
         """Once per hang: dump the stacks, read the flight recorders, and keep them for the runs that follow. The
-        hang is marked captured before the capture starts: a capture that fails is not run again at every run."""
+        hang is marked captured before the capture starts: a capture that fails is not run again at every run.
+        `dead`: the dead file system already found (`fs_stale_after`), not looked for again."""
         cached = self._dumps.get(job.key)
         if cached is not None and cached.since == progress.last.at:
             if not cached.collectives:  # restored from the state of an earlier agent: its collectives read once
@@ -488,25 +529,25 @@ class HangCheck(JobCheck):
         stall = self._stall(job, procs)
         if stall is not None:
             log.warning("hung job collectives", extra=kv(job=job.key, stall=stall.describe()))
-        evidence = Evidence(progress.last.at, capture.stacks, path, stall, capture.note, **self._fs_cause(job, procs))
+        cause = dead or self._fs_cause(job, procs)
+        fields = {} if cause is None else {"cause": cause.text, "lever": cause.lever,
+                                           "cause_kind": FILE_SYSTEM if cause.down else None}
+        if cause is not None:
+            log.warning("hung job waits on a file system", extra=kv(job=job.key, cause=cause.text, down=cause.down))
+        evidence = Evidence(progress.last.at, capture.stacks, path, stall, capture.note, **fields)
         self._dumps[job.key] = evidence
         return evidence
 
-    def _fs_cause(self, job: Job, procs: list[psutil.Process]) -> dict[str, str | None]:
-        """The file system the job's blocked processes wait on (`cause`), what to do (`lever`), and FILE_SYSTEM
-        (`cause_kind`) when it does not answer: `fs_cause`; empty when none is."""
+    def _fs_cause(self, job: Job, procs: list[psutil.Process]) -> FsCause | None:
+        """The file system the job's blocked processes wait on, what to do, and whether it is down: `fs_cause`."""
         if self.kernel is None:
-            return {}
+            return None
         try:
             mounts = read_mounts(self.context.proc)
         except OSError:
             mounts = []
         waits = blocked_waits(procs[:self.settings.inspect_processes], self.context.proc, mounts)
-        cause = fs_cause(waits, self.kernel.notes, mounts, self._answers)
-        if cause is None:
-            return {}
-        log.warning("hung job waits on a file system", extra=kv(job=job.key, cause=cause.text, down=cause.down))
-        return {"cause": cause.text, "lever": cause.lever, "cause_kind": FILE_SYSTEM if cause.down else None}
+        return fs_cause(waits, self.kernel.notes, mounts, self._answers)
 
     def _answers(self, mount: Mount) -> str | None:
         """Why the mount does not answer a statfs (blocked past `mount_timeout`, an error); None when it answers."""

@@ -316,6 +316,11 @@ class KernelNotes:
             troubles = list(self._fs.values())
         return next((t for t in troubles if t.active and t.names(mount)), None)
 
+    def troubled(self) -> bool:
+        """Whether the kernel says any file system does not answer now."""
+        with self._lock:
+            return any(t.active for t in self._fs.values())
+
     def hung(self, pid: int) -> HungTask | None:
         with self._lock:
             return self._hung.get(pid)
