@@ -106,6 +106,10 @@ NIC_LINE = "mlx5_core {domain}:5e:00.0: device's health compromised - reached mi
 # named by the kernel's real lines (tests/data/kernel/fixtures.toml, nfs_not_responding and nfs_ok).
 NFS_DOWN = "nfs: server {server} not responding, still trying"
 NFS_OK = "nfs: server {server} OK"
+# The kernel says `not responding` at the client's first major timeout, not when the server stops: NFS over TCP at its
+# defaults (timeo=600, retrans=2; nfs(5)) retries for about 3 minutes first (SUSE KB 000020830: the line comes "after
+# a process has stalled for approximately 3 minutes"). A server back sooner is never named.
+NFS_MAJOR_TIMEOUT = 180.0
 LEMON_NODE = "n1"  # `--scenario lemon`: the node whose GPU fails again and again, repaired in between
 JOB_NAME = "goodput"
 NODES, RANKS = 4, 3  # the job asks for 3-4 nodes: a spare inside its allocation while one is free
@@ -289,6 +293,8 @@ class Run:
         self.replacing: dict[str, float] = {}
         self.lives: dict[str, list[float]] = {}  # node -> when each agent after its first started (run clock)
         self.reboots: dict[str, float] = {}  # node -> when its host maintenance takes it down (run clock)
+        # node -> when its kernel says its data mount's server is not responding (run clock; None once said)
+        self.nfs_said: dict[str, float | None] = {}
         self.node_fail: tuple[float, str] | None = None  # when slurmctld requeues a job whose batch host went, its Restarts
         self.lemon_every, self.lemon_next = site.lemon_every, 0.12 * duration
         self.lemon_policy = site.lemon_policy
@@ -384,6 +390,8 @@ class Run:
         # A hang whose ranks wait on a file system that does not answer (hung_fs): a restart in place would block at
         # the same read; the node drained, the job restarted without it, as for a lost GPU.
         c["hang"]["fs_actions"] = {"critical": ["drain", "restart_elsewhere"]}
+        if self.site.fs_stale_after is not None:  # sooner, on the kernel's word about that file system
+            c["hang"]["fs_stale_after"] = f"{self.site.fs_stale_after:g}s"
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
         c["job_timelimit"].update(fast, margin=s.dur(600, 3), recheck=s.dur(300, 2),
@@ -542,7 +550,7 @@ class Run:
             self.broken.add(node)
             self.hung_fs.add(node)
             self.hung_mark(node).touch()
-            write_kmsg(5, NFS_DOWN.format(server=server_of(node)))
+            self.nfs_said[node] = self.now() + self.s(NFS_MAJOR_TIMEOUT)  # watch_drains writes it then
         elif f.kind == "hang":
             write_as_user(faults / "hang", f"{attempt} {f.target}")
         elif f.kind == "leak" and node:
@@ -662,6 +670,10 @@ class Run:
             if t >= due:
                 del self.reboots[node]
                 self.reboot(node, t)
+        for node, due in list(self.nfs_said.items()):
+            if due is not None and t >= due:  # the node's kernel names its data mount's server (KERN_NOTICE, as sunrpc)
+                self.nfs_said[node] = None
+                write_kmsg(5, NFS_DOWN.format(server=server_of(node)))
         self.requeue_after_node_fail(t)
         for node, due in list(self.repairs.items()):
             if t >= due:
@@ -736,7 +748,8 @@ class Run:
         if node in self.hung_fs:
             self.hung_fs.discard(node)
             self.hung_mark(node).unlink(missing_ok=True)  # the reads blocked on it return
-            write_kmsg(5, NFS_OK.format(server=server_of(node)))
+            if node in self.nfs_said and self.nfs_said.pop(node) is None:  # an OK only after a `not responding`
+                write_kmsg(5, NFS_OK.format(server=server_of(node)))
         self.broken.discard(node)
 
     def clear_holds(self, node: str) -> None:
@@ -1268,6 +1281,8 @@ class Site:
     lemon_policy: bool = True
     replace_repaired: bool = True
     fault_gap: float = 0.0  # a delayed fault keeps the schedule's gap to the next (0: the schedule's times, as before)
+    # the hang check's `fs_stale_after`, in seconds here (None: `stale_after` alone, the installed default)
+    fs_stale_after: float | None = None
 
     def repair_model(self) -> str | None:
         """What a repaired node is, as the run's JSON and report say it (None: no repair during the run)."""
@@ -1335,7 +1350,7 @@ def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = 
         if out_dir is None:
             shutil.rmtree(base, ignore_errors=True)
     results = [{**analyse(r, scale, step_time), "human": asdict(person), "lemon_policy": where.lemon_policy,
-                "repair": where.repair_model()}
+                "repair": where.repair_model(), "fs_stale_after": where.fs_stale_after}
                for r, (_, person, _, where) in zip(records, runs, strict=True)]
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1443,6 +1458,9 @@ def parser() -> argparse.ArgumentParser:
                    f"{', '.join(EXTRA_KINDS)}; none: a fault-free run)")
     p.add_argument("--slow-policy", choices=["alert", "restart_elsewhere"], default="alert",
                    help="what the job_pace finding does on the node at fault (docs/slow-jobs.md)")
+    p.add_argument("--fs-stale-after", type=float, default=0.0, metavar="MINUTES",
+                   help="the hang check's fs_stale_after (real-world minutes, scaled; 0: unset, the installed "
+                        "default: a hang on a dead file system waits for stale_after)")
     p.add_argument("--look-every", type=float, default=Human.look_every_min, metavar="MINUTES",
                    help="how often the human looks (real-world minutes, scaled)")
     p.add_argument("--page-response", type=float, default=Human.page_response_min, metavar="MINUTES",
@@ -1470,7 +1488,8 @@ def site_of(a: argparse.Namespace, scale: Scale, fleet_like: bool) -> Site:
                 scale(a.lemon_every * 60) if a.scenario == "lemon" and not a.fault_free else 0.0,
                 replace_repaired=not a.repaired_same_node,
                 # the runs with same-node repairs were made before delayed faults kept the gap: they reproduce as made
-                fault_gap=scale(600) if fleet_like and not a.repaired_same_node else 0.0)
+                fault_gap=scale(600) if fleet_like and not a.repaired_same_node else 0.0,
+                fs_stale_after=scale(a.fs_stale_after * 60) if a.fs_stale_after else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1483,6 +1502,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rate must be a number of interruptions a day above 0")
     if a.with_only and a.without_only:
         p.error("--with-only and --without-only: one of them")
+    if not (math.isfinite(a.fs_stale_after) and a.fs_stale_after >= 0):
+        p.error("--fs-stale-after must be a number of minutes of at least 0 (0: unset)")
     if a.repair_after is not None and not (math.isfinite(a.repair_after) and a.repair_after >= 0):
         p.error("--repair-after must be a number of minutes of at least 0")
     try:

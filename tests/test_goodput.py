@@ -25,6 +25,7 @@ from benchmarks.goodput import (
     IB_TREE,
     KINDS,
     NFS_DOWN,
+    NFS_MAJOR_TIMEOUT,
     NFS_OK,
     NIC_LINE,
     XID_FAULTS,
@@ -695,6 +696,34 @@ def test_a_replacement_gets_a_new_agent_with_an_empty_state_and_joins_once_it_is
     assert not lemon.stopped and run.agents["n1"] is lemon and (tmp_path / "state-n1").is_dir()  # type: ignore[attr-defined]
     assert run.cluster.commands[-1] == ("scontrol", "update", "nodename=n1", "state=resume")  # type: ignore[attr-defined]
     assert run.rec.actions[-1]["what"] == "repaired n1 (the same node), resumed"
+
+
+def test_the_kernel_names_a_dead_nfs_server_after_its_major_timeout_and_never_one_back_sooner(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's data mount stops answering: its kernel says `not responding` NFS_MAJOR_TIMEOUT (3 scaled minutes) later,
+    as NFS over TCP does at its defaults, not at once; `OK` at the repair only after it; a mount repaired sooner is
+    never named. `--fs-stale-after` sets the agents' `fs_stale_after`, scaled (0: unset, the installed default)."""
+    said: list[str] = []
+    monkeypatch.setattr("benchmarks.goodput.write_kmsg", lambda level, text: said.append(text))
+    run = _repairable(tmp_path, Site(repair_after=30.0))
+    clock = [100.0]
+    monkeypatch.setattr(run, "now", lambda: clock[0])
+    monkeypatch.setattr(run, "attempt_nodes", lambda: ("1", ["n1", "n2"]))
+    run.inject(Fault(100.0, "hung_fs", 1))
+    assert run.hung_mark("n2").exists() and said == []
+    run.watch_drains(100.0 + NFS_MAJOR_TIMEOUT / 60 - 0.1)
+    assert said == []
+    run.watch_drains(100.0 + NFS_MAJOR_TIMEOUT / 60)
+    assert said == [NFS_DOWN.format(server="fs2")]
+    run.heal("n2")
+    assert said[-1] == NFS_OK.format(server="fs2") and not run.hung_mark("n2").exists()
+    run.inject(Fault(110.0, "hung_fs", 0))  # n1's, repaired within the major timeout
+    run.heal("n1")
+    run.watch_drains(200.0)
+    assert said == [NFS_DOWN.format(server="fs2"), NFS_OK.format(server="fs2")]
+    scale = Scale(60)
+    assert site_of(parser().parse_args(["--fs-stale-after", "1"]), scale, True).fs_stale_after == 1.0
+    assert site_of(parser().parse_args([]), scale, True).fs_stale_after is None
 
 
 def test_the_report_says_which_repair_the_runs_had() -> None:
