@@ -76,6 +76,8 @@ def test_a_reason_is_the_rows_last_field_whatever_it_holds(reason: str) -> None:
     ("MIXED+REBOOT_REQUESTED", "", Status.WARNING),  # `scontrol reboot`: once idle; jobs still start here
     ("MIXED+POWERING_DOWN", "", Status.CRITICAL),
     ("ALLOCATED*+DRAIN", "maint window", Status.CRITICAL),
+    ("MIXED+MAINT", "", Status.WARNING),  # a maintenance reservation has begun (flags=maint,ignore_jobs)
+    ("ALLOCATED+MAINTENANCE+RESERVED", "", Status.WARNING),  # as later SLURM releases say it
 ])
 def test_what_a_job_on_a_node_in_each_state_is_told(state: str, reason: str, status: Status) -> None:
     got, said = check().evaluate(NodeRecord(state, reason, "root", 1_790_000_000.0))
@@ -95,6 +97,20 @@ def test_leave_reasons_are_words_matched_at_their_start() -> None:
     assert check(checker_reasons=[" NHC: "]).evaluate(nhc)[0] is Status.WARNING  # blanks stripped, as the reason's
     with pytest.raises(ValueError, match="not blank"):
         NodeDrainSettings(checker_reasons=[" "])
+
+
+def test_a_maintenance_window_is_said_or_asks_the_job_to_leave_as_the_site_says() -> None:
+    window = NodeRecord("MIXED+MAINT")
+    assert check(maintenance="critical").evaluate(window)[0] is Status.CRITICAL
+    assert check(maintenance="ok").evaluate(window)[0] is Status.OK
+    status, said = check().evaluate(window)
+    assert status is Status.WARNING and said == "the node's maintenance window has begun (MIXED+MAINT): the site's " \
+                                               "work may take the node"
+    # a drain says more than the window: its own status, whatever the window's
+    assert check(maintenance="ok").evaluate(NodeRecord("MIXED+DRAIN+MAINT", "reboot"))[0] is Status.CRITICAL
+    assert check().evaluate(NodeRecord("MIXED+DRAIN+MAINT", "Kill task failed"))[0] is Status.WARNING
+    assert check(maintenance="critical").evaluate(NodeRecord("MIXED+DRAIN+MAINT", "Kill task failed"))[0] \
+        is Status.CRITICAL
 
 
 def test_a_job_whose_batch_host_goes_gets_the_batch_host_actions() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck, PartialView
 from trainguard.core.events import Event
@@ -29,6 +30,9 @@ GOING_FLAGS = frozenset({"REBOOT_ISSUED", "POWERING_DOWN", "POWER_DOWN"})
 # Drained with this one, it reboots once its jobs are gone (`scontrol reboot ASAP`); without a drain (`scontrol
 # reboot`), once idle: new jobs may still start there, so it is said, and nothing is asked of the job.
 REBOOT_FLAG = "REBOOT_REQUESTED"
+# The node is in an active maintenance reservation (`scontrol create reservation flags=maint,ignore_jobs`): SLURM
+# 22.05 says MAINT, later releases MAINTENANCE.
+MAINT_FLAGS = frozenset({"MAINT", "MAINTENANCE"})
 
 
 class NodeDrainSettings(CheckSettings):
@@ -56,6 +60,11 @@ class NodeDrainSettings(CheckSettings):
                     "quote a user's process or file name (NHC's `Rogue process ...`): a WARNING whatever its words, so "
                     "that no user can name a process `reboot` and have every job on the node stopped.")
 
+    maintenance: Literal["ok", "warning", "critical"] = Field(
+        "warning", description="A job on a node whose maintenance reservation has begun (`scontrol create reservation "
+        "flags=maint,ignore_jobs`: the state flag MAINT): the site's window is open and its work may take the node "
+        "with the job, or may not. `warning`: said, the job runs on; `critical`: the jobs asked to save and leave, as "
+        "for a drain for a reboot (where the site's maintenance reservations always mean a reboot); `ok`: not said.")
     batch_host_actions: ActionBinding | None = Field(
         None, description="Instead of `actions`, for a job whose batch host this node is (details `batch_host`): its "
                           "batch script, and the relaunch loop in it, run here and go down with the node, so a restart "
@@ -153,9 +162,15 @@ class NodeDrainCheck(JobCheck):
             return Status.OK, f"drained by trainguard ({record.state}): its own incident acts"
         if record.drained and self.leaving(record.reason) and not self.checkers(record.reason):
             return Status.CRITICAL, f"the node is drained to be taken away ({record.state}){said}: save and leave now"
+        window = self.settings.maintenance if flags & MAINT_FLAGS else "ok"
+        if window == "critical":
+            return Status.CRITICAL, f"the node's maintenance window has begun ({record.state}){said}: save and leave now"
         if record.drained:
             return Status.WARNING, (f"the node is drained ({record.state}){said}: no job starts here; this one may "
                                     "run to its end")
+        if window == "warning":
+            return Status.WARNING, (f"the node's maintenance window has begun ({record.state}){said}: the site's work "
+                                    "may take the node")
         if REBOOT_FLAG in flags:
             return Status.WARNING, f"the node reboots once idle ({record.state}){said}"
         return Status.OK, f"the node is in service ({record.state or 'state unknown'})"
