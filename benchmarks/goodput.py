@@ -23,8 +23,9 @@ and at its rate (one every 3.09 hours of the whole job, scaled; `--rate` a day),
 the above, hbm (XID 48 with uncorrected ECC errors and a pending row remap in the node's scripted NVML), sram (XID 95),
 gsp (XID 119, the GPU lost to NVML) and ib_down (the node's HCA port DOWN in its copy of a recorded sysfs tree, the
 rank's NCCL NET/IB error); each site fault once, hung_fs among them (also by `--kinds hung_fs`: the node's data mount, a
-FUSE stand-in for its NFS mount `fsN:/export` that every rank reads each step, stops answering and the kernel says
-`nfs: server fsN not responding, still trying`: the rank there, and any rank started there, blocks in D state); a node
+FUSE stand-in for its NFS mount `fsN:/export` that every rank reads each step, stops answering and 3 scaled minutes
+later, as NFS over TCP at its defaults, the kernel says `nfs: server fsN not responding, still trying`: the rank there,
+and any rank started there, blocks in D state; `--fs-stale-after` sets the hang check's `fs_stale_after`); a node
 drained for a hardware fault or a dead mount is repaired and resumed `--repair-after` later, as a replacement: another
 machine of the pool, a new agent with an empty state (`--repaired-same-node`: the same node, the operator clears what
 its agent holds; the lemon scenario's node always is); a lemon the agents hold stays out. `--scenario
