@@ -1582,6 +1582,27 @@ def test_a_restart_in_place_is_skipped_while_one_without_a_node_finds_no_spare_a
     assert _launched(tmp_path) == [["python", "train.py"]]
 
 
+def test_a_fresh_left_record_without_a_spare_skips_a_restart_in_place_only_where_its_fallback_requeues(
+        tmp_path: Path, ranks: Callable[..., int]) -> None:
+    """n3 was recorded as left a moment ago and the allocation, n[1-3], holds no spare: n1's restart in place is
+    skipped while n3's fallback requeues the job. A job submitted --no-requeue is never requeued by that fallback
+    (it is left alone): skipped, nothing would restart it. Ranks that do not say how many nodes their step spans
+    (the user's variable) give no count to weigh the record with: restarted in place, never an exception."""
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "left.5.0.n3").write_text("{}")
+    env = {"TRAINGUARD_RESTARTS": "0", "TRAINGUARD_LEFT": "", "SLURM_STEP_NUM_NODES": "3"}
+    job = replace(_job(tmp_path), node_list="n[1-3]")
+    with pytest.raises(ActionSkippedError, match=r"finds no spare node in its allocation .*its fallback answers"):
+        _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), job)
+    detail = _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), replace(job, requeue=False))
+    assert detail.startswith("restart of 5 requested"), detail
+    (sw / "restart.5").unlink()
+    del env["SLURM_STEP_NUM_NODES"]
+    detail = _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), job)
+    assert detail.startswith("restart of 5 requested"), detail
+
+
 def _launched(tmp_path: Path) -> list[list[str]]:
     try:
         return [json.loads(line) for line in (tmp_path / "launches").read_text().splitlines()]

@@ -321,7 +321,8 @@ class RestartAction(Action):
         a request written after it would start the job once more, even at the end of its training), or that the
         ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
         (the fault was the earlier start's), or that was recorded less than RELAUNCH_GRACE ago by a restart that finds
-        no spare in the allocation without it (its fallback, a requeue by default, answers the fault). The files are
+        no spare in the allocation without it (its fallback, a requeue by default, answers the fault; not for a job
+        submitted --no-requeue, which that fallback leaves alone). The files are
         the job user's: a fake only skips their own job's restart."""
         assert job.job_id and job.switch_dir
         if not any(LEFT_VAR in env for env in ranks):
@@ -344,10 +345,11 @@ class RestartAction(Action):
             if node not in without and request is not None and request.st_ctime_ns >= record.st_ctime_ns:
                 return (f"a restart of it without {node} is under way ({name}, and {request_name(job.job_id)} written "
                         f"{max(0.0, time.time() - request.st_ctime):.1f}s ago)")
-            if (node not in without and time.time() - record.st_ctime < RELAUNCH_GRACE
+            if (node not in without and job.requeue and time.time() - record.st_ctime < RELAUNCH_GRACE
                     and (no_spare := self._no_spare(allocation, ranks, {node}))):
                 # that restart's fallback answers the fault (a requeue, by default): in place, the job would start
-                # again on the node it leaves, and be said restarted while it is requeued
+                # again on the node it leaves, and be said restarted while it is requeued. A --no-requeue job's
+                # fallback leaves it alone: nothing else would restart it
                 return (f"a restart of it without {node} is under way ({name}, written "
                         f"{max(0.0, time.time() - record.st_ctime):.1f}s ago) and finds {no_spare}: its fallback "
                         "answers the fault")
@@ -536,7 +538,9 @@ class RestartAction(Action):
     def _no_spare(allocation: list[str], ranks: list[dict[str, str]], recorded: set[str]) -> str:
         """Why the allocation less the nodes left (those the running loop left, in the ranks' TRAINGUARD_LEFT, and
         those recorded as left by any node's agent, this one's included) cannot hold the step ("" when it can)."""
-        size = max(n for n in (_count(env.get(STEP_NODES_VAR)) for env in ranks) if n is not None)
+        size = max((n for n in (_count(env.get(STEP_NODES_VAR)) for env in ranks) if n is not None), default=None)
+        if size is None:  # the ranks do not say (their user's variable): nothing to weigh (`_cannot_leave` says so)
+            return ""
         gone = ({n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n} | recorded) & set(allocation)
         if len(allocation) - len(gone) < size:
             return (f"no spare node in its allocation ({len(allocation)} node(s), {len(gone)} left or leaving, its "
