@@ -394,6 +394,30 @@ def test_fs_stale_after_answers_a_rank_blocked_on_a_mount_the_kernel_says_is_dea
         hung_mount.abort()
 
 
+def test_fs_stale_after_wakes_the_hang_check_on_a_dead_file_system_never_on_an_oom_kill(tmp_path: Path) -> None:
+    """An OOM kill changes nothing the hang check decides: a job's user who OOM-kills their own processes in a loop
+    must not run it back to back (the log check, which tells kills, is still woken by each). A file system the
+    kernel says stopped answering wakes it, once."""
+    empty = tmp_path / "kmsg-copy"
+    empty.write_text("")
+    context = CheckContext("node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
+                           kernel_log=KernelLog())
+    check = HangCheck("hang", HangSettings(fs_stale_after=60, kmsg_path=str(empty)), context)
+    assert check.kernel is not None
+    notes, woken, told = check.kernel.notes, [], []
+    stop = notes.listen(lambda: told.append("kill or fs"))
+    check.start(lambda: woken.append("hang"))
+    try:
+        feed(notes, MEMCG_KILL, random.randint(100_000, 4_000_000))
+        assert told and woken == []
+        feed(notes, [nfs_not_responding("fs1")], 0)
+        feed(notes, [nfs_not_responding("fs1")], 0)  # the same outage said again: no news
+        assert woken == ["hang"]
+    finally:
+        check.stop()
+        stop()
+
+
 def fake_proc(tmp_path: Path, pid: int, stack: str, files: dict[str, str]) -> ProcFS:
     """A /proc with one process: its kernel stack and its open files (fd -> path) and working directory."""
     root = tmp_path / "proc"

@@ -381,9 +381,10 @@ class HangCheck(JobCheck):
     def start(self, wake: Callable[[], None]) -> None:
         self._timer = WakeTimer(wake, self.context.clock, name=f"deadline-{self.name}")
         if self.kernel is not None:
-            # read when a job hangs; with `fs_stale_after` a file system that stops answering may be one already
+            # read when a job hangs; with `fs_stale_after` a file system that stops answering may be one already (an
+            # OOM kill never: it changes nothing decided here, and a job's user may kill their own processes in a loop)
             early = self.settings.fs_stale_after is not None
-            self.kernel.start(wake if early else lambda: None)
+            self.kernel.start(wake if early else lambda: None, kills=False)
 
     def stop(self) -> None:
         if self._timer is not None:

@@ -193,6 +193,7 @@ class KernelNotes:
         self._hung: dict[int, HungTask] = {}
         self._pids: dict[str, tuple[str, dict[int, JobProcess]]] = {}  # job key -> (name, pid -> process)
         self._listeners = Listeners()
+        self._fs_listeners = Listeners()  # told only of a file system that stops answering
 
     # the reader ----------------------------------------------------------------------------
     def attach(self, kernel_log: KernelLog, path: str = "/dev/kmsg", journalctl: str = "journalctl") -> KmsgFollower:
@@ -206,20 +207,24 @@ class KernelNotes:
                 self._followers[(path, journalctl)] = follower
             return follower
 
-    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """`callback` (it must return at once) is called on each OOM kill and each file system that stops answering;
-        returns what stops that."""
-        return self._listeners.add(callback)
+    def listen(self, callback: Callable[[], None], kills: bool = True) -> Callable[[], None]:
+        """`callback` (it must return at once) is called on each OOM kill (unless not `kills`: a job's user may kill
+        their own processes in a loop) and each file system that stops answering; returns what stops that."""
+        return (self._listeners if kills else self._fs_listeners).add(callback)
 
     def feed(self, record: KernelRecord) -> None:
         """One kernel record (from the follower's thread)."""
         with self._parsing:
             events = self._parser.feed(record.message, record.usec, record.seq)
-        news = False
+        news = fs = False
         for event in events:
-            news |= self._note(event, self._when(record.usec))
+            noted = self._note(event, self._when(record.usec))
+            news |= noted
+            fs |= noted and event.klass in FS_CLASSES
         if news:
             self._listeners.tell("kernel notes")
+        if fs:
+            self._fs_listeners.tell("kernel notes: a file system stopped answering")
 
     def _when(self, usec: int) -> float:
         """Wall time of a kernel timestamp (when it was logged, not when read)."""
@@ -335,8 +340,9 @@ class NotesReader:
         self.follower = notes.attach(kernel_log, path, journalctl)
         self._untap: Callable[[], None] | None = None
 
-    def start(self, wake: Callable[[], None]) -> None:
-        self._untap = self.notes.listen(wake)
+    def start(self, wake: Callable[[], None], kills: bool = True) -> None:
+        """`wake` on each kill (unless not `kills`) and each file system that stops answering."""
+        self._untap = self.notes.listen(wake, kills)
         self.kernel_log.start(self.name, self.follower)
 
     def stop(self) -> None:
