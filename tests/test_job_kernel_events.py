@@ -20,7 +20,7 @@ from tests.conftest import HungMount, wait_until
 from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import ActionBinding, CheckContext
 from trainguard.checks.disk import DiskCheck, DiskSettings
-from trainguard.checks.hang import CAUSE_KIND, FILE_SYSTEM, HangCheck, HangSettings, fs_cause
+from trainguard.checks.hang import CAUSE_KIND, FILE_SYSTEM, FsCause, HangCheck, HangSettings, fs_cause
 from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
 from trainguard.core.events import Event, EventKind
@@ -341,8 +341,9 @@ def test_fs_stale_after_answers_a_rank_blocked_on_a_mount_the_kernel_says_is_dea
         tmp_path: Path, hung_mount: HungMount, children: list[subprocess.Popen[str]]) -> None:
     """`fs_stale_after`: a rank blocked in D state on a mount, idle past `fs_stale_after` (0.5 s) and far from its
     `stale_after` (an hour), is hung once the kernel says the mount's server is not responding (a real line through a
-    FIFO standing in for /dev/kmsg), which wakes the started check; before the kernel's word, and after its `OK`, the
-    job keeps its `stale_after`; a job idle as long but blocked on nothing stays OK while the kernel says so."""
+    FIFO standing in for /dev/kmsg), which wakes the started check; before the kernel's word the job keeps its
+    `stale_after`, and once hung it stays hung after the kernel's `OK` while it makes no progress; a job idle as long
+    but blocked on nothing stays OK while the kernel says so."""
     marker = f"tgfsearly{random.randint(0, 1 << 30):x}"
     rank = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'rb').read(10)",
                              str(hung_mount.mountpoint / "data"), f"{marker}-blocked"], env={**os.environ, "RANK": "0"},
@@ -387,7 +388,12 @@ def test_fs_stale_after_answers_a_rank_blocked_on_a_mount_the_kernel_says_is_dea
         assert found["idle"].status is Status.OK  # idle as long, but blocked on nothing
         kernel_says(nfs_line("nfs_ok", hung_mount.server))
         wait_until(lambda: check.kernel is not None and not check.kernel.notes.troubled(), 10, what="the OK read")
-        assert {k: r.status for k, r in statuses().items()} == {"blocked": Status.OK, "idle": Status.OK}
+        # the rank is still blocked and the job has not progressed: the same hang, not resolved (its alert would say
+        # the job progresses) nor fired again at the next blip, its evidence kept
+        again = statuses()
+        assert again["blocked"].status is Status.CRITICAL and again["idle"].status is Status.OK
+        assert again["blocked"].summary.split("; no progress")[0] == blocked.summary.split("; no progress")[0]
+        assert again["blocked"].details[CAUSE_KIND] == FILE_SYSTEM and again["blocked"].details["stale_after"] == 0.5
     finally:
         check.stop()
         os.close(writer)
@@ -416,6 +422,39 @@ def test_fs_stale_after_wakes_the_hang_check_on_a_dead_file_system_never_on_an_o
     finally:
         check.stop()
         stop()
+
+
+def test_a_hang_on_a_dead_file_system_whose_capture_failed_still_runs_fs_actions(
+        tmp_path: Path, children: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fs_stale_after` found the job's ranks on a dead mount, and capturing its stacks raised (that run UNKNOWN): the
+    next run's hang keeps the dead file system it was found for (`fs_actions`: a restart in place would hang again in
+    it), not a capture that names no cause."""
+    marker = f"tgfscapture{random.randint(0, 1 << 30):x}"
+    children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker], text=True))
+    empty = tmp_path / "kmsg-copy"
+    empty.write_text("")
+    jobs = JobCatalog(JobsSettings(sources=["process"], refresh=0, processes={
+        "trainer": ProcessJobSettings(cmdline=marker, user="root")}), "node1")
+    check = HangCheck("hang", HangSettings(stale_after=3600, fs_stale_after=0.5, flight_recorder=False,
+                                           kmsg_path=str(empty)),
+                      CheckContext("node1", tmp_path, jobs=jobs, kernel_log=KernelLog()))
+    dead = FsCause("rank 0 waits in D state on nfs fs1:/export at /data: the kernel says NFS server not responding",
+                   "bring the server back", True)
+    assert [r.status for r in check.run()] == [Status.OK]  # its progress signals start now
+    time.sleep(0.6)
+    monkeypatch.setattr(check, "_dead_mount", lambda *args: dead)  # idle past fs_stale_after, on a dead mount
+
+    def explode(*args: Any) -> Any:
+        raise ValueError("py-spy said something odd")
+
+    monkeypatch.setattr(check.dumper, "dump", explode)
+    results = check.run()
+    assert [r.status for r in results] == [Status.UNKNOWN] and "py-spy said something odd" in results[0].summary
+    [result] = check.run()
+    assert result.status is Status.CRITICAL and result.details[CAUSE_KIND] == FILE_SYSTEM, result.summary
+    assert f"cause: {dead.text}" in result.summary and check.actions_for(
+        Event(EventKind.FIRED, "i1", "hang", result.subject, result.status, result.summary, "node1", 0.0, 0.0,
+              details=result.details)) == check.settings.fs_actions
 
 
 def fake_proc(tmp_path: Path, pid: int, stack: str, files: dict[str, str]) -> ProcFS:

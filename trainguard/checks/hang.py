@@ -269,6 +269,13 @@ def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts:
     return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}): {state}{also}", _lever(""), False)
 
 
+def _cause_fields(cause: FsCause | None) -> dict[str, str | None]:
+    """An Evidence's fields of the file system its ranks wait on (`cause_kind` FILE_SYSTEM when it is down)."""
+    if cause is None:
+        return {}
+    return {"cause": cause.text, "lever": cause.lever, "cause_kind": FILE_SYSTEM if cause.down else None}
+
+
 def _who(names: list[str], verb: str = "") -> str:
     listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return f"{listed} {verb}" if verb else listed
@@ -470,7 +477,7 @@ class HangCheck(JobCheck):
         limit = self.stale_after(job)
         status = evaluate(progress, limit, now)
         dead = self._dead_mount(job, procs, progress, limit, now) if status is Status.OK else None
-        if dead is not None:
+        if dead is not None or (status is Status.OK and self._hung_early(job, progress, limit, now)):
             status, limit = Status.CRITICAL, self.settings.fs_stale_after or limit
         elif status is Status.OK:
             self._dirty |= self._dumps.pop(job.key, None) is not None
@@ -496,6 +503,15 @@ class HangCheck(JobCheck):
         cause = self._fs_cause(job, procs)
         return cause if cause is not None and cause.down else None
 
+    def _hung_early(self, job: Job, progress: Progress, limit: float, now: float) -> bool:
+        """Whether the job was found hung on a dead file system at `fs_stale_after` and has not progressed since: still
+        hung, though the kernel now says the file system answers (`OK`) or its ranks left D state for a moment. Only
+        progress ends a hang; its incident would otherwise resolve saying the job progresses, fire again at the
+        next blip, and capture its stacks anew each time."""
+        early, cached = self.settings.fs_stale_after, self._dumps.get(job.key)
+        return (early is not None and early < limit and now - progress.last.at >= early and cached is not None
+                and cached.since == progress.last.at and cached.cause_kind == FILE_SYSTEM)
+
     def _deadline(self, progress: Progress, limit: float, now: float) -> float:
         """When the progressing job is next looked at: at its `stale_after`, or at `fs_stale_after` while the kernel
         says a file system is dead (past it, the check's interval looks again)."""
@@ -514,7 +530,9 @@ class HangCheck(JobCheck):
                 self._dumps[job.key] = replace(cached, collectives=True)  # once, even if reading them raises
                 self._dumps[job.key] = cached = replace(cached, stall=self._stall(job, procs), collectives=True)
             return cached
-        self._dumps[job.key] = Evidence(progress.last.at, [], note="capturing the stacks failed: see the agent's log")
+        # a capture that fails keeps the dead file system it was for (`fs_actions`, not `actions`, at the next run)
+        self._dumps[job.key] = Evidence(progress.last.at, [], note="capturing the stacks failed: see the agent's log",
+                                        **_cause_fields(dead))
         self._dirty = True
         capture = self.dumper.dump(procs) if self.settings.stacks else Capture([])
         path = None
@@ -531,11 +549,9 @@ class HangCheck(JobCheck):
         if stall is not None:
             log.warning("hung job collectives", extra=kv(job=job.key, stall=stall.describe()))
         cause = dead or self._fs_cause(job, procs)
-        fields = {} if cause is None else {"cause": cause.text, "lever": cause.lever,
-                                           "cause_kind": FILE_SYSTEM if cause.down else None}
         if cause is not None:
             log.warning("hung job waits on a file system", extra=kv(job=job.key, cause=cause.text, down=cause.down))
-        evidence = Evidence(progress.last.at, capture.stacks, path, stall, capture.note, **fields)
+        evidence = Evidence(progress.last.at, capture.stacks, path, stall, capture.note, **_cause_fields(cause))
         self._dumps[job.key] = evidence
         return evidence
 
