@@ -1587,7 +1587,8 @@ def test_a_fresh_left_record_without_a_spare_skips_a_restart_in_place_only_where
     """n3 was recorded as left a moment ago and the allocation, n[1-3], holds no spare: n1's restart in place is
     skipped while n3's fallback requeues the job. A job submitted --no-requeue is never requeued by that fallback
     (it is left alone): skipped, nothing would restart it. Ranks that do not say how many nodes their step spans
-    (the user's variable) give no count to weigh the record with: restarted in place, never an exception."""
+    (the user's variable) give no count to weigh the record with: restarted in place, never an exception. The nodes
+    left are counted together, as the restart without one counts them."""
     sw = tmp_path / "sw"
     sw.mkdir()
     (sw / "left.5.0.n3").write_text("{}")
@@ -1601,6 +1602,13 @@ def test_a_fresh_left_record_without_a_spare_skips_a_restart_in_place_only_where
     del env["SLURM_STEP_NUM_NODES"]
     detail = _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), job)
     assert detail.startswith("restart of 5 requested"), detail
+    # a lost spare (n4, only recorded) and n3: neither alone leaves the step short, together they do, as n3's
+    # restart counted them (every node recorded): it requeues the job
+    (sw / "restart.5").unlink()
+    (sw / "left.5.0.n4").write_text("{}")
+    env["SLURM_STEP_NUM_NODES"] = "3"
+    with pytest.raises(ActionSkippedError, match=r"no spare node in its allocation \(4 node\(s\), 2 left or leaving"):
+        _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), replace(job, node_list="n[1-4]"))
 
 
 def _launched(tmp_path: Path) -> list[list[str]]:

@@ -321,9 +321,9 @@ class RestartAction(Action):
         a request written after it would start the job once more, even at the end of its training), or that the
         ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
         (the fault was the earlier start's), or that was recorded less than RELAUNCH_GRACE ago by a restart that finds
-        no spare in the allocation without it (its fallback, a requeue by default, answers the fault; not for a job
-        submitted --no-requeue, which that fallback leaves alone). The files are
-        the job user's: a fake only skips their own job's restart."""
+        no spare in the allocation without it and the other nodes recorded (its fallback, a requeue by default,
+        answers the fault; not for a job submitted --no-requeue, which that fallback leaves alone). The files are the
+        job user's: a fake only skips their own job's restart."""
         assert job.job_id and job.switch_dir
         if not any(LEFT_VAR in env for env in ranks):
             # a loop that cannot leave a node never restarts without one: a record (a lost spare's) is no such restart
@@ -338,6 +338,7 @@ class RestartAction(Action):
         without = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n}
         started = min((r.create_time for pids in looped.values() for r in map(ProcessRef.of, pids) if r), default=0.0)
         allocation = list(records.values())
+        recorded = {node for name, node in records.items() if name in present}  # counted together, as `_leave` does
         for name, node in records.items():
             record = present.get(name)
             if record is None:
@@ -346,7 +347,7 @@ class RestartAction(Action):
                 return (f"a restart of it without {node} is under way ({name}, and {request_name(job.job_id)} written "
                         f"{max(0.0, time.time() - request.st_ctime):.1f}s ago)")
             if (node not in without and job.requeue and time.time() - record.st_ctime < RELAUNCH_GRACE
-                    and (no_spare := self._no_spare(allocation, ranks, {node}))):
+                    and (no_spare := self._no_spare(allocation, ranks, recorded))):
                 # that restart's fallback answers the fault (a requeue, by default): in place, the job would start
                 # again on the node it leaves, and be said restarted while it is requeued. A --no-requeue job's
                 # fallback leaves it alone: nothing else would restart it
