@@ -512,6 +512,25 @@ def test_a_lustre_target_the_kernel_lost_is_the_cause_and_a_blocked_rank_on_no_m
     assert notes.trouble(LUSTRE) is None
 
 
+def test_fs_stale_after_takes_only_the_kernels_word_since_the_jobs_last_progress() -> None:
+    """A soft mount's `nfs: server X not responding, timed out` need not be followed by `OK` (the kernel prints `OK` for
+    a task that retried on, and rate-limits both): its record may stay on. A job that progressed since then and
+    now reads that mount (in D state a moment, as any read of NFS is) is not hung on the kernel's old word at
+    `fs_stale_after` (drained, requeued: a checkpoint loaded for minutes would be, at every start); at `stale_after`
+    the record still names the cause. A stall after the kernel's line: its word counts."""
+    notes = KernelNotes()
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    notes.feed(KernelRecord(1, 5, 0, usec, "nfs: server fs1 not responding, timed out"))
+    said = time.time()
+    waits = [("rank 0", FsWait(7, NFS, "its open file /home/ckpt.pt"))]
+    assert notes.troubled() and not notes.troubled(said + 60)
+    stale = fs_cause(waits, notes, MOUNTS, lambda m: None, since=said + 60)
+    assert stale is not None and not stale.down and "it answers now" in stale.text
+    for cause in (fs_cause(waits, notes, MOUNTS, lambda m: None), fs_cause(waits, notes, MOUNTS, lambda m: None,
+                                                                           since=said - 200)):
+        assert cause is not None and cause.down and "the kernel says NFS server timed out (nfs fs1)" in cause.text
+
+
 # /proc/self/mountinfo on this VM (Linux 6.18.44, 2026-11-29): tests/helpers/hangfs.py mounted by uid 1001 through
 # fusermount3, and by root (fusepy, allow_other)
 USERS_FUSE, ROOTS_FUSE = parse_mountinfo(

@@ -70,6 +70,9 @@ _WRITE_MODES = ("w", "a", "r+", "w+", "a+")
 # server not responding, its connection lost): it runs `fs_actions`
 CAUSE_KIND = "cause_kind"
 FILE_SYSTEM = "file_system"
+# `fs_stale_after` takes the kernel's word when said since the job's last progress, less this: a kernel record's time
+# is its boot-relative stamp plus the boot time (whole seconds), which drifts from the wall clock with uptime
+KERNEL_CLOCK_SLACK = 60.0
 
 _JOB = ("job_id", "name")
 LAST_PROGRESS = Metric("trainguard_job_last_progress_timestamp_seconds",
@@ -122,7 +125,8 @@ class HangSettings(KernelLogSettings):
     fs_stale_after: Duration | None = Field(
         None, gt=0, description="Sooner than `stale_after`: hung after this long without progress when the job's "
         "ranks wait in D state on a mount the kernel says does not answer (its NFS server not responding, its Lustre "
-        "connection lost; as `fs_actions`), answered by `fs_actions`. The kernel says so only after the client's own "
+        "connection lost; as `fs_actions`; said since the job's last progress, less a minute: a record no `OK` "
+        "followed is no word about a later stall), answered by `fs_actions`. The kernel says so only after the client's own "
         "retries (NFS over TCP at its defaults, timeo=600 retrans=2: about 3 minutes), so a job waits about that plus "
         "this; an outage that ends sooner (`nfs: server ... OK`) is never answered by it. An outage of a server every "
         "node mounts drains every node that runs a job on it (up to the drain's `max_drained`) this much sooner. "
@@ -232,11 +236,12 @@ class FsCause(NamedTuple):
 
 
 def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts: list[Mount],
-             answers: Callable[[Mount], str | None]) -> FsCause | None:
+             answers: Callable[[Mount], str | None], since: float = 0.0) -> FsCause | None:
     """The hang's cause when its blocked ranks wait on a file system, in words, and the lever: the mount most of them
     wait on, with what the kernel says of it (NFS server not responding, a Lustre target lost), else whether it
     answers now (`answers`: why not, None when it does). Ranks blocked on no mount their files name, while the kernel
-    says a mounted file system is not answering: that one, as the likely cause."""
+    says a mounted file system is not answering: that one, as the likely cause. `since`: the kernel's word counts
+    only when last said then or later."""
     if not waits:
         return None
     by_mount: dict[Mount, list[tuple[str, FsWait]]] = {}
@@ -244,7 +249,7 @@ def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts:
         if wait is not None:
             by_mount.setdefault(wait.mount, []).append((who, wait))
     if not by_mount:
-        trouble = next(((m, t) for m in mounts if (t := notes.trouble(m)) is not None), None)
+        trouble = next(((m, t) for m in mounts if (t := notes.trouble(m, since)) is not None), None)
         if trouble is None:
             return None
         mount, t = trouble
@@ -262,7 +267,7 @@ def fs_cause(waits: list[tuple[str, FsWait | None]], notes: KernelNotes, mounts:
     if mount.made_by is not None:
         return FsCause(f"{who} in D state on {what} (seen in {blocked[0][1].how}){also}; mounted by uid "
                        f"{mount.made_by}, not the node's", _lever(""), False)
-    if (t := notes.trouble(mount)) is not None:
+    if (t := notes.trouble(mount, since)) is not None:
         return FsCause(f"{who} in D state on {what}: the kernel says {t.describe()}{also}", _lever(t.kind), True)
     why = answers(mount)
     state = f"it does not answer ({why})" if why else "it answers now (slow, or answering again)"
@@ -485,11 +490,13 @@ class HangCheck(JobCheck):
                     self._deadline(progress, limit, now))
         return self._result(job, progress, limit, now, status, self._evidence(job, procs, progress, now, dead)), None
 
-    def _early(self, limit: float) -> float | None:
+    def _early(self, limit: float, progress: Progress) -> float | None:
         """`fs_stale_after` where it is sooner than the job's `stale_after` and the kernel says a file system does
-        not answer now; else None."""
+        not answer now, and said so since the job's last progress (a record with no `OK` after it is no word about
+        a later stall); else None."""
         early = self.settings.fs_stale_after
-        if early is None or early >= limit or self.kernel is None or not self.kernel.notes.troubled():
+        if (early is None or early >= limit or self.kernel is None
+                or not self.kernel.notes.troubled(progress.last.at - KERNEL_CLOCK_SLACK)):
             return None
         return early
 
@@ -497,10 +504,10 @@ class HangCheck(JobCheck):
                     now: float) -> FsCause | None:
         """The dead file system a job idle for `fs_stale_after` waits on (`FsCause.down`), else None. Looked for at
         each run while the kernel says one is dead (the job's processes' states, at most `inspect_processes`)."""
-        early = self._early(limit)
+        early = self._early(limit, progress)
         if early is None or now - progress.last.at < early:
             return None
-        cause = self._fs_cause(job, procs)
+        cause = self._fs_cause(job, procs, progress.last.at - KERNEL_CLOCK_SLACK)
         return cause if cause is not None and cause.down else None
 
     def _hung_early(self, job: Job, progress: Progress, limit: float, now: float) -> bool:
@@ -515,7 +522,7 @@ class HangCheck(JobCheck):
     def _deadline(self, progress: Progress, limit: float, now: float) -> float:
         """When the progressing job is next looked at: at its `stale_after`, or at `fs_stale_after` while the kernel
         says a file system is dead (past it, the check's interval looks again)."""
-        early = self._early(limit)
+        early = self._early(limit, progress)
         at = progress.last.at + limit
         return min(at, progress.last.at + early) if early is not None and progress.last.at + early > now else at
 
@@ -555,7 +562,7 @@ class HangCheck(JobCheck):
         self._dumps[job.key] = evidence
         return evidence
 
-    def _fs_cause(self, job: Job, procs: list[psutil.Process]) -> FsCause | None:
+    def _fs_cause(self, job: Job, procs: list[psutil.Process], since: float = 0.0) -> FsCause | None:
         """The file system the job's blocked processes wait on, what to do, and whether it is down: `fs_cause`."""
         if self.kernel is None:
             return None
@@ -564,7 +571,7 @@ class HangCheck(JobCheck):
         except OSError:
             mounts = []
         waits = blocked_waits(procs[:self.settings.inspect_processes], self.context.proc, mounts)
-        return fs_cause(waits, self.kernel.notes, mounts, self._answers)
+        return fs_cause(waits, self.kernel.notes, mounts, self._answers, since)
 
     def _answers(self, mount: Mount) -> str | None:
         """Why the mount does not answer a statfs (blocked past `mount_timeout`, an error); None when it answers."""

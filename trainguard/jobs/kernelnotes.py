@@ -315,16 +315,17 @@ class KernelNotes:
             (job_key is not None and k.job_key == job_key) or (job_id is not None and k.job_id == job_id)
             or (name is not None and k.job_name == name))), key=lambda k: k.when)
 
-    def trouble(self, mount: Mount) -> FsTrouble | None:
-        """What the kernel says of the file system of `mount`, while it says so (not cleared)."""
+    def trouble(self, mount: Mount, since: float = 0.0) -> FsTrouble | None:
+        """What the kernel says of the file system of `mount`, while it says so (not cleared), last said at `since` or
+        later (a `not responding, timed out` need not be followed by `OK`: the kernel rate-limits both)."""
         with self._lock:
             troubles = list(self._fs.values())
-        return next((t for t in troubles if t.active and t.names(mount)), None)
+        return next((t for t in troubles if t.active and t.last >= since and t.names(mount)), None)
 
-    def troubled(self) -> bool:
-        """Whether the kernel says any file system does not answer now."""
+    def troubled(self, since: float = 0.0) -> bool:
+        """Whether the kernel says any file system does not answer now, last said at `since` or later."""
         with self._lock:
-            return any(t.active for t in self._fs.values())
+            return any(t.active and t.last >= since for t in self._fs.values())
 
     def hung(self, pid: int) -> HungTask | None:
         with self._lock:
