@@ -20,9 +20,10 @@ from tests.conftest import HungMount, wait_until
 from trainguard.agent.configfile import parse_config
 from trainguard.checks.base import ActionBinding, CheckContext
 from trainguard.checks.disk import DiskCheck, DiskSettings
-from trainguard.checks.hang import CAUSE_KIND, FILE_SYSTEM, FsCause, HangCheck, HangSettings, fs_cause
+from trainguard.checks.hang import CAUSE_KIND, FILE_SYSTEM, FsCause, HangCheck, HangSettings, blocked_waits, fs_cause
 from trainguard.checks.job_liveness import JobLivenessCheck, LivenessSettings
 from trainguard.checks.training_log import TrainingLogCheck, TrainingLogSettings
+from trainguard.core.budget import Deadline, OverBudgetError
 from trainguard.core.events import Event, EventKind
 from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
@@ -455,6 +456,16 @@ def test_a_hang_on_a_dead_file_system_whose_capture_failed_still_runs_fs_actions
     assert f"cause: {dead.text}" in result.summary and check.actions_for(
         Event(EventKind.FIRED, "i1", "hang", result.subject, result.status, result.summary, "node1", 0.0, 0.0,
               details=result.details)) == check.settings.fs_actions
+
+
+def test_the_look_at_a_jobs_blocked_processes_keeps_to_the_jobs_budget() -> None:
+    """`fs_stale_after` looks at an idle job's processes at each run while the kernel says a file system is dead: how
+    many sit in D state holding how many files is its user's choice, so the look keeps to the job's budget (the run
+    says the job over budget, as for its progress signals) and other jobs are still watched."""
+    me = psutil.Process()
+    assert blocked_waits([me], ProcFS(), []) == []  # running: not blocked
+    with pytest.raises(OverBudgetError):
+        blocked_waits([me, me], ProcFS(), [], Deadline.after(-1.0))
 
 
 def fake_proc(tmp_path: Path, pid: int, stack: str, files: dict[str, str]) -> ProcFS:

@@ -214,11 +214,13 @@ def _stack_record(stack: ProcessStack) -> dict[str, Any]:
     return {"pid": stack.pid, "rank": stack.rank, "state": stack.state, "where": stack.where, "wchan": stack.wchan}
 
 
-def blocked_waits(procs: list[psutil.Process], proc: ProcFS, mounts: list[Mount]) -> list[tuple[str, FsWait | None]]:
+def blocked_waits(procs: list[psutil.Process], proc: ProcFS, mounts: list[Mount],
+                  deadline: Deadline = NO_DEADLINE) -> list[tuple[str, FsWait | None]]:
     """The job's processes blocked in the kernel (D state), each named (its rank, else its pid) with the file system
-    it waits on, when its kernel stack, wait channel or open files say (None when they do not)."""
+    it waits on, when its kernel stack, wait channel or open files say (None when they do not); within `deadline`."""
     found = []
     for p in procs:
+        deadline.check()
         try:
             blocked = p.status() == psutil.STATUS_DISK_SLEEP
         except psutil.Error:
@@ -481,7 +483,7 @@ class HangCheck(JobCheck):
         progress = self.progress(job, procs[:self.settings.inspect_processes], now, budget)
         limit = self.stale_after(job)
         status = evaluate(progress, limit, now)
-        dead = self._dead_mount(job, procs, progress, limit, now) if status is Status.OK else None
+        dead = self._dead_mount(job, procs, progress, limit, now, budget) if status is Status.OK else None
         if dead is not None or (status is Status.OK and self._hung_early(job, progress, limit, now)):
             status, limit = Status.CRITICAL, self.settings.fs_stale_after or limit
         elif status is Status.OK:
@@ -501,13 +503,14 @@ class HangCheck(JobCheck):
         return early
 
     def _dead_mount(self, job: Job, procs: list[psutil.Process], progress: Progress, limit: float,
-                    now: float) -> FsCause | None:
+                    now: float, budget: Deadline = NO_DEADLINE) -> FsCause | None:
         """The dead file system a job idle for `fs_stale_after` waits on (`FsCause.down`), else None. Looked for at
-        each run while the kernel says one is dead (the job's processes' states, at most `inspect_processes`)."""
+        each run while the kernel says one is dead (the job's processes' states, at most `inspect_processes`), within
+        the job's `budget`: its user picks how many processes sit in D state holding how many files."""
         early = self._early(limit, progress)
         if early is None or now - progress.last.at < early:
             return None
-        cause = self._fs_cause(job, procs, progress.last.at - KERNEL_CLOCK_SLACK)
+        cause = self._fs_cause(job, procs, progress.last.at - KERNEL_CLOCK_SLACK, budget)
         return cause if cause is not None and cause.down else None
 
     def _hung_early(self, job: Job, progress: Progress, limit: float, now: float) -> bool:
@@ -562,7 +565,8 @@ class HangCheck(JobCheck):
         self._dumps[job.key] = evidence
         return evidence
 
-    def _fs_cause(self, job: Job, procs: list[psutil.Process], since: float = 0.0) -> FsCause | None:
+    def _fs_cause(self, job: Job, procs: list[psutil.Process], since: float = 0.0,
+                  budget: Deadline = NO_DEADLINE) -> FsCause | None:
         """The file system the job's blocked processes wait on, what to do, and whether it is down: `fs_cause`."""
         if self.kernel is None:
             return None
@@ -570,7 +574,7 @@ class HangCheck(JobCheck):
             mounts = read_mounts(self.context.proc)
         except OSError:
             mounts = []
-        waits = blocked_waits(procs[:self.settings.inspect_processes], self.context.proc, mounts)
+        waits = blocked_waits(procs[:self.settings.inspect_processes], self.context.proc, mounts, budget)
         return fs_cause(waits, self.kernel.notes, mounts, self._answers, since)
 
     def _answers(self, mount: Mount) -> str | None:
