@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -1583,7 +1584,7 @@ def test_a_restart_in_place_is_skipped_while_one_without_a_node_finds_no_spare_a
 
 
 def test_a_fresh_left_record_without_a_spare_skips_a_restart_in_place_only_where_its_fallback_requeues(
-        tmp_path: Path, ranks: Callable[..., int]) -> None:
+        tmp_path: Path, ranks: Callable[..., int], monkeypatch: pytest.MonkeyPatch) -> None:
     """n3 was recorded as left a moment ago and the allocation, n[1-3], holds no spare: n1's restart in place is
     skipped while n3's fallback requeues the job. A job submitted --no-requeue is never requeued by that fallback
     (it is left alone): skipped, nothing would restart it. Ranks that do not say how many nodes their step spans
@@ -1609,6 +1610,15 @@ def test_a_fresh_left_record_without_a_spare_skips_a_restart_in_place_only_where
     env["SLURM_STEP_NUM_NODES"] = "3"
     with pytest.raises(ActionSkippedError, match=r"no spare node in its allocation \(4 node\(s\), 2 left or leaving"):
         _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), replace(job, node_list="n[1-4]"))
+
+    # n3's fallback waits up to its wait_exit for the ranks to save before it requeues: 40 s after the record, a
+    # restart in place with a wait_exit of a minute is still skipped; past wait_exit and 30 s more it goes on
+    later = SimpleNamespace(time=lambda: time.time() + 40, monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr("trainguard.actions.restart.time", later)
+    with pytest.raises(ActionSkippedError, match=r"written 4\d\.\ds ago\) and finds no spare"):
+        _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), replace(job, node_list="n[1-4]"), wait_exit=60.0, timeout=90)
+    detail = _run(StubSlurm({"0": [ranks(**env)]}, ["0"]), replace(job, node_list="n[1-4]"))
+    assert detail.startswith("restart of 5 requested"), detail
 
 
 def _launched(tmp_path: Path) -> list[list[str]]:

@@ -320,7 +320,8 @@ class RestartAction(Action):
         since, while the ranks here still run with it (that restart is under way: its relaunch leaves the node, and
         a request written after it would start the job once more, even at the end of its training), or that the
         ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
-        (the fault was the earlier start's), or that was recorded less than RELAUNCH_GRACE ago by a restart that finds
+        (the fault was the earlier start's), or that was recorded less than `wait_exit` and RELAUNCH_GRACE ago (its
+        fallback's wait for the ranks to save, then its requeue) by a restart that finds
         no spare in the allocation without it and the other nodes recorded (its fallback, a requeue by default,
         answers the fault; not for a job submitted --no-requeue, which that fallback leaves alone). The files are the
         job user's: a fake only skips their own job's restart."""
@@ -346,7 +347,10 @@ class RestartAction(Action):
             if node not in without and request is not None and request.st_ctime_ns >= record.st_ctime_ns:
                 return (f"a restart of it without {node} is under way ({name}, and {request_name(job.job_id)} written "
                         f"{max(0.0, time.time() - request.st_ctime):.1f}s ago)")
-            if (node not in without and job.requeue and time.time() - record.st_ctime < RELAUNCH_GRACE
+            # its fallback waits up to its wait_exit for the ranks to save before it requeues (this action's own
+            # stands for it: one default for both)
+            fresh = time.time() - record.st_ctime < self.settings.wait_exit + RELAUNCH_GRACE
+            if (node not in without and job.requeue and fresh
                     and (no_spare := self._no_spare(allocation, ranks, recorded))):
                 # that restart's fallback answers the fault (a requeue, by default): in place, the job would start
                 # again on the node it leaves, and be said restarted while it is requeued. A --no-requeue job's
