@@ -43,6 +43,9 @@ def test_the_parser_reads_real_node_rows() -> None:
     assert ours.reason_by == "root" and ours.reason_at
     assert parse_node((DATA / "sinfo-node-idle.txt").read_text(), "n1") is None  # another node's row
     assert parse_node("", "n1") is None and parse_node("n1|\x00|||", "n1") == NodeRecord("\x00")
+    window = parse_node((DATA / "sinfo-node-maint.txt").read_text(), "vm")
+    assert window == NodeRecord("ALLOCATED+MAINTENANCE+RESERVED") and not window.drained
+    assert check().evaluate(window)[0] is Status.WARNING
 
 
 @pytest.mark.parametrize("reason", [
@@ -76,8 +79,8 @@ def test_a_reason_is_the_rows_last_field_whatever_it_holds(reason: str) -> None:
     ("MIXED+REBOOT_REQUESTED", "", Status.WARNING),  # `scontrol reboot`: once idle; jobs still start here
     ("MIXED+POWERING_DOWN", "", Status.CRITICAL),
     ("ALLOCATED*+DRAIN", "maint window", Status.CRITICAL),
-    ("MIXED+MAINT", "", Status.WARNING),  # a maintenance reservation has begun (flags=maint,ignore_jobs)
-    ("ALLOCATED+MAINTENANCE+RESERVED", "", Status.WARNING),  # as later SLURM releases say it
+    ("ALLOCATED+MAINTENANCE+RESERVED", "", Status.WARNING),  # a maintenance reservation has begun (the capture's)
+    ("MIXED+MAINT", "", Status.WARNING),  # the flag's name in SLURM's code (NODE_STATE_MAINT)
 ])
 def test_what_a_job_on_a_node_in_each_state_is_told(state: str, reason: str, status: Status) -> None:
     got, said = check().evaluate(NodeRecord(state, reason, "root", 1_790_000_000.0))
@@ -240,6 +243,18 @@ def test_a_drain_for_a_reboot_asks_the_job_to_save_and_leave_and_another_is_only
     wait_until(lambda: log_has(info["StdOut"], "step 3"), 20, what="training steps")
     job = find_job(slurm, job_id)
     try:
+        # the site's maintenance window opens over the running job: said, the job runs on
+        sh("scontrol", "create", "reservation", "reservationname=tg-maint", "starttime=now", "duration=10",
+           f"nodes={slurm.node}", "users=root", "flags=maint,ignore_jobs")
+        try:
+            def window() -> Any:
+                return next((r for r in engine.checks["node_drain"].run() if r.subject == job.key
+                             and r.status is not Status.OK), None)
+            said = wait_until(window, 20, interval=0.5, what="the maintenance window said")
+            assert said.status is Status.WARNING and "maintenance window has begun" in said.summary, said
+            assert "MAINTENANCE" in said.details["node_state"].split("+"), said.details
+        finally:
+            sh("scontrol", "delete", "reservationname=tg-maint")
         sh("scontrol", "update", f"nodename={slurm.node}", "state=drain", "reason=investigating ECC counts")
         results = engine.checks["node_drain"].run()
         [said] = [r for r in results if r.subject == job.key]

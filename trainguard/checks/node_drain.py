@@ -30,8 +30,8 @@ GOING_FLAGS = frozenset({"REBOOT_ISSUED", "POWERING_DOWN", "POWER_DOWN"})
 # Drained with this one, it reboots once its jobs are gone (`scontrol reboot ASAP`); without a drain (`scontrol
 # reboot`), once idle: new jobs may still start there, so it is said, and nothing is asked of the job.
 REBOOT_FLAG = "REBOOT_REQUESTED"
-# The node is in an active maintenance reservation (`scontrol create reservation flags=maint,ignore_jobs`): SLURM
-# 22.05 says MAINT, later releases MAINTENANCE.
+# The node is in an active maintenance reservation (`scontrol create reservation flags=maint,ignore_jobs`): sinfo says
+# MAINTENANCE (SLURM 22.05, tests/data/slurm/sinfo-node-maint.txt); MAINT is the flag's name in SLURM's code.
 MAINT_FLAGS = frozenset({"MAINT", "MAINTENANCE"})
 
 
@@ -62,7 +62,7 @@ class NodeDrainSettings(CheckSettings):
 
     maintenance: Literal["ok", "warning", "critical"] = Field(
         "warning", description="A job on a node whose maintenance reservation has begun (`scontrol create reservation "
-        "flags=maint,ignore_jobs`: the state flag MAINT): the site's window is open and its work may take the node "
+        "flags=maint,ignore_jobs`: the state flag MAINTENANCE): the site's window is open and its work may take the node "
         "with the job, or may not. `warning`: said, the job runs on; `critical`: the jobs asked to save and leave, as "
         "for a drain for a reboot (where the site's maintenance reservations always mean a reboot); `ok`: not said.")
     batch_host_actions: ActionBinding | None = Field(
