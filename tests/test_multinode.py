@@ -158,6 +158,10 @@ def test_a_requeued_job_starts_a_new_life_in_its_logs(multinode: MultiNodeCluste
         return found if found is not None and found.status is status else None
 
     try:
+        # n1 may still be letting go of the previous test's job (its epilog) under the suite's load: the 30 s below
+        # are the check's, not the scheduler's
+        wait_until(lambda: multinode.job(job_id).get("JobState") == "RUNNING", 60, interval=0.5,
+                   what="the first life running on n1")
         first = wait_until(lambda: result(Status.CRITICAL), 30, what="the first life's NaN streak")
         assert "3 in a row" in first.summary  # type: ignore[attr-defined]
         multinode.run("scontrol", "requeue", job_id)
