@@ -321,10 +321,10 @@ class RestartAction(Action):
         a request written after it would start the job once more, even at the end of its training), or that the
         ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
         (the fault was the earlier start's), or that was recorded less than `wait_exit` and RELAUNCH_GRACE ago (its
-        fallback's wait for the ranks to save, then its requeue) by a restart that finds
-        no spare in the allocation without it and the other nodes recorded (its fallback, a requeue by default,
-        answers the fault; not for a job submitted --no-requeue, which that fallback leaves alone). The files are the
-        job user's: a fake only skips their own job's restart."""
+        fallback's wait for the ranks to save, then its requeue) by a restart that finds no spare in the allocation
+        without it and the other nodes recorded (its fallback, a requeue by default, answers the fault; not for a job
+        submitted --no-requeue, which that fallback leaves alone). The files are the job user's: a fake only skips
+        their own job's restart."""
         assert job.job_id and job.switch_dir
         if not any(LEFT_VAR in env for env in ranks):
             # a loop that cannot leave a node never restarts without one: a record (a lost spare's) is no such restart
