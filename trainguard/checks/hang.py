@@ -483,13 +483,15 @@ class HangCheck(JobCheck):
         progress = self.progress(job, procs[:self.settings.inspect_processes], now, budget)
         limit = self.stale_after(job)
         status = evaluate(progress, limit, now)
-        dead = self._dead_mount(job, procs, progress, limit, now, budget) if status is Status.OK else None
-        if dead is not None or (status is Status.OK and self._hung_early(job, progress, limit, now)):
+        dead = None
+        if status is Status.OK:
+            early = self._early(limit, progress)  # asked once: the look for a dead mount and the deadline share it
+            dead = self._dead_mount(job, procs, progress, early, now, budget)
+            if dead is None and not self._hung_early(job, progress, limit, now):
+                self._dirty |= self._dumps.pop(job.key, None) is not None
+                return (self._result(job, progress, limit, now, status, Evidence(0.0, [])),
+                        self._deadline(progress, limit, early, now))
             status, limit = Status.CRITICAL, self.settings.fs_stale_after or limit
-        elif status is Status.OK:
-            self._dirty |= self._dumps.pop(job.key, None) is not None
-            return (self._result(job, progress, limit, now, status, Evidence(0.0, [])),
-                    self._deadline(progress, limit, now))
         return self._result(job, progress, limit, now, status, self._evidence(job, procs, progress, now, dead)), None
 
     def _early(self, limit: float, progress: Progress) -> float | None:
@@ -502,12 +504,11 @@ class HangCheck(JobCheck):
             return None
         return early
 
-    def _dead_mount(self, job: Job, procs: list[psutil.Process], progress: Progress, limit: float,
+    def _dead_mount(self, job: Job, procs: list[psutil.Process], progress: Progress, early: float | None,
                     now: float, budget: Deadline = NO_DEADLINE) -> FsCause | None:
-        """The dead file system a job idle for `fs_stale_after` waits on (`FsCause.down`), else None. Looked for at
+        """The dead file system a job idle for `early` (`_early`) waits on (`FsCause.down`), else None. Looked for at
         each run while the kernel says one is dead (the job's processes' states, at most `inspect_processes`), within
         the job's `budget`: its user picks how many processes sit in D state holding how many files."""
-        early = self._early(limit, progress)
         if early is None or now - progress.last.at < early:
             return None
         cause = self._fs_cause(job, procs, progress.last.at - KERNEL_CLOCK_SLACK, budget)
@@ -522,10 +523,10 @@ class HangCheck(JobCheck):
         return (early is not None and early < limit and now - progress.last.at >= early and cached is not None
                 and cached.since == progress.last.at and cached.cause_kind == FILE_SYSTEM)
 
-    def _deadline(self, progress: Progress, limit: float, now: float) -> float:
-        """When the progressing job is next looked at: at its `stale_after`, or at `fs_stale_after` while the kernel
-        says a file system is dead (past it, the check's interval looks again)."""
-        early = self._early(limit, progress)
+    @staticmethod
+    def _deadline(progress: Progress, limit: float, early: float | None, now: float) -> float:
+        """When the progressing job is next looked at: at its `stale_after`, or at `early` (`_early`: `fs_stale_after`
+        while the kernel says a file system is dead; past it, the check's interval looks again)."""
         at = progress.last.at + limit
         return min(at, progress.last.at + early) if early is not None and progress.last.at + early > now else at
 
