@@ -111,6 +111,7 @@ NFS_OK = "nfs: server {server} OK"
 # defaults (timeo=600, retrans=2; nfs(5)) retries for about 3 minutes first (SUSE KB 000020830: the line comes "after
 # a process has stalled for approximately 3 minutes"). A server back sooner is never named.
 NFS_MAJOR_TIMEOUT = 180.0
+LEMON_RULES = {"both": (True, False), "installed": (True,), "none": (False,)}  # --lemon-rules: the agents' lemon rules
 LEMON_NODE = "n1"  # `--scenario lemon`: the node whose GPU fails again and again, repaired in between
 JOB_NAME = "goodput"
 NODES, RANKS = 4, 3  # the job asks for 3-4 nodes: a spare inside its allocation while one is free
@@ -1327,20 +1328,23 @@ class Human:
 def benchmark(seed: int, minutes: float, scale: Scale, kinds: tuple[str, ...] = KINDS, step_time: float = 0.5,
               ckpt_every: int = 20, out_dir: Path | None = None, human: Human = Human(),
               also_without: tuple[float, ...] = (), site: Site = Site(), faults: list[Fault] | None = None,
-              with_tg: bool = True, without: bool = True) -> tuple[list[dict[str, Any]], list[Record]]:
+              with_tg: bool = True, without: bool = True, lemon_rules: tuple[bool, ...] = (True, False)
+              ) -> tuple[list[dict[str, Any]], list[Record]]:
     """The run with trainguard and the one without it, with `human`; then one more run without it for each of
     `also_without` (how often that human looks, in minutes): the same schedule (`faults`, else the default one of
     `seed` and `kinds`) against other people on call. With a lemon node (`site.lemon_every`), last, one more run with
-    trainguard whose agents have no lemon rules. `with_tg`, `without`: whether the run with trainguard, and the one
+    trainguard whose agents have no lemon rules. `with_tg`, `without`: whether the runs with trainguard, and the one
     without it with `human`, are made (the runs without alone: more humans for seeds whose run with it is saved
-    already, which `--report-from` joins)."""
+    already, which `--report-from` joins); `lemon_rules`: with a lemon node, which of the runs with trainguard (its
+    agents with their lemon rules, True, and without them, False)."""
     duration = minutes * 60
     faults = schedule(seed, duration, kinds) if faults is None else faults
     base = Path(tempfile.mkdtemp(prefix="trainguard-multinode-goodput-", dir="/tmp"))
     base.chmod(0o755)
-    runs = [(True, human, "with", site)] * with_tg + [(False, human, "without", site)] * without + [
+    rules = lemon_rules if site.lemon_every else (True,)
+    runs = [(True, human, "with", site)] * (with_tg and True in rules) + [(False, human, "without", site)] * without + [
         (False, Human(m, human.page_response_min), f"without-{i}-look{m:g}", site) for i, m in enumerate(also_without)]
-    if site.lemon_every:
+    if with_tg and False in rules:
         runs.append((True, human, "with-no-lemon-policy", replace(site, lemon_policy=False)))
     records = []
     try:
@@ -1447,6 +1451,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a repaired node comes back as the same node, its agent's history kept and what it holds "
                         "cleared (the runs of record made before this option); default: as a replacement, a new "
                         "agent with an empty state (the lemon scenario's node always keeps its own)")
+    p.add_argument("--lemon-rules", choices=["both", "installed", "none"], default="both",
+                   help="--scenario lemon: which runs with trainguard: its agents with their lemon rules (installed), "
+                        "without them (none), or both")
     p.add_argument("--lemon-every", type=float, default=180.0, metavar="MINUTES",
                    help="--scenario lemon: how often the lemon node's GPU fails again (real-world minutes, scaled)")
     p.add_argument("--fault-free", action="store_true",
@@ -1532,7 +1539,8 @@ def main(argv: list[str] | None = None) -> int:
         out = a.out / f"seed-{seed}" if len(seeds) > 1 else a.out
         per_seed[seed] = benchmark(seed, a.minutes, scale, kinds, out_dir=out, human=Human(a.look_every, a.page_response),
                                    also_without=() if a.fault_free else also, site=site, faults=faults,
-                                   with_tg=not a.without_only, without=not a.with_only)
+                                   with_tg=not a.without_only, without=not a.with_only,
+                                   lemon_rules=LEMON_RULES[a.lemon_rules])
         if a.without_only or a.with_only:
             continue  # nothing to compare here: --report-from joins these runs to the saved ones with trainguard
         if not a.fault_free:
