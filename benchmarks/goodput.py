@@ -28,9 +28,10 @@ later, as NFS over TCP at its defaults, the kernel says `nfs: server fsN not res
 and any rank started there, blocks in D state; `--fs-stale-after` sets the hang check's `fs_stale_after`); a node
 drained for a hardware fault or a dead mount is repaired and resumed `--repair-after` later, as a replacement: another
 machine of the pool, a new agent with an empty state (`--repaired-same-node`: the same node, the operator clears what
-its agent holds; the lemon scenario's node always is); a lemon the agents hold stays out. `--scenario
-lemon`: n1's GPU fails every `--lemon-every` while the job runs there, and one more run with trainguard whose agents
-have no lemon rules. `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
+its agent holds; the lemon scenario's node always is); a node the agents' lemon policy holds is sent back and, where
+repaired nodes are replacements, a machine of the pool takes its place after the repair time (else it stays out).
+`--scenario lemon`: n1's GPU fails every `--lemon-every` while the job runs there (until a machine of the pool takes
+its place), and one more run with trainguard whose agents have no lemon rules (`--lemon-rules`: which of the two). `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
 cost. `--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
 
 Without trainguard the job has what it has without it: the collective timeout (NCCL's 10-minute default, scaled), the
@@ -268,6 +269,7 @@ class Record:
     paused: float = 0.0  # the user's own pause after the stop switch: not time the run could have trained
     stops: list[dict[str, Any]] = field(default_factory=list)  # how each attempt ended on each rank (the trainer's)
     ranks: list[tuple[float, str, str]] = field(default_factory=list)  # (t, attempt, node) of each rank's start
+    lemon_replaced: float | None = None  # when a machine of the pool took the held lemon node's place
 
 
 class Run:
@@ -467,7 +469,9 @@ class Run:
                 self.inject(pending.pop(0))
                 if self.site.fault_gap:
                     pending = kept_apart(pending, self.now(), self.site.fault_gap, 0.92 * self.duration)
-            if self.lemon_every and t >= self.lemon_next and self.running_attempt(info, Fault(t, "lemon", 0)):
+            # the lemon's GPU fails again while it runs the job (not once a machine of the pool has taken its place)
+            if self.lemon_every and self.rec.lemon_replaced is None and t >= self.lemon_next \
+                    and self.running_attempt(info, Fault(t, "lemon", 0)):
                 self.inject(Fault(round(t, 1), "lemon", 0))  # its GPU fails again `lemon_every` after it last did
                 self.lemon_next = t + self.lemon_every
             if info.get("Restarts", "0") != restarts:
@@ -721,14 +725,23 @@ class Run:
         and data mount read healthy again (`heal`), its ranks run again, and it is resumed in SLURM. As a replacement
         (`replaced_on_repair`): another machine of the pool, whose new agent starts with an empty state and holds
         nothing; else the same one, whose agent keeps its history: the operator clears what it holds (`trainguard
-        clear`). A node its agent's lemon policy holds stays out: the operator reads the reason and sends the GPU
-        back."""
+        clear`). A node its agent's lemon policy holds is not put back: the operator reads the reason and sends the
+        machine back, and where repaired nodes are replacements a machine of the pool takes its place, as in a fleet
+        (the lemon scenario's node too: its GPU fails no more); else it stays out."""
         born = self.lives.get(node, [-math.inf])[-1]  # its current agent's holds (a replaced one's went with it)
-        if self.trainguard and any(a["node"] == node and a["check"] == "lemon" and a["t"] >= born
-                                   for a in self.fired()):
+        held = self.trainguard and any(a["node"] == node and a["check"] == "lemon" and a["t"] >= born
+                                       for a in self.fired())
+        if held and not (self.site.replace_repaired and node in self.agents):
             self.rec.actions.append({"t": t, "who": "site", "what": f"{node} held by the lemon policy: not resumed"})
             return
-        if node in self.agents and replaced_on_repair(node, self.site):
+        if held:
+            self.rec.actions.append({"t": t, "who": "site", "what": f"{node} held by the lemon policy: sent back, "
+                                     "a machine of the pool in its place"})
+            if node == LEMON_NODE and self.lemon_every and self.rec.lemon_replaced is None:
+                self.rec.lemon_replaced = t
+        # the machine in the held lemon's place is one of the pool's like the others
+        fresh = replaced_on_repair(node, self.site) or (node == LEMON_NODE and self.rec.lemon_replaced is not None)
+        if node in self.agents and (held or fresh):
             self.retire_agent(node, t)  # before the repair: the old machine's agent sees none of it
             self.heal(node)
             # after it: the new agent's first round must not read the old machine's lost GPU
@@ -978,14 +991,16 @@ def repair_model(r: dict[str, Any]) -> str | None:
 
 
 def lemon_figures(rec: Record) -> dict[str, Any]:
-    """The lemon node's faults, when its agent's lemon policy held it, and the ranks given it after its second fault
-    (the goal: none)."""
+    """The lemon node's faults, when its agent's lemon policy held it, when a machine of the pool took its place, and
+    the ranks given it after its second fault (the goal: none; the ranks given the machine in its place are not)."""
     faults = [f["injected"] for f in rec.faults if f["kind"] == "lemon"]
     held = next((a["t"] for a in rec.alerts if a["check"] == "lemon" and a["node"] == LEMON_NODE), None)
     second = faults[1] if len(faults) > 1 else None
+    gone = math.inf if rec.lemon_replaced is None else rec.lemon_replaced
     return {"faults": [round(t, 1) for t in faults], "held_at": None if held is None else round(held, 1),
+            "replaced_at": None if rec.lemon_replaced is None else round(rec.lemon_replaced, 1),
             "ranks_after_second_fault": [a for t, a, n in rec.ranks if n == LEMON_NODE and second is not None
-                                         and t > second]}
+                                         and second < t < gone]}
 
 
 def in_place(attempts: list[str]) -> int:
@@ -1085,13 +1100,17 @@ def lemons(results: list[dict[str, Any]]) -> list[str]:
     if not runs:
         return []
     lines = ["", f"The lemon node ({LEMON_NODE}), with trainguard:", "",
-             "| lemon rules | goodput | the lemon's faults (s) | held by the lemon policy at (s) | ranks given it after "
-             "its second fault |", "|---|---|---|---|---|"]
+             "| lemon rules | goodput | the lemon's faults (s) | held by the lemon policy at (s) | a machine of the pool "
+             "in its place at (s) | ranks given it after its second fault |", "|---|---|---|---|---|---|"]
+
+    def at(x: float | None) -> str:
+        return "-" if x is None else str(x)
+
     for r in runs:
         le = r["lemon"]
         lines.append(f"| {'installed' if r.get('lemon_policy', True) else 'none'} | {r['goodput']} | "
-                     f"{', '.join(map(str, le['faults'])) or '-'} | {le['held_at'] if le['held_at'] is not None else '-'}"
-                     f" | {len(le['ranks_after_second_fault'])} |")
+                     f"{', '.join(map(str, le['faults'])) or '-'} | {at(le['held_at'])} | {at(le.get('replaced_at'))} | "
+                     f"{len(le['ranks_after_second_fault'])} |")
     return lines
 
 

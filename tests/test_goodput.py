@@ -396,13 +396,14 @@ def test_the_lemon_node_is_held_after_its_second_fault_and_given_no_rank_after_i
                   {"kind": "lemon", "at": 50.0, "target": 0, "node": "n1", "injected": 52.0}]
     rec.alerts = [{"t": 52.3, "node": "n1", "check": "lemon", "subject": "gpu", "status": "CRITICAL", "event": "fired"}]
     rec.ranks = [(1.0, "1.0.0", "n1"), (45.0, "1.1.0", "n1"), (60.0, "1.2.0", "n2")]
-    assert lemon_figures(rec) == {"faults": [10.0, 52.0], "held_at": 52.3, "ranks_after_second_fault": []}
+    assert lemon_figures(rec) == {"faults": [10.0, 52.0], "held_at": 52.3, "replaced_at": None,
+                                  "ranks_after_second_fault": []}
     rec.ranks.append((70.0, "1.3.0", "n1"))  # without the lemon rules: repaired, resumed, given the job again
     assert lemon_figures(rec)["ranks_after_second_fault"] == ["1.3.0"]
     base = {"trainguard": True, "goodput": 0.5, "lemon": lemon_figures(rec)}
     out = "\n".join(lemons([{**base, "lemon_policy": True}, {**base, "lemon_policy": False, "goodput": 0.4},
                             {"trainguard": False, "goodput": 0.2}]))
-    assert "| installed | 0.5 | 10.0, 52.0 | 52.3 | 1 |" in out and "| none | 0.4 |" in out, out
+    assert "| installed | 0.5 | 10.0, 52.0 | 52.3 | - | 1 |" in out and "| none | 0.4 |" in out, out
 
 
 def test_the_harness_faults_a_gpu_through_nvml_as_its_xid_says(tmp_path: Path,
@@ -696,6 +697,42 @@ def test_a_replacement_gets_a_new_agent_with_an_empty_state_and_joins_once_it_is
     assert not lemon.stopped and run.agents["n1"] is lemon and (tmp_path / "state-n1").is_dir()  # type: ignore[attr-defined]
     assert run.cluster.commands[-1] == ("scontrol", "update", "nodename=n1", "state=resume")  # type: ignore[attr-defined]
     assert run.rec.actions[-1]["what"] == "repaired n1 (the same node), resumed"
+
+
+def test_a_held_lemon_is_sent_back_and_a_machine_of_the_pool_takes_its_place(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a fleet: the node the lemon policy holds is not put back; another machine takes its slot, with a new agent
+    and an empty state, and the lemon's GPU fails no more. Its ranks after that are the new machine's, not the
+    lemon's. Where repaired nodes come back as the same node (the runs of record before replacements), a held node
+    stays out."""
+    run = _repairable(tmp_path, Site(repair_after=30.0, lemon_every=180.0))
+    held = [{"t": 5.0, "node": "n1", "check": "lemon", "subject": "gpu", "status": "CRITICAL", "event": "fired"}]
+    monkeypatch.setattr(run, "fired", lambda: held)
+    lemon = run.agents["n1"]
+    run.repair("n1", 10.0)
+    assert lemon.stopped and run.agents["n1"] is not lemon and (tmp_path / "state-n1.1").is_dir()  # type: ignore[attr-defined]
+    assert run.rec.lemon_replaced == 10.0 and run.lives == {"n1": [10.0]}
+    assert any(a["what"] == "n1 held by the lemon policy: sent back, a machine of the pool in its place"
+               for a in run.rec.actions)
+    with (tmp_path / "agent-n1.log").open("a") as log:
+        log.write("ts=y level=INFO msg=ready\n")
+    run.watch_drains(11.0)
+    assert run.cluster.commands == [("scontrol", "update", "nodename=n1", "state=resume")]  # type: ignore[attr-defined]
+    # the machine in its place, drained later and repaired, is one of the pool's like the others: replaced again
+    (tmp_path / "state-n1").mkdir()  # its agent's
+    run.repair("n1", 20.0)
+    assert (tmp_path / "state-n1.2").is_dir() and run.rec.lemon_replaced == 10.0
+    run.rec.faults = [{"kind": "lemon", "injected": 2.0}, {"kind": "lemon", "injected": 4.9}]
+    run.rec.alerts = held
+    run.rec.ranks = [(1.0, "1.0.0", "n1"), (12.0, "1.1.0", "n1")]  # the second: the new machine's
+    assert lemon_figures(run.rec) == {"faults": [2.0, 4.9], "held_at": 5.0, "replaced_at": 10.0,
+                                      "ranks_after_second_fault": []}
+    same = _repairable(tmp_path / "same", Site(repair_after=30.0, lemon_every=180.0, replace_repaired=False))
+    monkeypatch.setattr(same, "fired", lambda: held)
+    kept = same.agents["n1"]
+    same.repair("n1", 10.0)
+    assert not kept.stopped and same.agents["n1"] is kept and same.rec.lemon_replaced is None  # type: ignore[attr-defined]
+    assert same.cluster.commands == [] and same.rec.actions[-1]["what"] == "n1 held by the lemon policy: not resumed"  # type: ignore[attr-defined]
 
 
 def test_the_kernel_names_a_dead_nfs_server_after_its_major_timeout_and_never_one_back_sooner(
