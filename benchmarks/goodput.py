@@ -31,8 +31,9 @@ machine of the pool, a new agent with an empty state (`--repaired-same-node`: th
 its agent holds; the lemon scenario's node always is); a node the agents' lemon policy holds is sent back and, where
 repaired nodes are replacements, a machine of the pool takes its place after the repair time (else it stays out).
 `--scenario lemon`: n1's GPU fails every `--lemon-every` while the job runs there (until a machine of the pool takes
-its place), and one more run with trainguard whose agents have no lemon rules (`--lemon-rules`: which of the two). `--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind
-cost. `--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
+its place), and one more run with trainguard whose agents have no lemon rules (`--lemon-rules`: which of the two).
+`--seeds 1,2,3`: each seed each way, a report of the mean and its spread and what each fault kind cost.
+`--fault-free`: the agents' cost to the step and every alert they fire with no fault at all.
 
 Without trainguard the job has what it has without it: the collective timeout (NCCL's 10-minute default, scaled), the
 trainer's own signal and switch handling, SLURM's time-limit SIGTERM, and a human who looks every M minutes (and fixes
@@ -129,7 +130,13 @@ class Scale:
         return max(real_seconds / self.factor, floor)
 
     def dur(self, real_seconds: float, floor: float = 0.5) -> str:
-        return f"{self(real_seconds, floor):g}s"
+        return seconds_text(self(real_seconds, floor))
+
+
+def seconds_text(seconds: float) -> str:
+    """A duration the agent's config reads, to the millisecond (at least 1 ms), never in exponent form (`:g` wrote
+    `1e-05s`, and `1.23457e+06s` for 1234567)."""
+    return f"{max(seconds, 0.001):.3f}".rstrip("0").rstrip(".") + "s"
 
 
 @dataclass(frozen=True)
@@ -395,7 +402,7 @@ class Run:
         # the same read; the node drained, the job restarted without it, as for a lost GPU.
         c["hang"]["fs_actions"] = {"critical": ["drain", "restart_elsewhere"]}
         if self.site.fs_stale_after is not None:  # sooner, on the kernel's word about that file system
-            c["hang"]["fs_stale_after"] = f"{self.site.fs_stale_after:g}s"
+            c["hang"]["fs_stale_after"] = seconds_text(self.site.fs_stale_after)
         c["job_memory"].update(interval="0.5s", jitter="0s", window=20, min_span=s.dur(300, 3),
                                crit_horizon=s.dur(1200), warn_horizon=s.dur(7200), actions={"critical": ["restart"]})
         c["job_timelimit"].update(fast, margin=s.dur(600, 3), recheck=s.dur(300, 2),

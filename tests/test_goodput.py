@@ -53,6 +53,7 @@ from benchmarks.goodput import (
     report,
     saved,
     schedule,
+    seconds_text,
     seeds_table,
     site_of,
     step_cost,
@@ -781,3 +782,12 @@ def test_the_report_says_which_repair_the_runs_had() -> None:
     assert "Repair: a replacement node" in text and "Repair: the same node (its agent's history kept" in text
     none = {**wo, "trainguard": True, "repair": None}
     assert "Repair" not in table([none, wo], 1, Scale(60))  # no repair, none said
+
+
+def test_durations_given_the_agents_are_ones_their_config_reads() -> None:
+    from trainguard.core.units import parse_duration
+
+    for x, text in ((0.5, "0.5s"), (1e-05, "0.001s"), (1234567.0, "1234567s"), (300 / 60, "5s"), (2.0 / 3, "0.667s")):
+        assert seconds_text(x) == text
+        assert parse_duration(text) == pytest.approx(max(x, 0.001), abs=5e-4)
+    assert Scale(60).dur(300, 2) == "5s" and Scale(60).dur(6, 2) == "2s"
