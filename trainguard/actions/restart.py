@@ -39,6 +39,7 @@ would end at the signal, not restart: by default (`fallback = "requeue"`) it is 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -112,6 +113,33 @@ def _hosts(node_list: str | None) -> list[str]:
         return expand(node_list) if node_list else []
     except ValueError:
         return []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+    """What the job's switch dir says of its life's restarts without a node, as a restart in place weighs them."""
+
+    records: dict[str, str]  # the record name of each node of the allocation -> the node
+    present: dict[str, os.stat_result]  # of those and the restart request, the ones written
+    without: set[str]  # the nodes the ranks here run without (their TRAINGUARD_LEFT)
+    started: float  # when the ranks here started (0: not known)
+
+    @property
+    def recorded(self) -> set[str]:
+        """The nodes recorded as left, counted together (as `_leave` does)."""
+        return {node for name, node in self.records.items() if name in self.present}
+
+    @classmethod
+    def read(cls, job: Job, life: int, looped: dict[str, list[int]], ranks: list[dict[str, str]]) -> _Leaves | None:
+        """None when the switch dir cannot be read (nothing to weigh)."""
+        assert job.job_id and job.switch_dir
+        records = {left_name(job.job_id, life, n): n for n in _hosts(job.node_list)}
+        try:
+            present = switch_stats(job.switch_dir, [*records, request_name(job.job_id)], job_owner(job)[0])
+        except ActionError:
+            return None
+        started = min((r.create_time for pids in looped.values() for r in map(ProcessRef.of, pids) if r), default=0.0)
+        return cls(records, present, {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n}, started)
 
 
 class RestartSettings(WaitExitSettings):
@@ -315,52 +343,47 @@ class RestartAction(Action):
 
     def _undoes_leave(self, job: Job, ctx: ActionContext, looped: dict[str, list[int]],
                       ranks: list[dict[str, str]]) -> str:
-        """Why a restart in place now would undo a restart of the job without a node ("" when it would not): a node
-        that the ranks' life recorded as left (any agent's `left.<job>.<life>.<node>`) with a restart request written
-        since, while the ranks here still run with it (that restart is under way: its relaunch leaves the node, and
-        a request written after it would start the job once more, even at the end of its training), or that the
-        ranks here were started without less than RELAUNCH_GRACE ago, after the fault this restart answers began
-        (the fault was the earlier start's), or that was recorded less than `wait_exit` and RELAUNCH_GRACE ago (its
-        fallback's wait for the ranks to save, then its requeue) by a restart that finds no spare in the allocation
-        without it and the other nodes recorded (its fallback, a requeue by default, answers the fault; not for a job
-        submitted --no-requeue, which that fallback leaves alone). The files are the job user's: a fake only skips
-        their own job's restart."""
-        assert job.job_id and job.switch_dir
+        """Why a restart in place now would undo a restart of the job without a node ("" when it would not): see
+        `_undone_by` for each record of a node left by the ranks' life (any agent's `left.<job>.<life>.<node>`). The
+        files are the job user's: a fake only skips their own job's restart."""
         if not any(LEFT_VAR in env for env in ranks):
             # a loop that cannot leave a node never restarts without one: a record (a lost spare's) is no such restart
             return ""
-        life = self._life(ranks)
-        records = {left_name(job.job_id, life, n): n for n in _hosts(job.node_list)}
-        try:
-            present = switch_stats(job.switch_dir, [*records, request_name(job.job_id)], job_owner(job)[0])
-        except ActionError:
+        left = _Leaves.read(job, self._life(ranks), looped, ranks)
+        if left is None:
             return ""
-        request = present.get(request_name(job.job_id))
-        without = {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n}
-        started = min((r.create_time for pids in looped.values() for r in map(ProcessRef.of, pids) if r), default=0.0)
-        allocation = list(records.values())
-        recorded = {node for name, node in records.items() if name in present}  # counted together, as `_leave` does
-        for name, node in records.items():
-            record = present.get(name)
-            if record is None:
-                continue
-            if node not in without and request is not None and request.st_ctime_ns >= record.st_ctime_ns:
-                return (f"a restart of it without {node} is under way ({name}, and {request_name(job.job_id)} written "
-                        f"{max(0.0, time.time() - request.st_ctime):.1f}s ago)")
-            # its fallback waits up to its wait_exit for the ranks to save before it requeues (this action's own
-            # stands for it: one default for both)
-            fresh = time.time() - record.st_ctime < self.settings.wait_exit + RELAUNCH_GRACE
-            if (node not in without and job.requeue and fresh
-                    and (no_spare := self._no_spare(allocation, ranks, recorded))):
-                # that restart's fallback answers the fault (a requeue, by default): in place, the job would start
-                # again on the node it leaves, and be said restarted while it is requeued. A --no-requeue job's
-                # fallback leaves it alone: nothing else would restart it
-                return (f"a restart of it without {node} is under way ({name}, written "
-                        f"{max(0.0, time.time() - record.st_ctime):.1f}s ago) and finds {no_spare}: its fallback "
-                        "answers the fault")
-            if node in without and ctx.event.since < started and time.time() - started < RELAUNCH_GRACE:
-                return (f"it started again without {node} {time.time() - started:.1f}s ago ({name}), after the fault "
-                        "this restart answers began")
+        return next((why for name, node in left.records.items() if name in left.present
+                     and (why := self._undone_by(job, ctx, left, name, node, ranks))), "")
+
+    def _undone_by(self, job: Job, ctx: ActionContext, left: _Leaves, name: str, node: str,
+                   ranks: list[dict[str, str]]) -> str:
+        """Why the record `name` of `node` left makes a restart in place wrong ("" when it does not): a restart
+        request written since it while the ranks here still run with the node (that restart is under way: its
+        relaunch leaves the node, and a request written after it would start the job once more, even at the end of
+        its training); or it was written less than `wait_exit` and RELAUNCH_GRACE ago (its fallback's wait for the
+        ranks to save, then its requeue) by a restart that finds no spare in the allocation without the nodes
+        recorded (its fallback, a requeue by default, answers the fault; not for a job submitted --no-requeue,
+        which that fallback leaves alone); or the ranks here were started without the node less than
+        RELAUNCH_GRACE ago, after the fault this restart answers began (the fault was the earlier start's)."""
+        assert job.job_id
+        record, now = left.present[name], time.time()
+        request = left.present.get(request_name(job.job_id))
+        if node not in left.without and request is not None and request.st_ctime_ns >= record.st_ctime_ns:
+            return (f"a restart of it without {node} is under way ({name}, and {request_name(job.job_id)} written "
+                    f"{max(0.0, now - request.st_ctime):.1f}s ago)")
+        # its fallback waits up to its wait_exit for the ranks to save before it requeues (this action's own stands
+        # for it: one default for both)
+        fresh = now - record.st_ctime < self.settings.wait_exit + RELAUNCH_GRACE
+        if node not in left.without and job.requeue and fresh \
+                and (no_spare := self._no_spare(list(left.records.values()), ranks, left.recorded)):
+            # that restart's fallback answers the fault (a requeue, by default): in place, the job would start again
+            # on the node it leaves, and be said restarted while it is requeued. A --no-requeue job's fallback
+            # leaves it alone: nothing else would restart it
+            return (f"a restart of it without {node} is under way ({name}, written "
+                    f"{max(0.0, now - record.st_ctime):.1f}s ago) and finds {no_spare}: its fallback answers the fault")
+        if node in left.without and ctx.event.since < left.started and now - left.started < RELAUNCH_GRACE:
+            return (f"it started again without {node} {now - left.started:.1f}s ago ({name}), after the fault this "
+                    "restart answers began")
         return ""
 
     def _leave(self, job: Job, ctx: ActionContext, looped: dict[str, list[int]], ranks: list[dict[str, str]],

@@ -143,6 +143,10 @@ class FsTrouble:
     def active(self) -> bool:
         return self.cleared < self.last
 
+    def said_since(self, since: float) -> bool:
+        """Still said (not cleared), and last said at `since` or later."""
+        return self.active and self.last >= since
+
     def names(self, mount: Mount) -> bool:
         """Whether this is the file system of `mount` (NFS: its server; Lustre: its file system's targets)."""
         source, _, export = mount.device.partition(":")
@@ -320,12 +324,12 @@ class KernelNotes:
         later (a `not responding, timed out` need not be followed by `OK`: the kernel rate-limits both)."""
         with self._lock:
             troubles = list(self._fs.values())
-        return next((t for t in troubles if t.active and t.last >= since and t.names(mount)), None)
+        return next((t for t in troubles if t.said_since(since) and t.names(mount)), None)
 
     def troubled(self, since: float = 0.0) -> bool:
         """Whether the kernel says any file system does not answer now, last said at `since` or later."""
         with self._lock:
-            return any(t.active and t.last >= since for t in self._fs.values())
+            return any(t.said_since(since) for t in self._fs.values())
 
     def hung(self, pid: int) -> HungTask | None:
         with self._lock:
