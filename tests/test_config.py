@@ -208,3 +208,14 @@ def test_a_stale_after_shorter_than_the_interval_is_warned_about() -> None:
     assert [w.split(":")[0] for w in by_name.warnings()] == ["checks.hung"]
     assert parse_config({"jobs": {"sources": ["process"]}, "checks": {"hang": {"stale_after": "5m"}}},
                         "t.toml").warnings() == []
+
+
+def test_an_alternative_binding_can_be_set_back_to_the_checks_own_actions(tmp_path: Path) -> None:
+    """TOML has no null: `"actions"` is the None of `fs_actions` and `batch_host_actions` (the check's `actions`)."""
+    text = "[checks.hang]\nfs_actions = 'actions'\n[checks.node_drain]\nbatch_host_actions = 'actions'\n"
+    config = load_config(str(write(tmp_path, text)))
+    assert config.checks["hang"].fs_actions is None  # type: ignore[attr-defined]
+    assert config.checks["node_drain"].batch_host_actions is None  # type: ignore[attr-defined]
+    set_once = load_config(str(write(tmp_path, "[checks.node_drain]\nbatch_host_actions = {critical = ['signal']}\n")))
+    assert set_once.checks["node_drain"].batch_host_actions.critical == ["signal"]  # type: ignore[attr-defined]
+    assert any("checks.hang.fs_actions" in p for p in problems(tmp_path, "[checks.hang]\nfs_actions = 'action'\n"))

@@ -49,6 +49,12 @@ class ActionBinding(SettingsModel):
         return {Status.WARNING: self.warning, Status.CRITICAL: self.critical}.get(status, [])
 
 
+def same_as_actions(value: object) -> object:
+    """An alternative binding (`fs_actions`, `batch_host_actions`) written `"actions"`: None, the check's own
+    `actions` (TOML has no null, and a site file that set one must be able to set it back)."""
+    return None if value == "actions" else value
+
+
 class CheckIdle(Exception):  # noqa: N818 - an outcome, not an error
     """Raised by `run()` when the hardware the check watches is absent from this node (no NVML on a CPU-only node, no
     InfiniBand device): the run is `idle`, not a failure. The runner logs it once, the check opens no incident and

@@ -24,13 +24,13 @@ from typing import Any, NamedTuple
 
 import psutil
 
-from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, JobCheck
+from trainguard.checks.base import ActionBinding, CheckContext, CheckSettings, JobCheck, same_as_actions
 from trainguard.checks.xid import KernelLogSettings, adopt_marks
 from trainguard.core.budget import NO_DEADLINE, Deadline, OverBudgetError
 from trainguard.core.events import Event
 from trainguard.core.logs import kv
 from trainguard.core.model import Metric, Result, Status
-from trainguard.core.settings import Duration, Field
+from trainguard.core.settings import Duration, Field, field_validator
 from trainguard.core.text import one_line
 from trainguard.core.timer import WakeTimer
 from trainguard.core.units import format_duration
@@ -140,7 +140,12 @@ class HangSettings(KernelLogSettings):
                     "would hang again in this node's dead mount, so by default as for the node's other faults (xid, "
                     "kernel): ask the job to save, drain the node, requeue the job onto other nodes. A server down "
                     "for every node drains every node that runs a job on it, up to the drain's `max_drained`. `{}`: "
-                    "alert only.")
+                    "alert only; `\"actions\"`: as `actions`.")
+
+    @field_validator("fs_actions", mode="before")
+    @classmethod
+    def _same_as_actions(cls, value: object) -> object:
+        return same_as_actions(value)
 
 
 @dataclass(frozen=True)

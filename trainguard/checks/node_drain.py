@@ -15,7 +15,15 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-from trainguard.checks.base import ActionBinding, CheckContext, CheckIdle, CheckSettings, JobCheck, PartialView
+from trainguard.checks.base import (
+    ActionBinding,
+    CheckContext,
+    CheckIdle,
+    CheckSettings,
+    JobCheck,
+    PartialView,
+    same_as_actions,
+)
 from trainguard.core.events import Event
 from trainguard.core.logs import kv
 from trainguard.core.model import Result, Status
@@ -69,7 +77,12 @@ class NodeDrainSettings(CheckSettings):
         None, description="Instead of `actions`, for a job whose batch host this node is (details `batch_host`): its "
                           "batch script, and the relaunch loop in it, run here and go down with the node, so a restart "
                           "without this node cannot keep the job; bind `signal, requeue` where `actions` restart the "
-                          "job without the node. None: `actions` for every job.")
+                          "job without the node. None (`\"actions\"` in TOML, which has no null): `actions` for every job.")
+
+    @field_validator("batch_host_actions", mode="before")
+    @classmethod
+    def _same_as_actions(cls, value: object) -> object:
+        return same_as_actions(value)
 
     @field_validator("leave_reasons")
     @classmethod
