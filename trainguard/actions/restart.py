@@ -115,6 +115,16 @@ def _hosts(node_list: str | None) -> list[str]:
         return []
 
 
+def _switch_files(job: Job, names: list[str]) -> dict[str, os.stat_result] | None:
+    """Which of `names` are switch files in the job's switch dir, as its user's (their lstat); None when the dir
+    cannot be read."""
+    assert job.switch_dir
+    try:
+        return switch_stats(job.switch_dir, names, job_owner(job)[0])
+    except ActionError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Leaves:
     """What the job's switch dir says of its life's restarts without a node, as a restart in place weighs them."""
@@ -134,9 +144,8 @@ class _Leaves:
         """None when the switch dir cannot be read (nothing to weigh)."""
         assert job.job_id and job.switch_dir
         records = {left_name(job.job_id, life, n): n for n in _hosts(job.node_list)}
-        try:
-            present = switch_stats(job.switch_dir, [*records, request_name(job.job_id)], job_owner(job)[0])
-        except ActionError:
+        present = _switch_files(job, [*records, request_name(job.job_id)])
+        if present is None:
             return None
         started = min((r.create_time for pids in looped.values() for r in map(ProcessRef.of, pids) if r), default=0.0)
         return cls(records, present, {n for env in ranks for n in env.get(LEFT_VAR, "").split(",") if n}, started)
@@ -310,10 +319,7 @@ class RestartAction(Action):
             return False
         name = request_name(job.job_id)
         left = left_name(job.job_id, job.restarts, ctx.node) if job.restarts is not None else ""
-        try:
-            present = switch_stats(job.switch_dir, [name, left] if left else [name], job_owner(job)[0])
-        except ActionError:
-            return False
+        present = _switch_files(job, [name, left] if left else [name]) or {}  # unreadable: no request
         request = present.get(name)
         return request is not None and left not in present and abs(time.time() - request.st_ctime) < RELAUNCH_GRACE
 
@@ -336,10 +342,7 @@ class RestartAction(Action):
         if not job.job_id or not job.switch_dir or job.restarts is None or job.uid is None:
             return ""
         name = left_name(job.job_id, job.restarts, ctx.node)
-        try:
-            return name if name in switch_stats(job.switch_dir, [name], job_owner(job)[0]) else ""
-        except ActionError:
-            return ""
+        return name if name in (_switch_files(job, [name]) or {}) else ""
 
     def _undoes_leave(self, job: Job, ctx: ActionContext, looped: dict[str, list[int]],
                       ranks: list[dict[str, str]]) -> str:
