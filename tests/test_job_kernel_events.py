@@ -29,7 +29,7 @@ from trainguard.core.model import Status
 from trainguard.core.state import ScopedState
 from trainguard.gpu.nvml import Nvml
 from trainguard.jobs.catalog import JobCatalog, JobView
-from trainguard.jobs.kernelnotes import FsWait, JobProcess, KernelNotes, clock_time, fs_wait
+from trainguard.jobs.kernelnotes import REWAKE_S, FsWait, JobProcess, KernelNotes, clock_time, fs_wait
 from trainguard.jobs.model import Job
 from trainguard.jobs.settings import JobsSettings, ProcessJobSettings
 from trainguard.node.kmsg import KernelLog, KernelRecord, LogPoint, strip_prefix
@@ -405,7 +405,7 @@ def test_fs_stale_after_answers_a_rank_blocked_on_a_mount_the_kernel_says_is_dea
 def test_fs_stale_after_wakes_the_hang_check_on_a_dead_file_system_never_on_an_oom_kill(tmp_path: Path) -> None:
     """An OOM kill changes nothing the hang check decides: a job's user who OOM-kills their own processes in a loop
     must not run it back to back (the log check, which tells kills, is still woken by each). A file system the
-    kernel says stopped answering wakes it, once."""
+    kernel says stopped answering wakes it; said again, at most once a minute (news to a job that stalled since)."""
     empty = tmp_path / "kmsg-copy"
     empty.write_text("")
     context = CheckContext("node1", tmp_path, jobs=JobCatalog(JobsSettings(sources=[], refresh=0), "node1"),
@@ -418,9 +418,13 @@ def test_fs_stale_after_wakes_the_hang_check_on_a_dead_file_system_never_on_an_o
     try:
         feed(notes, MEMCG_KILL, random.randint(100_000, 4_000_000))
         assert told and woken == []
-        feed(notes, [nfs_not_responding("fs1")], 0)
-        feed(notes, [nfs_not_responding("fs1")], 0)  # the same outage said again: no news
+        now = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        said = now - int((REWAKE_S + 1) * 1e6)  # kernel time: the outage first said over a minute ago
+        for seq, usec in enumerate((said, said + 1000)):  # said again at once: no news
+            notes.feed(KernelRecord(seq, 4, 0, usec, nfs_not_responding("fs1")))
         assert woken == ["hang"]
+        notes.feed(KernelRecord(2, 4, 0, now, nfs_not_responding("fs1")))  # a minute on, said again: news to a job
+        assert woken == ["hang", "hang"]                                     # that stalled since
     finally:
         check.stop()
         stop()

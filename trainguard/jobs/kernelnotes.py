@@ -43,6 +43,10 @@ MAX_HUNG = 256
 MAX_PIDS = 4096  # of one job remembered with its rank
 DATA_WORKER = "pt_data_worker"  # the command name recent PyTorch gives its DataLoader workers (else `python`)
 MAX_FDS = 1024  # of one process looked at for the mount it waits on
+# A file system said again not to answer wakes the checks at most this often: the word may be news to a job that stalled
+# after it was first said (`fs_stale_after` counts it from the job's last progress), and NFS repeats it no more often
+# than its major timeout
+REWAKE_S = 60.0
 MERGE_USEC = 2_000_000  # the lines of one kill (its constraint line, its `Killed process` line) come together
 # Kernel functions that name the file system a task sleeps in (its /proc/PID/stack or wchan)
 _FS_FRAME = linear(r"\b(nfs4?|rpc|fuse|ll|ptlrpc|osc|mdc|ldlm|lov|cl|ceph|cifs|smb2|gpfs|mmfs)_")
@@ -258,7 +262,7 @@ class KernelNotes:
             fresh = old is None or not old.active
             since = old.since if old is not None and old.active else when
             _bounded(self._fs, (kind, name), FsTrouble(kind, name, event.cls.title, event.line, since, when), MAX_FS)
-            return fresh
+            return fresh or (old is not None and when - old.last >= REWAKE_S)
 
     def _kill(self, event: KernelEvent, when: float) -> bool:
         """One line of a kill (its constraint line, its `Killed process` line), from the names the parser read."""
