@@ -43,9 +43,9 @@ MAX_HUNG = 256
 MAX_PIDS = 4096  # of one job remembered with its rank
 DATA_WORKER = "pt_data_worker"  # the command name recent PyTorch gives its DataLoader workers (else `python`)
 MAX_FDS = 1024  # of one process looked at for the mount it waits on
-# A file system said again not to answer wakes the checks at most this often: the word may be news to a job that stalled
-# after it was first said (`fs_stale_after` counts it from the job's last progress), and NFS repeats it no more often
-# than its major timeout
+# A file system said again not to answer wakes the checks again, at most this often (counted from the last wake): the
+# word may be news to a job that stalled after it was first said (`fs_stale_after` counts it from the job's last
+# progress), and the kernel says it for each request that reaches its major timeout, every few seconds while many stall
 REWAKE_S = 60.0
 MERGE_USEC = 2_000_000  # the lines of one kill (its constraint line, its `Killed process` line) come together
 # Kernel functions that name the file system a task sleeps in (its /proc/PID/stack or wchan)
@@ -142,6 +142,7 @@ class FsTrouble:
     since: float
     last: float
     cleared: float = 0.0
+    woke: float = 0.0  # when the checks were last woken for it (REWAKE_S)
 
     @property
     def active(self) -> bool:
@@ -259,10 +260,14 @@ class KernelNotes:
             if not name:
                 return False
             old = self._fs.get((kind, name))
-            fresh = old is None or not old.active
+            # counted from the last wake, not the last word: the kernel may say it every few seconds while it lasts,
+            # and a record of earlier (a second reader's replay) is no news
+            wake = old is None or not old.active or when - old.woke >= REWAKE_S
             since = old.since if old is not None and old.active else when
-            _bounded(self._fs, (kind, name), FsTrouble(kind, name, event.cls.title, event.line, since, when), MAX_FS)
-            return fresh or (old is not None and when - old.last >= REWAKE_S)
+            woke = when if wake or old is None else old.woke
+            _bounded(self._fs, (kind, name), FsTrouble(kind, name, event.cls.title, event.line, since, when,
+                                                       woke=woke), MAX_FS)
+            return wake
 
     def _kill(self, event: KernelEvent, when: float) -> bool:
         """One line of a kill (its constraint line, its `Killed process` line), from the names the parser read."""
