@@ -431,16 +431,16 @@ def test_fs_stale_after_wakes_the_hang_check_on_a_dead_file_system_never_on_an_o
 
 
 def test_an_outage_said_every_few_seconds_wakes_the_checks_once_a_minute_and_a_replayed_record_never() -> None:
-    """The kernel may say a dead server again every few seconds while its outage lasts (each newly stalled request's
-    major timeout): a job that stalled since must still be woken for, once a minute; a record of earlier (a second
-    reader's replay) is no news."""
+    """The kernel may say dead servers again every few seconds while their outage lasts (each newly stalled request's
+    major timeout): a job that stalled since must still be woken for, once a minute, however many servers it names
+    (each still wakes them when first said); a record of earlier (a second reader's replay) is no news."""
     notes, woken = KernelNotes(), []
     notes.listen(lambda: woken.append("fs"), kills=False)
     start = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6) - 400_000_000  # kernel time, 400 s ago
-    said = [start + k * 20_000_000 for k in range(16)]  # every 20 s for 300 s
+    said = [start + k * 10_000_000 for k in range(31)]  # fs1 and fs2 in turn every 10 s for 300 s
     for seq, usec in enumerate(said):
-        notes.feed(KernelRecord(seq, 4, 0, usec, nfs_not_responding("fs1")))
-    assert len(woken) == 1 + int((said[-1] - said[0]) / 1e6 // REWAKE_S)  # the first word, then once a minute
+        notes.feed(KernelRecord(seq, 4, 0, usec, nfs_not_responding(f"fs{seq % 2 + 1}")))
+    assert len(woken) == 2 + int((said[-1] - said[1]) / 1e6 // REWAKE_S)  # each first word, then once a minute
     woken.clear()
     for seq, usec in enumerate((start + 1_000_000, said[-1] + 1_000_000), start=len(said)):  # replayed, then live
         notes.feed(KernelRecord(seq, 4, 0, usec, nfs_not_responding("fs1")))

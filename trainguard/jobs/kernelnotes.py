@@ -13,6 +13,7 @@ the newest MAX_KILLS kills, MAX_FS file systems, MAX_HUNG blocked tasks, MAX_PID
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -43,7 +44,7 @@ MAX_HUNG = 256
 MAX_PIDS = 4096  # of one job remembered with its rank
 DATA_WORKER = "pt_data_worker"  # the command name recent PyTorch gives its DataLoader workers (else `python`)
 MAX_FDS = 1024  # of one process looked at for the mount it waits on
-# A file system said again not to answer wakes the checks again, at most this often (counted from the last wake): the
+# A file system said again not to answer wakes the checks again, at most this often (from the last such wake): the
 # word may be news to a job that stalled after it was first said (`fs_stale_after` counts it from the job's last
 # progress), and the kernel says it for each request that reaches its major timeout, every few seconds while many stall
 REWAKE_S = 60.0
@@ -142,7 +143,6 @@ class FsTrouble:
     since: float
     last: float
     cleared: float = 0.0
-    woke: float = 0.0  # when the checks were last woken for it (REWAKE_S)
 
     @property
     def active(self) -> bool:
@@ -199,6 +199,7 @@ class KernelNotes:
         self._boot_time: float | None = None
         self._kills: dict[int, OomKill] = {}
         self._fs: dict[tuple[str, str], FsTrouble] = {}
+        self._fs_woke = -math.inf  # when a file system said not to answer last woke the checks (REWAKE_S)
         self._hung: dict[int, HungTask] = {}
         self._pids: dict[str, tuple[str, dict[int, JobProcess]]] = {}  # job key -> (name, pid -> process)
         self._listeners = Listeners()
@@ -260,13 +261,14 @@ class KernelNotes:
             if not name:
                 return False
             old = self._fs.get((kind, name))
-            # counted from the last wake, not the last word: the kernel may say it every few seconds while it lasts,
-            # and a record of earlier (a second reader's replay) is no news
-            wake = old is None or not old.active or when - old.woke >= REWAKE_S
+            # said again: counted from the last wake for any file system, not from its last word (the kernel may say
+            # it every few seconds while it lasts, for each of many servers or targets), and a record of earlier (a
+            # second reader's replay) is no news
+            wake = old is None or not old.active or when - self._fs_woke >= REWAKE_S
+            if wake:
+                self._fs_woke = when
             since = old.since if old is not None and old.active else when
-            woke = when if wake or old is None else old.woke
-            _bounded(self._fs, (kind, name), FsTrouble(kind, name, event.cls.title, event.line, since, when,
-                                                       woke=woke), MAX_FS)
+            _bounded(self._fs, (kind, name), FsTrouble(kind, name, event.cls.title, event.line, since, when), MAX_FS)
             return wake
 
     def _kill(self, event: KernelEvent, when: float) -> bool:
