@@ -1101,23 +1101,32 @@ def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], none: dict[str, Any
     return [(x.get(k) or {**none, "kind": k[0]}, y.get(k) or {**none, "kind": k[0]}) for k in keys]
 
 
-def lemons(results: list[dict[str, Any]]) -> list[str]:
-    """`--scenario lemon`: the runs with trainguard with and without the agents' lemon rules, side by side."""
-    runs = [r for r in results if r["trainguard"] and "lemon" in r]
-    if not runs:
+def lemons(results: list[dict[str, Any]], seeds: list[int] | None = None) -> list[str]:
+    """`--scenario lemon`: the runs with trainguard with and without the agents' lemon rules, side by side (with
+    `seeds`, the seed of each run of `results` in a first column: the report over the seeds)."""
+    rows = [(seed, r) for seed, r in zip(seeds or [0] * len(results), results, strict=True)
+            if r["trainguard"] and "lemon" in r]
+    if not rows:
         return []
+    first = ("| seed ", "|---") if seeds else ("", "")
     lines = ["", f"The lemon node ({LEMON_NODE}), with trainguard:", "",
-             "| lemon rules | goodput | the lemon's faults (s) | held by the lemon policy at (s) | a machine of the pool "
-             "in its place at (s) | ranks given it after its second fault |", "|---|---|---|---|---|---|"]
+             f"{first[0]}| lemon rules | goodput | the lemon's faults (s) | held by the lemon policy at (s) | a machine "
+             "of the pool in its place at (s) | ranks given it after its second fault |",
+             f"{first[1]}|---|---|---|---|---|---|"]
 
     def at(x: float | None) -> str:
         return "-" if x is None else str(x)
 
-    for r in runs:
+    for seed, r in rows:
         le = r["lemon"]
-        lines.append(f"| {'installed' if r.get('lemon_policy', True) else 'none'} | {r['goodput']} | "
-                     f"{', '.join(map(str, le['faults'])) or '-'} | {at(le['held_at'])} | {at(le.get('replaced_at'))} | "
-                     f"{len(le['ranks_after_second_fault'])} |")
+        lines.append(f"{f'| {seed} ' if seeds else ''}| {'installed' if r.get('lemon_policy', True) else 'none'} | "
+                     f"{r['goodput']} | {', '.join(map(str, le['faults'])) or '-'} | {at(le['held_at'])} | "
+                     f"{at(le.get('replaced_at'))} | {len(le['ranks_after_second_fault'])} |")
+    if seeds:
+        means = {("installed" if policy else "none"): statistics.mean(g) for policy in (True, False)
+                 if (g := [r["goodput"] for _, r in rows if r.get("lemon_policy", True) is policy])}
+        lines += ["", "Goodput with trainguard, mean over the seeds: "
+                  + ", ".join(f"lemon rules {k} {v:.3f}" for k, v in means.items()) + "."]
     return lines
 
 
@@ -1260,8 +1269,9 @@ def plot(records: list[Record], path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return False
-    fig, axes = plt.subplots(len(records), 1, figsize=(12, 3.6 * len(records)), sharex=True, sharey=True)
-    for ax, rec in zip(axes, records, strict=True):
+    fig, axes = plt.subplots(len(records), 1, figsize=(12, 3.6 * len(records)), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, rec in zip(axes[:, 0], records, strict=True):  # one panel or several
         ax.plot([t for t, _, _ in rec.steps], [s for _, s, _ in rec.steps], ".", ms=1.5, color="tab:blue",
                 label="step (rank 0)")
         nan = [(t, s) for t, s, ok in rec.steps if not ok]
@@ -1285,7 +1295,7 @@ def plot(records: list[Record], path: Path) -> bool:
                      " (v alert, ^ purple: agent action, ^ black: human or user action)", fontsize=9, pad=4)
         ax.set_ylabel("step")
         ax.legend(loc="upper left", fontsize=7)
-    axes[-1].set_xlabel("seconds since submission")
+    axes[-1, 0].set_xlabel("seconds since submission")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1588,6 +1598,8 @@ def report(per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]], scale
     elif len(per_seed) > 1:
         summary = summarize({seed: results for seed, (results, _) in per_seed.items()})
         text, shown = seeds_table(summary, scale, schedule_name), summary["nearest_mean"]
+        runs = [(seed, r) for seed, (results, _) in per_seed.items() for r in results]
+        text = "\n".join([text, *lemons([r for _, r in runs], [seed for seed, _ in runs])])
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if text:
         print("\n" + text)

@@ -405,6 +405,12 @@ def test_the_lemon_node_is_held_after_its_second_fault_and_given_no_rank_after_i
     out = "\n".join(lemons([{**base, "lemon_policy": True}, {**base, "lemon_policy": False, "goodput": 0.4},
                             {"trainguard": False, "goodput": 0.2}]))
     assert "| installed | 0.5 | 10.0, 52.0 | 52.3 | - | 1 |" in out and "| none | 0.4 |" in out, out
+    # over the seeds (`--report-from`): each seed's runs, and each policy's mean
+    over = "\n".join(lemons([{**base, "lemon_policy": True}, {**base, "lemon_policy": False, "goodput": 0.4},
+                              {**base, "lemon_policy": True, "goodput": 0.7}, {"trainguard": False, "goodput": 0.2}],
+                             [1, 1, 2, 2]))
+    assert "| 1 | installed | 0.5 |" in over and "| 1 | none | 0.4 |" in over and "| 2 | installed | 0.7 |" in over
+    assert "mean over the seeds: lemon rules installed 0.600, lemon rules none 0.400." in over, over
 
 
 def test_the_harness_faults_a_gpu_through_nvml_as_its_xid_says(tmp_path: Path,
