@@ -1213,10 +1213,11 @@ def seeds_table(summary: dict[str, Any], scale: Scale, schedule_name: str) -> st
     lines = [heading(f"Goodput under chaos over {w['n']} seeds ({', '.join(map(str, summary['seeds']))}; "
                      f"schedule {schedule_name}, time x{scale.factor:g})"),
              f"Goodput with trainguard: mean {fmt(w)} of the fault-free pace."
-             + "".join(f" Repair: {REPAIR_SAID[m]}." for m in summary.get("repair", [])), "",
-             "| the human looks every (minutes) | goodput without: mean (stdev, min-max) | with trainguard / "
-             "without |", "|---|---|---|"]
-    lines += [f"| {m:g} | {fmt(h['goodput'])} | {fmt(h['ratio'], 'x')} |" for m, h in summary["without"].items()]
+             + "".join(f" Repair: {REPAIR_SAID[m]}." for m in summary.get("repair", []))]
+    if summary["without"]:  # none where only runs with trainguard were made (the lemon scenario's rules and none)
+        lines += ["", "| the human looks every (minutes) | goodput without: mean (stdev, min-max) | with trainguard / "
+                  "without |", "|---|---|---|"]
+        lines += [f"| {m:g} | {fmt(h['goodput'])} | {fmt(h['ratio'], 'x')} |" for m, h in summary["without"].items()]
     lines += ["", f"What each fault kind cost with trainguard (all seeds; steps redone plus steps not made while none "
               f"was, against {w['n']} runs' possible steps; the seed nearest the mean: {summary['nearest_mean']}):",
               "", "| fault kind | faults | steps it cost | of the possible steps | missed its deadline |",
@@ -1260,7 +1261,17 @@ def fault_free_table(pairs: list[tuple[int, dict[str, Any], list[dict[str, Any]]
     return "\n".join(lines)
 
 
-def plot(records: list[Record], path: Path) -> bool:
+def run_name(r: dict[str, Any]) -> str:
+    """One run of a seed, as a plot's panel names it."""
+    if not r["trainguard"]:
+        return f"without trainguard (the human looks every {r['human']['look_every_min']:g} minutes)"
+    return f"with trainguard, its lemon rules {'installed' if r.get('lemon_policy', True) else 'none'}" \
+        if "lemon" in r else "with trainguard"
+
+
+def plot(records: list[Record], path: Path, names: list[str] | None = None) -> bool:
+    """Each run's steps, faults, alerts and actions, one panel each (`names`: each panel's run; else with or
+    without trainguard)."""
     try:
         import matplotlib
 
@@ -1271,7 +1282,8 @@ def plot(records: list[Record], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(len(records), 1, figsize=(12, 3.6 * len(records)), sharex=True, sharey=True,
                              squeeze=False)
-    for ax, rec in zip(axes[:, 0], records, strict=True):  # one panel or several
+    names = names or [("with trainguard" if rec.trainguard else "without trainguard") for rec in records]
+    for ax, rec, name in zip(axes[:, 0], records, names, strict=True):  # one panel or several
         ax.plot([t for t, _, _ in rec.steps], [s for _, s, _ in rec.steps], ".", ms=1.5, color="tab:blue",
                 label="step (rank 0)")
         nan = [(t, s) for t, s, ok in rec.steps if not ok]
@@ -1291,8 +1303,7 @@ def plot(records: list[Record], path: Path) -> bool:
             if a["who"] != "fault":
                 ax.plot(a["t"], 0.12, "^", color="tab:purple" if a["who"].startswith("agent") else "black", ms=5,
                         transform=at)
-        ax.set_title(("with trainguard" if rec.trainguard else "without trainguard") +
-                     " (v alert, ^ purple: agent action, ^ black: human or user action)", fontsize=9, pad=4)
+        ax.set_title(f"{name} (v alert, ^ purple: agent action, ^ black: human or user action)", fontsize=9, pad=4)
         ax.set_ylabel("step")
         ax.legend(loc="upper left", fontsize=7)
     axes[-1, 0].set_xlabel("seconds since submission")
@@ -1604,7 +1615,8 @@ def report(per_seed: dict[int, tuple[list[dict[str, Any]], list[Record]]], scale
     if text:
         print("\n" + text)
         (out / "report.md").write_text(text + "\n")
-    if plot(per_seed[shown][1][:2], plot_to):  # with and without, the same human
+    results, records = per_seed[shown]
+    if plot(records[:2], plot_to, [run_name(r) for r in results[:2]]):  # with and without, or the lemon rules and none
         print(f"\nplot: {plot_to} (seed {shown})")
 
 

@@ -51,6 +51,7 @@ from benchmarks.goodput import (
     parser,
     replaced_on_repair,
     report,
+    run_name,
     saved,
     schedule,
     seconds_text,
@@ -411,6 +412,8 @@ def test_the_lemon_node_is_held_after_its_second_fault_and_given_no_rank_after_i
                              [1, 1, 2, 2]))
     assert "| 1 | installed | 0.5 |" in over and "| 1 | none | 0.4 |" in over and "| 2 | installed | 0.7 |" in over
     assert "mean over the seeds: lemon rules installed 0.600, lemon rules none 0.400." in over, over
+    assert [run_name(r) for r in ({**base, "lemon_policy": False}, {**_result(False, 0.2)})] == [
+        "with trainguard, its lemon rules none", "without trainguard (the human looks every 30 minutes)"]
 
 
 def test_the_harness_faults_a_gpu_through_nvml_as_its_xid_says(tmp_path: Path,
